@@ -1,0 +1,81 @@
+"""Micro-benchmark: commlib._C kernels vs numpy and memcpy on the same arrays.
+
+    python bench/kernels.py [--reps 21]
+
+Reduce GB/s counts bytes read + written (3 * n * itemsize: read dst, read src,
+write dst); copies count 2 * n * itemsize. Times are medians over --reps
+interleaved samples; small arrays run many calls per sample so timer overhead
+stays small.
+"x numpy" is numpy's time / this row's time (>1 means faster than numpy);
+"% copy" is this row's GB/s relative to _C.copy on the same size.
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from commlib import _C
+
+SUM = _C.OPS["sum"]
+
+
+def median_seconds(fns, nbytes, reps):
+    """Median seconds per call of each fn. Samples are interleaved (every fn
+    once per round) so drifting machine load hits all rows alike."""
+    inner = max(1, (4 << 20) // nbytes)  # ~4 MiB of traffic per sample for in-cache sizes
+    samples = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm up: page faults, caches
+    for _ in range(reps):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            out.append((time.perf_counter() - t0) / inner)
+    return [statistics.median(x) for x in samples]
+
+
+def bench_size(nbytes_per_array, reps):
+    rng = np.random.default_rng(0)
+    n = nbytes_per_array // 4
+    f32 = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    f16 = [x.astype(np.float16) for x in rng.standard_normal((2, 2 * n))]
+    bf16 = [(x.view(np.uint32) >> 16).astype(np.uint16) for x in f32 * 2][:2]
+    bf16 = [np.concatenate([x, x]) for x in bf16]  # same byte size as f16
+    (a, b), (ha, hb), (ba, bb) = f32, f16, bf16
+    pa, pb, pha, phb, pba, pbb = (x.ctypes.data for x in (a, b, ha, hb, ba, bb))
+    nb = a.nbytes
+    rows = [  # (name, callable, elements, bytes moved, numpy baseline row name)
+        ("f32 sum  _C.reduce_into", lambda: _C.reduce_into(pb, pa, n, _C.DTYPES["float32"], SUM), n, 3 * nb, "f32 sum  np.add(out=)"),
+        ("f32 sum  np.add(out=)", lambda: np.add(a, b, out=b), n, 3 * nb, None),
+        ("copy     _C.copy", lambda: _C.copy(pb, pa, nb), n, 2 * nb, "copy     np.copyto"),
+        ("copy     np.copyto", lambda: np.copyto(b, a), n, 2 * nb, None),
+        ("f16 sum  _C.reduce_into", lambda: _C.reduce_into(phb, pha, 2 * n, _C.DTYPES["float16"], SUM), 2 * n, 3 * nb, "f16 sum  np.add(out=)"),
+        ("f16 sum  np.add(out=)", lambda: np.add(ha, hb, out=hb), 2 * n, 3 * nb, None),
+        ("bf16 sum _C.reduce_into", lambda: _C.reduce_into(pbb, pba, 2 * n, _C.DTYPES["bfloat16"], SUM), 2 * n, 3 * nb, None),
+    ]
+    times = dict(zip([r[0] for r in rows], median_seconds([r[1] for r in rows], nb, reps)))
+    copy_gbs = 2 * nb / times["copy     _C.copy"] / 1e9
+    size = f"{nb >> 10} KiB" if nb < 1 << 20 else f"{nb >> 20} MiB"
+    for name, _, elems, moved, base in rows:
+        t = times[name]
+        gbs = moved / t / 1e9
+        vs_np = f"{times[base] / t:7.2f}" if base else "      -"
+        print(f"{size:>7} | {name:<24} | {t * 1e6:10.1f} | {gbs:7.1f} | {elems / t / 1e9:7.2f} | {vs_np} | {100 * gbs / copy_gbs:6.0f}%")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=21)
+    args = ap.parse_args()
+    info = _C.build_info()
+    print(f"commlib._C: {info['compiler']}, flags '{info['cxx_flags']}', simd: {info['simd']}; numpy {np.__version__}")
+    print(f"{'size':>7} | {'kernel':<24} | {'median us':>10} | {'GB/s':>7} | {'Gelem/s':>7} | x numpy | % copy")
+    print("-" * 88)
+    for nbytes in (32 << 10, 64 << 20):
+        bench_size(nbytes, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""commlib: collectives for distributed training, as schedules over MPI and C++ kernels.
+
+    import commlib
+    comm = commlib.init()
+    comm.all_reduce(t)
+"""
+from . import _C
+from .algorithms import algorithms
+from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, recv, reduce,
+                          reduce_scatter, send)
+from .comm import Communicator, init
+from .errors import CommError
+from .ops import ReduceOp
+
+__all__ = ["Communicator", "CommError", "ReduceOp", "algorithms", "all_gather", "all_reduce",
+           "all_to_all", "barrier", "broadcast", "build_info", "init", "recv", "reduce",
+           "reduce_scatter", "send"]
+
+
+def build_info() -> dict:
+    """What the C++ extension was compiled with."""
+    return _C.build_info()

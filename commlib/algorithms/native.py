@@ -1,0 +1,77 @@
+"""native: the MPI library's own collectives through mpi4py (the baseline to beat).
+
+MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats reduce through a
+user-defined MPI op that calls commlib's own kernels.
+"""
+from functools import lru_cache
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _C
+from . import register
+
+_MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T,
+              "uint8": MPI.UINT8_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
+              "float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T}
+_MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+
+
+@lru_cache(maxsize=None)
+def _kernel_op(dtype_code: int, op_code: int) -> MPI.Op:
+    def apply(inbuf, inoutbuf, datatype):
+        src, dst = np.frombuffer(inbuf, np.uint8), np.frombuffer(inoutbuf, np.uint8)
+        _C.reduce_into(dst.ctypes.data, src.ctypes.data, dst.size // 2, dtype_code, op_code)
+    return MPI.Op.Create(apply, commute=True)
+
+
+def _spec(buf):
+    return [buf.bytes, _MPI_TYPES[buf.dtype.name]]
+
+
+def _op(dtype, op):
+    if dtype.itemsize == 2 and dtype.floating:
+        return _kernel_op(dtype.code, _C.OPS[op])
+    return _MPI_OPS[op]
+
+
+def all_reduce(comm, bufs, dtype, op):
+    comm._coll.Allreduce(MPI.IN_PLACE, _spec(bufs["out"]), _op(dtype, op))
+
+
+def reduce_scatter(comm, bufs, dtype, op):
+    out, inp = bufs["out"], bufs["in"]
+    if out.overlaps(inp):  # MPI's in-place form leaves the result at the front, not in block r
+        result = np.empty_like(out.bytes)
+        comm._coll.Reduce_scatter_block(_spec(inp), [result, _MPI_TYPES[dtype.name]], _op(dtype, op))
+        out.bytes[:] = result
+    else:
+        comm._coll.Reduce_scatter_block(_spec(inp), _spec(out), _op(dtype, op))
+
+
+def all_gather(comm, bufs, dtype, op):
+    out, inp = bufs["out"], bufs["in"]
+    send = MPI.IN_PLACE if out.overlaps(inp) else _spec(inp)
+    comm._coll.Allgather(send, _spec(out))
+
+
+def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
+    mpi_type = _MPI_TYPES[dtype.name]
+    displs = lambda splits: np.concatenate([[0], np.cumsum(splits)[:-1]])  # noqa: E731
+    comm._coll.Alltoallv([bufs["in"].bytes, (input_splits, displs(input_splits)), mpi_type],
+                         [bufs["out"].bytes, (output_splits, displs(output_splits)), mpi_type])
+
+
+def broadcast(comm, bufs, dtype, op, root=0):
+    comm._coll.Bcast(_spec(bufs["out"]), root)
+
+
+def reduce(comm, bufs, dtype, op, root=0):
+    if comm.rank == root:
+        comm._coll.Reduce(MPI.IN_PLACE, _spec(bufs["out"]), _op(dtype, op), root)
+    else:
+        comm._coll.Reduce(_spec(bufs["out"]), None, _op(dtype, op), root)
+
+
+for _fn in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce):
+    register("native", _fn.__name__, run=_fn)

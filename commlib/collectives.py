@@ -1,0 +1,197 @@
+"""The public collectives. Each validates its arguments locally (ValueError/TypeError before
+anything is sent), picks an algorithm, and runs it. ``comm=None`` means the world."""
+from __future__ import annotations
+
+import operator
+
+from mpi4py import MPI
+
+from . import _C
+from .buffers import Buffer, as_buffer
+from .errors import CommError
+from .executors.python import plan_for
+from .ops import ReduceOp
+from .select import choose
+
+
+def _comm(comm):
+    if comm is None:
+        from .comm import init
+        return init()
+    return comm
+
+
+def _check_rank(comm, value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not 0 <= value < comm.size:
+        raise ValueError(f"{what}={value} is outside the communicator (size {comm.size})")
+    return value
+
+
+def _same_dtype(a: Buffer, b: Buffer, names: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{names} must have the same dtype, got {a.dtype.name} and {b.dtype.name}")
+
+
+def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, **params):
+    algo = choose(collective, algorithm, comm.size, count * dtype.itemsize)
+    kernel_op = op.kernel_op
+    try:
+        if algo.run is not None:
+            algo.run(comm, bufs, dtype, kernel_op, **params)
+        else:
+            plan = plan_for(algo, comm.size, comm.rank, count, dtype.itemsize,
+                            tuple(sorted(params.items())))
+            comm._executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
+    except MPI.Exception as e:
+        raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
+    if op is ReduceOp.AVG:
+        target = bufs["out"]
+        if collective != "reduce" or comm.rank == params["root"]:
+            _C.scale(target.ptr, target.numel, dtype.code, 1.0 / comm.size)
+
+
+def all_reduce(t, op="sum", algorithm=None, comm=None):
+    """Reduce ``t`` over all ranks, in place; returns ``t``."""
+    comm = _comm(comm)
+    buf = as_buffer(t, "t")
+    _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
+         ReduceOp.parse(op, buf.dtype))
+    return t
+
+
+def reduce_scatter(output, input, op="sum", algorithm=None, comm=None):
+    """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
+    comm = _comm(comm)
+    out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
+    _same_dtype(out, inp, "output and input")
+    if inp.numel != comm.size * out.numel:
+        raise ValueError(f"reduce_scatter: input has {inp.numel} elements, expected size * "
+                         f"output.numel = {comm.size} * {out.numel} = {comm.size * out.numel}")
+    if out.overlaps(inp) and out.ptr != inp.ptr + comm.rank * out.nbytes:
+        raise ValueError("reduce_scatter: output overlaps input; the only overlap allowed is "
+                         "output being exactly input's own block input[rank*n:(rank+1)*n]")
+    _run(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel, out.dtype,
+         ReduceOp.parse(op, out.dtype))
+    return output
+
+
+def all_gather(output, input, algorithm=None, comm=None):
+    """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
+    comm = _comm(comm)
+    out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
+    _same_dtype(out, inp, "output and input")
+    if out.numel != comm.size * inp.numel:
+        raise ValueError(f"all_gather: output has {out.numel} elements, expected size * "
+                         f"input.numel = {comm.size} * {inp.numel} = {comm.size * inp.numel}")
+    if out.overlaps(inp) and inp.ptr != out.ptr + comm.rank * inp.nbytes:
+        raise ValueError("all_gather: input overlaps output; the only overlap allowed is "
+                         "input being exactly output's own block output[rank*n:(rank+1)*n]")
+    _run(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype)
+    return output
+
+
+def _splits(comm, splits, total: int, name: str) -> tuple:
+    if splits is None:
+        if total % comm.size:
+            raise ValueError(f"all_to_all: {name.removesuffix('_splits')} has {total} elements, not divisible by "
+                             f"size {comm.size}; pass {name} to split it unevenly")
+        return (total // comm.size,) * comm.size
+    if hasattr(splits, "tolist"):  # numpy arrays, tensors
+        splits = splits.tolist()
+    try:
+        splits = tuple(operator.index(s) for s in splits)
+    except TypeError:
+        raise TypeError(f"all_to_all: {name} must be integers, got {splits!r}") from None
+    if len(splits) != comm.size:
+        raise ValueError(f"all_to_all: {name} has {len(splits)} entries, expected one per rank "
+                         f"({comm.size})")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all: {name} must be non-negative ints, got {list(splits)}")
+    if sum(splits) != total:
+        raise ValueError(f"all_to_all: {name} sum to {sum(splits)} but the tensor has "
+                         f"{total} elements")
+    return splits
+
+
+def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=None, comm=None):
+    """Rank r sends input's j-th part to rank j, receiving rank j's r-th part into output.
+
+    Splits count elements per peer (like torch's all_to_all_single); None means equal parts.
+    """
+    comm = _comm(comm)
+    out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
+    _same_dtype(out, inp, "output and input")
+    if out.overlaps(inp):
+        raise ValueError("all_to_all: output and input overlap; use separate tensors")
+    osplits = _splits(comm, output_splits, out.numel, "output_splits")
+    isplits = _splits(comm, input_splits, inp.numel, "input_splits")
+    _run(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
+         input_splits=isplits, output_splits=osplits)
+    return output
+
+
+def broadcast(t, root=0, algorithm=None, comm=None):
+    """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
+    comm = _comm(comm)
+    buf = as_buffer(t, "t")
+    _run(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype,
+         root=_check_rank(comm, root, "root"))
+    return t
+
+
+def reduce(t, root=0, op="sum", algorithm=None, comm=None):
+    """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is unchanged."""
+    comm = _comm(comm)
+    buf = as_buffer(t, "t")
+    _run(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
+         ReduceOp.parse(op, buf.dtype), root=_check_rank(comm, root, "root"))
+    return t
+
+
+def barrier(comm=None):
+    comm = _comm(comm)
+    try:
+        comm._coll.Barrier()
+    except MPI.Exception as e:
+        raise CommError(f"barrier failed inside MPI: {e}") from e
+
+
+def _check_tag(tag):
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= 32767:
+        raise ValueError(f"tag must be an int in [0, 32767], got {tag!r}")
+
+
+def send(t, dst, tag=0, comm=None):
+    """Blocking send of ``t`` to rank ``dst``."""
+    comm = _comm(comm)
+    buf = as_buffer(t, "t", writable=False)
+    _check_rank(comm, dst, "dst")
+    _check_tag(tag)
+    if dst == comm.rank:
+        raise ValueError(f"send to self (rank {dst}) would block forever; copy locally instead")
+    try:
+        comm._p2p.Send(buf.bytes, dst, tag)
+    except MPI.Exception as e:
+        raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
+
+
+def recv(t, src, tag=0, comm=None):
+    """Blocking receive into ``t`` from rank ``src``; the message must fill ``t`` exactly."""
+    comm = _comm(comm)
+    buf = as_buffer(t, "t")
+    _check_rank(comm, src, "src")
+    _check_tag(tag)
+    if src == comm.rank:
+        raise ValueError(f"recv from self (rank {src}) would block forever")
+    status = MPI.Status()
+    try:
+        comm._p2p.Recv(buf.bytes, src, tag, status)
+    except MPI.Exception as e:
+        raise CommError(f"recv from rank {src} failed inside MPI (a message larger than "
+                        f"the {buf.nbytes}-byte tensor?): {e}") from e
+    got = status.Get_count(MPI.BYTE)
+    if got != buf.nbytes:
+        raise CommError(f"recv from rank {src}: got {got} bytes, tensor holds {buf.nbytes}")
+    return t

@@ -1,0 +1,92 @@
+"""Communicator: a group of ranks over an mpi4py communicator."""
+from __future__ import annotations
+
+import mpi4py
+
+mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
+from mpi4py import MPI  # noqa: E402
+
+from . import collectives  # noqa: E402
+from .executors.python import PythonExecutor  # noqa: E402
+
+
+class Communicator:
+    """Wraps an mpi4py communicator; every rank of it must construct this together.
+
+    Collectives and point-to-point messages travel on private duplicates of the MPI
+    communicator, so they never match the user's own MPI traffic or each other.
+    """
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL:
+            raise TypeError(f"Communicator needs an mpi4py communicator, got {mpi_comm!r}")
+        self.mpi = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self._coll = mpi_comm.Dup()
+        self._p2p = mpi_comm.Dup()
+        self._executor = PythonExecutor(self._coll)
+
+    def __repr__(self):
+        return f"<commlib.Communicator rank {self.rank} of {self.size}>"
+
+    def split(self, color, key=0) -> "Communicator | None":
+        """Ranks with equal ``color`` form a new communicator, ordered by (key, rank).
+        ``color=None`` opts out: that rank gets None. Collective over this communicator."""
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                                  or color < 0):
+            raise ValueError(f"color must be a non-negative int or None, got {color!r}")
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else Communicator(sub)
+
+    def dup(self) -> "Communicator":
+        """A new communicator over the same ranks, with traffic separate from this one."""
+        return Communicator(self.mpi.Dup())
+
+    def free(self) -> None:
+        """Release the private MPI communicators (collective)."""
+        for c in (self._coll, self._p2p):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+    def all_reduce(self, t, op="sum", algorithm=None):
+        return collectives.all_reduce(t, op, algorithm, comm=self)
+
+    def reduce_scatter(self, output, input, op="sum", algorithm=None):
+        return collectives.reduce_scatter(output, input, op, algorithm, comm=self)
+
+    def all_gather(self, output, input, algorithm=None):
+        return collectives.all_gather(output, input, algorithm, comm=self)
+
+    def all_to_all(self, output, input, output_splits=None, input_splits=None, algorithm=None):
+        return collectives.all_to_all(output, input, output_splits, input_splits, algorithm,
+                                      comm=self)
+
+    def broadcast(self, t, root=0, algorithm=None):
+        return collectives.broadcast(t, root, algorithm, comm=self)
+
+    def reduce(self, t, root=0, op="sum", algorithm=None):
+        return collectives.reduce(t, root, op, algorithm, comm=self)
+
+    def barrier(self):
+        return collectives.barrier(comm=self)
+
+    def send(self, t, dst, tag=0):
+        return collectives.send(t, dst, tag, comm=self)
+
+    def recv(self, t, src, tag=0):
+        return collectives.recv(t, src, tag, comm=self)
+
+
+_world: Communicator | None = None
+
+
+def init() -> Communicator:
+    """The world communicator over MPI.COMM_WORLD (created on first call, then reused)."""
+    global _world
+    if _world is None:
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
+                               "a lower thread level before commlib was imported")
+        _world = Communicator(MPI.COMM_WORLD)
+    return _world

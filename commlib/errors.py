@@ -1,0 +1,6 @@
+"""Exceptions. Every error commlib raises about communication derives from CommError;
+bad arguments raise ValueError/TypeError before anything is sent."""
+
+
+class CommError(RuntimeError):
+    """A communication failed or the ranks disagreed about what to communicate."""

@@ -1,0 +1,126 @@
+"""The mpi4py executor: runs a schedule with non-blocking send/recv and the C++ kernels.
+
+A schedule is first *compiled* into a plan (byte offsets, transfers cut into segments of
+at most SEGMENT_BYTES), cached per (algorithm, collective, size, rank, count, itemsize,
+params). Segments let the reduction of one piece overlap the arrival of the next; both
+peers cut a transfer the same way because they derive it from the same element count.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _C
+from ..errors import CommError
+from ..schedule import RecvReduce, Schedule
+
+SEGMENT_BYTES = int(os.environ.get("COMMLIB_SEGMENT_BYTES", 1 << 20))
+_TAG = 7
+_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Reduction:  # dst = src (op) scratch[scratch_offset:]
+    dst: str
+    dst_offset: int
+    src: str
+    src_offset: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    peer: int
+    buf: str
+    offset: int
+    nbytes: int
+    reduction: _Reduction | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    schedule: Schedule
+    rounds: tuple  # (copies: ((src, src_off, dst, dst_off, nbytes), ...), recvs, sends)
+    tmp_bytes: int
+    scratch_bytes: int
+
+
+def _segments(offset, count, itemsize):
+    per = max(1, SEGMENT_BYTES // itemsize)
+    for start in range(0, count, per):
+        yield offset + start, min(per, count - start)
+
+
+def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
+    tmp_bytes = -(-schedule.tmp_count * itemsize // _ALIGN) * _ALIGN
+    rounds = []
+    for rnd in schedule.rounds:
+        copies = tuple((c.src.buf, c.src.offset * itemsize, c.dst.buf, c.dst.offset * itemsize,
+                        c.src.count * itemsize) for c in rnd.copies)
+        sends = tuple(_Transfer(s.peer, s.src.buf, off * itemsize, n * itemsize)
+                      for s in rnd.sends for off, n in _segments(s.src.offset, s.src.count, itemsize))
+        recvs, scratch = [], tmp_bytes
+        for r in rnd.recvs:
+            for off, n in _segments(r.dst.offset, r.dst.count, itemsize):
+                if isinstance(r, RecvReduce):
+                    src_off = r.src.offset + off - r.dst.offset
+                    red = _Reduction(r.dst.buf, off * itemsize, r.src.buf, src_off * itemsize, n)
+                    recvs.append(_Transfer(r.peer, "arena", scratch, n * itemsize, red))
+                    scratch += n * itemsize
+                else:
+                    recvs.append(_Transfer(r.peer, r.dst.buf, off * itemsize, n * itemsize))
+        rounds.append((copies, tuple(recvs), sends))
+    return Plan(schedule, tuple(rounds), tmp_bytes, schedule.scratch_count * itemsize)
+
+
+@lru_cache(maxsize=4096)
+def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> Plan:
+    return compile_plan(algorithm.build(size, rank, count, itemsize, **dict(params)), itemsize)
+
+
+class PythonExecutor:
+    """Runs plans on one MPI communicator; one collective at a time (they share the arena)."""
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        self.mpi = mpi_comm
+        self._arena = np.empty(0, np.uint8)  # tmp, then receive scratch
+        self._lock = threading.Lock()
+
+    def _arena_for(self, nbytes: int) -> np.ndarray:
+        if self._arena.size < nbytes:
+            self._arena = np.empty(nbytes, np.uint8)
+        return self._arena
+
+    def run(self, plan: Plan, bufs: dict, dtype_code: int, op_code: int) -> None:
+        with self._lock:
+            arena = self._arena_for(plan.tmp_bytes + plan.scratch_bytes)
+            views = {name: b.bytes for name, b in bufs.items()}
+            views["tmp"] = views["arena"] = arena
+            ptrs = {name: b.ptr for name, b in bufs.items()}
+            ptrs["tmp"] = ptrs["arena"] = arena.ctypes.data
+            for rnd in plan.rounds:
+                self._run_round(rnd, views, ptrs, dtype_code, op_code)
+
+    def _run_round(self, rnd, views, ptrs, dtype_code, op_code):
+        copies, recvs, sends = rnd
+        for src, src_off, dst, dst_off, n in copies:
+            _C.copy(ptrs[dst] + dst_off, ptrs[src] + src_off, n)
+        mpi = self.mpi
+        rreqs = [mpi.Irecv(views[t.buf][t.offset:t.offset + t.nbytes], t.peer, _TAG) for t in recvs]
+        sreqs = [mpi.Isend(views[t.buf][t.offset:t.offset + t.nbytes], t.peer, _TAG) for t in sends]
+        status = MPI.Status()
+        for req, t in zip(rreqs, recvs):
+            req.Wait(status)
+            if status.Get_count(MPI.BYTE) != t.nbytes:
+                raise CommError(f"received {status.Get_count(MPI.BYTE)} bytes from rank {t.peer}, "
+                                f"expected {t.nbytes}: the ranks disagree on counts or splits")
+            red = t.reduction
+            if red is not None:
+                _C.reduce(ptrs[red.dst] + red.dst_offset, ptrs[red.src] + red.src_offset,
+                          ptrs["arena"] + t.offset, red.count, dtype_code, op_code)
+        MPI.Request.Waitall(sreqs)

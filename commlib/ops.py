@@ -1,0 +1,28 @@
+"""Reduction operators."""
+from enum import Enum
+
+
+class ReduceOp(str, Enum):
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"  # sum, then scaled by 1/size; floating dtypes only
+
+    @classmethod
+    def parse(cls, op, dtype=None) -> "ReduceOp":
+        """Accept a ReduceOp or its name (any case); refuse avg on integer dtypes."""
+        try:
+            parsed = op if isinstance(op, cls) else cls(str(op).lower())
+        except ValueError:
+            raise ValueError(f"unknown reduce op {op!r}; valid: "
+                             f"{', '.join(o.value for o in cls)}") from None
+        if parsed is cls.AVG and dtype is not None and not dtype.floating:
+            raise ValueError(f"op 'avg' needs a floating dtype, got {dtype.name}; "
+                             "use 'sum' and divide, or convert to a float type first")
+        return parsed
+
+    @property
+    def kernel_op(self) -> str:
+        """The op the reduction kernels apply (avg reduces as sum)."""
+        return "sum" if self is ReduceOp.AVG else self.value

@@ -1,0 +1,168 @@
+// Argument checking and instruction-set dispatch for the kernels in kernels.h.
+//
+// The kernels are plain portable C++. On x86-64 the same source is compiled a
+// second time inside a target("avx2,f16c") function and picked at run time
+// with __builtin_cpu_supports, so the .so runs on any x86-64 but uses 256-bit
+// vectors (and F16C float16 conversion; every AVX2 CPU has it) where
+// available. Setting COMMLIB_SIMD=baseline forces the portable path (used by
+// the tests to cover it on AVX2 machines).
+#include "kernels.h"
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define COMMLIB_X86_DISPATCH 1
+#include <immintrin.h>
+#define COMMLIB_AVX2 __attribute__((target("avx2,f16c")))
+#else
+#define COMMLIB_X86_DISPATCH 0
+#endif
+
+#ifndef COMMLIB_CXX_FLAGS
+#define COMMLIB_CXX_FLAGS "unknown"
+#endif
+
+namespace commlib {
+namespace {
+
+template <class O, class T, class Cvt>
+COMMLIB_INLINE void reduce_n(T* d, const T* a, const T* b, size_t n) {
+  if constexpr (std::is_same_v<T, f16>) reduce_half<O, Cvt>(d, a, b, n);
+  else reduce_loop<O>(d, a, b, n);
+}
+
+template <class T, class Cvt>
+COMMLIB_INLINE void reduce_typed(void* dst, const void* a, const void* b, size_t n, int op) {
+  auto d = static_cast<T*>(dst);
+  auto x = static_cast<const T*>(a);
+  auto y = static_cast<const T*>(b);
+  switch (op) {
+    case SUM: return reduce_n<Sum, T, Cvt>(d, x, y, n);
+    case PROD: return reduce_n<Prod, T, Cvt>(d, x, y, n);
+    case MIN: return reduce_n<Min, T, Cvt>(d, x, y, n);
+    case MAX: return reduce_n<Max, T, Cvt>(d, x, y, n);
+  }
+}
+
+// The single body that every instruction-set variant below inlines; Cvt is
+// that variant's float16 converter.
+template <class Cvt>
+COMMLIB_INLINE void reduce_any(void* dst, const void* a, const void* b, size_t n, int dtype, int op) {
+  switch (dtype) {
+    case F16: return reduce_typed<f16, Cvt>(dst, a, b, n, op);
+    case BF16: return reduce_typed<bf16, Cvt>(dst, a, b, n, op);
+    case F32: return reduce_typed<float, Cvt>(dst, a, b, n, op);
+    case F64: return reduce_typed<double, Cvt>(dst, a, b, n, op);
+    case I8: return reduce_typed<int8_t, Cvt>(dst, a, b, n, op);
+    case U8: return reduce_typed<uint8_t, Cvt>(dst, a, b, n, op);
+    case I32: return reduce_typed<int32_t, Cvt>(dst, a, b, n, op);
+    case I64: return reduce_typed<int64_t, Cvt>(dst, a, b, n, op);
+  }
+}
+
+template <class Cvt>
+COMMLIB_INLINE void scale_any(void* dst, size_t n, int dtype, double f) {
+  switch (dtype) {
+    case F16: return scale_half<Cvt>(static_cast<f16*>(dst), n, float(f));
+    case BF16: return scale_loop(static_cast<bf16*>(dst), n, float(f));
+    case F32: return scale_loop(static_cast<float*>(dst), n, float(f));
+    case F64: return scale_loop(static_cast<double*>(dst), n, f);
+  }
+}
+
+void reduce_baseline(void* d, const void* a, const void* b, size_t n, int t, int op) {
+  reduce_any<HalfCvt>(d, a, b, n, t, op);
+}
+void scale_baseline(void* d, size_t n, int t, double f) { scale_any<HalfCvt>(d, n, t, f); }
+
+#if COMMLIB_X86_DISPATCH
+// Not inline: intrinsics need the target attribute on the enclosing function,
+// and one call per block is cheap. vcvtps2ph with imm 0 rounds to nearest-even
+// and quiets NaNs exactly like detail::float_to_half, so results match.
+struct HalfCvtF16C {
+  COMMLIB_AVX2 static void to_float(float* out, const f16* in, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    HalfCvt::to_float(out + i, in + i, n - i);
+  }
+  COMMLIB_AVX2 static void from_float(f16* out, const float* in, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), 0));
+    HalfCvt::from_float(out + i, in + i, n - i);
+  }
+};
+
+COMMLIB_AVX2 void reduce_avx2(void* d, const void* a, const void* b, size_t n, int t, int op) {
+  reduce_any<HalfCvtF16C>(d, a, b, n, t, op);
+}
+COMMLIB_AVX2 void scale_avx2(void* d, size_t n, int t, double f) { scale_any<HalfCvtF16C>(d, n, t, f); }
+
+bool pick_avx2() {
+  const char* env = std::getenv("COMMLIB_SIMD");
+  if (env && std::string(env) == "baseline") return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+const bool use_avx2 = pick_avx2();
+#else
+const bool use_avx2 = false;
+#endif
+
+void check(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+void check_common(const void* dst, int64_t count, int dtype) {
+  check(count >= 0, "count must be >= 0, got " + std::to_string(count));
+  check(dtype >= F16 && dtype <= I64, "invalid dtype code " + std::to_string(dtype) + " (see _C.DTYPES)");
+  check(count == 0 || dst != nullptr, "null pointer with count > 0");
+}
+
+}  // namespace
+
+void reduce(void* dst, const void* a, const void* b, int64_t count, int dtype, int op) {
+  check_common(dst, count, dtype);
+  check(op >= SUM && op <= MAX, "invalid op code " + std::to_string(op) + " (see _C.OPS)");
+  check(count == 0 || (a != nullptr && b != nullptr), "null pointer with count > 0");
+  if (use_avx2) {
+#if COMMLIB_X86_DISPATCH
+    return reduce_avx2(dst, a, b, size_t(count), dtype, op);
+#endif
+  }
+  reduce_baseline(dst, a, b, size_t(count), dtype, op);
+}
+
+void scale(void* dst, int64_t count, int dtype, double factor) {
+  check_common(dst, count, dtype);
+  check(dtype <= F64, "scale needs a floating dtype (float16, bfloat16, float32, float64), got dtype code " +
+                          std::to_string(dtype));
+  if (use_avx2) {
+#if COMMLIB_X86_DISPATCH
+    return scale_avx2(dst, size_t(count), dtype, factor);
+#endif
+  }
+  scale_baseline(dst, size_t(count), dtype, factor);
+}
+
+void copy(void* dst, const void* src, int64_t nbytes) {
+  check(nbytes >= 0, "nbytes must be >= 0, got " + std::to_string(nbytes));
+  check(nbytes == 0 || (dst != nullptr && src != nullptr), "null pointer with nbytes > 0");
+  if (nbytes) std::memmove(dst, src, size_t(nbytes));
+}
+
+BuildInfo build_info() {
+#if defined(__clang__)
+  const char* compiler = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  const char* compiler = "gcc " __VERSION__;
+#else
+  const char* compiler = "unknown";
+#endif
+  return {compiler, COMMLIB_CXX_FLAGS, use_avx2 ? "avx2 (runtime dispatch)" : "baseline"};
+}
+
+}  // namespace commlib

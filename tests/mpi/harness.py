@@ -1,0 +1,85 @@
+"""Shared by the scripts that run under mpiexec: exact test data, and a checker that
+gathers failures from every rank and sets the exit code."""
+import sys
+import traceback
+
+from functools import lru_cache
+
+import numpy as np
+from mpi4py import MPI
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+NUMPY_DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+ALL_DTYPES = ["float16", "bfloat16"] + NUMPY_DTYPES[1:]
+
+
+def values(count: int, rank: int, op: str, dtype: str, salt: int = 0) -> np.ndarray:
+    """Integer-valued float64 data whose reductions over <= 4 ranks are exact in every dtype.
+    Read-only and cached: copy before writing."""
+    return _values(count, rank, op == "prod", dtype == "uint8", salt)
+
+
+@lru_cache(maxsize=64)
+def _values(count, rank, prod, unsigned, salt):
+    i = np.arange(count, dtype=np.int64) * 7 + rank * 5 + salt * 11
+    x = _pattern(i, prod, unsigned)
+    x.flags.writeable = False
+    return x
+
+
+def _pattern(i, prod, unsigned):
+    if prod:
+        table = np.array([1.0, 1.0, 2.0]) if unsigned else np.array([-1.0, 1.0, 2.0])
+        return table[i % 3]
+    return (i % 9).astype(np.float64) - (0 if unsigned else 4)
+
+
+def make(x: np.ndarray, dtype: str, backend: str):
+    """float64 values -> array of ``dtype`` in ``backend`` ('numpy' or 'torch')."""
+    if backend == "torch":
+        return torch.tensor(x, dtype=getattr(torch, dtype))  # always a copy
+    return x.astype(dtype)
+
+
+def assert_equal(got, want) -> None:
+    """Exact comparison that reports the first differing element."""
+    if got.shape != want.shape or not np.array_equal(got, want):
+        if got.shape != want.shape:
+            raise AssertionError(f"shape {got.shape} != expected {want.shape}")
+        i = int(np.flatnonzero(got != want)[0])
+        raise AssertionError(f"element {i}: got {got[i]}, expected {want[i]} "
+                             f"({int((got != want).sum())} of {got.size} differ)")
+
+
+def to_f64(a) -> np.ndarray:
+    if torch is not None and isinstance(a, torch.Tensor):
+        return a.to(torch.float64).numpy()
+    return np.asarray(a, dtype=np.float64)
+
+
+class Checker:
+    def __init__(self):
+        self.cases = 0
+        self.failures = []
+
+    def check(self, name: str, fn) -> None:
+        self.cases += 1
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - collected and reported below
+            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            self.failures.append(f"{name}: {detail[:400]}")
+
+    def finish(self) -> None:
+        world = MPI.COMM_WORLD
+        failed = world.allreduce(len(self.failures))
+        for line in self.failures[:20]:
+            print(f"[rank {world.rank}] FAIL {line}", flush=True)
+        world.Barrier()
+        if world.rank == 0:
+            print(f"commlib-check: {self.cases} cases, {failed} failures", flush=True)
+        sys.exit(1 if failed else 0)

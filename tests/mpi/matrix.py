@@ -1,0 +1,129 @@
+"""Every algorithm x collective x dtype x op x count (x in-place), checked exactly.
+
+Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch
+"""
+import sys
+from functools import lru_cache
+
+import numpy as np
+
+import commlib
+from harness import ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, make, to_f64, values
+
+BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
+comm = commlib.init()
+n, rank = comm.size, comm.rank
+DTYPES = ALL_DTYPES if BACKEND == "torch" else NUMPY_DTYPES
+COUNTS = sorted({0, 1, max(n - 1, 0), 13} | ({(1 << 20) + 7} if "large" in sys.argv else set()))
+OPS = ["sum", "prod", "min", "max", "avg"]
+REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+          "avg": np.add}
+check = Checker()
+
+
+@lru_cache(maxsize=8)
+def reduced(count, op, dtype):
+    """Reduction of every rank's values(count, r, op, dtype), computed locally."""
+    total = values(count, 0, op, dtype)
+    for r in range(1, n):
+        total = REDUCE[op](total, values(count, r, op, dtype))
+    return total / n if op == "avg" else total
+
+
+def expect_equal(got, want, dtype, op):
+    got = to_f64(got)
+    if op == "avg":  # sum / n is not exact for n = 3; compare against float64 within dtype eps
+        tol = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}[dtype]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    else:
+        assert_equal(got, want)
+
+
+def run(collective, algo, dtype, op, count, inplace):
+    name = f"{collective}/{algo}/{dtype}/{op}/count={count}/{'inplace' if inplace else 'out'}"
+    a = None if algo == "auto" else algo
+    if op == "avg" and not dtype.startswith(("float", "bfloat")):
+        def refused():
+            t = make(values(count, rank, "sum", dtype), dtype, BACKEND)
+            try:
+                getattr(comm, collective)(*([t, t] if collective == "reduce_scatter" else [t]),
+                                          op="avg", algorithm=a)
+            except ValueError as e:
+                assert "avg" in str(e)
+            else:
+                raise AssertionError("avg on an integer dtype was accepted")
+        if collective in ("all_reduce", "reduce"):
+            check.check(name, refused)
+        return
+
+    def case():
+        mine = values(count, rank, op or "sum", dtype)
+        if collective == "all_reduce":
+            t = make(mine, dtype, BACKEND)
+            comm.all_reduce(t, op=op, algorithm=a)
+            expect_equal(t, reduced(count, op, dtype), dtype, op)
+        elif collective == "reduce":
+            root = count % n
+            t = make(mine, dtype, BACKEND)
+            comm.reduce(t, root=root, op=op, algorithm=a)
+            expect_equal(t, reduced(count, op, dtype) if rank == root else mine, dtype,
+                         op if rank == root else None)
+        elif collective == "broadcast":
+            root = (count + 1) % n
+            t = make(values(count, rank, "sum", dtype) if rank == root
+                     else np.zeros(count), dtype, BACKEND)
+            comm.broadcast(t, root=root, algorithm=a)
+            expect_equal(t, values(count, root, "sum", dtype), dtype, None)
+        elif collective == "reduce_scatter":
+            full = make(values(n * count, rank, op, dtype), dtype, BACKEND)
+            before = to_f64(full).copy()
+            out = full[rank * count:(rank + 1) * count] if inplace else make(
+                np.zeros(count), dtype, BACKEND)
+            comm.reduce_scatter(out, full, op=op, algorithm=a)
+            want = reduced(n * count, op, dtype)[rank * count:(rank + 1) * count]
+            expect_equal(out, want, dtype, op)
+            if not inplace:
+                assert_equal(to_f64(full), before)  # the input is left untouched
+        elif collective == "all_gather":
+            want = np.concatenate([values(count, r, "sum", dtype) for r in range(n)])
+            out = make(np.zeros(n * count), dtype, BACKEND)
+            inp = out[rank * count:(rank + 1) * count] if inplace else make(mine, dtype, BACKEND)
+            if inplace:
+                inp[:] = make(mine, dtype, BACKEND)
+            comm.all_gather(out, inp, algorithm=a)
+            expect_equal(out, want, dtype, None)
+        elif collective == "all_to_all":
+            # uneven: rank r sends (r + j + count) % 4 * (count % 7 + 1) elements to rank j
+            split = lambda src, dst: ((src + dst + count) % 4) * (count % 7 + 1)  # noqa
+            isplits = [split(rank, j) for j in range(n)]
+            osplits = [split(j, rank) for j in range(n)]
+            data = values(sum(isplits), rank, "sum", dtype, salt=rank)
+            out = make(np.zeros(sum(osplits)), dtype, BACKEND)
+            comm.all_to_all(out, make(data, dtype, BACKEND), osplits, isplits, algorithm=a)
+            want = []
+            for src in range(n):
+                theirs = values(sum(split(src, j) for j in range(n)), src, "sum", dtype, salt=src)
+                start = sum(split(src, j) for j in range(rank))
+                want.append(theirs[start:start + split(src, rank)])
+            expect_equal(out, np.concatenate(want), dtype, None)
+            even = make(np.arange(n * 3, dtype=np.float64) + 10 * rank, dtype, BACKEND)
+            got = make(np.zeros(n * 3), dtype, BACKEND)
+            comm.all_to_all(got, even, algorithm=a)
+            expect_equal(got, np.concatenate([np.arange(rank * 3, rank * 3 + 3) + 10 * r
+                                              for r in range(n)]), dtype, None)
+    check.check(name, case)
+
+
+# count and data outermost, so the cached inputs and references are reused by every algorithm
+for count in COUNTS:
+    for dtype in DTYPES:
+        for op in OPS + [None]:
+            for collective in ("all_reduce", "reduce_scatter", "reduce", "all_gather",
+                               "all_to_all", "broadcast"):
+                if (op is None) == (collective in ("all_reduce", "reduce_scatter", "reduce")):
+                    continue
+                for algo in commlib.algorithms(collective) + ["auto"]:
+                    for inplace in ([False, True] if collective in ("reduce_scatter",
+                                                                    "all_gather") else [False]):
+                        run(collective, algo, dtype, op, count, inplace)
+check.finish()

