@@ -24,6 +24,7 @@ DTYPES = {d.name: d for d in (
     DType("float64", 8, True), DType("int8", 1, False), DType("uint8", 1, False),
     DType("int32", 4, False), DType("int64", 8, False))}
 _SUPPORTED = ", ".join(DTYPES)
+_BY_NUMPY = {np.dtype(name): d for name, d in DTYPES.items() if name != "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Buffer:
 def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
     """Validate ``obj`` and describe its memory; raise TypeError/ValueError naming ``name``."""
     if isinstance(obj, np.ndarray):
-        dtype = DTYPES.get(obj.dtype.name)
+        dtype = _BY_NUMPY.get(obj.dtype)
         if dtype is None:
             raise TypeError(f"{name}: dtype {obj.dtype} is not supported; use one of {_SUPPORTED}")
         if not obj.flags.c_contiguous:

@@ -12,11 +12,10 @@ class ReduceOp(str, Enum):
     @classmethod
     def parse(cls, op, dtype=None) -> "ReduceOp":
         """Accept a ReduceOp or its name (any case); refuse avg on integer dtypes."""
-        try:
-            parsed = op if isinstance(op, cls) else cls(str(op).lower())
-        except ValueError:
+        parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
+        if parsed is None:
             raise ValueError(f"unknown reduce op {op!r}; valid: "
-                             f"{', '.join(o.value for o in cls)}") from None
+                             f"{', '.join(o.value for o in cls)}")
         if parsed is cls.AVG and dtype is not None and not dtype.floating:
             raise ValueError(f"op 'avg' needs a floating dtype, got {dtype.name}; "
                              "use 'sum' and divide, or convert to a float type first")
@@ -26,3 +25,6 @@ class ReduceOp(str, Enum):
     def kernel_op(self) -> str:
         """The op the reduction kernels apply (avg reduces as sum)."""
         return "sum" if self is ReduceOp.AVG else self.value
+
+
+_BY_NAME = {o.value: o for o in ReduceOp}

@@ -2,8 +2,9 @@
 
 The alpha-beta-gamma model: a round costs alpha (latency, per message posted together),
 moving b bytes costs b*beta, reducing b bytes costs b*gamma. ``native`` (the MPI library's
-C implementation) pays a much smaller alpha than a schedule run by the Python executor.
-The constants are rough defaults for one host over shared memory.
+C implementation) has less latency than a schedule run by the Python executor and its own
+per-byte cost per collective. Defaults fitted to runs with 2 ranks on a 2-core machine
+(bench/all_reduce_sweep.py and the same sweep for the other collectives).
 """
 from __future__ import annotations
 
@@ -51,41 +52,50 @@ _FORMULAS = {
     ("all_reduce", "rhd"): lambda s, a, b, g, N: (2 * math.log2(s.p) * a
                                                  + (s.p - 1) / s.p * N * (2 * b + g)
                                                  + s.fold * (2 * (a + N * b) + N * g)),
-    ("all_reduce", "native"): lambda s, a, b, g, N: 2 * s.log * a + s.frac * N * (2 * b + g),
     ("reduce_scatter", "ring"): lambda s, a, b, g, N: (s.n - 1) * (a + N * (b + g)),
     ("reduce_scatter", "rhd"): lambda s, a, b, g, N: (math.log2(s.p) * a + (s.n - 1) * N * (b + g)
                                                      + s.fold * (a + s.n * N * (b + g))),
-    ("reduce_scatter", "native"): lambda s, a, b, g, N: s.log * a + (s.n - 1) * N * (b + g),
     ("all_gather", "ring"): lambda s, a, b, g, N: (s.n - 1) * (a + N * b),
     ("all_gather", "rhd"): lambda s, a, b, g, N: (s.log * a + (s.n - 1) * N * b
                                                  + s.fold * (a + s.n * N * b)),
-    ("all_gather", "native"): lambda s, a, b, g, N: s.log * a + (s.n - 1) * N * b,
     ("all_to_all", "pairwise"): lambda s, a, b, g, N: (s.n - 1) * a + s.frac * N * b,
-    ("all_to_all", "native"): lambda s, a, b, g, N: (s.n - 1) * a + s.frac * N * b,
     ("broadcast", "tree"): lambda s, a, b, g, N: s.log * (a + N * b),
     ("broadcast", "ring"): lambda s, a, b, g, N: _chain(s, a, b, N),
-    ("broadcast", "native"): lambda s, a, b, g, N: s.log * a + 2 * N * b,
     ("reduce", "tree"): lambda s, a, b, g, N: s.log * (a + N * (b + g)),
-    ("reduce", "native"): lambda s, a, b, g, N: s.log * a + N * (2 * b + g),
+}
+
+# The MPI library's collectives are opaque: latency rounds, and a per-byte cost of its own
+# per collective, in units of the bytes its bus traffic moves (fitted to MPICH 5, 2 ranks,
+# shared memory; MPICH reduces slowly in all_reduce and reduce, moves data fast in bcast).
+_NATIVE = {  # collective: (rounds as a function of s, bytes moved, seconds per byte)
+    "all_reduce": (lambda s: 2 * s.log, lambda s, N: 2 * s.frac * N, 3.4e-10),
+    "reduce_scatter": (lambda s: s.log, lambda s, N: (s.n - 1) * N, 1.6e-10),
+    "all_gather": (lambda s: s.log, lambda s, N: (s.n - 1) * N, 0.75e-10),
+    "all_to_all": (lambda s: s.n - 1, lambda s, N: s.frac * N, 1.6e-10),
+    "broadcast": (lambda s: s.log, lambda s, N: N, 0.3e-10),
+    "reduce": (lambda s: s.log, lambda s, N: N, 7e-10),
 }
 
 
 @dataclass(frozen=True)
 class CostModel:
-    alpha: float = 25e-6        # s per round, schedules on the Python executor
-    alpha_native: float = 3e-6  # s per round, the MPI library's own collectives
-    beta: float = 1 / 6e9       # s per byte moved
-    gamma: float = 1 / 10e9     # s per byte reduced
+    alpha: float = 6e-6         # s per round, schedules on the Python executor
+    beta: float = 0.9e-10       # s per byte moved
+    gamma: float = 0.2e-10      # s per byte reduced
+    alpha_native: float = 4e-6  # s per round of the MPI library's own collectives
 
     def predict(self, collective: str, name: str, n: int, nbytes: int) -> float:
         """Predicted seconds; inf when the model has no formula for this algorithm."""
+        if name == "native":
+            rounds, moved, per_byte = _NATIVE[collective]
+            s = _Size(n)
+            return self.alpha_native * max(1, rounds(s)) + moved(s, nbytes) * per_byte
         formula = _FORMULAS.get((collective, name))
         if formula is None:
             return math.inf
-        alpha = self.alpha_native if name == "native" else self.alpha
         if n == 1:
-            return alpha
-        return formula(_Size(n), alpha, self.beta, self.gamma, nbytes)
+            return self.alpha
+        return formula(_Size(n), self.alpha, self.beta, self.gamma, nbytes)
 
 
 DEFAULT_MODEL = CostModel()

@@ -24,6 +24,7 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | No
     The job runs in its own process group; on timeout the whole group is SIGKILLed so a
     hang fails one test instead of the suite."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, str(ROOT / script), *args]
+    shm_before = _mpich_segments()
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=full_env, cwd=ROOT)
@@ -32,5 +33,11 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | No
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        for leftover in _mpich_segments() - shm_before:  # MPICH cannot clean up after SIGKILL
+            leftover.unlink(missing_ok=True)
         return None, f"TIMEOUT after {timeout}s\n{out}"
     return proc.returncode, out
+
+
+def _mpich_segments() -> set:
+    return set(Path("/dev/shm").glob("mpich_shm_*"))

@@ -1,6 +1,7 @@
 """Multi-rank tests: each script runs under mpiexec with 1, 2, 3 and 4 ranks."""
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,4 @@ def test_hung_job_is_killed_with_its_ranks():
     assert code is None and "TIMEOUT" in out
     left = subprocess.run(["pgrep", "-f", "tests/mpi/hang.py"], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"ranks survived the timeout: {left.stdout}"
+    assert not list(Path("/dev/shm").glob("mpich_shm_*")), "the killed job left shared memory"

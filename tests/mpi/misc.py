@@ -68,6 +68,16 @@ def point_to_point():
             assert "12 bytes" in str(e)
 
 
+def any_shape():
+    t = np.full((3, 4, 5), float(rank + 1), np.float32)
+    comm.all_reduce(t, algorithm="ring")
+    assert_equal(t, np.full((3, 4, 5), n * (n + 1) / 2, np.float32))
+    if torch is not None:
+        x = torch.full((2, 3), rank, dtype=torch.int64)[1]  # a contiguous view with an offset
+        comm.all_reduce(x, op="max", algorithm="tree")
+        assert x.tolist() == [n - 1] * 3
+
+
 def module_functions_and_barrier():
     t = np.ones(7)
     assert commlib.all_reduce(t) is t
