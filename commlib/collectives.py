@@ -61,17 +61,25 @@ def all_reduce(t, op="sum", algorithm=None, comm=None):
     return t
 
 
+def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
+    """reduce_scatter/all_gather buffers: ``whole`` holds size blocks of ``block``'s size. The
+    only overlap allowed is ``block`` being exactly whole's own block (the in-place form)."""
+    _same_dtype(whole, block, f"{whole_name} and {block_name}")
+    if whole.numel != comm.size * block.numel:
+        raise ValueError(f"{collective}: {whole_name} has {whole.numel} elements, expected size * "
+                         f"{block_name}.numel = {comm.size} * {block.numel} = "
+                         f"{comm.size * block.numel}")
+    if block.overlaps(whole) and block.ptr != whole.ptr + comm.rank * block.nbytes:
+        raise ValueError(f"{collective}: {block_name} overlaps {whole_name}; the only overlap "
+                         f"allowed is {block_name} being exactly {whole_name}'s own block "
+                         f"{whole_name}[rank*n:(rank+1)*n]")
+
+
 def reduce_scatter(output, input, op="sum", algorithm=None, comm=None):
     """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
     comm = _comm(comm)
     out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
-    _same_dtype(out, inp, "output and input")
-    if inp.numel != comm.size * out.numel:
-        raise ValueError(f"reduce_scatter: input has {inp.numel} elements, expected size * "
-                         f"output.numel = {comm.size} * {out.numel} = {comm.size * out.numel}")
-    if out.overlaps(inp) and out.ptr != inp.ptr + comm.rank * out.nbytes:
-        raise ValueError("reduce_scatter: output overlaps input; the only overlap allowed is "
-                         "output being exactly input's own block input[rank*n:(rank+1)*n]")
+    _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
     _run(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel, out.dtype,
          ReduceOp.parse(op, out.dtype))
     return output
@@ -81,13 +89,7 @@ def all_gather(output, input, algorithm=None, comm=None):
     """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
     comm = _comm(comm)
     out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
-    _same_dtype(out, inp, "output and input")
-    if out.numel != comm.size * inp.numel:
-        raise ValueError(f"all_gather: output has {out.numel} elements, expected size * "
-                         f"input.numel = {comm.size} * {inp.numel} = {comm.size * inp.numel}")
-    if out.overlaps(inp) and inp.ptr != out.ptr + comm.rank * inp.nbytes:
-        raise ValueError("all_gather: input overlaps output; the only overlap allowed is "
-                         "input being exactly output's own block output[rank*n:(rank+1)*n]")
+    _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
     _run(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype)
     return output
 
