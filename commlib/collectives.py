@@ -34,31 +34,36 @@ def _same_dtype(a: Buffer, b: Buffer, names: str) -> None:
         raise TypeError(f"{names} must have the same dtype, got {a.dtype.name} and {b.dtype.name}")
 
 
-def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, **params):
+def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, *, result,
+         async_op=False, **params):
+    """Choose the algorithm and plan now (so bad names raise here), run on the engine."""
     algo = choose(collective, algorithm, comm.size, count * dtype.itemsize)
     kernel_op = op.kernel_op
-    try:
-        if algo.run is not None:
-            algo.run(comm, bufs, dtype, kernel_op, **params)
-        else:
-            plan = plan_for(algo, comm.size, comm.rank, count, dtype.itemsize,
-                            tuple(sorted(params.items())))
-            comm._executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
-    except MPI.Exception as e:
-        raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
-    if op is ReduceOp.AVG:
-        target = bufs["out"]
-        if collective != "reduce" or comm.rank == params["root"]:
+    plan = None if algo.run is not None else plan_for(
+        algo, comm.size, comm.rank, count, dtype.itemsize, tuple(sorted(params.items())))
+
+    def task():
+        try:
+            if plan is None:
+                algo.run(comm, bufs, dtype, kernel_op, **params)
+            else:
+                comm._executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
+        except MPI.Exception as e:
+            raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
+        if op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"]):
+            target = bufs["out"]
             _C.scale(target.ptr, target.numel, dtype.code, 1.0 / comm.size)
+        return result
+
+    return comm._engine.run(collective, task, async_op)
 
 
-def all_reduce(t, op="sum", algorithm=None, comm=None):
-    """Reduce ``t`` over all ranks, in place; returns ``t``."""
+def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False):
+    """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
     comm = _comm(comm)
     buf = as_buffer(t, "t")
-    _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-         ReduceOp.parse(op, buf.dtype))
-    return t
+    return _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
+                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op)
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
@@ -75,23 +80,22 @@ def _check_whole_and_block(comm, collective, whole, whole_name, block, block_nam
                          f"{whole_name}[rank*n:(rank+1)*n]")
 
 
-def reduce_scatter(output, input, op="sum", algorithm=None, comm=None):
+def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=False):
     """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
     comm = _comm(comm)
     out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
     _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
-    _run(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel, out.dtype,
-         ReduceOp.parse(op, out.dtype))
-    return output
+    return _run(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel, out.dtype,
+                ReduceOp.parse(op, out.dtype), result=output, async_op=async_op)
 
 
-def all_gather(output, input, algorithm=None, comm=None):
+def all_gather(output, input, algorithm=None, comm=None, async_op=False):
     """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
     comm = _comm(comm)
     out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
     _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
-    _run(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype)
-    return output
+    return _run(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
+                result=output, async_op=async_op)
 
 
 def _splits(comm, splits, total: int, name: str) -> tuple:
@@ -117,7 +121,8 @@ def _splits(comm, splits, total: int, name: str) -> tuple:
     return splits
 
 
-def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=None, comm=None):
+def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=None, comm=None,
+               async_op=False):
     """Rank r sends input's j-th part to rank j, receiving rank j's r-th part into output.
 
     Splits count elements per peer (like torch's all_to_all_single); None means equal parts.
@@ -129,35 +134,37 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
         raise ValueError("all_to_all: output and input overlap; use separate tensors")
     osplits = _splits(comm, output_splits, out.numel, "output_splits")
     isplits = _splits(comm, input_splits, inp.numel, "input_splits")
-    _run(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
-         input_splits=isplits, output_splits=osplits)
-    return output
+    return _run(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
+                result=output, async_op=async_op, input_splits=isplits, output_splits=osplits)
 
 
-def broadcast(t, root=0, algorithm=None, comm=None):
+def broadcast(t, root=0, algorithm=None, comm=None, async_op=False):
     """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
     comm = _comm(comm)
     buf = as_buffer(t, "t")
-    _run(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype,
-         root=_check_rank(comm, root, "root"))
-    return t
+    return _run(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype, result=t,
+                async_op=async_op, root=_check_rank(comm, root, "root"))
 
 
-def reduce(t, root=0, op="sum", algorithm=None, comm=None):
+def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False):
     """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is unchanged."""
     comm = _comm(comm)
     buf = as_buffer(t, "t")
-    _run(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-         ReduceOp.parse(op, buf.dtype), root=_check_rank(comm, root, "root"))
-    return t
+    return _run(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
+                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op,
+                root=_check_rank(comm, root, "root"))
 
 
-def barrier(comm=None):
+def barrier(comm=None, async_op=False):
     comm = _comm(comm)
-    try:
-        comm._coll.Barrier()
-    except MPI.Exception as e:
-        raise CommError(f"barrier failed inside MPI: {e}") from e
+
+    def task():
+        try:
+            comm._coll.Barrier()
+        except MPI.Exception as e:
+            raise CommError(f"barrier failed inside MPI: {e}") from e
+
+    return comm._engine.run("barrier", task, async_op)
 
 
 def _check_tag(tag):
@@ -165,30 +172,41 @@ def _check_tag(tag):
         raise ValueError(f"tag must be an int in [0, 32767], got {tag!r}")
 
 
-def send(t, dst, tag=0, comm=None):
-    """Blocking send of ``t`` to rank ``dst``."""
+def _check_peer(comm, peer, what):
+    _check_rank(comm, peer, what)
+    if peer == comm.rank:
+        raise ValueError(f"{what}={peer} is this rank itself; a message to self would block "
+                         "forever; copy locally instead")
+
+
+def send(t, dst, tag=0, comm=None, async_op=False):
+    """Send ``t`` to rank ``dst``; blocking, or a Work if ``async_op`` (keep ``t`` intact
+    until it completes)."""
     comm = _comm(comm)
     buf = as_buffer(t, "t", writable=False)
-    _check_rank(comm, dst, "dst")
+    _check_peer(comm, dst, "dst")
     _check_tag(tag)
-    if dst == comm.rank:
-        raise ValueError(f"send to self (rank {dst}) would block forever; copy locally instead")
     try:
+        if async_op:
+            return comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
+                                      f"send to rank {dst}", None)
         comm._p2p.Send(buf.bytes, dst, tag)
     except MPI.Exception as e:
         raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
 
 
-def recv(t, src, tag=0, comm=None):
-    """Blocking receive into ``t`` from rank ``src``; the message must fill ``t`` exactly."""
+def recv(t, src, tag=0, comm=None, async_op=False):
+    """Receive into ``t`` from rank ``src``; the message must fill ``t`` exactly. Blocking
+    (returns ``t``), or a Work if ``async_op``."""
     comm = _comm(comm)
     buf = as_buffer(t, "t")
-    _check_rank(comm, src, "src")
+    _check_peer(comm, src, "src")
     _check_tag(tag)
-    if src == comm.rank:
-        raise ValueError(f"recv from self (rank {src}) would block forever")
-    status = MPI.Status()
     try:
+        if async_op:
+            return comm._poller.track(comm._p2p.Irecv(buf.bytes, src, tag),
+                                      f"recv from rank {src}", t, expect_bytes=buf.nbytes)
+        status = MPI.Status()
         comm._p2p.Recv(buf.bytes, src, tag, status)
     except MPI.Exception as e:
         raise CommError(f"recv from rank {src} failed inside MPI (a message larger than "

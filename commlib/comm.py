@@ -8,13 +8,16 @@ from mpi4py import MPI  # noqa: E402
 
 from . import collectives  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
+from .work import ProgressEngine, RequestPoller  # noqa: E402
 
 
 class Communicator:
     """Wraps an mpi4py communicator; every rank of it must construct this together.
 
     Collectives and point-to-point messages travel on private duplicates of the MPI
-    communicator, so they never match the user's own MPI traffic or each other.
+    communicator, so they never match the user's own MPI traffic or each other. Every
+    operation takes ``async_op``: then it returns a Work at once; collectives on one
+    communicator complete in issue order, driven by its own progress thread.
     """
 
     def __init__(self, mpi_comm: MPI.Comm):
@@ -26,6 +29,9 @@ class Communicator:
         self._coll = mpi_comm.Dup()
         self._p2p = mpi_comm.Dup()
         self._executor = PythonExecutor(self._coll)
+        name = f"r{self.rank}of{self.size}"
+        self._engine = ProgressEngine(name)
+        self._poller = RequestPoller(name)
 
     def __repr__(self):
         return f"<commlib.Communicator rank {self.rank} of {self.size}>"
@@ -44,38 +50,41 @@ class Communicator:
         return Communicator(self.mpi.Dup())
 
     def free(self) -> None:
-        """Release the private MPI communicators (collective)."""
+        """Finish outstanding work, then release the private MPI communicators (collective)."""
+        self._engine.close()
+        self._poller.close()
         for c in (self._coll, self._p2p):
             if c != MPI.COMM_NULL:
                 c.Free()
 
-    def all_reduce(self, t, op="sum", algorithm=None):
-        return collectives.all_reduce(t, op, algorithm, comm=self)
+    def all_reduce(self, t, op="sum", algorithm=None, async_op=False):
+        return collectives.all_reduce(t, op, algorithm, self, async_op)
 
-    def reduce_scatter(self, output, input, op="sum", algorithm=None):
-        return collectives.reduce_scatter(output, input, op, algorithm, comm=self)
+    def reduce_scatter(self, output, input, op="sum", algorithm=None, async_op=False):
+        return collectives.reduce_scatter(output, input, op, algorithm, self, async_op)
 
-    def all_gather(self, output, input, algorithm=None):
-        return collectives.all_gather(output, input, algorithm, comm=self)
+    def all_gather(self, output, input, algorithm=None, async_op=False):
+        return collectives.all_gather(output, input, algorithm, self, async_op)
 
-    def all_to_all(self, output, input, output_splits=None, input_splits=None, algorithm=None):
+    def all_to_all(self, output, input, output_splits=None, input_splits=None, algorithm=None,
+                   async_op=False):
         return collectives.all_to_all(output, input, output_splits, input_splits, algorithm,
-                                      comm=self)
+                                      self, async_op)
 
-    def broadcast(self, t, root=0, algorithm=None):
-        return collectives.broadcast(t, root, algorithm, comm=self)
+    def broadcast(self, t, root=0, algorithm=None, async_op=False):
+        return collectives.broadcast(t, root, algorithm, self, async_op)
 
-    def reduce(self, t, root=0, op="sum", algorithm=None):
-        return collectives.reduce(t, root, op, algorithm, comm=self)
+    def reduce(self, t, root=0, op="sum", algorithm=None, async_op=False):
+        return collectives.reduce(t, root, op, algorithm, self, async_op)
 
-    def barrier(self):
-        return collectives.barrier(comm=self)
+    def barrier(self, async_op=False):
+        return collectives.barrier(self, async_op)
 
-    def send(self, t, dst, tag=0):
-        return collectives.send(t, dst, tag, comm=self)
+    def send(self, t, dst, tag=0, async_op=False):
+        return collectives.send(t, dst, tag, self, async_op)
 
-    def recv(self, t, src, tag=0):
-        return collectives.recv(t, src, tag, comm=self)
+    def recv(self, t, src, tag=0, async_op=False):
+        return collectives.recv(t, src, tag, self, async_op)
 
 
 _world: Communicator | None = None

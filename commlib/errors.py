@@ -4,3 +4,7 @@ bad arguments raise ValueError/TypeError before anything is sent."""
 
 class CommError(RuntimeError):
     """A communication failed or the ranks disagreed about what to communicate."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """An operation did not complete within its timeout."""

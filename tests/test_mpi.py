@@ -33,6 +33,11 @@ def test_communicators_p2p_selection_errors(n):
     run_checked(n, "tests/mpi/misc.py")
 
 
+@pytest.mark.parametrize("n", RANKS)
+def test_async_collectives_and_p2p(n):
+    run_checked(n, "tests/mpi/async_ops.py", timeout=200)
+
+
 def test_hung_job_is_killed_with_its_ranks():
     segments = lambda: set(Path("/dev/shm").glob("mpich_shm_*"))  # noqa: E731
     before = segments()  # this process has MPI up too, with a segment of its own

@@ -103,10 +103,15 @@ class PythonExecutor:
             views["tmp"] = views["arena"] = arena
             ptrs = {name: b.ptr for name, b in bufs.items()}
             ptrs["tmp"] = ptrs["arena"] = arena.ctypes.data
+            errors: list = []
             for rnd in plan.rounds:
-                self._run_round(rnd, views, ptrs, dtype_code, op_code)
+                self._run_round(rnd, views, ptrs, dtype_code, op_code, errors)
+            if errors:
+                raise errors[0]
 
-    def _run_round(self, rnd, views, ptrs, dtype_code, op_code):
+    def _run_round(self, rnd, views, ptrs, dtype_code, op_code, errors):
+        """One round. A bad transfer is recorded, not raised at once: finishing the schedule
+        keeps every peer's transfers matched, so one disagreement cannot hang the others."""
         copies, recvs, sends = rnd
         for src, src_off, dst, dst_off, n in copies:
             _C.copy(ptrs[dst] + dst_off, ptrs[src] + src_off, n)
@@ -115,10 +120,16 @@ class PythonExecutor:
         sreqs = [mpi.Isend(views[t.buf][t.offset:t.offset + t.nbytes], t.peer, _TAG) for t in sends]
         status = MPI.Status()
         for req, t in zip(rreqs, recvs):
-            req.Wait(status)
+            try:
+                req.Wait(status)
+            except MPI.Exception as e:  # e.g. a message longer than expected (truncated)
+                errors.append(CommError(f"receive from rank {t.peer} failed: {e}"))
+                continue
             if status.Get_count(MPI.BYTE) != t.nbytes:
-                raise CommError(f"received {status.Get_count(MPI.BYTE)} bytes from rank {t.peer}, "
-                                f"expected {t.nbytes}: the ranks disagree on counts or splits")
+                errors.append(CommError(
+                    f"received {status.Get_count(MPI.BYTE)} bytes from rank {t.peer}, expected "
+                    f"{t.nbytes}: the ranks disagree on counts or splits"))
+                continue
             red = t.reduction
             if red is not None:
                 _C.reduce(ptrs[red.dst] + red.dst_offset, ptrs[red.src] + red.src_offset,

@@ -1,0 +1,241 @@
+"""Asynchronous work: Work handles, and the two progress threads a communicator owns.
+
+- ProgressEngine: a FIFO of collectives run by one background thread per communicator, so
+  collectives on a communicator complete in issue order (like a CUDA stream) while
+  different communicators progress independently. A blocking call runs inline on the
+  caller's thread when the engine is idle (no thread hop for the common case); otherwise
+  it queues behind the outstanding work and waits.
+- RequestPoller: completes non-blocking point-to-point requests (isend/irecv). They are
+  posted at once on the caller's thread (so paired sends and receives never deadlock) and a
+  thread tests them, which also drives MPI's progress while the caller computes.
+
+Everything blocking in these threads (MPI waits, the C++ kernels) releases the GIL.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+
+from mpi4py import MPI
+
+from .errors import CommError, CommTimeoutError
+
+
+class Work:
+    """Handle of an asynchronous operation; ``result`` holds its return value when done."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.result = None
+        self._exception: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list | None = []
+
+    def __repr__(self):
+        state = "failed" if self._exception else "done" if self.is_completed() else "pending"
+        return f"<commlib.Work {self.what} {state}>"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (at most ``timeout`` seconds); re-raise the operation's error."""
+        if not self._done.wait(timeout):
+            raise CommTimeoutError(f"{self.what} did not complete within {timeout} s "
+                                   "(it keeps running; a peer may not have issued it)")
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The error the operation raised, or None (also while it is still running)."""
+        return self._exception if self._done.is_set() else None
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(work)`` once when done: from the progress thread, or now if already done."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, result=None, exception: BaseException | None = None) -> None:
+        with self._lock:
+            self.result, self._exception = result, exception
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a user's callback must not kill the engine
+                traceback.print_exc()
+
+
+def wait_all(works, timeout: float | None = None) -> None:
+    """Wait for every work (``timeout`` bounds the whole call); raise the first error."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    first_error = None
+    for w in works:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            w.wait(left)
+        except CommTimeoutError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - keep waiting for the rest, then raise
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+
+
+_live_threads: "weakref.WeakSet" = weakref.WeakSet()
+
+
+DRAIN_SECONDS = 30
+
+
+@atexit.register
+def _drain_at_exit():
+    """Finish outstanding work before MPI finalizes (mpi4py's atexit hook runs after ours);
+    bounded, so work that can never complete (a peer never issued it) cannot hang exit."""
+    deadline = time.monotonic() + DRAIN_SECONDS
+    for owner in list(_live_threads):
+        owner.close(max(0.0, deadline - time.monotonic()))
+
+
+class _Background:
+    """A lazily started daemon thread running the subclass's ``_loop``, and its shutdown."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _start(self):  # call with self._cv held
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"commlib-{self._name}",
+                                            daemon=True)
+            _live_threads.add(self)
+            self._thread.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what is outstanding, then stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+class ProgressEngine(_Background):
+    """Runs one communicator's collectives in issue order."""
+
+    def __init__(self, name: str):
+        super().__init__(f"coll-{name}")
+        self._queue: deque = deque()
+        self._busy = False  # a task is running, on the engine thread or inline
+
+    def run(self, what: str, task, async_op: bool):
+        """Run ``task()`` after everything issued before it; its result, or a Work if async."""
+        with self._cv:
+            if self._closed:
+                raise CommError(f"{what} issued on a freed communicator")
+            inline = not async_op and not self._busy and not self._queue
+            if inline:
+                self._busy = True
+            else:
+                work = Work(what)
+                self._queue.append((work, task))
+                self._start()
+                self._cv.notify_all()
+        if inline:
+            try:
+                return task()
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        if async_op:
+            return work
+        work.wait()
+        return work.result
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while self._busy or not self._queue:
+                    if self._closed and not self._queue:
+                        return
+                    self._cv.wait()
+                work, task = self._queue.popleft()
+                self._busy = True
+            result, error = None, None
+            try:
+                result = task()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                error = e
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+            work._finish(result, error)
+
+
+class RequestPoller(_Background):
+    """Completes MPI point-to-point requests in a background thread."""
+
+    SPIN_SECONDS = 2e-3  # poll back-to-back this long after the last completion, then nap
+    NAP_SECONDS = 50e-6
+
+    def __init__(self, name: str):
+        super().__init__(f"p2p-{name}")
+        self._pending: list = []  # (request, work, expected bytes or None)
+
+    def track(self, request: MPI.Request, what: str, result, expect_bytes=None) -> Work:
+        work = Work(what)
+        work.result = result
+        with self._cv:
+            self._pending.append((request, work, expect_bytes))
+            self._start()
+            self._cv.notify_all()
+        return work
+
+    def _loop(self):
+        last_progress = time.monotonic()
+        while True:
+            with self._cv:
+                while not self._pending:
+                    if self._closed:
+                        return
+                    self._cv.wait()
+                batch = list(self._pending)
+            statuses = [MPI.Status() for _ in batch]
+            try:
+                done = MPI.Request.Testsome([r for r, _, _ in batch], statuses) or []
+            except MPI.Exception as e:
+                done, failure = list(range(len(batch))), CommError(f"point-to-point failed: {e}")
+            else:
+                failure = None
+            if done:
+                finished = {id(batch[i][0]) for i in done}
+                with self._cv:
+                    self._pending = [p for p in self._pending if id(p[0]) not in finished]
+                for k, i in enumerate(done):  # statuses[k] belongs to the k-th completion
+                    _, work, expect = batch[i]
+                    error = failure
+                    if error is None and expect is not None:
+                        got = statuses[k].Get_count(MPI.BYTE)
+                        if got != expect:
+                            error = CommError(f"{work.what}: got {got} bytes, the tensor holds "
+                                              f"{expect}")
+                    work._finish(work.result, error)
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > self.SPIN_SECONDS:
+                time.sleep(self.NAP_SECONDS)
+            else:
+                time.sleep(0)  # yield the GIL and the core to the caller's compute
