@@ -1,80 +1,96 @@
 """Choice of algorithm: an explicit name, else COMMLIB_ALGO_<COLLECTIVE>, else the cost model.
 
-The alpha-beta-gamma model: a round costs alpha (latency, per message posted together),
-moving b bytes costs b*beta, reducing b bytes costs b*gamma. ``native`` (the MPI library's
-C implementation) has less latency than a schedule run by the Python executor and its own
-per-byte cost per collective. Defaults fitted to runs with 2 ranks on a 2-core machine
-(bench/all_reduce_sweep.py and the same sweep for the other collectives).
+The alpha-beta-gamma model: an algorithm's cost is ``rounds*alpha + moved*beta +
+reduced*gamma``, where each formula below gives (rounds, bytes moved, bytes reduced) on the
+critical path for n ranks and N bytes (the per-rank count of the primary buffer). Being
+linear in the constants, the model is fitted by least squares (``python -m bench
+calibrate``), which writes a tuning file; without one, defaults fitted on a 2-core machine
+with 2 ranks apply. ``native`` (the MPI library's own collective) is opaque: its own
+alpha, and one per-byte cost per collective in place of beta and gamma.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 # (import names: the package attribute commlib.algorithms is the public function)
 from .algorithms import Algorithm, algorithms, get
 from .algorithms.ring import BROADCAST_MAX_SEGMENTS, BROADCAST_SEGMENT_BYTES
 
 
-@dataclass(frozen=True)
-class _Size:
-    """World-size terms shared by the formulas."""
-    n: int
-
-    @property
-    def log(self):  # rounds of a binomial tree / recursive doubling
-        return math.ceil(math.log2(self.n))
-
-    @property
-    def p(self):  # rhd's power of two
-        return 1 << (self.n.bit_length() - 1)
-
-    @property
-    def fold(self):  # rhd's extra step for non-powers of two
-        return int(self.n != self.p)
-
-    @property
-    def frac(self):
-        return (self.n - 1) / self.n
+def _log(n):  # rounds of a binomial tree / recursive doubling
+    return math.ceil(math.log2(n))
 
 
-def _chain(s, a, b, N):
+def _pow2(n):  # rhd's power of two
+    return 1 << (n.bit_length() - 1)
+
+
+def _ring_all_reduce(n, N):
+    return 2 * (n - 1), 2 * (n - 1) / n * N, (n - 1) / n * N
+
+
+def _rhd_all_reduce(n, N):
+    p, fold = _pow2(n), int(n != _pow2(n))
+    return (2 * math.log2(p) + 2 * fold, 2 * (p - 1) / p * N + 2 * fold * N,
+            (p - 1) / p * N + fold * N)
+
+
+def _rhd_reduce_scatter(n, N):
+    p, fold = _pow2(n), int(n != _pow2(n))
+    moved = (n - 1) * N + fold * n * N
+    return math.log2(p) + fold, moved, moved
+
+
+def _rhd_all_gather(n, N):
+    p, fold = _pow2(n), int(n != _pow2(n))
+    return math.log2(p) + 2 * fold, (n - 1) * N + fold * (n + 1) * N, 0
+
+
+def _chain_broadcast(n, N):
     segs = max(1, min(BROADCAST_MAX_SEGMENTS, N // BROADCAST_SEGMENT_BYTES))
-    return (segs + s.n - 2) * (a + N / segs * b)
+    steps = segs + n - 2
+    return steps, steps * N / segs, 0
 
 
-# (collective, algorithm) -> seconds for N bytes (per-rank count of the primary buffer)
-_FORMULAS = {
-    ("all_reduce", "ring"): lambda s, a, b, g, N: 2 * (s.n - 1) * a + s.frac * N * (2 * b + g),
-    ("all_reduce", "tree"): lambda s, a, b, g, N: s.log * (2 * a + N * (2 * b + g)),
-    ("all_reduce", "rhd"): lambda s, a, b, g, N: (2 * math.log2(s.p) * a
-                                                 + (s.p - 1) / s.p * N * (2 * b + g)
-                                                 + s.fold * (2 * (a + N * b) + N * g)),
-    ("reduce_scatter", "ring"): lambda s, a, b, g, N: (s.n - 1) * (a + N * (b + g)),
-    ("reduce_scatter", "rhd"): lambda s, a, b, g, N: (math.log2(s.p) * a + (s.n - 1) * N * (b + g)
-                                                     + s.fold * (a + s.n * N * (b + g))),
-    ("all_gather", "ring"): lambda s, a, b, g, N: (s.n - 1) * (a + N * b),
-    ("all_gather", "rhd"): lambda s, a, b, g, N: (s.log * a + (s.n - 1) * N * b
-                                                 + s.fold * (a + s.n * N * b)),
-    ("all_to_all", "pairwise"): lambda s, a, b, g, N: (s.n - 1) * a + s.frac * N * b,
-    ("broadcast", "tree"): lambda s, a, b, g, N: s.log * (a + N * b),
-    ("broadcast", "ring"): lambda s, a, b, g, N: _chain(s, a, b, N),
-    ("reduce", "tree"): lambda s, a, b, g, N: s.log * (a + N * (b + g)),
+# (collective, algorithm) -> (rounds, bytes moved, bytes reduced)
+FORMULAS = {
+    ("all_reduce", "ring"): _ring_all_reduce,
+    ("all_reduce", "tree"): lambda n, N: (2 * _log(n), 2 * _log(n) * N, _log(n) * N),
+    ("all_reduce", "rhd"): _rhd_all_reduce,
+    ("reduce_scatter", "ring"): lambda n, N: (n - 1, (n - 1) * N, (n - 1) * N),
+    ("reduce_scatter", "rhd"): _rhd_reduce_scatter,
+    ("all_gather", "ring"): lambda n, N: (n - 1, (n - 1) * N, 0),
+    ("all_gather", "rhd"): _rhd_all_gather,
+    ("all_to_all", "pairwise"): lambda n, N: (n - 1, (n - 1) / n * N, 0),
+    ("broadcast", "tree"): lambda n, N: (_log(n), _log(n) * N, 0),
+    ("broadcast", "ring"): _chain_broadcast,
+    ("reduce", "tree"): lambda n, N: (_log(n), _log(n) * N, _log(n) * N),
 }
 
-# The MPI library's collectives are opaque: latency rounds, and a per-byte cost of its own
-# per collective, in units of the bytes its bus traffic moves (fitted to MPICH 5, 2 ranks,
-# shared memory; MPICH reduces slowly in all_reduce and reduce, moves data fast in bcast).
-_NATIVE = {  # collective: (rounds as a function of s, bytes moved, seconds per byte)
-    "all_reduce": (lambda s: 2 * s.log, lambda s, N: 2 * s.frac * N, 3.4e-10),
-    "reduce_scatter": (lambda s: s.log, lambda s, N: (s.n - 1) * N, 1.6e-10),
-    "all_gather": (lambda s: s.log, lambda s, N: (s.n - 1) * N, 0.75e-10),
-    "all_to_all": (lambda s: s.n - 1, lambda s, N: s.frac * N, 1.6e-10),
-    "broadcast": (lambda s: s.log, lambda s, N: N, 0.3e-10),
-    "reduce": (lambda s: s.log, lambda s, N: N, 7e-10),
+# native: (latency rounds, bytes its traffic moves) per collective
+NATIVE_FORMULAS = {
+    "all_reduce": lambda n, N: (2 * _log(n), 2 * (n - 1) / n * N),
+    "reduce_scatter": lambda n, N: (_log(n), (n - 1) * N),
+    "all_gather": lambda n, N: (_log(n), (n - 1) * N),
+    "all_to_all": lambda n, N: (n - 1, (n - 1) / n * N),
+    "broadcast": lambda n, N: (_log(n), N),
+    "reduce": lambda n, N: (_log(n), N),
 }
+
+TUNING_ENV = "COMMLIB_TUNING"
+
+
+def tuning_path() -> Path:
+    """Where the tuning file lives: $COMMLIB_TUNING, else a per-user default."""
+    if os.environ.get(TUNING_ENV):
+        return Path(os.environ[TUNING_ENV])
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "commlib" / "tuning.json"
 
 
 @dataclass(frozen=True)
@@ -82,32 +98,58 @@ class CostModel:
     alpha: float = 6e-6         # s per round, schedules on the Python executor
     beta: float = 0.9e-10       # s per byte moved
     gamma: float = 0.2e-10      # s per byte reduced
-    alpha_native: float = 4e-6  # s per round of the MPI library's own collectives
+    alpha_native: float = 4e-6  # s per latency round of the MPI library's own collectives
+    native_per_byte: tuple = field(default=(  # s per byte its traffic moves, per collective
+        ("all_reduce", 3.4e-10), ("reduce_scatter", 1.6e-10), ("all_gather", 0.75e-10),
+        ("all_to_all", 1.6e-10), ("broadcast", 0.3e-10), ("reduce", 7e-10)))
 
     def predict(self, collective: str, name: str, n: int, nbytes: int) -> float:
         """Predicted seconds; inf when the model has no formula for this algorithm."""
         if name == "native":
-            rounds, moved, per_byte = _NATIVE[collective]
-            s = _Size(n)
-            return self.alpha_native * max(1, rounds(s)) + moved(s, nbytes) * per_byte
-        formula = _FORMULAS.get((collective, name))
+            rounds, moved = NATIVE_FORMULAS[collective](n, nbytes)
+            return self.alpha_native * max(1, rounds) + moved * dict(self.native_per_byte)[collective]
+        formula = FORMULAS.get((collective, name))
         if formula is None:
             return math.inf
         if n == 1:
             return self.alpha
-        return formula(_Size(n), self.alpha, self.beta, self.gamma, nbytes)
+        rounds, moved, reduced = formula(n, nbytes)
+        return rounds * self.alpha + moved * self.beta + reduced * self.gamma
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or tuning_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = asdict(self)
+        data["native_per_byte"] = dict(self.native_per_byte)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> "CostModel":
+        """The tuning file's model, or the defaults when there is none."""
+        path = path or tuning_path()
+        if not path.exists():
+            return cls()
+        try:
+            data = json.loads(path.read_text())
+            data["native_per_byte"] = tuple(sorted({**dict(cls.native_per_byte),
+                                                    **data.get("native_per_byte", {})}.items()))
+            return cls(**data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"tuning file {path} is unreadable ({e}); rerun "
+                             f"`python -m bench calibrate` or delete it") from None
 
 
-DEFAULT_MODEL = CostModel()
+DEFAULT_MODEL = CostModel.load()
 
 
 def choose(collective: str, requested: str | None, n: int, nbytes: int,
-           model: CostModel = DEFAULT_MODEL) -> Algorithm:
+           model: CostModel | None = None) -> Algorithm:
     """The algorithm to run: ``requested`` if given, then the environment, then the model."""
     name = requested or os.environ.get(f"COMMLIB_ALGO_{collective.upper()}")
     if name and name != "auto":
         return get(collective, name)
-    return _cheapest(collective, n, nbytes, model)
+    return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL)
 
 
 @lru_cache(maxsize=4096)

@@ -4,7 +4,9 @@ import math
 import pytest
 
 from commlib import algorithms
-from commlib.select import DEFAULT_MODEL, choose
+from commlib.select import CostModel, choose
+
+DEFAULTS = CostModel()  # not the machine's tuning file: these tests must not depend on it
 
 
 def test_explicit_and_environment(monkeypatch):
@@ -21,10 +23,10 @@ def test_explicit_and_environment(monkeypatch):
 def test_model_prefers_latency_small_and_bandwidth_large():
     # MPI's own collective wins tiny messages (less per-round overhead); the schedules win
     # large all_reduce, where they measured faster than MPICH (see bench/all_reduce_sweep.py)
-    assert choose("all_reduce", None, 2, 8).name == "native"
-    assert choose("all_reduce", None, 2, 64 << 20).name in ("ring", "rhd")
-    assert choose("all_reduce", None, 3, 64 << 20).name == "ring"  # rhd folds at odd sizes
-    assert choose("reduce", None, 4, 8 << 20).name == "tree"
+    assert choose("all_reduce", None, 2, 8, DEFAULTS).name == "native"
+    assert choose("all_reduce", None, 2, 64 << 20, DEFAULTS).name in ("ring", "rhd")
+    assert choose("all_reduce", None, 3, 64 << 20, DEFAULTS).name == "ring"  # rhd folds
+    assert choose("reduce", None, 4, 8 << 20, DEFAULTS).name == "tree"
 
 
 def test_every_algorithm_has_a_cost():
@@ -32,5 +34,19 @@ def test_every_algorithm_has_a_cost():
                        "reduce"):
         for name in algorithms(collective):
             for n in (1, 2, 5, 16):
-                cost = DEFAULT_MODEL.predict(collective, name, n, 1 << 16)
+                cost = DEFAULTS.predict(collective, name, n, 1 << 16)
                 assert 0 < cost < math.inf, (collective, name, n)
+
+
+def test_tuning_file_round_trip(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("COMMLIB_TUNING", str(path))
+    assert CostModel.load() == CostModel()  # no file: defaults
+    tuned = CostModel(alpha=1e-5, beta=2e-10, gamma=3e-11, alpha_native=5e-6,
+                      native_per_byte=tuple(sorted({**dict(DEFAULTS.native_per_byte),
+                                                    "all_reduce": 1e-10}.items())))
+    assert tuned.save() == path
+    assert CostModel.load() == tuned
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="calibrate"):
+        CostModel.load()
