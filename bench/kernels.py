@@ -1,6 +1,6 @@
-"""Micro-benchmark: commlib._C kernels vs numpy and memcpy on the same arrays.
+"""Kernels: commlib._C reduce and copy vs numpy and memcpy on the same arrays (one process).
 
-    python bench/kernels.py [--reps 21]
+    python -m bench kernels [--reps 21]
 
 Reduce GB/s counts bytes read + written (3 * n * itemsize: read dst, read src,
 write dst); copies count 2 * n * itemsize. Times are medians over --reps
@@ -9,7 +9,6 @@ stays small.
 "x numpy" is numpy's time / this row's time (>1 means faster than numpy);
 "% copy" is this row's GB/s relative to _C.copy on the same size.
 """
-import argparse
 import statistics
 import time
 
@@ -65,10 +64,11 @@ def bench_size(nbytes_per_array, reps):
         print(f"{size:>7} | {name:<24} | {t * 1e6:10.1f} | {gbs:7.1f} | {elems / t / 1e9:7.2f} | {vs_np} | {100 * gbs / copy_gbs:6.0f}%")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=21)
-    args = ap.parse_args()
+def add_arguments(p):
+    p.add_argument("--reps", type=int, default=21)
+
+
+def main(args):
     info = _C.build_info()
     print(f"commlib._C: {info['compiler']}, flags '{info['cxx_flags']}', simd: {info['simd']}; numpy {np.__version__}")
     print(f"{'size':>7} | {'kernel':<24} | {'median us':>10} | {'GB/s':>7} | {'Gelem/s':>7} | x numpy | % copy")
@@ -76,6 +76,3 @@ def main():
     for nbytes in (32 << 10, 64 << 20):
         bench_size(nbytes, args.reps)
 
-
-if __name__ == "__main__":
-    main()

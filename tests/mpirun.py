@@ -19,11 +19,12 @@ def mpiexec() -> str:
 
 
 def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
-    """Run ``script`` on ``n`` ranks; returns (exit code, combined output).
+    """Run ``script`` (or ``"-m", module``) on ``n`` ranks; returns (exit code, output).
 
     The job runs in its own process group; on timeout the whole group is SIGKILLed so a
     hang fails one test instead of the suite."""
-    cmd = [mpiexec(), "-n", str(n), sys.executable, str(ROOT / script), *args]
+    target = [script] if script == "-m" else [str(ROOT / script)]
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *target, *args]
     shm_before = _mpich_segments()
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,0 +1,148 @@
+"""compare: every commlib algorithm, auto, MPI's own collective and torch gloo, side by side.
+
+For each collective and size, repetitions interleave the implementations so machine drift
+hits all alike; each reports the median over all its iterations of the max over ranks, and
+is then checked once on exact data. The table gives busbw per implementation and the ratio
+of commlib's best (and of auto) to the best peer (MPI or gloo). --json writes every number,
+--plot a PNG of busbw against size with the measured memcpy bandwidth drawn as a bound.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import commlib
+from commlib import _C
+
+from .harness import Progress, iteration_times, parse_size, print_table, sizes, write_json
+from .peers import Case, assign, make_peers
+from .specs import DTYPES, SPECS
+
+
+def add_arguments(p):
+    p.add_argument("collectives", nargs="*", default=["all_reduce"],
+                   help=f"any of {', '.join(SPECS)} (default all_reduce)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8)
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=32 << 20)
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per size")
+    p.add_argument("--no-gloo", action="store_true", help="leave torch gloo out")
+    p.add_argument("--json", help="write every measurement to this JSON file")
+    p.add_argument("--plot", help="write busbw vs size to this PNG file")
+
+
+def iterations_for(nbytes: int) -> int:
+    """Iterations per repetition: many for small messages, a couple for large ones."""
+    return int(max(2, min(50, 2e7 / max(nbytes, 1e5))))
+
+
+def memcpy_gbs(nbytes: int) -> float:
+    """This machine's copy bandwidth at a size (bytes copied per second), the bound on busbw."""
+    src, dst = np.ones(max(nbytes, 8), np.uint8), np.empty(max(nbytes, 8), np.uint8)
+    reps = iterations_for(nbytes) * 4
+    best = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reps):
+            _C.copy(dst.ctypes.data, src.ctypes.data, src.size)
+        best.append((time.perf_counter() - start) / reps)
+    return src.size / float(np.median(best)) / 1e9
+
+
+def main(args, comm) -> int:
+    n, world = comm.size, comm.mpi
+    unknown = [c for c in args.collectives if c not in SPECS]
+    if unknown:
+        raise SystemExit(f"unknown collective(s) {unknown}; choose from {', '.join(SPECS)}")
+    itemsize = 2 if args.datatype in ("float16", "bfloat16") else np.dtype(args.datatype).itemsize
+    grid = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    rows, tables, any_wrong = [], {}, False
+    progress = Progress(len(grid) * len(args.collectives), comm.rank == 0)
+    for name in args.collectives:
+        spec = SPECS[name]
+        names = ([f"commlib:{a}" for a in commlib.algorithms(name)] + ["commlib:auto", "mpi"]
+                 + ([] if args.no_gloo else ["gloo"]))
+        peers = make_peers(comm, names)
+        op = "sum" if spec.reduces else None
+        for size in grid:
+            count = size // itemsize - (size // itemsize % n if spec.blocked else 0)
+            case = Case(spec, n, comm.rank, count, args.datatype, op)
+            active = [p for p in peers if p.unsupported(case) is None]
+            samples = {p.name: [] for p in active}
+            assign(case.inp, np.zeros(len(case.inp)))
+            iters = iterations_for(case.nbytes)
+            for rep in range(args.reps):
+                for p in active:
+                    samples[p.name].extend(iteration_times(world, lambda p=p: p.run(case), iters,
+                                                           warmup=1 if rep == 0 else 0))
+            for p in active:
+                want = case.fill_for_check()
+                p.run(case)
+                wrong = world.allreduce(case.wrong(want))
+                any_wrong |= wrong > 0
+                t = float(np.median(samples[p.name]))
+                busbw = case.nbytes / t / 1e9 * spec.busbw_factor(n) if t > 0 else 0.0
+                rows.append({"collective": name, "size": case.nbytes, "count": count,
+                             "impl": p.name, "time_us": t * 1e6, "busbw": busbw, "wrong": wrong})
+            rows.append({"collective": name, "size": case.nbytes, "impl": "memcpy",
+                         "busbw": world.allreduce(memcpy_gbs(case.nbytes)) / n})
+            progress.step(f"{name} {case.nbytes} B")
+        tables[name] = [p.name for p in peers]
+    if comm.rank == 0:
+        _print(rows, tables, n, args.datatype)
+        if args.json:
+            write_json(args.json, "compare", world, rows, dtype=args.datatype)
+        if args.plot:
+            plot(rows, tables, args.plot, n, args.datatype)
+        if any_wrong:
+            print("# FAILED: some results were wrong")
+    return 1 if any_wrong else 0
+
+
+def _print(rows, tables, n, dtype):
+    for name, impls in tables.items():
+        mine = [r for r in rows if r["collective"] == name and r["impl"] != "memcpy"]
+        print(f"# compare {name}: {n} ranks, {dtype}; busbw in GB/s (median of the max over "
+              f"ranks); ratios are busbw over the best peer's (mpi, gloo)")
+        header = ["size"] + impls + ["best", "best/peer", "auto/peer", "#wrong"]
+        table = []
+        for size in sorted({r["size"] for r in mine}):
+            at = {r["impl"]: r for r in mine if r["size"] == size}
+            bw = {i: at[i]["busbw"] if i in at else float("nan") for i in impls}
+            peer = max((bw[i] for i in ("mpi", "gloo") if i in at), default=float("nan"))
+            ours = {i: v for i, v in bw.items() if i.startswith("commlib:") and v == v}
+            best = max(ours, key=ours.get) if ours else "n/a"
+            table.append([size, *bw.values(), best.removeprefix("commlib:"),
+                          ours.get(best, float("nan")) / peer if peer else float("nan"),
+                          bw.get("commlib:auto", float("nan")) / peer if peer else float("nan"),
+                          sum(r["wrong"] for r in at.values())])
+        print_table(header, table)
+        small = min(r["size"] for r in mine)
+        print(f"# time at {small} B (us): " + ", ".join(
+            f"{r['impl']} {r['time_us']:.1f}" for r in mine if r["size"] == small))
+
+
+def plot(rows, tables, path, n, dtype):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(tables), figsize=(7 * len(tables), 4.5), squeeze=False)
+    for ax, (name, impls) in zip(axes[0], tables.items()):
+        for impl in impls + ["memcpy"]:
+            pts = sorted((r["size"], r["busbw"]) for r in rows
+                         if r["collective"] == name and r["impl"] == impl and r["size"] > 0)
+            if pts:
+                style = dict(color="black", linestyle="--") if impl == "memcpy" else {}
+                ax.plot(*zip(*pts), marker="." if impl != "memcpy" else None,
+                        label=impl if impl != "memcpy" else "memcpy bound", **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{name}, {n} ranks, {dtype}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,206 @@
+"""Implementations measured side by side ("peers"), and the buffers they share.
+
+A peer runs any collective of bench.specs on a Case; ``unsupported`` says why it cannot
+(shown as n/a). Adding an implementation is a class with one method per collective.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+
+from .specs import count_wrong
+
+
+def alloc(count: int, dtype: str):
+    if dtype == "bfloat16":  # numpy has no bfloat16: torch tensors
+        import torch
+        return torch.zeros(count, dtype=torch.bfloat16)
+    return np.zeros(count, dtype)
+
+
+def to_f64(buf) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.astype(np.float64)
+    import torch
+    return buf.to(torch.float64).numpy()
+
+
+def assign(buf, values: np.ndarray) -> None:
+    if isinstance(buf, np.ndarray):
+        buf[...] = values.astype(buf.dtype)
+    else:
+        import torch
+        buf.copy_(torch.from_numpy(values))
+
+
+class Case:
+    """This rank's buffers for one collective at one size (in-place forms share memory)."""
+
+    def __init__(self, spec, n, rank, count, dtype, op=None, root=0, inplace=False):
+        self.spec, self.n, self.rank, self.dtype, self.op, self.root = spec, n, rank, dtype, op, root
+        self.inplace = inplace and spec.name in ("reduce_scatter", "all_gather")
+        self.count = count
+        n_in, n_out = spec.buffer_counts(n, count)
+        if n_in == n_out and spec.name != "all_to_all":
+            self.inp = self.out = alloc(n_in, dtype)
+        elif self.inplace and spec.name == "reduce_scatter":
+            self.inp = alloc(n_in, dtype)
+            self.out = self.inp[rank * n_out:(rank + 1) * n_out]
+        elif self.inplace:
+            self.out = alloc(n_out, dtype)
+            self.inp = self.out[rank * n_in:(rank + 1) * n_in]
+        else:
+            self.inp, self.out = alloc(n_in, dtype), alloc(n_out, dtype)
+        self._torch = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * (2 if self.dtype in ("float16", "bfloat16") else np.dtype(self.dtype).itemsize)
+
+    def torch_views(self):
+        """(input, output) as torch tensors sharing this case's memory."""
+        if self._torch is None:
+            import torch
+            as_t = lambda b: b if isinstance(b, torch.Tensor) else torch.from_numpy(b)  # noqa
+            self._torch = as_t(self.inp), as_t(self.out)
+        return self._torch
+
+    def fill_for_check(self) -> np.ndarray:
+        """Exact input data; returns the output this rank must end with."""
+        mine, want = self.spec.expected(self.n, self.rank, self.count, self.op, self.root,
+                                        self.dtype == "uint8")
+        if self.inp is not self.out:
+            assign(self.out, np.zeros(len(self.out)))
+        assign(self.inp, mine)
+        return want
+
+    def wrong(self, want: np.ndarray) -> int:
+        return count_wrong(to_f64(self.out), want, self.dtype, self.op)
+
+
+class CommlibPeer:
+    def __init__(self, comm: commlib.Communicator, algorithm: str):
+        self.comm, self.algorithm = comm, algorithm
+        self.name = f"commlib:{algorithm}"
+
+    def unsupported(self, case):
+        if self.algorithm != "auto" and self.algorithm not in commlib.algorithms(case.spec.name):
+            return f"no {self.algorithm} {case.spec.name}"
+        return None
+
+    def run(self, c):
+        a = None if self.algorithm == "auto" else self.algorithm
+        name, comm = c.spec.name, self.comm
+        if name == "all_reduce":
+            comm.all_reduce(c.out, c.op, a)
+        elif name == "reduce_scatter":
+            comm.reduce_scatter(c.out, c.inp, c.op, a)
+        elif name == "all_gather":
+            comm.all_gather(c.out, c.inp, a)
+        elif name == "all_to_all":
+            comm.all_to_all(c.out, c.inp, algorithm=a)
+        elif name == "broadcast":
+            comm.broadcast(c.out, c.root, a)
+        elif name == "reduce":
+            comm.reduce(c.out, c.root, c.op, a)
+
+
+class MPIPeer:
+    """The MPI library's own collectives, called directly through mpi4py."""
+    name = "mpi"
+    OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        self.comm = mpi_comm
+
+    def unsupported(self, c):
+        if c.spec.reduces and (c.op not in self.OPS or c.dtype in ("float16", "bfloat16")):
+            return f"MPI has no {c.op} on {c.dtype}"
+        if c.dtype == "bfloat16":
+            return "numpy has no bfloat16"
+        if c.inplace and c.spec.name == "reduce_scatter":
+            return "MPI's in-place reduce_scatter keeps block 0, not block rank"
+        return None
+
+    def run(self, c):
+        name, comm, op = c.spec.name, self.comm, self.OPS.get(c.op)
+        if name == "all_reduce":
+            comm.Allreduce(MPI.IN_PLACE, c.out, op)
+        elif name == "reduce_scatter":
+            comm.Reduce_scatter_block(c.inp, c.out, op)
+        elif name == "all_gather":
+            comm.Allgather(MPI.IN_PLACE if c.inplace else c.inp, c.out)
+        elif name == "all_to_all":
+            comm.Alltoall(c.inp, c.out)
+        elif name == "broadcast":
+            comm.Bcast(c.out, c.root)
+        elif name == "reduce":
+            comm.Reduce(MPI.IN_PLACE if comm.rank == c.root else c.out,
+                        c.out if comm.rank == c.root else None, op, c.root)
+
+
+class GlooPeer:
+    """torch.distributed's gloo backend on the same buffers (as torch tensors)."""
+    name = "gloo"
+
+    def __init__(self, group):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+                    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+    def unsupported(self, c):
+        if c.spec.reduces and c.op not in self.OPS:
+            return f"gloo has no {c.op}"
+        if c.inplace:
+            return "in-place form not measured for gloo"
+        return None
+
+    def run(self, c):
+        d, g, op = self.dist, self.group, self.OPS.get(c.op)
+        inp, out = c.torch_views()
+        name = c.spec.name
+        if name == "all_reduce":
+            d.all_reduce(out, op, group=g)
+        elif name == "reduce_scatter":
+            d.reduce_scatter_tensor(out, inp, op, group=g)
+        elif name == "all_gather":
+            d.all_gather_into_tensor(out, inp, group=g)
+        elif name == "all_to_all":
+            d.all_to_all_single(out, inp, group=g)
+        elif name == "broadcast":
+            d.broadcast(out, c.root, group=g)  # g is the world: group ranks are global ranks
+        elif name == "reduce":
+            d.reduce(out, c.root, op, group=g)
+
+
+def gloo_group():
+    """A gloo process group over MPI's world, or None when torch is not installed."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_initialized():
+        from commlib.torch_backend import init_process_group
+        init_process_group("gloo")
+    return dist.group.WORLD
+
+
+def make_peers(comm, names: list[str]) -> list:
+    """Peers by name: commlib:<algorithm>|commlib:auto|mpi|gloo (gloo needs torch)."""
+    peers = []
+    for name in names:
+        if name.startswith("commlib:"):
+            peers.append(CommlibPeer(comm, name.split(":", 1)[1]))
+        elif name == "mpi":
+            peers.append(MPIPeer(comm.mpi))
+        elif name == "gloo":
+            group = gloo_group()
+            if group is not None:
+                peers.append(GlooPeer(group))
+        else:
+            raise ValueError(f"unknown implementation {name!r}: use commlib:<algorithm>, "
+                             "commlib:auto, mpi or gloo")
+    return peers

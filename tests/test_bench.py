@@ -1,0 +1,115 @@
+"""The benchmark CLI end to end under mpiexec at small sizes, and its formulas."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from bench.calibrate import fit
+from bench.harness import parse_size, sizes
+from bench.overlap import overlap_percent
+from bench.specs import SPECS, count_wrong
+from commlib.select import FORMULAS, NATIVE_FORMULAS, CostModel
+from mpirun import mpirun
+
+
+def bench(n, *args, timeout=240):
+    code, out = mpirun(n, "-m", "bench", *args, timeout=timeout)
+    assert code == 0, f"python -m bench {' '.join(args)} on {n} ranks exited {code}:\n{out[-4000:]}"
+    return out
+
+
+def rows(out):
+    """Data rows of a '#'-headed table."""
+    return [line.split() for line in out.splitlines() if line.strip() and not line.startswith(("#", "["))]
+
+
+def test_busbw_factors_follow_nccl_tests():
+    for n in (1, 2, 3, 8):
+        assert SPECS["all_reduce"].busbw_factor(n) == 2 * (n - 1) / n
+        for name in ("reduce_scatter", "all_gather", "all_to_all"):
+            assert SPECS[name].busbw_factor(n) == (n - 1) / n
+        assert SPECS["broadcast"].busbw_factor(n) == SPECS["reduce"].busbw_factor(n) == 1
+
+
+def test_overlap_formula():
+    assert overlap_percent(overall=100, compute_time=100, pure_comm=50) == 100  # all hidden
+    assert overlap_percent(overall=150, compute_time=100, pure_comm=50) == 0    # none hidden
+    assert overlap_percent(overall=120, compute_time=100, pure_comm=50) == pytest.approx(60)
+    assert overlap_percent(overall=300, compute_time=100, pure_comm=50) == 0    # clamped
+
+
+def test_sizes_and_wrong_counts():
+    assert parse_size("64K") == 65536 and parse_size("2M") == 2 << 20 and parse_size("8") == 8
+    assert sizes(8, 64, 2) == [8, 16, 32, 64] and sizes(0, 4, 4) == [0, 1, 4]
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    want = np.arange(10.0)
+    got = want.copy()
+    got[3] = -1
+    assert count_wrong(want, want, "float32", "sum") == 0
+    assert count_wrong(got, want, "float32", "sum") == 1
+    assert count_wrong(want * (1 + 1e-9), want, "float32", "avg") == 0
+
+
+def test_calibrate_recovers_known_constants():
+    truth = CostModel(alpha=12e-6, beta=1 / 5e9, gamma=1 / 30e9, alpha_native=3e-6,
+                      native_per_byte=tuple(sorted((c, 1e-10 * (i + 1))
+                                                   for i, c in enumerate(NATIVE_FORMULAS))))
+    rng = np.random.default_rng(0)
+    samples = [(c, a, n, b, truth.predict(c, a, n, b) * (1 + rng.normal(0, 0.002)))
+               for (c, a) in list(FORMULAS) + [(c, "native") for c in NATIVE_FORMULAS]
+               for n in (2, 3, 4) for b in (64, 4096, 1 << 18, 1 << 22)]
+    got = fit(samples)
+    for field in ("alpha", "beta", "gamma", "alpha_native"):
+        assert getattr(got, field) == pytest.approx(getattr(truth, field), rel=0.02), field
+    for (c, v), (c2, v2) in zip(got.native_per_byte, truth.native_per_byte):
+        assert c == c2 and v == pytest.approx(v2, rel=0.02)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("collective", list(SPECS))
+def test_collective_sweep(n, collective, tmp_path):
+    extra = ["--inplace"] if collective in ("reduce_scatter", "all_gather") and n == 3 else []
+    path = tmp_path / "out.json"
+    out = bench(n, collective, "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",
+                "--algo", "all", "-r", str(n - 1), "--json", str(path), *extra)
+    table = rows(out)
+    assert table and all(r[-1] in ("0", "n/a") for r in table), out
+    assert {r[5] for r in table} >= {"commlib:auto", "commlib:native"}
+    doc = json.loads(path.read_text())
+    assert doc["ranks"] == n and doc["command"] == collective
+    for r in doc["results"]:
+        assert {"size", "count", "type", "redop", "root", "impl", "time", "algbw", "busbw",
+                "wrong"} <= set(r)
+        assert r["wrong"] in (0, None)
+
+
+def test_compare_writes_table_json_and_plot(tmp_path):
+    js, png = tmp_path / "c.json", tmp_path / "c.png"
+    out = bench(2, "compare", "all_reduce", "all_to_all", "-b", "64", "-e", "256K", "-f", "64",
+                "--reps", "2", "--json", str(js), "--plot", str(png))
+    assert "best/peer" in out and "commlib:auto" in out
+    doc = json.loads(js.read_text())
+    impls = {r["impl"] for r in doc["results"]}
+    assert {"commlib:ring", "commlib:auto", "mpi", "memcpy"} <= impls
+    assert all(r.get("wrong", 0) == 0 for r in doc["results"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("command", ["latency", "bandwidth", "bibw"])
+def test_point_to_point(command):
+    out = bench(2, command, "-b", "0", "-e", "4K", "-f", "64", "-n", "5", "-w", "1")
+    values = [float(r[1]) for r in rows(out)]
+    assert len(values) == 4  # sizes 0, 1, 64, 4096
+    assert all(v > 0 for v in (values if command == "latency" else values[1:]))
+
+
+def test_overlap_and_calibrate(tmp_path):
+    out = bench(2, "overlap", "-b", "64K", "-e", "64K", "-n", "3")
+    assert re.search(r"commlib:auto\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+", out), out
+    tuning = tmp_path / "tuning.json"
+    out = bench(2, "calibrate", "-b", "64", "-e", "64K", "-f", "32", "-n", "3", "--out",
+                str(tuning))
+    assert "model error" in out and tuning.exists()
+    assert CostModel.load(tuning).alpha > 0
