@@ -30,7 +30,8 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per size")
     p.add_argument("--no-gloo", action="store_true", help="leave torch gloo out")
     p.add_argument("--json", help="write every measurement to this JSON file")
-    p.add_argument("--plot", help="write busbw vs size to this PNG file")
+    p.add_argument("--plot", default="compare.png",
+                   help="write busbw vs size to this PNG file (default compare.png; '' for none)")
 
 
 def iterations_for(nbytes: int) -> int:
@@ -96,6 +97,7 @@ def main(args, comm) -> int:
             write_json(args.json, "compare", world, rows, dtype=args.datatype)
         if args.plot:
             plot(rows, tables, args.plot, n, args.datatype)
+            print(f"# wrote {args.plot}")
         if any_wrong:
             print("# FAILED: some results were wrong")
     return 1 if any_wrong else 0
@@ -125,7 +127,11 @@ def _print(rows, tables, n, dtype):
 
 
 def plot(rows, tables, path, n, dtype):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (commlib's 'bench' "
+                         "extra), or pass --plot ''") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(tables), figsize=(7 * len(tables), 4.5), squeeze=False)
