@@ -1,0 +1,91 @@
+"""DDP step time, commlib backend vs gloo, in one run on the same data.
+
+    mpiexec -n 2 python bench/ddp.py [--rounds 5] [--steps 10] [--batch 32]
+
+A ~25M-parameter MLP is wrapped twice, once per backend, from the same initial weights.
+Rounds alternate between the two (commlib, gloo, commlib, ...) so that drifts of the
+machine hit both alike; each step is forward, backward (with DDP's bucket all-reduces) and
+an SGD update. Step time is the slowest rank's, as DDP waits for all; we report the median.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commlib.torch_backend as tb
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(),
+                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                         nn.Linear(2048, 10))
+
+
+def timed_steps(model, opt, x, y, steps, group) -> list:
+    times = []
+    for _ in range(steps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(t, dist.ReduceOp.MAX, group=group)  # the slowest rank's step
+        times.append(t.item())
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tb.init_process_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    groups = {"commlib": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    models = {}
+    for name, group in groups.items():
+        ddp = DDP(mlp(), process_group=group)
+        models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    # Reference: the same step without DDP (no communication); timed with the others.
+    groups["no comm"] = groups["commlib"]
+    local = mlp()
+    models["no comm"] = (local, torch.optim.SGD(local.parameters(), lr=1e-3))
+    params = sum(p.numel() for p in models["commlib"][0].parameters())
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 2048, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+
+    for name, (ddp, opt) in models.items():  # warm up: DDP rebuilds its buckets after step 1
+        timed_steps(ddp, opt, x, y, 3, groups[name])
+    times = {name: [] for name in models}
+    for _ in range(args.rounds):
+        for name, (ddp, opt) in models.items():
+            times[name] += timed_steps(ddp, opt, x, y, args.steps, groups[name])
+
+    # Same data and weights: after the same steps both models must hold the same weights.
+    same = all(torch.equal(a, b) for a, b in zip(models["commlib"][0].parameters(),
+                                                 models["gloo"][0].parameters()))
+    if rank == 0:
+        med = {name: statistics.median(t) for name, t in times.items()}
+        print(f"DDP {params / 1e6:.1f}M-parameter MLP, {size} ranks, batch {args.batch}, "
+              f"{args.threads} thread(s)/rank, {args.rounds} rounds x {args.steps} steps, "
+              f"alternating")
+        for name, t in times.items():
+            print(f"  {name:8s} median step {med[name] * 1e3:7.1f} ms   "
+                  f"(min {min(t) * 1e3:.1f}, max {max(t) * 1e3:.1f})")
+        print(f"  commlib / gloo step time: {med['commlib'] / med['gloo']:.2f}   "
+              f"(target <= 0.80)   same weights after training: {same}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""torch.distributed backend "commlib": torch's collectives run on commlib communicators.
+
+Importing this module registers the backend. Under ``mpiexec``:
+
+    import commlib.torch_backend
+    commlib.torch_backend.init_process_group()   # rank, size and store set up from MPI
+    # or the standard call, with ranks that match MPI.COMM_WORLD's:
+    torch.distributed.init_process_group("commlib", rank=..., world_size=..., init_method=...)
+
+The default group is MPI.COMM_WORLD; ``new_group(ranks)`` becomes an MPI communicator over
+those ranks. Ranks come from MPI, so a launcher that forms no MPI world (torchrun) is
+refused with a message to use mpiexec. Tensors are CPU tensors of any dtype for data
+movement; reductions take commlib's dtypes plus bool and complex (see ``_reduction``).
+Every op with ``async_op=True`` returns at once and progresses on commlib's threads.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .comm import Communicator
+from .torch_work import TorchWork
+
+BACKEND = "commlib"
+
+_NO_MPI_WORLD = (
+    "commlib backend: torch expects {size} ranks, but this process is alone in its MPI world "
+    "(MPI size 1), as happens under torchrun. The commlib backend takes its ranks from MPI: "
+    "launch with `mpiexec -n {size} python your_script.py` instead (a store-based bootstrap "
+    "without mpiexec is not supported yet).")
+
+
+# --------------------------------------------------------------------------- bootstrap
+
+def init_process_group(backend: str = BACKEND, timeout: timedelta | None = None, **kwargs):
+    """``torch.distributed.init_process_group`` with rank, world size and store from MPI.
+
+    Rank 0 serves a TCPStore (on a free port it broadcasts over MPI); torch uses the store
+    for its own bookkeeping and for any gloo groups created alongside. Extra keyword
+    arguments go to torch (``backend`` may also be e.g. "cpu:commlib,cuda:nccl").
+    """
+    world = MPI.COMM_WORLD
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world.size == 1 and launched > 1:
+        raise RuntimeError(_NO_MPI_WORLD.format(size=launched))
+    store = _mpi_store(world, timeout or timedelta(minutes=5))
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                            **kwargs)
+
+
+def _mpi_store(world: MPI.Comm, timeout: timedelta) -> dist.TCPStore:
+    # Ranks that all run on rank 0's machine reach it over loopback; otherwise by name.
+    hosts = world.allgather(socket.gethostname())
+    host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    port = None
+    if world.rank == 0:  # port 0: the OS picks a free port; workers learn it over MPI
+        store = dist.TCPStore(host, 0, world.size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        port = store.port
+    port = world.bcast(port, root=0)
+    if world.rank != 0:
+        store = dist.TCPStore(host, port, world.size, is_master=False, timeout=timeout)
+    return store
+
+
+def _create(opts, backend_options=None) -> "ProcessGroupCommlib":
+    """torch's creator hook (extended API). torch calls it only on the group's members, so
+    subgroups use MPI_Comm_create_group, which is collective over the members alone."""
+    world = MPI.COMM_WORLD
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("commlib backend needs MPI_THREAD_MULTIPLE; MPI was initialised "
+                           "with a lower thread level before commlib was imported")
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks:  # the default group
+        _check_world(world, opts.group_rank, opts.group_size, collective=True)
+        mpi = world
+    else:
+        _check_world(world, dist.get_rank(), dist.get_world_size())
+        group = world.Get_group().Incl(ranks)
+        # The tag keeps concurrent creations apart; all members derive it from the name
+        # torch gave the group, which every rank agrees on.
+        mpi = world.Create_group(group, _tag(str(opts.group_id)))
+        group.Free()
+    comm = Communicator(mpi)  # private duplicates: torch traffic never meets the user's
+    if (comm.rank, comm.size) != (opts.group_rank, opts.group_size):
+        raise RuntimeError(f"commlib backend: torch's group rank {opts.group_rank} of "
+                           f"{opts.group_size} is rank {comm.rank} of {comm.size} in MPI")
+    return ProcessGroupCommlib(comm, str(opts.group_id), opts.timeout, owns_mpi=mpi is not world)
+
+
+def _check_world(world: MPI.Comm, rank: int, size: int, collective: bool = False) -> None:
+    """torch's rank and size must be MPI.COMM_WORLD's. ``collective``: all of the world is
+    here (creating the default group), so agree on the verdict first: a rank whose own
+    numbers happen to match must not go on into a collective that the others left."""
+    if world.size == 1 and size > 1:
+        raise RuntimeError(_NO_MPI_WORLD.format(size=size))
+    if size != world.size:
+        raise RuntimeError(f"commlib backend: torch's world size {size} is not MPI.COMM_WORLD's "
+                           f"size {world.size}; launch with `mpiexec -n {size}`")
+    ranks = world.allgather(rank) if collective else None
+    if rank != world.rank or (ranks is not None and ranks != list(range(size))):
+        listed = f"torch's ranks, by MPI rank, are {ranks}" if ranks else \
+            f"torch's rank {rank} is MPI rank {world.rank}"
+        raise RuntimeError(
+            f"commlib backend: {listed}: they must match MPI.COMM_WORLD's; pass "
+            "rank=MPI.COMM_WORLD.rank and world_size=MPI.COMM_WORLD.size, or call "
+            "commlib.torch_backend.init_process_group()")
+
+
+def _tag(name: str) -> int:
+    return zlib.crc32(name.encode()) % 32768
+
+
+# --------------------------------------------------------------------------- dtypes and ops
+
+# What commlib reduces natively; anything else moves as raw bytes.
+COMMLIB_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                            torch.int8, torch.uint8, torch.int32, torch.int64})
+_R = dist.ReduceOp.RedOpType
+_NATIVE = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "avg"}
+# commlib has no bitwise reductions: they gather every rank's data and fold it locally.
+_BITWISE = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or, _R.BXOR: torch.bitwise_xor}
+# bool travels as uint8 0/1, where "or" is max and "and" is min (gloo: SUM is OR, PROD AND).
+_BOOL = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.PRODUCT: "min", _R.MIN: "min",
+         _R.BAND: "min", _R.BXOR: torch.bitwise_xor}
+
+
+def _reduction(reduce_op, dtype: torch.dtype, what: str):
+    """commlib's op name for ``reduce_op`` on ``dtype``, or a fold function (bitwise ops)."""
+    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    name = str(kind).rsplit(".", 1)[-1]
+    if dtype == torch.bool:
+        op = _BOOL.get(kind)
+    elif dtype.is_complex:
+        op = _NATIVE[kind] if kind in (_R.SUM, _R.AVG) else None
+    elif dtype not in COMMLIB_DTYPES:
+        raise TypeError(f"commlib backend: {what} cannot reduce {dtype}; reductions take "
+                        f"bool, complex and {', '.join(sorted(str(d) for d in COMMLIB_DTYPES))}")
+    elif kind in _BITWISE:
+        if dtype.is_floating_point:
+            raise ValueError(f"Cannot use ReduceOp.{name} with non-integral dtype {dtype}")
+        op = _BITWISE[kind]
+    else:
+        op = _NATIVE.get(kind)
+        if op == "avg" and not dtype.is_floating_point:
+            raise TypeError(f"commlib backend: ReduceOp.AVG needs a floating dtype, got {dtype}")
+    if op is None:
+        raise ValueError(f"commlib backend: {what} does not support ReduceOp.{name} on {dtype}")
+    return op
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """Flat view of contiguous ``t`` in a dtype commlib reduces (bool as uint8, complex as
+    its real pairs)."""
+    if t.is_complex():
+        return torch.view_as_real(t).reshape(-1)
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if t.dtype == torch.bool else flat
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Flat view of contiguous ``t`` that commlib can move: itself, or its raw bytes."""
+    flat = t.reshape(-1)
+    return flat if t.dtype in COMMLIB_DTYPES else flat.view(torch.uint8)
+
+
+def _per_element(dtype: torch.dtype) -> int:
+    """Elements of ``_bytes`` per tensor element."""
+    return 1 if dtype in COMMLIB_DTYPES else dtype.itemsize
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _fold(fn, rows: torch.Tensor) -> torch.Tensor:
+    return functools.reduce(fn, rows.unbind(0))
+
+
+def _one(tensors, what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"commlib backend: {what} takes one tensor per process, got "
+                         f"{len(tensors)}")
+    return tensors[0]
+
+
+def _copy_back(pairs):
+    """Finish step: copy each staged result into the user's tensor it stands in for."""
+    def finish():
+        for dst, src in pairs:
+            if dst is not src:
+                dst.copy_(src.view(dst.shape))
+    return finish
+
+
+def _then(*steps):
+    """One finish step running ``steps`` (None entries skipped) in order."""
+    steps = [s for s in steps if s is not None]
+
+    def finish():
+        for step in steps:
+            step()
+    return finish
+
+
+# --------------------------------------------------------------------------- the process group
+
+_trace_hook = None
+
+
+def set_trace_hook(fn) -> None:
+    """Call ``fn(group, op_name, work)`` whenever a commlib group issues an op (None: stop).
+    For tests and debugging: it runs on the issuing thread, so keep it cheap."""
+    global _trace_hook
+    _trace_hook = fn
+
+
+class ProcessGroupCommlib(dist.ProcessGroup):
+    """torch ProcessGroup over a commlib Communicator.
+
+    Every method stages its tensors into contiguous buffers (only when they are not
+    already), issues commlib collectives - async when torch asked for async_op, else run
+    to completion at once - and returns a TorchWork whose finish step copies results back
+    (and which keeps staged inputs alive until the op completes).
+    Ops issued on one group complete in issue order (commlib runs a communicator's
+    collectives in order), as torch expects.
+    """
+
+    def __init__(self, comm: Communicator, group_name: str = "", timeout: timedelta | None = None,
+                 owns_mpi: bool = False):
+        super().__init__(comm.rank, comm.size)
+        self.comm = comm
+        self._group_name = group_name
+        self._group_desc = ""
+        self._timeout = timeout  # what wait() without a timeout waits at most, like gloo
+        self._owns_mpi = owns_mpi  # created for this group: freed with it
+
+    # torch's bookkeeping getters and setters (a Python ProcessGroup must provide them)
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def __repr__(self):
+        return f"<ProcessGroupCommlib {self._group_name!r} rank {self.rank()} of {self.size()}>"
+
+    def shutdown(self) -> None:
+        """destroy_process_group: finish queued work, release the MPI communicators."""
+        if self.comm is None:
+            return
+        self.comm.free()
+        if self._owns_mpi:
+            self.comm.mpi.Free()
+        self.comm = None
+
+    # plumbing
+    def _issue(self, async_op: bool, fn, *args, **kwargs) -> list:
+        """Run one commlib call: queued (returns [its Work]) or to completion now ([])."""
+        if async_op:
+            return [fn(*args, async_op=True, **kwargs)]
+        fn(*args, **kwargs)
+        return []
+
+    def _work(self, what, works, outputs, finish=None, keep=()) -> TorchWork:
+        work = TorchWork(what, works, outputs, finish, self._timeout, keep)
+        if _trace_hook is not None:
+            _trace_hook(self, what, work)
+        return work
+
+    # reductions
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        t = _one(tensors, "allreduce")
+        works, finish = self._all_reduce(t, opts.reduceOp, opts.asyncOp, "allreduce")
+        return self._work("allreduce", works, [t], finish)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        if not tensors:
+            return self._work("allreduce_coalesced", [], [])
+        # One flat buffer, one collective: what coalescing is for.
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        works, finish = self._all_reduce(flat, opts.reduceOp, opts.asyncOp, "allreduce_coalesced")
+        pieces = flat.split([t.numel() for t in tensors])
+        return self._work("allreduce_coalesced", works, list(tensors),
+                          _then(finish, _copy_back(list(zip(tensors, pieces)))))
+
+    def _all_reduce(self, t, reduce_op, async_op, what):
+        op = _reduction(reduce_op, t.dtype, what)
+        c = _contiguous(t)
+        wire = _wire(c)
+        if callable(op):  # bitwise: every rank gets every rank's data and folds it
+            rows = wire.new_empty((self.size(), wire.numel()))
+            works = self._issue(async_op, self.comm.all_gather, rows, wire)
+            fold = lambda: wire.copy_(_fold(op, rows))  # noqa: E731
+            return works, _then(fold, _copy_back([(t, c)]))
+        works = self._issue(async_op, self.comm.all_reduce, wire, op)
+        return works, _copy_back([(t, c)])
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        t = _one(tensors, "reduce")
+        op = _reduction(opts.reduceOp, t.dtype, "reduce")
+        root = opts.rootRank
+        c = _contiguous(t)
+        wire = _wire(c)
+        if callable(op):  # bitwise: gather everything, only the root folds
+            rows = wire.new_empty((self.size(), wire.numel()))
+            works = self._issue(opts.asyncOp, self.comm.all_gather, rows, wire)
+            fold = (lambda: wire.copy_(_fold(op, rows))) if self.rank() == root else None
+            return self._work("reduce", works, [t], _then(fold, _copy_back([(t, c)])))
+        works = self._issue(opts.asyncOp, self.comm.reduce, wire, root, op)
+        return self._work("reduce", works, [t], _copy_back([(t, c)]))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        out = _one(output_tensors, "reduce_scatter")
+        inputs = _one(input_tensors, "reduce_scatter")
+        if len(inputs) != self.size():
+            raise ValueError(f"commlib backend: reduce_scatter needs {self.size()} input "
+                             f"tensors, got {len(inputs)}")
+        flat = torch.cat([x.reshape(-1) for x in inputs])
+        works, finish = self._reduce_scatter(out, flat, opts, "reduce_scatter")
+        return self._work("reduce_scatter", works, [out], finish, keep=flat)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        inp = _contiguous(input)
+        works, finish = self._reduce_scatter(output, inp, opts, "reduce_scatter_tensor")
+        return self._work("reduce_scatter_tensor", works, [output], finish, keep=inp)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        works, finishes, staged = [], [], [_contiguous(inp) for inp in inputs]
+        for out, inp in zip(outputs, staged, strict=True):
+            w, f = self._reduce_scatter(out, inp, opts, "reduce_scatter_coalesced")
+            works += w
+            finishes.append(f)
+        return self._work("reduce_scatter_coalesced", works, list(outputs), _then(*finishes),
+                          keep=staged)
+
+    def _reduce_scatter(self, out, inp, opts, what):
+        """``inp`` is contiguous with size * out.numel() elements."""
+        op = _reduction(opts.reduceOp, out.dtype, what)
+        c = _contiguous(out)
+        wire_out, wire_in = _wire(c), _wire(inp)
+        if callable(op):  # bitwise: rank r receives block r of every rank, then folds
+            rows = wire_out.new_empty((self.size(), wire_out.numel()))
+            works = self._issue(opts.asyncOp, self.comm.all_to_all, rows, wire_in)
+            fold = lambda: wire_out.copy_(_fold(op, rows))  # noqa: E731
+            return works, _then(fold, _copy_back([(out, c)]))
+        works = self._issue(opts.asyncOp, self.comm.reduce_scatter, wire_out, wire_in, op)
+        return works, _copy_back([(out, c)])
+
+    # data movement
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        t = tensors[opts.rootTensor]
+        c = _contiguous(t)
+        works = self._issue(opts.asyncOp, self.comm.broadcast, _bytes(c), opts.rootRank)
+        return self._work("broadcast", works, list(tensors), _copy_back([(t, c)]))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        outs = _one(output_tensors, "allgather")
+        inp = _contiguous(_one(input_tensors, "allgather"))
+        works, finish = self._all_gather_list(outs, inp, opts.asyncOp)
+        return self._work("allgather", works, list(outs), finish, keep=inp)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        works, finishes, staged = [], [], [_contiguous(inp) for inp in input_list]
+        for outs, inp in zip(output_lists, staged, strict=True):
+            w, f = self._all_gather_list(outs, inp, opts.asyncOp)
+            works += w
+            finishes.append(f)
+        return self._work("allgather_coalesced", works, [t for outs in output_lists for t in outs],
+                          _then(*finishes), keep=staged)
+
+    def _all_gather_list(self, outs, inp, async_op):
+        """``inp`` is contiguous."""
+        if len(outs) != self.size():
+            raise ValueError(f"commlib backend: allgather needs {self.size()} output tensors, "
+                             f"got {len(outs)}")
+        rows = inp.new_empty((self.size(),) + inp.shape)
+        works = self._issue(async_op, self.comm.all_gather, _bytes(rows), _bytes(inp))
+        return works, _copy_back(list(zip(outs, rows)))
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        inp = _contiguous(input)
+        works, finish = self._all_gather_single(output, inp, opts.asyncOp)
+        return self._work("all_gather_into_tensor", works, [output], finish, keep=inp)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        works, finishes, staged = [], [], [_contiguous(inp) for inp in inputs]
+        for out, inp in zip(outputs, staged, strict=True):
+            w, f = self._all_gather_single(out, inp, opts.asyncOp)
+            works += w
+            finishes.append(f)
+        return self._work("all_gather_into_tensor_coalesced", works, list(outputs),
+                          _then(*finishes), keep=staged)
+
+    def _all_gather_single(self, output, inp, async_op):
+        """``inp`` is contiguous."""
+        c = _contiguous(output)
+        works = self._issue(async_op, self.comm.all_gather, _bytes(c), _bytes(inp))
+        return works, _copy_back([(output, c)])
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """An all_to_all where every rank sends only to the root: one transfer per rank."""
+        opts = opts or dist.GatherOptions()
+        root, size = opts.rootRank, self.size()
+        inp = _contiguous(_one(input_tensors, "gather"))
+        n = _bytes(inp).numel()
+        at_root = self.rank() == root
+        outs = output_tensors[0] if at_root else []
+        if at_root and len(outs) != size:
+            raise ValueError(f"commlib backend: gather needs {size} output tensors on the "
+                             f"root, got {len(outs)}")
+        rows = inp.new_empty(((size,) if at_root else (0,)) + inp.shape)
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, _bytes(rows), _bytes(inp),
+                            [n if at_root else 0] * size,
+                            [n if r == root else 0 for r in range(size)])
+        return self._work("gather", works, list(outs), _copy_back(list(zip(outs, rows))),
+                          keep=inp)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """An all_to_all where only the root sends: block r to rank r."""
+        opts = opts or dist.ScatterOptions()
+        root, size = opts.rootRank, self.size()
+        out = _one(output_tensors, "scatter")
+        c = _contiguous(out)
+        n = _bytes(c).numel()
+        at_root = self.rank() == root
+        if at_root:
+            pieces = _one(input_tensors, "scatter")
+            if len(pieces) != size:
+                raise ValueError(f"commlib backend: scatter needs {size} input tensors on the "
+                                 f"root, got {len(pieces)}")
+            flat = torch.cat([_bytes(_contiguous(p)) for p in pieces])
+        else:
+            flat = _bytes(c).new_empty(0)
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, _bytes(c), flat,
+                            [n if r == root else 0 for r in range(size)],
+                            [n if at_root else 0] * size)
+        return self._work("scatter", works, [out], _copy_back([(out, c)]), keep=flat)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        """Splits count dim-0 rows (torch) and become element counts (commlib)."""
+        opts = opts or dist.AllToAllOptions()
+        c_out, c_in = _contiguous(output), _contiguous(input)
+        out_b, in_b = _bytes(c_out), _bytes(c_in)
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, out_b, in_b,
+                            _row_splits(output_split_sizes, c_out, out_b),
+                            _row_splits(input_split_sizes, c_in, in_b))
+        return self._work("all_to_all_single", works, [output], _copy_back([(output, c_out)]),
+                          keep=c_in)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """The list form: one flat buffer each way, split per peer."""
+        opts = opts or dist.AllToAllOptions()
+        if len(output_tensors) != self.size() or len(input_tensors) != self.size():
+            raise ValueError(f"commlib backend: all_to_all needs {self.size()} input and output "
+                             f"tensors, got {len(input_tensors)} and {len(output_tensors)}")
+        flat_in = torch.cat([_bytes(_contiguous(t)) for t in input_tensors])
+        dtype = output_tensors[0].dtype
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        k = _per_element(dtype)
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, _bytes(flat_out), flat_in,
+                            [t.numel() * k for t in output_tensors],
+                            [t.numel() * _per_element(t.dtype) for t in input_tensors])
+        pieces = flat_out.split([t.numel() for t in output_tensors])
+        return self._work("all_to_all", works, list(output_tensors),
+                          _copy_back(list(zip(output_tensors, pieces))), keep=flat_in)
+
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._work("barrier", self._issue(opts.asyncOp, self.comm.barrier), [])
+
+    # point to point: always posted at once (MPI Isend/Irecv), completed by commlib's poller
+    def send(self, tensors, dst, tag):
+        t = _contiguous(_one(tensors, "send"))
+        work = self.comm.send(_bytes(t), dst, tag, async_op=True)
+        return self._work("send", [work], list(tensors), keep=t)
+
+    def recv(self, tensors, src, tag):
+        t = _one(tensors, "recv")
+        c = _contiguous(t)
+        work = self.comm.recv(_bytes(c), src, tag, async_op=True)
+        return self._work("recv", [work], list(tensors), _copy_back([(t, c)]))
+
+    def recv_anysource(self, tensors, tag):
+        raise RuntimeError("commlib backend: recv needs a source rank (receiving from any "
+                           "source is not supported)")
+
+    # Older names torch's Python code or user code may still call.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def _row_splits(splits, t, flat):
+    """torch's dim-0 row counts -> element counts of ``flat`` (None: equal parts)."""
+    if not splits:
+        return None
+    per_row = flat.numel() // t.shape[0] if t.numel() else 0
+    return [s * per_row for s in splits]
+
+
+dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])

@@ -1,0 +1,108 @@
+"""The torch.distributed.Work that commlib's torch backend returns.
+
+It wraps the commlib Works of one torch operation (a torch collective may take several
+commlib calls, or none when it ran synchronously) and a *finish* step that runs once they
+all completed: copying results back into non-contiguous tensors, splitting a flat buffer
+into a list, folding gathered rows. Then it completes its torch Future with the output
+tensors. Both happen on commlib's progress thread, so an async torch op needs nobody to
+call wait() to make progress (DDP relies on that: it only chains onto the Future).
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommTimeoutError
+
+
+def _seconds(timeout) -> float | None:
+    """torch passes a timedelta, where zero means "no timeout"; None or seconds also work."""
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    return None if not timeout else float(timeout)
+
+
+class TorchWork(dist.Work):
+    """Completes when every commlib Work in ``works`` has, then runs ``finish()``.
+
+    ``outputs``: the tensors torch expects as the Future's value and from result(); the
+    Future always gets a list (DDP's reducer indexes into it, a None crashes it).
+    ``timeout``: how long wait() waits when not told (torch's "no timeout"), like gloo.
+    ``keep``: staged copies of inputs the op reads, held until it completes.
+    """
+
+    def __init__(self, what: str, works: list, outputs: list, finish=None, timeout=None,
+                 keep=()):
+        super().__init__()
+        self._what = what
+        self._keep = keep  # staged inputs the op reads: alive until it completes
+        self._timeout = _seconds(timeout)  # for wait() without one: the group's timeout
+        self._outputs = outputs
+        self._finish = finish
+        self._future = torch.futures.Future()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._pending = len(works)
+        if not works:  # ran synchronously: finish right here, on the caller's thread
+            self._complete()
+        for work in works:  # a work that is already complete calls back at once
+            work.add_done_callback(self._one_done)
+
+    def __repr__(self):
+        state = "failed" if self._error else "done" if self.is_completed() else "pending"
+        return f"<commlib TorchWork {self._what} {state}>"
+
+    def _one_done(self, work) -> None:
+        with self._lock:
+            if self._error is None and work.exception() is not None:
+                self._error = work.exception()
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self._error is None and self._finish is not None:
+            try:
+                self._finish()
+            except BaseException as e:  # noqa: BLE001 - handed to wait() and the Future
+                self._error = e
+        self._finish = self._keep = None  # drop the staging buffers
+        # The Future completes first (running its callbacks, e.g. DDP's), so that once
+        # wait() returns, get_future().value() is there too.
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._outputs)
+        self._done.set()
+
+    def wait(self, timeout=None) -> bool:
+        seconds = _seconds(timeout) or self._timeout
+        if not self._done.wait(seconds):
+            raise CommTimeoutError(f"commlib backend: {self._what} did not complete within "
+                                   f"{seconds} s (a peer may not have issued it)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error if self._done.is_set() else None
+
+    def result(self) -> list:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        """CPU tensors: nothing to order on a device stream."""

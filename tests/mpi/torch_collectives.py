@@ -1,0 +1,446 @@
+"""torch.distributed collectives on the "commlib" backend give what gloo gives, inside the
+same processes (default group commlib, a gloo group over the same ranks beside it).
+Also: subgroups, a 2-D device mesh (4 ranks), async ops that really run in the
+background, wait() timeouts, p2p, object collectives, and clear errors. Under mpiexec."""
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import commlib.torch_backend as tb
+from harness import Checker
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames collectives
+tb.init_process_group()
+rank, n = dist.get_rank(), dist.get_world_size()
+WORLD = dist.group.WORLD
+GLOO = dist.new_group(backend="gloo")
+R = dist.ReduceOp
+check = Checker()
+INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def data(shape, dtype, salt=0, who=None, op=None):
+    """Deterministic per-rank values whose reductions are exact in every dtype, <= 4 ranks."""
+    who = rank if who is None else who
+    g = torch.Generator().manual_seed(1000 * salt + who)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if op == R.PRODUCT:
+        table = torch.tensor([1, 2, 1] if dtype == torch.uint8 else [-1, 1, 2])
+        return table[torch.randint(0, 3, shape, generator=g)].to(dtype)
+    if op in (R.BAND, R.BOR, R.BXOR):
+        return torch.randint(0, 100, shape, generator=g).to(dtype)
+    low = 0 if dtype == torch.uint8 else -4
+    x = torch.randint(low, low + 9, shape, generator=g)
+    if dtype.is_complex:
+        return torch.complex(x.float(), -x.float())
+    return x.to(dtype)
+
+
+def same(got, want, tol=0.0, path="result"):
+    """Same types, shapes, dtypes and values (values within ``tol`` relative if given)."""
+    if isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: {len(got)} items, gloo {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            same(g, w, tol, f"{path}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, \
+            f"{path}: {got.dtype}{list(got.shape)} vs gloo {want.dtype}{list(want.shape)}"
+        ok = torch.allclose(got, want, rtol=tol, atol=0) if tol else torch.equal(got, want)
+        assert ok, f"{path}: commlib {got.flatten()[:8].tolist()} gloo {want.flatten()[:8].tolist()}"
+    else:
+        assert got == want, f"{path}: commlib {got!r}, gloo {want!r}"
+
+
+def versus_gloo(name, fn, ours=WORLD, theirs=GLOO, tol=0.0):
+    """Case ``name``: fn(group, async_op) on commlib and on gloo must agree, sync and async."""
+    def run():
+        # Every rank issues everything before comparing, so a mismatch cannot desynchronize.
+        results = [(fn(ours, a), fn(theirs, a), a) for a in (False, True)]
+        for got, want, a in results:
+            same(got, want, tol, f"{name} async={a}")
+    check.check(name, run)
+
+
+def finish(work, async_op):
+    if async_op and isinstance(work, torch._C.Future):  # all_reduce_coalesced returns one
+        work.wait()
+    elif async_op:
+        assert work is not None and work.wait(timedelta(seconds=60))
+    return work
+
+
+def pow2(k):
+    return k & (k - 1) == 0
+
+
+# ---------------------------------------------------------------- reductions
+
+def reductions(ours=WORLD, theirs=GLOO, tag=""):
+    size = dist.get_world_size(ours)
+    avg_tol = 0.0 if pow2(size) else 1e-6  # x * (1/3) may round unlike x / 3
+    for dtype in FLOATS + INTS + [torch.bool]:
+        ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX]
+        ops += [R.AVG] if dtype.is_floating_point else [R.BAND, R.BOR, R.BXOR]
+        for op in ops:
+            def all_reduce(g, a, dtype=dtype, op=op):
+                t = data((5, 7), dtype, 1, op=op)
+                finish(dist.all_reduce(t, op, group=g, async_op=a), a)
+                return t
+
+            def reduce(g, a, dtype=dtype, op=op):
+                t = data((33,), dtype, 2, op=op)
+                root = dist.get_global_rank(g, dist.get_world_size(g) - 1)
+                finish(dist.reduce(t, root, op, group=g, async_op=a), a)
+                return t if rank == root else None  # elsewhere gloo leaves scratch data
+
+            def reduce_scatter(g, a, dtype=dtype, op=op):
+                k = dist.get_world_size(g)
+                ins = [data((3, 2), dtype, 3 + i, op=op) for i in range(k)]
+                out = torch.zeros((3, 2), dtype=dtype)
+                finish(dist.reduce_scatter(out, ins, op, group=g, async_op=a), a)
+                return out
+
+            def reduce_scatter_tensor(g, a, dtype=dtype, op=op):
+                k = dist.get_world_size(g)
+                inp, out = data((4 * k, 3), dtype, 4, op=op), torch.zeros((4, 3), dtype=dtype)
+                finish(dist.reduce_scatter_tensor(out, inp, op, group=g, async_op=a), a)
+                return out
+
+            tol = avg_tol if op == R.AVG else 0.0
+            label = f"{tag}{str(dtype)[6:]}-{str(op)[10:]}"
+            for fn in (all_reduce, reduce, reduce_scatter, reduce_scatter_tensor):
+                versus_gloo(f"{fn.__name__}-{label}", fn, ours, theirs, tol)
+
+
+def reduction_extras():
+    def complex_sum(g, a):
+        t = data((6,), torch.complex64, 5)
+        finish(dist.all_reduce(t, group=g, async_op=a), a)
+        return t
+
+    def coalesced(g, a):
+        ts = [data((3,), torch.float32, 9), data((2, 2), torch.float32, 10)]
+        finish(dist.all_reduce_coalesced(ts, group=g, async_op=a), a)
+        return ts
+
+    def empty(g, a):
+        t = torch.zeros(0)
+        finish(dist.all_reduce(t, group=g, async_op=a), a)
+        return t
+
+    versus_gloo("all_reduce-complex", complex_sum)
+    versus_gloo("all_reduce_coalesced", coalesced)
+    versus_gloo("all_reduce-empty", empty)
+
+
+# ---------------------------------------------------------------- data movement
+
+def movement(ours=WORLD, theirs=GLOO, tag=""):
+    k = dist.get_world_size(ours)
+    last = dist.get_global_rank(ours, k - 1)
+    me = dist.get_rank(ours)
+    for dtype in [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
+                  torch.complex64]:
+        def broadcast(g, a, dtype=dtype):
+            t = data((4, 5), dtype, 11)
+            finish(dist.broadcast(t, last, group=g, async_op=a), a)
+            return t
+
+        def all_gather(g, a, dtype=dtype):
+            outs = [torch.zeros((2, 3), dtype=dtype) for _ in range(k)]
+            finish(dist.all_gather(outs, data((2, 3), dtype, 13), group=g, async_op=a), a)
+            return outs
+
+        def all_gather_into_tensor(g, a, dtype=dtype):
+            out = torch.zeros((3 * k, 2), dtype=dtype)
+            finish(dist.all_gather_into_tensor(out, data((3, 2), dtype, 14), group=g,
+                                               async_op=a), a)
+            return out
+
+        def all_to_all_single(g, a, dtype=dtype):
+            even_in, even_out = data((2 * k, 3), dtype, 15), torch.zeros((2 * k, 3), dtype=dtype)
+            finish(dist.all_to_all_single(even_out, even_in, group=g, async_op=a), a)
+            # uneven: rank i sends i + j + 1 rows to rank j
+            ins = [me + j + 1 for j in range(k)]
+            outs = [j + me + 1 for j in range(k)]
+            inp, out = data((sum(ins), 2), dtype, 16), torch.zeros((sum(outs), 2), dtype=dtype)
+            finish(dist.all_to_all_single(out, inp, outs, ins, group=g, async_op=a), a)
+            return even_out, out
+
+        def all_to_all(g, a, dtype=dtype):  # gloo takes equal sizes only
+            ins = [data((2,), dtype, 17 + j) for j in range(k)]
+            outs = [torch.zeros((2,), dtype=dtype) for j in range(k)]
+            finish(dist.all_to_all(outs, ins, group=g, async_op=a), a)
+            return outs
+
+        def gather(g, a, dtype=dtype):
+            results = []
+            for dst in (dist.get_global_rank(g, 0), last):
+                out = [torch.zeros((2, 2), dtype=dtype) for _ in range(k)] \
+                    if dist.get_rank() == dst else None
+                finish(dist.gather(data((2, 2), dtype, 18), out, dst, group=g, async_op=a), a)
+                results.append(out or [])
+            return results
+
+        def scatter(g, a, dtype=dtype):
+            results = []
+            for src in (dist.get_global_rank(g, 0), last):
+                pieces = [data((3,), dtype, 19 + i) for i in range(k)] \
+                    if dist.get_rank() == src else None
+                out = torch.zeros(3, dtype=dtype)
+                finish(dist.scatter(out, pieces, src, group=g, async_op=a), a)
+                results.append(out)
+            return results
+
+        for fn in (broadcast, all_gather, all_gather_into_tensor, all_to_all_single, all_to_all,
+                   gather, scatter):
+            if fn is gather and dtype.is_complex:
+                continue  # gloo cannot gather complex (commlib can: see beyond_gloo)
+            versus_gloo(f"{tag}{fn.__name__}-{str(dtype)[6:]}", fn, ours, theirs)
+
+
+def beyond_gloo():
+    """What gloo refuses or gets wrong, checked against each rank's known data: dtypes gloo
+    cannot move (int16, complex gather), non-contiguous tensors (gloo ignores them
+    silently), uneven list all_to_all (gloo takes equal sizes only)."""
+    everyone = range(n)
+
+    def expect(got, want):
+        same(got, want, path="beyond_gloo")
+
+    for dtype in (torch.int16, torch.complex64):
+        out = [torch.zeros((2, 3), dtype=dtype) for _ in everyone] if rank == n - 1 else None
+        dist.gather(data((2, 3), dtype, 50), out, n - 1)
+        if rank == n - 1:
+            expect(out, [data((2, 3), dtype, 50, who=r) for r in everyone])
+        t = data((5,), dtype, 51)
+        dist.broadcast(t, 0)
+        expect(t, data((5,), dtype, 51, who=0))
+        whole = torch.zeros((2 * n, 3), dtype=dtype)
+        dist.all_gather_into_tensor(whole, data((2, 3), dtype, 52))
+        expect(whole, torch.cat([data((2, 3), dtype, 52, who=r) for r in everyone]))
+
+    # non-contiguous in-place, input and output tensors
+    t = data((6, 4), torch.float32, 53).t()
+    dist.all_reduce(t, R.MAX, async_op=True).wait()
+    expect(t, torch.stack([data((6, 4), torch.float32, 53, who=r) for r in everyone])
+           .amax(0).t())
+    u = data((9,), torch.int64, 54)[::3]
+    dist.broadcast(u, n - 1)
+    expect(u, data((9,), torch.int64, 54, who=n - 1)[::3])
+    outs = [torch.zeros((3, 2)).t() for _ in everyone]
+    dist.all_gather(outs, data((4, 3), torch.float32, 55)[::2])
+    expect(outs, [data((4, 3), torch.float32, 55, who=r)[::2] for r in everyone])
+    rs = torch.zeros((5, 8))[:, ::2]
+    dist.reduce_scatter_tensor(rs, data((5 * n, 8), torch.float32, 56)[:, 1::2])
+    want = sum(data((5 * n, 8), torch.float32, 56, who=r)[:, 1::2] for r in everyone)
+    expect(rs, want[5 * rank:5 * rank + 5])
+    got = torch.zeros((4, 3)).t()
+    if n > 1:
+        if rank == 0:
+            dist.send(data((4, 3), torch.float32, 57)[::2, :2].t(), 1)
+        elif rank == 1:
+            dist.recv(got[:2, :2], 0)
+            expect(got[:2, :2], data((4, 3), torch.float32, 57, who=0)[::2, :2].t())
+
+    # uneven list all_to_all: rank i sends i + j + 1 elements to rank j
+    ins = [data((rank + j + 1,), torch.int64, 58 + j) for j in everyone]
+    outs = [torch.zeros(j + rank + 1, dtype=torch.int64) for j in everyone]
+    dist.all_to_all(outs, ins)
+    expect(outs, [data((j + rank + 1,), torch.int64, 58 + rank, who=j) for j in everyone])
+
+
+def objects_and_barrier():
+    def objects(g, a):
+        got = [None] * dist.get_world_size(g)
+        dist.all_gather_object(got, {"rank": rank, "list": list(range(rank))}, group=g)
+        objs = [f"from {rank}", rank * 1.5, None] if rank == 0 else [None] * 3
+        dist.broadcast_object_list(objs, src=0, group=g)
+        dist.barrier(group=g)
+        finish(dist.barrier(group=g, async_op=True), True)
+        return got, objs
+    check.check("objects_and_barrier", lambda: same(objects(WORLD, False), objects(GLOO, False)))
+
+
+# ---------------------------------------------------------------- point to point
+
+def point_to_point():
+    if n < 2:
+        return
+    nxt, prev = (rank + 1) % n, (rank - 1) % n
+
+    def ring(g, a):
+        send, got = data((3, 4), torch.float32, 20), torch.zeros((3, 4))  # gloo: contiguous only
+        if a:
+            works = [dist.isend(send, nxt, group=g, tag=5), dist.irecv(got, prev, group=g, tag=5)]
+            for w in works:
+                assert w.wait(timedelta(seconds=60))
+        elif rank % 2 == 0:
+            dist.send(send, nxt, group=g)
+            dist.recv(got, prev, group=g)
+        else:
+            dist.recv(got, prev, group=g)
+            dist.send(send, nxt, group=g)
+        ops = [dist.P2POp(dist.irecv, b := torch.zeros(5, dtype=torch.int64), prev, g),
+               dist.P2POp(dist.isend, torch.arange(5) * (rank + 1), nxt, g)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        return got, b
+
+    versus_gloo("send_recv_isend_irecv_batch", ring)
+
+
+# ---------------------------------------------------------------- async, timeouts, errors
+
+def truly_async():
+    """Rank 0 issues a collective that rank 1 joins 0.5 s later: the call returns at once,
+    the op completes in the background without wait(), and wait() then succeeds."""
+    if n < 2:
+        return
+    t = torch.full((1 << 20,), float(rank))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)
+    start = time.perf_counter()
+    work = dist.all_reduce(t, async_op=True)
+    issued = time.perf_counter() - start
+    fut = work.get_future()
+    if rank == 0:
+        assert issued < 0.2, f"async all_reduce blocked {issued:.3f} s"
+        assert not work.is_completed()
+        deadline = time.time() + 30
+        while not work.is_completed() and time.time() < deadline:
+            time.sleep(0.01)  # no wait(): the backend's threads must finish it
+        assert work.is_completed() and fut.done()
+    assert work.wait() and work.is_success()
+    assert torch.equal(fut.value()[0], torch.full((1 << 20,), n * (n - 1) / 2))
+    assert fut.value()[0] is t
+
+
+def wait_timeout():
+    """wait(timeout) raises while a peer has not issued the op; it completes afterwards."""
+    if n < 2:
+        return
+    t = torch.ones(8)
+    dist.barrier()
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        try:
+            work.wait(timedelta(milliseconds=200))
+            raise AssertionError("wait returned before the others issued the all_reduce")
+        except TimeoutError as e:
+            assert "did not complete" in str(e)
+        for peer in range(1, n):  # now let the others go on
+            dist.send(torch.zeros(1), peer)
+        assert work.wait(timedelta(seconds=60))
+    else:
+        dist.recv(torch.zeros(1), 0)
+        dist.all_reduce(t)
+    assert torch.equal(t, torch.full((8,), float(n)))
+
+
+def errors():
+    def raises(exc, match, fn):
+        try:
+            fn()
+        except exc as e:
+            assert match in str(e), f"{match!r} not in {e!r}"
+        else:
+            raise AssertionError(f"no {exc.__name__} ({match})")
+
+    raises(TypeError, "AVG needs a floating dtype",
+           lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), R.AVG))
+    raises(ValueError, "Cannot use ReduceOp.BAND with non-integral",
+           lambda: dist.all_reduce(torch.ones(3), R.BAND))
+    raises(TypeError, "cannot reduce torch.int16",
+           lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)))
+    raises(ValueError, "PREMUL_SUM",
+           lambda: dist.all_reduce(torch.ones(3), dist._make_nccl_premul_sum(2.0)))
+    raises(RuntimeError, "source rank", lambda: dist.recv(torch.ones(1)))
+    dist.barrier()  # nothing was sent: everyone is still in step
+
+
+# ---------------------------------------------------------------- subgroups and a 2-D mesh
+
+def is_commlib(group):
+    assert dist.get_backend(group) == "commlib", dist.get_backend(group)
+    assert isinstance(group, tb.ProcessGroupCommlib), repr(group)
+
+
+def subgroups():
+    """Every rank creates every group (torch's rule); members compare commlib to gloo."""
+    specs = [[0, n - 1], list(range(1, n)) or [0], [r for r in range(n) if r % 2 == 0]]
+    for i, ranks in enumerate(specs):
+        ranks = sorted(set(ranks))
+        ours, theirs = dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            check.check(f"subgroup{i}-backend", lambda g=ours: is_commlib(g))
+            for dtype in (torch.float32, torch.int64):
+                def sub_all_reduce(g, a, dtype=dtype):
+                    t = data((6,), dtype, 30)
+                    finish(dist.all_reduce(t, R.SUM, group=g, async_op=a), a)
+                    return t
+                versus_gloo(f"sub{i}-all_reduce-{str(dtype)[6:]}", sub_all_reduce, ours, theirs)
+            if i == 0:  # the full matrix once, on a group that leaves ranks out when n > 2
+                movement(ours, theirs, tag=f"sub{i}-")
+
+
+def mesh_2d():
+    """init_device_mesh("cpu", (2, 2)): each dimension's group against gloo's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rows = [[0, 1], [2, 3]]
+    cols = [[0, 2], [1, 3]]
+    gloo_rows = [dist.new_group(r, backend="gloo") for r in rows]
+    gloo_cols = [dist.new_group(c, backend="gloo") for c in cols]
+    tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+    my_row, my_col = gloo_rows[rank // 2], gloo_cols[rank % 2]
+
+    def layout():
+        is_commlib(tp)
+        is_commlib(dp)
+        assert dist.get_process_group_ranks(tp) == rows[rank // 2]
+        assert dist.get_process_group_ranks(dp) == cols[rank % 2]
+    check.check("mesh-layout", layout)
+    for name, ours, theirs in (("tp", tp, my_row), ("dp", dp, my_col)):
+        def mesh_ops(g, a):
+            k = dist.get_world_size(g)
+            t = data((5,), torch.float32, 40)
+            finish(dist.all_reduce(t, group=g, async_op=a), a)
+            out = torch.zeros(3 * k)
+            finish(dist.all_gather_into_tensor(out, data((3,), torch.float32, 41), group=g,
+                                               async_op=a), a)
+            rs = torch.zeros(2)
+            finish(dist.reduce_scatter_tensor(rs, data((2 * k,), torch.float32, 42), group=g,
+                                              async_op=a), a)
+            return t, out, rs
+        versus_gloo(f"mesh-{name}", mesh_ops, ours, theirs)
+    movement(tp, my_row, tag="mesh-tp-")
+
+
+def timed(name, fn):
+    start = time.perf_counter()
+    fn()
+    if rank == 0:
+        print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+timed("reductions", reductions)
+timed("reduction_extras", reduction_extras)
+timed("movement", movement)
+timed("objects_and_barrier", objects_and_barrier)
+timed("point_to_point", point_to_point)
+for case in (truly_async, wait_timeout, errors, beyond_gloo):
+    timed(case.__name__, lambda: check.check(case.__name__, case))
+timed("subgroups", subgroups)
+if n == 4:
+    timed("mesh_2d", mesh_2d)
+dist.barrier()
+dist.destroy_process_group()
+check.finish()
