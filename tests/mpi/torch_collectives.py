@@ -299,28 +299,39 @@ def point_to_point():
 # ---------------------------------------------------------------- async, timeouts, errors
 
 def truly_async():
-    """Rank 0 issues a collective that rank 1 joins 0.5 s later: the call returns at once,
-    the op completes in the background without wait(), and wait() then succeeds."""
+    """Rank 0 issues collectives that rank 1 joins 1 s later: each call returns at once,
+    the ops complete in the background without wait(), and wait() then succeeds."""
     if n < 2:
         return
-    t = torch.full((1 << 20,), float(rank))
+    big = 1 << 20
+    t = torch.full((big,), float(rank))
+    gathered, scattered = torch.zeros(n * 8), torch.zeros(8)
+    swapped, bcast = torch.zeros(8 * n), torch.full((8,), float(rank))
     dist.barrier()
     if rank == 1:
-        time.sleep(0.5)
+        time.sleep(1.0)
     start = time.perf_counter()
-    work = dist.all_reduce(t, async_op=True)
+    works = [dist.all_reduce(t, async_op=True),
+             dist.all_gather_into_tensor(gathered, torch.full((8,), float(rank)), async_op=True),
+             dist.reduce_scatter_tensor(scattered, torch.ones(8 * n), async_op=True),
+             dist.all_to_all_single(swapped, torch.full((8 * n,), float(rank)), async_op=True),
+             dist.broadcast(bcast, 1, async_op=True)]
     issued = time.perf_counter() - start
-    fut = work.get_future()
+    futures = [w.get_future() for w in works]
     if rank == 0:
-        assert issued < 0.2, f"async all_reduce blocked {issued:.3f} s"
-        assert not work.is_completed()
+        assert issued < 0.2, f"issuing async collectives blocked {issued:.3f} s"
+        assert not any(w.is_completed() for w in works)
         deadline = time.time() + 30
-        while not work.is_completed() and time.time() < deadline:
-            time.sleep(0.01)  # no wait(): the backend's threads must finish it
-        assert work.is_completed() and fut.done()
-    assert work.wait() and work.is_success()
-    assert torch.equal(fut.value()[0], torch.full((1 << 20,), n * (n - 1) / 2))
-    assert fut.value()[0] is t
+        while not all(w.is_completed() for w in works) and time.time() < deadline:
+            time.sleep(0.01)  # no wait(): the backend's threads must finish them
+        assert all(w.is_completed() for w in works) and all(f.done() for f in futures)
+    assert all(w.wait() and w.is_success() for w in works)
+    assert futures[0].value()[0] is t
+    assert torch.equal(t, torch.full((big,), n * (n - 1) / 2))
+    assert torch.equal(gathered, torch.arange(n).float().repeat_interleave(8))
+    assert torch.equal(scattered, torch.full((8,), float(n)))
+    assert torch.equal(swapped, torch.arange(n).float().repeat_interleave(8))
+    assert torch.equal(bcast, torch.ones(8))
 
 
 def wait_timeout():
@@ -363,7 +374,15 @@ def errors():
     raises(ValueError, "PREMUL_SUM",
            lambda: dist.all_reduce(torch.ones(3), dist._make_nccl_premul_sum(2.0)))
     raises(RuntimeError, "source rank", lambda: dist.recv(torch.ones(1)))
-    dist.barrier()  # nothing was sent: everyone is still in step
+    if n > 1:  # a failure in the background reaches wait(), the Future and exception()
+        if rank == 0:
+            dist.send(torch.zeros(3), 1)
+        elif rank == 1:
+            work = dist.irecv(torch.zeros(5), 0)
+            raises(RuntimeError, "got 12 bytes", work.wait)
+            raises(RuntimeError, "got 12 bytes", work.get_future().wait)
+            assert not work.is_success() and "12 bytes" in str(work.exception())
+    dist.barrier()  # everyone is still in step
 
 
 # ---------------------------------------------------------------- subgroups and a 2-D mesh
