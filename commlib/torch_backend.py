@@ -10,12 +10,11 @@ Importing this module registers the backend. Under ``mpiexec``:
 The default group is MPI.COMM_WORLD; ``new_group(ranks)`` becomes an MPI communicator over
 those ranks. Ranks come from MPI, so a launcher that forms no MPI world (torchrun) is
 refused with a message to use mpiexec. Tensors are CPU tensors of any dtype for data
-movement; reductions take commlib's dtypes plus bool and complex (see ``_reduction``).
+movement; reductions take commlib's dtypes plus bool and complex (see torch_ops.reduction).
 Every op with ``async_op=True`` returns at once and progresses on commlib's threads.
 """
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import zlib
@@ -26,6 +25,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from .comm import Communicator
+from .torch_ops import (byte_view, contiguous, copy_back, fold, in_order, only, per_element,
+                        reduce_view, reduction, row_splits)
 from .torch_work import TorchWork
 
 BACKEND = "commlib"
@@ -120,98 +121,6 @@ def _tag(name: str) -> int:
     return zlib.crc32(name.encode()) % 32768
 
 
-# --------------------------------------------------------------------------- dtypes and ops
-
-# What commlib reduces natively; anything else moves as raw bytes.
-COMMLIB_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                            torch.int8, torch.uint8, torch.int32, torch.int64})
-_R = dist.ReduceOp.RedOpType
-_NATIVE = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "avg"}
-# commlib has no bitwise reductions: they gather every rank's data and fold it locally.
-_BITWISE = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or, _R.BXOR: torch.bitwise_xor}
-# bool travels as uint8 0/1, where "or" is max and "and" is min (gloo: SUM is OR, PROD AND).
-_BOOL = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.PRODUCT: "min", _R.MIN: "min",
-         _R.BAND: "min", _R.BXOR: torch.bitwise_xor}
-
-
-def _reduction(reduce_op, dtype: torch.dtype, what: str):
-    """commlib's op name for ``reduce_op`` on ``dtype``, or a fold function (bitwise ops)."""
-    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-    name = str(kind).rsplit(".", 1)[-1]
-    if dtype == torch.bool:
-        op = _BOOL.get(kind)
-    elif dtype.is_complex:
-        op = _NATIVE[kind] if kind in (_R.SUM, _R.AVG) else None
-    elif dtype not in COMMLIB_DTYPES:
-        raise TypeError(f"commlib backend: {what} cannot reduce {dtype}; reductions take "
-                        f"bool, complex and {', '.join(sorted(str(d) for d in COMMLIB_DTYPES))}")
-    elif kind in _BITWISE:
-        if dtype.is_floating_point:
-            raise ValueError(f"Cannot use ReduceOp.{name} with non-integral dtype {dtype}")
-        op = _BITWISE[kind]
-    else:
-        op = _NATIVE.get(kind)
-        if op == "avg" and not dtype.is_floating_point:
-            raise TypeError(f"commlib backend: ReduceOp.AVG needs a floating dtype, got {dtype}")
-    if op is None:
-        raise ValueError(f"commlib backend: {what} does not support ReduceOp.{name} on {dtype}")
-    return op
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """Flat view of contiguous ``t`` in a dtype commlib reduces (bool as uint8, complex as
-    its real pairs)."""
-    if t.is_complex():
-        return torch.view_as_real(t).reshape(-1)
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8) if t.dtype == torch.bool else flat
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """Flat view of contiguous ``t`` that commlib can move: itself, or its raw bytes."""
-    flat = t.reshape(-1)
-    return flat if t.dtype in COMMLIB_DTYPES else flat.view(torch.uint8)
-
-
-def _per_element(dtype: torch.dtype) -> int:
-    """Elements of ``_bytes`` per tensor element."""
-    return 1 if dtype in COMMLIB_DTYPES else dtype.itemsize
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _fold(fn, rows: torch.Tensor) -> torch.Tensor:
-    return functools.reduce(fn, rows.unbind(0))
-
-
-def _one(tensors, what: str) -> torch.Tensor:
-    if len(tensors) != 1:
-        raise ValueError(f"commlib backend: {what} takes one tensor per process, got "
-                         f"{len(tensors)}")
-    return tensors[0]
-
-
-def _copy_back(pairs):
-    """Finish step: copy each staged result into the user's tensor it stands in for."""
-    def finish():
-        for dst, src in pairs:
-            if dst is not src:
-                dst.copy_(src.view(dst.shape))
-    return finish
-
-
-def _then(*steps):
-    """One finish step running ``steps`` (None entries skipped) in order."""
-    steps = [s for s in steps if s is not None]
-
-    def finish():
-        for step in steps:
-            step()
-    return finish
-
-
 # --------------------------------------------------------------------------- the process group
 
 _trace_hook = None
@@ -289,7 +198,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     # reductions
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        t = _one(tensors, "allreduce")
+        t = only(tensors, "allreduce")
         works, finish = self._all_reduce(t, opts.reduceOp, opts.asyncOp, "allreduce")
         return self._work("allreduce", works, [t], finish)
 
@@ -302,39 +211,39 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works, finish = self._all_reduce(flat, opts.reduceOp, opts.asyncOp, "allreduce_coalesced")
         pieces = flat.split([t.numel() for t in tensors])
         return self._work("allreduce_coalesced", works, list(tensors),
-                          _then(finish, _copy_back(list(zip(tensors, pieces)))))
+                          in_order(finish, copy_back(list(zip(tensors, pieces)))))
 
     def _all_reduce(self, t, reduce_op, async_op, what):
-        op = _reduction(reduce_op, t.dtype, what)
-        c = _contiguous(t)
-        wire = _wire(c)
+        op = reduction(reduce_op, t.dtype, what)
+        c = contiguous(t)
+        wire = reduce_view(c)
         if callable(op):  # bitwise: every rank gets every rank's data and folds it
             rows = wire.new_empty((self.size(), wire.numel()))
             works = self._issue(async_op, self.comm.all_gather, rows, wire)
-            fold = lambda: wire.copy_(_fold(op, rows))  # noqa: E731
-            return works, _then(fold, _copy_back([(t, c)]))
+            fold_rows = lambda: wire.copy_(fold(op, rows))  # noqa: E731
+            return works, in_order(fold_rows, copy_back([(t, c)]))
         works = self._issue(async_op, self.comm.all_reduce, wire, op)
-        return works, _copy_back([(t, c)])
+        return works, copy_back([(t, c)])
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        t = _one(tensors, "reduce")
-        op = _reduction(opts.reduceOp, t.dtype, "reduce")
+        t = only(tensors, "reduce")
+        op = reduction(opts.reduceOp, t.dtype, "reduce")
         root = opts.rootRank
-        c = _contiguous(t)
-        wire = _wire(c)
+        c = contiguous(t)
+        wire = reduce_view(c)
         if callable(op):  # bitwise: gather everything, only the root folds
             rows = wire.new_empty((self.size(), wire.numel()))
             works = self._issue(opts.asyncOp, self.comm.all_gather, rows, wire)
-            fold = (lambda: wire.copy_(_fold(op, rows))) if self.rank() == root else None
-            return self._work("reduce", works, [t], _then(fold, _copy_back([(t, c)])))
+            fold_rows = (lambda: wire.copy_(fold(op, rows))) if self.rank() == root else None
+            return self._work("reduce", works, [t], in_order(fold_rows, copy_back([(t, c)])))
         works = self._issue(opts.asyncOp, self.comm.reduce, wire, root, op)
-        return self._work("reduce", works, [t], _copy_back([(t, c)]))
+        return self._work("reduce", works, [t], copy_back([(t, c)]))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        out = _one(output_tensors, "reduce_scatter")
-        inputs = _one(input_tensors, "reduce_scatter")
+        out = only(output_tensors, "reduce_scatter")
+        inputs = only(input_tensors, "reduce_scatter")
         if len(inputs) != self.size():
             raise ValueError(f"commlib backend: reduce_scatter needs {self.size()} input "
                              f"tensors, got {len(inputs)}")
@@ -344,57 +253,57 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        inp = _contiguous(input)
+        inp = contiguous(input)
         works, finish = self._reduce_scatter(output, inp, opts, "reduce_scatter_tensor")
         return self._work("reduce_scatter_tensor", works, [output], finish, keep=inp)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        works, finishes, staged = [], [], [_contiguous(inp) for inp in inputs]
+        works, finishes, staged = [], [], [contiguous(inp) for inp in inputs]
         for out, inp in zip(outputs, staged, strict=True):
             w, f = self._reduce_scatter(out, inp, opts, "reduce_scatter_coalesced")
             works += w
             finishes.append(f)
-        return self._work("reduce_scatter_coalesced", works, list(outputs), _then(*finishes),
+        return self._work("reduce_scatter_coalesced", works, list(outputs), in_order(*finishes),
                           keep=staged)
 
     def _reduce_scatter(self, out, inp, opts, what):
         """``inp`` is contiguous with size * out.numel() elements."""
-        op = _reduction(opts.reduceOp, out.dtype, what)
-        c = _contiguous(out)
-        wire_out, wire_in = _wire(c), _wire(inp)
+        op = reduction(opts.reduceOp, out.dtype, what)
+        c = contiguous(out)
+        wire_out, wire_in = reduce_view(c), reduce_view(inp)
         if callable(op):  # bitwise: rank r receives block r of every rank, then folds
             rows = wire_out.new_empty((self.size(), wire_out.numel()))
             works = self._issue(opts.asyncOp, self.comm.all_to_all, rows, wire_in)
-            fold = lambda: wire_out.copy_(_fold(op, rows))  # noqa: E731
-            return works, _then(fold, _copy_back([(out, c)]))
+            fold_rows = lambda: wire_out.copy_(fold(op, rows))  # noqa: E731
+            return works, in_order(fold_rows, copy_back([(out, c)]))
         works = self._issue(opts.asyncOp, self.comm.reduce_scatter, wire_out, wire_in, op)
-        return works, _copy_back([(out, c)])
+        return works, copy_back([(out, c)])
 
     # data movement
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         t = tensors[opts.rootTensor]
-        c = _contiguous(t)
-        works = self._issue(opts.asyncOp, self.comm.broadcast, _bytes(c), opts.rootRank)
-        return self._work("broadcast", works, list(tensors), _copy_back([(t, c)]))
+        c = contiguous(t)
+        works = self._issue(opts.asyncOp, self.comm.broadcast, byte_view(c), opts.rootRank)
+        return self._work("broadcast", works, list(tensors), copy_back([(t, c)]))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.AllgatherOptions()
-        outs = _one(output_tensors, "allgather")
-        inp = _contiguous(_one(input_tensors, "allgather"))
+        outs = only(output_tensors, "allgather")
+        inp = contiguous(only(input_tensors, "allgather"))
         works, finish = self._all_gather_list(outs, inp, opts.asyncOp)
         return self._work("allgather", works, list(outs), finish, keep=inp)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         opts = opts or dist.AllgatherOptions()
-        works, finishes, staged = [], [], [_contiguous(inp) for inp in input_list]
+        works, finishes, staged = [], [], [contiguous(inp) for inp in input_list]
         for outs, inp in zip(output_lists, staged, strict=True):
             w, f = self._all_gather_list(outs, inp, opts.asyncOp)
             works += w
             finishes.append(f)
         return self._work("allgather_coalesced", works, [t for outs in output_lists for t in outs],
-                          _then(*finishes), keep=staged)
+                          in_order(*finishes), keep=staged)
 
     def _all_gather_list(self, outs, inp, async_op):
         """``inp`` is contiguous."""
@@ -402,80 +311,80 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             raise ValueError(f"commlib backend: allgather needs {self.size()} output tensors, "
                              f"got {len(outs)}")
         rows = inp.new_empty((self.size(),) + inp.shape)
-        works = self._issue(async_op, self.comm.all_gather, _bytes(rows), _bytes(inp))
-        return works, _copy_back(list(zip(outs, rows)))
+        works = self._issue(async_op, self.comm.all_gather, byte_view(rows), byte_view(inp))
+        return works, copy_back(list(zip(outs, rows)))
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
-        inp = _contiguous(input)
+        inp = contiguous(input)
         works, finish = self._all_gather_single(output, inp, opts.asyncOp)
         return self._work("all_gather_into_tensor", works, [output], finish, keep=inp)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
-        works, finishes, staged = [], [], [_contiguous(inp) for inp in inputs]
+        works, finishes, staged = [], [], [contiguous(inp) for inp in inputs]
         for out, inp in zip(outputs, staged, strict=True):
             w, f = self._all_gather_single(out, inp, opts.asyncOp)
             works += w
             finishes.append(f)
         return self._work("all_gather_into_tensor_coalesced", works, list(outputs),
-                          _then(*finishes), keep=staged)
+                          in_order(*finishes), keep=staged)
 
     def _all_gather_single(self, output, inp, async_op):
         """``inp`` is contiguous."""
-        c = _contiguous(output)
-        works = self._issue(async_op, self.comm.all_gather, _bytes(c), _bytes(inp))
-        return works, _copy_back([(output, c)])
+        c = contiguous(output)
+        works = self._issue(async_op, self.comm.all_gather, byte_view(c), byte_view(inp))
+        return works, copy_back([(output, c)])
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """An all_to_all where every rank sends only to the root: one transfer per rank."""
         opts = opts or dist.GatherOptions()
         root, size = opts.rootRank, self.size()
-        inp = _contiguous(_one(input_tensors, "gather"))
-        n = _bytes(inp).numel()
+        inp = contiguous(only(input_tensors, "gather"))
+        n = byte_view(inp).numel()
         at_root = self.rank() == root
         outs = output_tensors[0] if at_root else []
         if at_root and len(outs) != size:
             raise ValueError(f"commlib backend: gather needs {size} output tensors on the "
                              f"root, got {len(outs)}")
         rows = inp.new_empty(((size,) if at_root else (0,)) + inp.shape)
-        works = self._issue(opts.asyncOp, self.comm.all_to_all, _bytes(rows), _bytes(inp),
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, byte_view(rows), byte_view(inp),
                             [n if at_root else 0] * size,
                             [n if r == root else 0 for r in range(size)])
-        return self._work("gather", works, list(outs), _copy_back(list(zip(outs, rows))),
+        return self._work("gather", works, list(outs), copy_back(list(zip(outs, rows))),
                           keep=inp)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """An all_to_all where only the root sends: block r to rank r."""
         opts = opts or dist.ScatterOptions()
         root, size = opts.rootRank, self.size()
-        out = _one(output_tensors, "scatter")
-        c = _contiguous(out)
-        n = _bytes(c).numel()
+        out = only(output_tensors, "scatter")
+        c = contiguous(out)
+        n = byte_view(c).numel()
         at_root = self.rank() == root
         if at_root:
-            pieces = _one(input_tensors, "scatter")
+            pieces = only(input_tensors, "scatter")
             if len(pieces) != size:
                 raise ValueError(f"commlib backend: scatter needs {size} input tensors on the "
                                  f"root, got {len(pieces)}")
-            flat = torch.cat([_bytes(_contiguous(p)) for p in pieces])
+            flat = torch.cat([byte_view(contiguous(p)) for p in pieces])
         else:
-            flat = _bytes(c).new_empty(0)
-        works = self._issue(opts.asyncOp, self.comm.all_to_all, _bytes(c), flat,
+            flat = byte_view(c).new_empty(0)
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, byte_view(c), flat,
                             [n if r == root else 0 for r in range(size)],
                             [n if at_root else 0] * size)
-        return self._work("scatter", works, [out], _copy_back([(out, c)]), keep=flat)
+        return self._work("scatter", works, [out], copy_back([(out, c)]), keep=flat)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
         """Splits count dim-0 rows (torch) and become element counts (commlib)."""
         opts = opts or dist.AllToAllOptions()
-        c_out, c_in = _contiguous(output), _contiguous(input)
-        out_b, in_b = _bytes(c_out), _bytes(c_in)
+        c_out, c_in = contiguous(output), contiguous(input)
+        out_b, in_b = byte_view(c_out), byte_view(c_in)
         works = self._issue(opts.asyncOp, self.comm.all_to_all, out_b, in_b,
-                            _row_splits(output_split_sizes, c_out, out_b),
-                            _row_splits(input_split_sizes, c_in, in_b))
-        return self._work("all_to_all_single", works, [output], _copy_back([(output, c_out)]),
+                            row_splits(output_split_sizes, c_out, out_b),
+                            row_splits(input_split_sizes, c_in, in_b))
+        return self._work("all_to_all_single", works, [output], copy_back([(output, c_out)]),
                           keep=c_in)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -484,16 +393,16 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise ValueError(f"commlib backend: all_to_all needs {self.size()} input and output "
                              f"tensors, got {len(input_tensors)} and {len(output_tensors)}")
-        flat_in = torch.cat([_bytes(_contiguous(t)) for t in input_tensors])
+        flat_in = torch.cat([byte_view(contiguous(t)) for t in input_tensors])
         dtype = output_tensors[0].dtype
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
-        k = _per_element(dtype)
-        works = self._issue(opts.asyncOp, self.comm.all_to_all, _bytes(flat_out), flat_in,
+        k = per_element(dtype)
+        works = self._issue(opts.asyncOp, self.comm.all_to_all, byte_view(flat_out), flat_in,
                             [t.numel() * k for t in output_tensors],
-                            [t.numel() * _per_element(t.dtype) for t in input_tensors])
+                            [t.numel() * per_element(t.dtype) for t in input_tensors])
         pieces = flat_out.split([t.numel() for t in output_tensors])
         return self._work("all_to_all", works, list(output_tensors),
-                          _copy_back(list(zip(output_tensors, pieces))), keep=flat_in)
+                          copy_back(list(zip(output_tensors, pieces))), keep=flat_in)
 
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
@@ -501,15 +410,15 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # point to point: always posted at once (MPI Isend/Irecv), completed by commlib's poller
     def send(self, tensors, dst, tag):
-        t = _contiguous(_one(tensors, "send"))
-        work = self.comm.send(_bytes(t), dst, tag, async_op=True)
+        t = contiguous(only(tensors, "send"))
+        work = self.comm.send(byte_view(t), dst, tag, async_op=True)
         return self._work("send", [work], list(tensors), keep=t)
 
     def recv(self, tensors, src, tag):
-        t = _one(tensors, "recv")
-        c = _contiguous(t)
-        work = self.comm.recv(_bytes(c), src, tag, async_op=True)
-        return self._work("recv", [work], list(tensors), _copy_back([(t, c)]))
+        t = only(tensors, "recv")
+        c = contiguous(t)
+        work = self.comm.recv(byte_view(c), src, tag, async_op=True)
+        return self._work("recv", [work], list(tensors), copy_back([(t, c)]))
 
     def recv_anysource(self, tensors, tag):
         raise RuntimeError("commlib backend: recv needs a source rank (receiving from any "
@@ -521,14 +430,6 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-
-def _row_splits(splits, t, flat):
-    """torch's dim-0 row counts -> element counts of ``flat`` (None: equal parts)."""
-    if not splits:
-        return None
-    per_row = flat.numel() // t.shape[0] if t.numel() else 0
-    return [s * per_row for s in splits]
 
 
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])

@@ -1,0 +1,110 @@
+"""Dtypes, reduce ops and staging for commlib's torch backend (commlib/torch_backend.py).
+
+commlib moves and reduces flat contiguous buffers of a few dtypes. These helpers turn
+torch's tensors and ReduceOps into that: views in a dtype commlib handles, the commlib op
+(or a local fold where commlib has none), and finish steps that copy staged results back
+into the caller's tensors.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+# What commlib reduces natively; anything else moves as raw bytes.
+COMMLIB_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                            torch.int8, torch.uint8, torch.int32, torch.int64})
+_R = dist.ReduceOp.RedOpType
+_NATIVE = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "avg"}
+# commlib has no bitwise reductions: they gather every rank's data and fold it locally.
+_BITWISE = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or, _R.BXOR: torch.bitwise_xor}
+# bool travels as uint8 0/1, where "or" is max and "and" is min (gloo: SUM is OR, PROD AND).
+_BOOL = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.PRODUCT: "min", _R.MIN: "min",
+         _R.BAND: "min", _R.BXOR: torch.bitwise_xor}
+
+
+def reduction(reduce_op, dtype: torch.dtype, what: str):
+    """commlib's op name for ``reduce_op`` on ``dtype``, or a fold function (bitwise ops)."""
+    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    name = str(kind).rsplit(".", 1)[-1]
+    if dtype == torch.bool:
+        op = _BOOL.get(kind)
+    elif dtype.is_complex:
+        op = _NATIVE[kind] if kind in (_R.SUM, _R.AVG) else None
+    elif dtype not in COMMLIB_DTYPES:
+        raise TypeError(f"commlib backend: {what} cannot reduce {dtype}; reductions take "
+                        f"bool, complex and {', '.join(sorted(str(d) for d in COMMLIB_DTYPES))}")
+    elif kind in _BITWISE:
+        if dtype.is_floating_point:
+            raise ValueError(f"Cannot use ReduceOp.{name} with non-integral dtype {dtype}")
+        op = _BITWISE[kind]
+    else:
+        op = _NATIVE.get(kind)
+        if op == "avg" and not dtype.is_floating_point:
+            raise TypeError(f"commlib backend: ReduceOp.AVG needs a floating dtype, got {dtype}")
+    if op is None:
+        raise ValueError(f"commlib backend: {what} does not support ReduceOp.{name} on {dtype}")
+    return op
+
+
+def reduce_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat view of contiguous ``t`` in a dtype commlib reduces (bool as uint8, complex as
+    its real pairs)."""
+    if t.is_complex():
+        return torch.view_as_real(t).reshape(-1)
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if t.dtype == torch.bool else flat
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat view of contiguous ``t`` that commlib can move: itself, or its raw bytes."""
+    flat = t.reshape(-1)
+    return flat if t.dtype in COMMLIB_DTYPES else flat.view(torch.uint8)
+
+
+def per_element(dtype: torch.dtype) -> int:
+    """Elements of ``byte_view`` per tensor element."""
+    return 1 if dtype in COMMLIB_DTYPES else dtype.itemsize
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def fold(fn, rows: torch.Tensor) -> torch.Tensor:
+    return functools.reduce(fn, rows.unbind(0))
+
+
+def only(tensors, what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"commlib backend: {what} takes one tensor per process, got "
+                         f"{len(tensors)}")
+    return tensors[0]
+
+
+def copy_back(pairs):
+    """Finish step: copy each staged result into the user's tensor it stands in for."""
+    def finish():
+        for dst, src in pairs:
+            if dst is not src:
+                dst.copy_(src.view(dst.shape))
+    return finish
+
+
+def in_order(*steps):
+    """One finish step running ``steps`` (None entries skipped) in order."""
+    steps = [s for s in steps if s is not None]
+
+    def finish():
+        for step in steps:
+            step()
+    return finish
+
+
+def row_splits(splits, t, flat):
+    """torch's dim-0 row counts -> element counts of ``flat`` (None: equal parts)."""
+    if not splits:
+        return None
+    per_row = flat.numel() // t.shape[0] if t.numel() else 0
+    return [s * per_row for s in splits]
