@@ -24,8 +24,8 @@ def add_arguments(p):
     p.add_argument("collectives", nargs="*", default=["all_reduce"],
                    help=f"any of {', '.join(SPECS)} (default all_reduce)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=8)
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=32 << 20)
-    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20)
+    p.add_argument("-f", "--stepfactor", type=int, default=2)
     p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per size")
     p.add_argument("--no-gloo", action="store_true", help="leave torch gloo out")
