@@ -259,13 +259,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        works, finishes, staged = [], [], [contiguous(inp) for inp in inputs]
-        for out, inp in zip(outputs, staged, strict=True):
-            w, f = self._reduce_scatter(out, inp, opts, "reduce_scatter_coalesced")
-            works += w
-            finishes.append(f)
-        return self._work("reduce_scatter_coalesced", works, list(outputs), in_order(*finishes),
-                          keep=staged)
+
+        def one(out, inp, _async_op):  # opts carries asyncOp
+            return self._reduce_scatter(out, inp, opts, "reduce_scatter_coalesced")
+        return self._coalesced("reduce_scatter_coalesced", one, outputs, inputs, opts.asyncOp,
+                               list(outputs))
 
     def _reduce_scatter(self, out, inp, opts, what):
         """``inp`` is contiguous with size * out.numel() elements."""
@@ -297,13 +295,17 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         opts = opts or dist.AllgatherOptions()
-        works, finishes, staged = [], [], [contiguous(inp) for inp in input_list]
-        for outs, inp in zip(output_lists, staged, strict=True):
-            w, f = self._all_gather_list(outs, inp, opts.asyncOp)
+        return self._coalesced("allgather_coalesced", self._all_gather_list, output_lists,
+                               input_list, opts.asyncOp, [t for outs in output_lists for t in outs])
+
+    def _coalesced(self, name, one, outputs, inputs, async_op, results):
+        """Issue ``one(output, contiguous input, async_op)`` for each pair; one Work for all."""
+        works, finishes, staged = [], [], [contiguous(inp) for inp in inputs]
+        for out, inp in zip(outputs, staged, strict=True):
+            w, f = one(out, inp, async_op)
             works += w
             finishes.append(f)
-        return self._work("allgather_coalesced", works, [t for outs in output_lists for t in outs],
-                          in_order(*finishes), keep=staged)
+        return self._work(name, works, results, in_order(*finishes), keep=staged)
 
     def _all_gather_list(self, outs, inp, async_op):
         """``inp`` is contiguous."""
@@ -322,13 +324,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
-        works, finishes, staged = [], [], [contiguous(inp) for inp in inputs]
-        for out, inp in zip(outputs, staged, strict=True):
-            w, f = self._all_gather_single(out, inp, opts.asyncOp)
-            works += w
-            finishes.append(f)
-        return self._work("all_gather_into_tensor_coalesced", works, list(outputs),
-                          in_order(*finishes), keep=staged)
+        return self._coalesced("all_gather_into_tensor_coalesced", self._all_gather_single,
+                               outputs, inputs, opts.asyncOp, list(outputs))
 
     def _all_gather_single(self, output, inp, async_op):
         """``inp`` is contiguous."""

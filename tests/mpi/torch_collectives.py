@@ -134,8 +134,26 @@ def reduction_extras():
         finish(dist.all_reduce(t, group=g, async_op=a), a)
         return t
 
+    def coalescing(collective, out_elems, in_elems):
+        """Two calls under the coalescing manager (which calls the *_coalesced methods)."""
+        def fn(g, a):
+            k = dist.get_world_size(g)
+            outs = [torch.zeros(out_elems(k, m)) for m in (3, 2)]
+            ins = [data((in_elems(k, m),), torch.float32, 11 + m) for m in (3, 2)]
+            with dist._coalescing_manager(group=g, async_ops=a) as cm:
+                for o, i in zip(outs, ins):
+                    collective(o, i, group=g)
+            if a:
+                cm.wait()
+            return outs
+        return fn
+
     versus_gloo("all_reduce-complex", complex_sum)
     versus_gloo("all_reduce_coalesced", coalesced)
+    versus_gloo("all_gather_into_tensor_coalesced", coalescing(
+        dist.all_gather_into_tensor, lambda k, m: k * m, lambda k, m: m))
+    versus_gloo("reduce_scatter_tensor_coalesced", coalescing(
+        dist.reduce_scatter_tensor, lambda k, m: m, lambda k, m: k * m))
     versus_gloo("all_reduce-empty", empty)
 
 
