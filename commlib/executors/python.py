@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,6 +21,9 @@ from ..errors import CommError
 from ..schedule import RecvReduce, Schedule
 
 SEGMENT_BYTES = int(os.environ.get("COMMLIB_SEGMENT_BYTES", 1 << 20))
+# Reductions land in a few scratch slots reused round-robin rather than one slot per
+# segment: the scratch stays in cache and its size no longer grows with the message.
+SCRATCH_SLOTS = int(os.environ.get("COMMLIB_SCRATCH_SLOTS", 4))
 _TAG = 7
 _ALIGN = 64
 
@@ -47,7 +51,7 @@ class Plan:
     schedule: Schedule
     rounds: tuple  # (copies: ((src, src_off, dst, dst_off, nbytes), ...), recvs, sends)
     tmp_bytes: int
-    scratch_bytes: int
+    slot_bytes: int  # one receive-scratch slot; SCRATCH_SLOTS of them follow tmp
 
 
 def _segments(offset, count, itemsize):
@@ -64,18 +68,18 @@ def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
                         c.src.count * itemsize) for c in rnd.copies)
         sends = tuple(_Transfer(s.peer, s.src.buf, off * itemsize, n * itemsize)
                       for s in rnd.sends for off, n in _segments(s.src.offset, s.src.count, itemsize))
-        recvs, scratch = [], tmp_bytes
+        recvs = []
         for r in rnd.recvs:
             for off, n in _segments(r.dst.offset, r.dst.count, itemsize):
-                if isinstance(r, RecvReduce):
+                if isinstance(r, RecvReduce):  # lands in a scratch slot chosen at run time
                     src_off = r.src.offset + off - r.dst.offset
                     red = _Reduction(r.dst.buf, off * itemsize, r.src.buf, src_off * itemsize, n)
-                    recvs.append(_Transfer(r.peer, "arena", scratch, n * itemsize, red))
-                    scratch += n * itemsize
+                    recvs.append(_Transfer(r.peer, "arena", 0, n * itemsize, red))
                 else:
                     recvs.append(_Transfer(r.peer, r.dst.buf, off * itemsize, n * itemsize))
         rounds.append((copies, tuple(recvs), sends))
-    return Plan(schedule, tuple(rounds), tmp_bytes, schedule.scratch_count * itemsize)
+    slot_bytes = min(SEGMENT_BYTES, schedule.scratch_count * itemsize)
+    return Plan(schedule, tuple(rounds), tmp_bytes, slot_bytes)
 
 
 @lru_cache(maxsize=4096)
@@ -98,40 +102,63 @@ class PythonExecutor:
 
     def run(self, plan: Plan, bufs: dict, dtype_code: int, op_code: int) -> None:
         with self._lock:
-            arena = self._arena_for(plan.tmp_bytes + plan.scratch_bytes)
+            arena = self._arena_for(plan.tmp_bytes + SCRATCH_SLOTS * plan.slot_bytes)
             views = {name: b.bytes for name, b in bufs.items()}
             views["tmp"] = views["arena"] = arena
             ptrs = {name: b.ptr for name, b in bufs.items()}
             ptrs["tmp"] = ptrs["arena"] = arena.ctypes.data
             errors: list = []
             for rnd in plan.rounds:
-                self._run_round(rnd, views, ptrs, dtype_code, op_code, errors)
+                self._run_round(rnd, plan, views, ptrs, dtype_code, op_code, errors)
             if errors:
                 raise errors[0]
 
-    def _run_round(self, rnd, views, ptrs, dtype_code, op_code, errors):
-        """One round. A bad transfer is recorded, not raised at once: finishing the schedule
-        keeps every peer's transfers matched, so one disagreement cannot hang the others."""
+    def _run_round(self, rnd, plan, views, ptrs, dtype_code, op_code, errors):
+        """One round. Receives are posted in schedule order (MPI matches in posting order);
+        one needing a scratch slot waits for a free one, freed as earlier ones are reduced.
+        A bad transfer is recorded, not raised at once: finishing the schedule keeps every
+        peer's transfers matched, so one disagreement cannot hang the others."""
         copies, recvs, sends = rnd
         for src, src_off, dst, dst_off, n in copies:
             _C.copy(ptrs[dst] + dst_off, ptrs[src] + src_off, n)
-        mpi = self.mpi
-        rreqs = [mpi.Irecv(views[t.buf][t.offset:t.offset + t.nbytes], t.peer, _TAG) for t in recvs]
+        mpi, arena = self.mpi, views["arena"]
+        slots = [plan.tmp_bytes + i * plan.slot_bytes for i in range(SCRATCH_SLOTS)]
+        pending, posted = deque(), 0
+
+        def post():
+            nonlocal posted
+            while posted < len(recvs):
+                t = recvs[posted]
+                if t.reduction is None:
+                    slot, view = None, views[t.buf][t.offset:t.offset + t.nbytes]
+                elif slots:
+                    slot = slots.pop()
+                    view = arena[slot:slot + t.nbytes]
+                else:
+                    return
+                pending.append((mpi.Irecv(view, t.peer, _TAG), t, slot))
+                posted += 1
+
+        post()
         sreqs = [mpi.Isend(views[t.buf][t.offset:t.offset + t.nbytes], t.peer, _TAG) for t in sends]
         status = MPI.Status()
-        for req, t in zip(rreqs, recvs):
+        while pending:
+            req, t, slot = pending.popleft()
             try:
                 req.Wait(status)
             except MPI.Exception as e:  # e.g. a message longer than expected (truncated)
                 errors.append(CommError(f"receive from rank {t.peer} failed: {e}"))
-                continue
-            if status.Get_count(MPI.BYTE) != t.nbytes:
-                errors.append(CommError(
-                    f"received {status.Get_count(MPI.BYTE)} bytes from rank {t.peer}, expected "
-                    f"{t.nbytes}: the ranks disagree on counts or splits"))
-                continue
-            red = t.reduction
-            if red is not None:
-                _C.reduce(ptrs[red.dst] + red.dst_offset, ptrs[red.src] + red.src_offset,
-                          ptrs["arena"] + t.offset, red.count, dtype_code, op_code)
+            else:
+                got = status.Get_count(MPI.BYTE)
+                red = t.reduction
+                if got != t.nbytes:
+                    errors.append(CommError(
+                        f"received {got} bytes from rank {t.peer}, expected {t.nbytes}: the "
+                        "ranks disagree on counts or splits"))
+                elif red is not None:
+                    _C.reduce(ptrs[red.dst] + red.dst_offset, ptrs[red.src] + red.src_offset,
+                              ptrs["arena"] + slot, red.count, dtype_code, op_code)
+            if slot is not None:
+                slots.append(slot)
+                post()
         MPI.Request.Waitall(sreqs)
