@@ -13,7 +13,7 @@ import commlib
 
 from .harness import Progress, iteration_times, parse_size, print_table, sizes, write_json
 from .peers import Case, assign, make_peers
-from .specs import DTYPES, OPS, SPECS
+from .specs import DTYPES, OPS, SPECS, itemsize
 
 HEADER = ["size", "count", "type", "redop", "root", "impl", "time(us)", "algbw(GB/s)",
           "busbw(GB/s)", "#wrong"]
@@ -60,7 +60,7 @@ def main(args, comm) -> int:
     n = comm.size
     if spec.rooted and not 0 <= args.root < n:
         raise SystemExit(f"--root {args.root} is outside the {n} ranks")
-    itemsize = 2 if args.datatype in ("float16", "bfloat16") else np.dtype(args.datatype).itemsize
+    size_of = itemsize(args.datatype)
     peers = make_peers(comm, implementations(spec.name, args.algo))
     op = args.op if spec.reduces else None
     if op == "avg" and args.datatype.startswith(("int", "uint")):
@@ -69,7 +69,7 @@ def main(args, comm) -> int:
     progress = Progress(len(grid) * len(peers), comm.rank == 0)
     rows, any_wrong = [], False
     for size in grid:
-        count = size // itemsize
+        count = size // size_of
         if spec.blocked:
             count -= count % n
         for peer in peers:

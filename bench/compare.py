@@ -17,7 +17,7 @@ from commlib import _C
 
 from .harness import Progress, iteration_times, parse_size, print_table, sizes, write_json
 from .peers import Case, assign, make_peers
-from .specs import DTYPES, SPECS
+from .specs import DTYPES, SPECS, itemsize
 
 
 def add_arguments(p):
@@ -57,7 +57,7 @@ def main(args, comm) -> int:
     unknown = [c for c in args.collectives if c not in SPECS]
     if unknown:
         raise SystemExit(f"unknown collective(s) {unknown}; choose from {', '.join(SPECS)}")
-    itemsize = 2 if args.datatype in ("float16", "bfloat16") else np.dtype(args.datatype).itemsize
+    size_of = itemsize(args.datatype)
     grid = sizes(args.minbytes, args.maxbytes, args.stepfactor)
     rows, tables, any_wrong = [], {}, False
     progress = Progress(len(grid) * len(args.collectives), comm.rank == 0)
@@ -68,7 +68,7 @@ def main(args, comm) -> int:
         peers = make_peers(comm, names)
         op = "sum" if spec.reduces else None
         for size in grid:
-            count = size // itemsize - (size // itemsize % n if spec.blocked else 0)
+            count = size // size_of - (size // size_of % n if spec.blocked else 0)
             case = Case(spec, n, comm.rank, count, args.datatype, op)
             active = [p for p in peers if p.unsupported(case) is None]
             samples = {p.name: [] for p in active}

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import commlib
 
-from .specs import count_wrong
+from .specs import count_wrong, itemsize
 
 
 def alloc(count: int, dtype: str):
@@ -57,7 +57,7 @@ class Case:
 
     @property
     def nbytes(self) -> int:
-        return self.count * (2 if self.dtype in ("float16", "bfloat16") else np.dtype(self.dtype).itemsize)
+        return self.count * itemsize(self.dtype)
 
     def torch_views(self):
         """(input, output) as torch tensors sharing this case's memory."""

@@ -16,6 +16,10 @@ from .harness import exact_values
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
 OPS = ["sum", "prod", "min", "max", "avg"]
+def itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
 _REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
            "avg": np.add}
 

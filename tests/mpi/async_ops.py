@@ -153,8 +153,4 @@ def torch_tensors_async():
     assert bool((x == n - 1).all())
 
 
-for name, fn in list(globals().items()):
-    if callable(fn) and getattr(fn, "__module__", None) == "__main__" and not name.startswith("_") \
-            and fn.__code__.co_argcount == 0:
-        check.check(name, fn)
-check.finish()
+check.run_cases(globals())

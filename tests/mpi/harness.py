@@ -61,6 +61,16 @@ def to_f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
+def raises(exc, match: str, fn) -> None:
+    """``fn()`` must raise ``exc`` with ``match`` in its message."""
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), f"{match!r} not in {e!r}"
+    else:
+        raise AssertionError(f"no {exc.__name__} ({match})")
+
+
 class Checker:
     def __init__(self):
         self.cases = 0
@@ -73,6 +83,14 @@ class Checker:
         except Exception as e:  # noqa: BLE001 - collected and reported below
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             self.failures.append(f"{name}: {detail[:400]}")
+
+    def run_cases(self, namespace: dict) -> None:
+        """Check every public zero-argument function the calling script defined, then finish."""
+        for name, fn in list(namespace.items()):
+            if (callable(fn) and getattr(fn, "__module__", None) == "__main__"
+                    and not name.startswith("_") and fn.__code__.co_argcount == 0):
+                self.check(name, fn)
+        self.finish()
 
     def finish(self) -> None:
         world = MPI.COMM_WORLD

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import commlib.torch_backend as tb
-from harness import Checker
+from harness import Checker, raises
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames collectives
@@ -375,14 +375,6 @@ def wait_timeout():
 
 
 def errors():
-    def raises(exc, match, fn):
-        try:
-            fn()
-        except exc as e:
-            assert match in str(e), f"{match!r} not in {e!r}"
-        else:
-            raise AssertionError(f"no {exc.__name__} ({match})")
-
     raises(TypeError, "AVG needs a floating dtype",
            lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), R.AVG))
     raises(ValueError, "Cannot use ReduceOp.BAND with non-integral",
