@@ -11,7 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 import commlib
-from commlib.select import FORMULAS, NATIVE_FORMULAS, CostModel, tuning_path
+import dataclasses
+
+from commlib.select import (DEFAULT_MODEL, DIRECT_FORMULAS, FORMULAS, NATIVE_FORMULAS, CostModel,
+                            tuning_path)
 
 from .harness import iteration_times, parse_size, print_table, sizes
 from .peers import Case, CommlibPeer
@@ -41,17 +44,28 @@ def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
         free[np.argmin(np.where(free, x, np.inf))] = False
 
 
-def fit(samples) -> CostModel:
-    """samples: (collective, algorithm, n, nbytes, seconds) -> the fitted CostModel.
-    Constants without data keep their defaults."""
-    default = CostModel()
-    sched = [(FORMULAS[(c, a)](n, b), t) for c, a, n, b, t in samples if a != "native"]
-    params = dict(alpha=default.alpha, beta=default.beta, gamma=default.gamma)
+def _coefficients(collective, algorithm, n, nbytes):
+    if algorithm == "direct":
+        return DIRECT_FORMULAS[collective](n, nbytes)
+    return FORMULAS[(collective, algorithm)](n, nbytes)
+
+
+def fit(samples, transport: str = "mpi", base: CostModel | None = None) -> CostModel:
+    """samples: (collective, algorithm, n, nbytes, seconds) -> ``base`` (default: the
+    built-in constants) with the constants of ``transport`` ("shm": alpha_shm, beta_shm,
+    gamma_shm; otherwise alpha, beta, gamma) and native's fitted. Constants without data
+    keep their values."""
+    default = base or CostModel()
+    names = ("alpha_shm", "beta_shm", "gamma_shm") if transport == "shm" else ("alpha", "beta",
+                                                                              "gamma")
+    sched = [(_coefficients(c, a, n, b), t) for c, a, n, b, t in samples
+             if a not in ("native", "hier")]
+    params = {name: getattr(default, name) for name in names}
     if sched:
         X = np.array([coef for coef, _ in sched], float)
         y = np.array([t for _, t in sched])
         w = 1 / y
-        params.update(zip(("alpha", "beta", "gamma"), nnls(X * w[:, None], y * w)))
+        params.update(zip(names, nnls(X * w[:, None], y * w)))
     native = [(c, NATIVE_FORMULAS[c](n, b), t) for c, a, n, b, t in samples if a == "native"]
     per_byte = dict(default.native_per_byte)
     alpha_native = default.alpha_native
@@ -65,8 +79,8 @@ def fit(samples) -> CostModel:
         x = nnls(X * w[:, None], y * w)
         alpha_native = x[0]
         per_byte.update(zip(cols, x[1:]))
-    return CostModel(**params, alpha_native=alpha_native,
-                     native_per_byte=tuple(sorted(per_byte.items())))
+    return dataclasses.replace(default, **params, alpha_native=alpha_native,
+                               native_per_byte=tuple(sorted(per_byte.items())))
 
 
 def main(args, comm) -> int:
@@ -82,21 +96,23 @@ def main(args, comm) -> int:
             count = size // 4 - (size // 4 % n if spec.blocked else 0)
             case = Case(spec, n, comm.rank, count, "float32", "sum" if spec.reduces else None)
             model_bytes = (count // n if name in ("reduce_scatter", "all_gather") else count) * 4
-            for algo in commlib.algorithms(name):
+            for algo in commlib.algorithms(name, comm):
                 peer = CommlibPeer(comm, algo)
                 t = float(np.median(iteration_times(comm.mpi, lambda: peer.run(case),
                                                     args.iters, 2)))
                 samples.append((name, algo, n, model_bytes, t))
     if comm.rank != 0:
         return 0
-    model = fit(samples)
-    print(f"# calibrate: {n} ranks; fitted alpha {model.alpha * 1e6:.2f} us, beta "
-          f"{1 / model.beta / 1e9 if model.beta else float('inf'):.2f} GB/s, gamma "
-          f"{1 / model.gamma / 1e9 if model.gamma else float('inf'):.2f} GB/s, alpha_native "
-          f"{model.alpha_native * 1e6:.2f} us")
+    model = fit(samples, comm.transport, DEFAULT_MODEL)
+    suffix = "_shm" if comm.transport == "shm" else ""
+    alpha, beta, gamma = (getattr(model, c + suffix) for c in ("alpha", "beta", "gamma"))
+    rate = lambda per_byte: 1 / per_byte / 1e9 if per_byte else float("inf")  # noqa: E731
+    print(f"# calibrate: {n} ranks over {comm.transport}; fitted alpha{suffix} {alpha * 1e6:.2f} "
+          f"us, beta{suffix} {rate(beta):.2f} GB/s, gamma{suffix} {rate(gamma):.2f} GB/s, "
+          f"alpha_native {model.alpha_native * 1e6:.2f} us")
     table = []
     for name, algo, nr, nbytes, t in samples:
-        pred = model.predict(name, algo, nr, nbytes)
+        pred = model.predict(name, algo, nr, nbytes, comm.transport)
         table.append([name, algo, nbytes, t * 1e6, pred * 1e6, 100 * (pred - t) / t])
     print_table(["collective", "algorithm", "bytes", "measured(us)", "predicted(us)", "error%"],
                 table)

@@ -34,9 +34,9 @@ def add_arguments(p):
     p.add_argument("--json", help="also write the results to this JSON file")
 
 
-def implementations(collective: str, algo: str) -> list[str]:
+def implementations(comm, collective: str, algo: str) -> list[str]:
     if algo == "all":
-        return [f"commlib:{a}" for a in commlib.algorithms(collective)] + ["commlib:auto"]
+        return [f"commlib:{a}" for a in commlib.algorithms(collective, comm)] + ["commlib:auto"]
     return [f"commlib:{algo}"]
 
 
@@ -61,7 +61,7 @@ def main(args, comm) -> int:
     if spec.rooted and not 0 <= args.root < n:
         raise SystemExit(f"--root {args.root} is outside the {n} ranks")
     size_of = itemsize(args.datatype)
-    peers = make_peers(comm, implementations(spec.name, args.algo))
+    peers = make_peers(comm, implementations(comm, spec.name, args.algo))
     op = args.op if spec.reduces else None
     if op == "avg" and args.datatype.startswith(("int", "uint")):
         raise SystemExit("-o avg needs a floating datatype")

@@ -86,7 +86,7 @@ class CommlibPeer:
         self.name = f"commlib:{algorithm}"
 
     def unsupported(self, case):
-        if self.algorithm != "auto" and self.algorithm not in commlib.algorithms(case.spec.name):
+        if self.algorithm != "auto" and self.algorithm not in self.comm.algorithms(case.spec.name):
             return f"no {self.algorithm} {case.spec.name}"
         return None
 

@@ -20,7 +20,7 @@ def main():
                             f"  max over my half {s[0]:.0f}")
     big = np.ones(1 << 20, np.float32)
     timings = {}
-    for algo in commlib.algorithms("all_reduce"):
+    for algo in comm.algorithms("all_reduce"):
         comm.all_reduce(big, algorithm=algo)
         comm.barrier()
         start = time.perf_counter()

@@ -39,9 +39,21 @@ class Buffer:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    def part(self, offset: int, count: int) -> "Buffer":
+        """Elements [offset, offset + count) of this buffer."""
+        size = self.dtype.itemsize
+        return Buffer(self.obj, self.bytes[offset * size:(offset + count) * size],
+                      self.ptr + offset * size, count, self.dtype)
+
     def overlaps(self, other: "Buffer") -> bool:
         return (self.nbytes > 0 and other.nbytes > 0 and self.ptr < other.ptr + other.nbytes
                 and other.ptr < self.ptr + self.nbytes)
+
+
+def scratch(numel: int, dtype: DType) -> Buffer:
+    """A new buffer of ``numel`` elements of ``dtype`` (contents undefined)."""
+    raw = np.empty(numel * dtype.itemsize, np.uint8)
+    return Buffer(raw, raw, raw.ctypes.data, numel, dtype)
 
 
 def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:

@@ -3,13 +3,13 @@ anything is sent), picks an algorithm, and runs it. ``comm=None`` means the worl
 from __future__ import annotations
 
 import operator
+import os
 
 from mpi4py import MPI
 
 from . import _C
 from .buffers import Buffer, as_buffer
 from .errors import CommError
-from .executors.python import plan_for
 from .ops import ReduceOp
 from .select import choose
 
@@ -34,33 +34,64 @@ def _same_dtype(a: Buffer, b: Buffer, names: str) -> None:
         raise TypeError(f"{names} must have the same dtype, got {a.dtype.name} and {b.dtype.name}")
 
 
-def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, *, result,
-         async_op=False, **params):
-    """Choose the algorithm and plan now (so bad names raise here), run on the engine."""
-    algo = choose(collective, algorithm, comm.size, count * dtype.itemsize)
+def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
+    """Choose the algorithm and plan now (so bad names raise here); return the call."""
+    algo = choose(collective, algorithm, comm.size, count * dtype.itemsize,
+                  transport=comm.transport,
+                  local=comm._layout.local.size if comm._layout else None)
     kernel_op = op.kernel_op
-    plan = None if algo.run is not None else plan_for(
+    executor = comm._executor
+    plan = None if algo.run is not None else executor.plan(
         algo, comm.size, comm.rank, count, dtype.itemsize, tuple(sorted(params.items())))
 
-    def task():
+    def call():
         try:
             if plan is None:
                 algo.run(comm, bufs, dtype, kernel_op, **params)
             else:
-                comm._executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
+                executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
         except MPI.Exception as e:
             raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
         if op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"]):
             target = bufs["out"]
             _C.scale(target.ptr, target.numel, dtype.code, 1.0 / comm.size)
+
+    return call
+
+
+def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, *, result,
+         async_op=False, **params):
+    """Validate-then-run entry of the public collectives: on the communicator's engine."""
+    call = _prepare(comm, collective, algorithm, bufs, count, dtype, op, params)
+
+    def task():
+        call()
         return result
 
     return comm._engine.run(collective, task, async_op)
 
 
+def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=None, **params):
+    """Run a collective on Buffers now, on this thread: for algorithms built from others
+    (hier), which already run on their own communicator's engine."""
+    _prepare(comm, collective, algorithm, bufs, count, dtype, op, params)()
+
+
+_ALL_REDUCE_ENV = "COMMLIB_ALGO_ALL_REDUCE"
+
+
 def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False):
     """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
-    comm = _comm(comm)
+    comm = comm or _comm(comm)
+    # Small sums of numpy arrays on one host skip the general path (its Python costs more
+    # than the collective); they run exactly what it would choose, the direct algorithm.
+    if (comm._fast_sum_bytes and op == "sum" and algorithm is None and not async_op
+            and comm._engine.idle() and _ALL_REDUCE_ENV not in os.environ):
+        try:
+            if comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes):
+                return t
+        except _C.PeerError as e:
+            raise CommError(str(e)) from None
     buf = as_buffer(t, "t")
     return _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
                 ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op)
@@ -159,6 +190,9 @@ def barrier(comm=None, async_op=False):
     comm = _comm(comm)
 
     def task():
+        if comm.transport == "shm":
+            comm._executor.barrier()
+            return
         try:
             comm._coll.Barrier()
         except MPI.Exception as e:

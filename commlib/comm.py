@@ -8,6 +8,9 @@ from mpi4py import MPI  # noqa: E402
 
 from . import collectives  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
+from .executors.shm import ShmExecutor  # noqa: E402
+from .select import choose  # noqa: E402
+from .hosts import HostLayout, count_hosts, requested_transport  # noqa: E402
 from .work import ProgressEngine, RequestPoller  # noqa: E402
 
 
@@ -20,7 +23,7 @@ class Communicator:
     communicator complete in issue order, driven by its own progress thread.
     """
 
-    def __init__(self, mpi_comm: MPI.Comm):
+    def __init__(self, mpi_comm: MPI.Comm, _transport: str | None = None):
         if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL:
             raise TypeError(f"Communicator needs an mpi4py communicator, got {mpi_comm!r}")
         self.mpi = mpi_comm
@@ -28,13 +31,47 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self._coll = mpi_comm.Dup()
         self._p2p = mpi_comm.Dup()
-        self._executor = PythonExecutor(self._coll)
+        self.transport = _transport or self._pick_transport()
+        self._layout = HostLayout(self._coll, Communicator) if self.transport == "hosts" else None
+        self._executor = (ShmExecutor(self._coll) if self.transport == "shm"
+                          else PythonExecutor(self._coll))
+        self._fast_sum_bytes = self._fast_all_reduce_limit()
         name = f"r{self.rank}of{self.size}"
         self._engine = ProgressEngine(name)
         self._poller = RequestPoller(name)
 
     def __repr__(self):
-        return f"<commlib.Communicator rank {self.rank} of {self.size}>"
+        return f"<commlib.Communicator rank {self.rank} of {self.size} over {self.transport}>"
+
+    def _pick_transport(self) -> str:
+        """shm on one host, hosts across evenly filled hosts, else mpi (see hosts.py)."""
+        requested = requested_transport()
+        if requested == "mpi":
+            return "mpi"
+        hosts, even = count_hosts(self._coll)
+        if hosts == 1:
+            return "shm"
+        if requested == "shm":
+            raise ValueError(f"COMMLIB_TRANSPORT=shm, but this communicator spans {hosts} hosts; "
+                             "use auto or mpi")
+        return "hosts" if even else "mpi"
+
+    def _fast_all_reduce_limit(self) -> int:
+        """Bytes up to which all_reduce may take the fast path (collectives.all_reduce):
+        sizes where the cost model picks direct anyway; 0 when it never does."""
+        if self.transport != "shm":
+            return 0
+        limit = 0
+        for nbytes in (1 << k for k in range(17)):  # up to 64 KiB
+            if choose("all_reduce", "auto", self.size, nbytes, transport="shm").name != "direct":
+                break
+            limit = nbytes
+        return limit
+
+    def algorithms(self, collective: str) -> list[str]:
+        """The algorithms ``collective`` can use on this communicator."""
+        from .algorithms import algorithms
+        return algorithms(collective, self)
 
     def split(self, color, key=0) -> "Communicator | None":
         """Ranks with equal ``color`` form a new communicator, ordered by (key, rank).
@@ -53,6 +90,9 @@ class Communicator:
         """Finish outstanding work, then release the private MPI communicators (collective)."""
         self._engine.close()
         self._poller.close()
+        if self._layout is not None:
+            self._layout.free()
+        self._executor = None  # unmaps shared memory
         for c in (self._coll, self._p2p):
             if c != MPI.COMM_NULL:
                 c.Free()

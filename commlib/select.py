@@ -7,6 +7,11 @@ linear in the constants, the model is fitted by least squares (``python -m bench
 calibrate``), which writes a tuning file; without one, defaults fitted on a 2-core machine
 with 2 ranks apply. ``native`` (the MPI library's own collective) is opaque: its own
 alpha, and one per-byte cost per collective in place of beta and gamma.
+
+On the shared-memory transport (one host) schedules pay their own constants (alpha_shm,
+beta_shm, gamma_shm), and ``direct`` has formulas of its own: a round there is a barrier
+per staged piece. ``hier`` costs its host stage (direct, L ranks per host) plus its
+cross-host stage (the best MPI algorithm among H hosts on 1/L of the data).
 """
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ from pathlib import Path
 # (import names: the package attribute commlib.algorithms is the public function)
 from .algorithms import Algorithm, algorithms, get
 from .algorithms.ring import BROADCAST_MAX_SEGMENTS, BROADCAST_SEGMENT_BYTES
+
+STAGING_HALF_BYTES = 512 * 1024  # csrc/shm_direct.cpp stages pieces of about this size
+SMALL_ALL_REDUCE_BYTES = 4096    # ... and reduces vectors up to this size with one barrier
 
 
 def _log(n):  # rounds of a binomial tree / recursive doubling
@@ -72,6 +80,33 @@ FORMULAS = {
     ("reduce", "tree"): lambda n, N: (_log(n), _log(n) * N, _log(n) * N),
 }
 
+def _pieces(nbytes):
+    return max(1, math.ceil(nbytes / STAGING_HALF_BYTES))
+
+
+# direct on shared memory: (barriers, bytes copied, bytes reduced) per rank
+def _direct_all_reduce(n, N):
+    if N <= SMALL_ALL_REDUCE_BYTES:
+        return 1, N, n * N
+    return 2 * _pieces(N), N + N / n + (n - 1) / n * N, N
+
+
+DIRECT_FORMULAS = {
+    "all_reduce": _direct_all_reduce,
+    "reduce": lambda n, N: (2 * _pieces(N), N + N / n, N),
+    "reduce_scatter": lambda n, N: (_pieces(n * N), n * N, n * N),
+    "all_gather": lambda n, N: (_pieces(N), n * N, 0),
+    "broadcast": lambda n, N: (_pieces(N), N, 0),
+}
+
+# hier, L ranks on each of H hosts: per-rank bytes of its host stage and its cross stage
+HIER_BYTES = {
+    "all_reduce": lambda L, H, N: (N, N / L),
+    "reduce_scatter": lambda L, H, N: (H * N, N),
+    "all_gather": lambda L, H, N: (H * N, N),
+    "broadcast": lambda L, H, N: (N, N),
+}
+
 # native: (latency rounds, bytes its traffic moves) per collective
 NATIVE_FORMULAS = {
     "all_reduce": lambda n, N: (2 * _log(n), 2 * (n - 1) / n * N),
@@ -98,23 +133,47 @@ class CostModel:
     alpha: float = 6e-6         # s per round, schedules on the Python executor
     beta: float = 0.9e-10       # s per byte moved
     gamma: float = 0.2e-10      # s per byte reduced
+    alpha_shm: float = 1.5e-6     # s per round (schedules) or barrier (direct) on shared memory
+    beta_shm: float = 0.6e-10     # s per byte moved through shared memory
+    gamma_shm: float = 0.4e-10    # s per byte reduced there
     alpha_native: float = 4e-6  # s per latency round of the MPI library's own collectives
     native_per_byte: tuple = field(default=(  # s per byte its traffic moves, per collective
         ("all_reduce", 3.4e-10), ("reduce_scatter", 1.6e-10), ("all_gather", 0.75e-10),
         ("all_to_all", 1.6e-10), ("broadcast", 0.3e-10), ("reduce", 7e-10)))
 
-    def predict(self, collective: str, name: str, n: int, nbytes: int) -> float:
-        """Predicted seconds; inf when the model has no formula for this algorithm."""
+    def predict(self, collective: str, name: str, n: int, nbytes: int,
+                transport: str | None = None, local: int | None = None) -> float:
+        """Predicted seconds on ``transport`` ("shm", "mpi" or "hosts", whose hosts have
+        ``local`` ranks each); inf when the model has no formula for this algorithm."""
+        if name == "hier":
+            return self._predict_hier(collective, n, nbytes, local or n)
+        if name == "direct":
+            formula = DIRECT_FORMULAS.get(collective)
+            if formula is None:
+                return math.inf
+            rounds, moved, reduced = formula(n, nbytes)
+            return rounds * self.alpha_shm + moved * self.beta_shm + reduced * self.gamma_shm
         if name == "native":
             rounds, moved = NATIVE_FORMULAS[collective](n, nbytes)
             return self.alpha_native * max(1, rounds) + moved * dict(self.native_per_byte)[collective]
         formula = FORMULAS.get((collective, name))
         if formula is None:
             return math.inf
+        alpha, beta, gamma = ((self.alpha_shm, self.beta_shm, self.gamma_shm) if transport == "shm"
+                              else (self.alpha, self.beta, self.gamma))
         if n == 1:
-            return self.alpha
+            return alpha
         rounds, moved, reduced = formula(n, nbytes)
-        return rounds * self.alpha + moved * self.beta + reduced * self.gamma
+        return rounds * alpha + moved * beta + reduced * gamma
+
+    def _predict_hier(self, collective, n, nbytes, local):
+        if collective not in HIER_BYTES or local >= n:
+            return math.inf
+        hosts = n // local
+        host_bytes, cross_bytes = HIER_BYTES[collective](local, hosts, nbytes)
+        cross = min(self.predict(collective, a, hosts, int(cross_bytes), "mpi")
+                    for a in algorithms(collective) if _registered_for(collective, a, "mpi"))
+        return self.predict(collective, "direct", local, int(host_bytes), "shm") + cross
 
     def save(self, path: Path | None = None) -> Path:
         path = path or tuning_path()
@@ -143,16 +202,26 @@ class CostModel:
 DEFAULT_MODEL = CostModel.load()
 
 
+def _registered_for(collective, name, transport):
+    return get(collective, name).requires in (None, transport)
+
+
 def choose(collective: str, requested: str | None, n: int, nbytes: int,
-           model: CostModel | None = None) -> Algorithm:
-    """The algorithm to run: ``requested`` if given, then the environment, then the model."""
+           model: CostModel | None = None, transport: str | None = None,
+           local: int | None = None) -> Algorithm:
+    """The algorithm to run: ``requested`` if given, then the environment, then the model
+    (among the algorithms ``transport`` offers; see commlib/hosts.py)."""
     name = requested or os.environ.get(f"COMMLIB_ALGO_{collective.upper()}")
     if name and name != "auto":
-        return get(collective, name)
-    return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL)
+        return get(collective, name, transport)
+    return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, transport, local)
 
 
 @lru_cache(maxsize=4096)
-def _cheapest(collective: str, n: int, nbytes: int, model: CostModel) -> Algorithm:
-    names = algorithms(collective)
-    return get(collective, min(names, key=lambda nm: (model.predict(collective, nm, n, nbytes), nm)))
+def _cheapest(collective: str, n: int, nbytes: int, model: CostModel, transport, local) -> Algorithm:
+    names = [a for a in algorithms(collective)
+             if transport is None or _registered_for(collective, a, transport)]
+    if transport is None:
+        names = [a for a in names if get(collective, a).requires is None]
+    return get(collective, min(names, key=lambda nm: (
+        model.predict(collective, nm, n, nbytes, transport, local), nm)))

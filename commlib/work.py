@@ -141,6 +141,10 @@ class ProgressEngine(_Background):
         self._queue: deque = deque()
         self._busy = False  # a task is running, on the engine thread or inline
 
+    def idle(self) -> bool:
+        """Nothing queued or running (a hint: another thread may issue at any time)."""
+        return not self._busy and not self._queue
+
     def run(self, what: str, task, async_op: bool):
         """Run ``task()`` after everything issued before it; its result, or a Work if async."""
         with self._cv:

@@ -2,16 +2,35 @@
 // so the Python side can pass numpy, torch or MPI buffers without this module
 // depending on any of them. Every call drops the GIL while it works; argument
 // errors are std::invalid_argument, which pybind11 raises as ValueError.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "kernels.h"
+#include "shm.h"
 
 namespace py = pybind11;
 using commlib::DType;
 using commlib::Op;
+using commlib::shm::ShmComm;
 
 namespace {
 void* ptr(uintptr_t addr) { return reinterpret_cast<void*>(addr); }
+
+constexpr int NPY_ARRAY_WRITEABLE_ = 0x0400;  // numpy's flag bit (pybind11 does not name it)
+
+// numpy dtype -> commlib dtype code, -1 if unsupported (numpy has no bfloat16).
+int numpy_dtype_code(const py::dtype& dt) {
+  if (dt.byteorder() == '>') return -1;
+  switch (dt.kind()) {
+    case 'f': return dt.itemsize() == 2 ? commlib::F16 : dt.itemsize() == 4 ? commlib::F32
+                   : dt.itemsize() == 8 ? commlib::F64 : -1;
+    case 'i': return dt.itemsize() == 1 ? commlib::I8 : dt.itemsize() == 4 ? commlib::I32
+                   : dt.itemsize() == 8 ? commlib::I64 : -1;
+    case 'u': return dt.itemsize() == 1 ? commlib::U8 : -1;
+    default: return -1;
+  }
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -69,6 +88,64 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("factor"),
       "dst[i] *= factor for floating dtypes (float16/bfloat16 computed in float32).");
+
+  py::register_exception<commlib::shm::PeerError>(m, "PeerError", PyExc_RuntimeError);
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<ShmComm>(m, "ShmComm",
+                      "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "
+                      "construct on every rank, exchange .name, attach(names), barrier, "
+                      "unlink_own(). Methods release the GIL; ptrs are raw addresses.")
+      .def(py::init([](int rank, int size, int64_t slot_bytes, int64_t slots,
+                       int64_t staging_bytes, int64_t spin, int64_t yields) {
+             return new ShmComm(rank, size, {slot_bytes, slots, staging_bytes, spin, yields});
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("slot_bytes"), py::arg("slots"),
+           py::arg("staging_bytes"), py::arg("spin"), py::arg("yields"))
+      .def_property_readonly("name", &ShmComm::name)
+      .def_property_readonly("rank", &ShmComm::rank)
+      .def_property_readonly("size", &ShmComm::size)
+      .def("attach", &ShmComm::attach, py::arg("names"))
+      .def("unlink_own", &ShmComm::unlink_own)
+      .def(
+          "run_plan",
+          [](ShmComm& c, py::array_t<int64_t, py::array::c_style> plan,
+             std::vector<uintptr_t> bufs, int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
+            const int64_t* data = plan.data();
+            int64_t len = plan.size();
+            py::gil_scoped_release release;
+            c.run_plan(data, len, bufs, tmp_bytes, dtype, op, sig);
+          },
+          py::arg("plan"), py::arg("bufs"), py::arg("tmp_bytes"), py::arg("dtype"), py::arg("op"),
+          py::arg("sig"))
+      .def("barrier", &ShmComm::barrier, nogil())
+      .def("all_reduce", &ShmComm::all_reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
+           py::arg("op"), py::arg("phases"), nogil())
+      .def("reduce", &ShmComm::reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
+           py::arg("op"), py::arg("root"), nogil())
+      .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("out"), py::arg("in"),
+           py::arg("count"), py::arg("dtype"), py::arg("op"), nogil())
+      .def("all_gather", &ShmComm::all_gather, py::arg("out"), py::arg("in"), py::arg("nbytes"),
+           nogil())
+      .def("broadcast", &ShmComm::broadcast, py::arg("buf"), py::arg("nbytes"), py::arg("root"),
+           nogil())
+      .def(
+          "all_reduce_sum_array",
+          [](ShmComm& c, py::handle obj, int64_t max_bytes) {
+            // The small-message fast path: a writable C-contiguous numpy array of a
+            // supported dtype, summed by the direct algorithm. False: take the general path.
+            if (!py::array::check_(obj)) return false;
+            auto arr = py::reinterpret_borrow<py::array>(obj);
+            constexpr int kNeeded = py::array::c_style | NPY_ARRAY_WRITEABLE_;
+            if ((arr.flags() & kNeeded) != kNeeded || arr.nbytes() > max_bytes) return false;
+            int dtype = numpy_dtype_code(arr.dtype());
+            if (dtype < 0) return false;
+            uintptr_t ptr = reinterpret_cast<uintptr_t>(arr.mutable_data());
+            int64_t count = arr.size();
+            py::gil_scoped_release release;
+            c.all_reduce(ptr, count, dtype, commlib::SUM, 3);
+            return true;
+          },
+          py::arg("array"), py::arg("max_bytes"));
 
   m.def("build_info", [] {
     commlib::BuildInfo info = commlib::build_info();

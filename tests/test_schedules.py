@@ -71,11 +71,21 @@ def test_large_broadcast_pipelines_in_segments():
     run_case("broadcast", "ring", 5, 300_000, root=3)
 
 
+class _On:  # stands in for a communicator on a transport
+    def __init__(self, transport):
+        self.transport = transport
+
+
 def test_registry_lists_expected_names():
-    assert algorithms("all_reduce") == ["native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce") == ["direct", "hier", "native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("shm")) == ["direct", "native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("hosts")) == ["hier", "native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("mpi")) == ["native", "rhd", "ring", "tree"]
     assert algorithms("all_to_all") == ["native", "pairwise"]
     with pytest.raises(ValueError, match="valid: native, pairwise"):
         get("all_to_all", "ring")
+    with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: native, rhd"):
+        get("all_reduce", "direct", "mpi")
 
 
 def _sched(*rounds):

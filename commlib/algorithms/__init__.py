@@ -19,16 +19,17 @@ class Algorithm:
     name: str
     collective: str
     build: Optional[Callable] = None  # schedule builder
-    run: Optional[Callable] = None    # direct runner (native)
+    run: Optional[Callable] = None    # direct runner (native, direct, hier)
+    requires: Optional[str] = None    # transport it needs; None: any
 
 
 _registry: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
 
 
-def register(name: str, collective: str, *, build=None, run=None) -> None:
+def register(name: str, collective: str, *, build=None, run=None, requires=None) -> None:
     if collective not in _registry:
         raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
-    _registry[collective][name] = Algorithm(name, collective, build, run)
+    _registry[collective][name] = Algorithm(name, collective, build, run, requires)
 
 
 def schedule(name: str, *collectives: str):
@@ -40,19 +41,30 @@ def schedule(name: str, *collectives: str):
     return wrap
 
 
-def algorithms(collective: str) -> list[str]:
-    """Names of the algorithms available for ``collective``, sorted."""
+def algorithms(collective: str, comm=None) -> list[str]:
+    """Names of the algorithms for ``collective``, sorted: those that run on ``comm``'s
+    transport, or every one registered when ``comm`` is None."""
     if collective not in _registry:
         raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
-    return sorted(_registry[collective])
+    transport = None if comm is None else comm.transport
+    return sorted(name for name, a in _registry[collective].items()
+                  if transport is None or a.requires in (None, transport))
 
 
-def get(collective: str, name: str) -> Algorithm:
+def get(collective: str, name: str, transport: str | None = None) -> Algorithm:
+    """The algorithm ``name``; with ``transport``, one that runs there."""
     table = _registry[collective]
+    valid = sorted(n for n, a in table.items()
+                   if transport is None or a.requires in (None, transport))
     if name not in table:
-        raise ValueError(f"unknown algorithm {name!r} for {collective}; "
-                         f"valid: {', '.join(sorted(table))}")
-    return table[name]
+        raise ValueError(f"unknown algorithm {name!r} for {collective}; valid: {', '.join(valid)}")
+    algo = table[name]
+    if name not in valid:
+        need = {"shm": "all ranks on one host with shared memory",
+                "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)"}[algo.requires]
+        raise ValueError(f"algorithm {name!r} for {collective} needs {need}; this communicator's "
+                         f"transport is {transport!r}; valid here: {', '.join(valid)}")
+    return algo
 
 
-from . import native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)
+from . import direct, hier, native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)

@@ -90,6 +90,8 @@ def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params:
 class PythonExecutor:
     """Runs plans on one MPI communicator; one collective at a time (they share the arena)."""
 
+    plan = staticmethod(plan_for)
+
     def __init__(self, mpi_comm: MPI.Comm):
         self.mpi = mpi_comm
         self._arena = np.empty(0, np.uint8)  # tmp, then receive scratch

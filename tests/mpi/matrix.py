@@ -122,7 +122,7 @@ for count in COUNTS:
                                "all_to_all", "broadcast"):
                 if (op is None) == (collective in ("all_reduce", "reduce_scatter", "reduce")):
                     continue
-                for algo in commlib.algorithms(collective) + ["auto"]:
+                for algo in comm.algorithms(collective) + ["auto"]:
                     for inplace in ([False, True] if collective in ("reduce_scatter",
                                                                     "all_gather") else [False]):
                         run(collective, algo, dtype, op, count, inplace)

@@ -1,0 +1,132 @@
+"""The shared-memory executor: schedules and direct collectives over csrc/shm.cpp.
+
+Set-up is collective over the (single-host) communicator: each rank creates its segment,
+the names travel over MPI, every rank maps every segment, and once all have (a barrier)
+each unlinks its own, so nothing is left in /dev/shm whatever happens next.
+
+A schedule is flattened once into the int64 plan csrc/shm_plan.cpp reads (cached like the
+mpi4py executor's plans); every call carries a signature so that ranks that disagree about
+a collective fail instead of exchanging wrong data.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _C
+from ..errors import CommError
+from ..schedule import Copy, RecvReduce, Schedule
+
+_BUFFERS = {"out": 0, "in": 1, "tmp": 2}
+
+
+def _config_from_env() -> dict:
+    def get(name, default):
+        value = os.environ.get(f"COMMLIB_SHM_{name.upper()}", default)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"COMMLIB_SHM_{name.upper()}={value!r}; expected an int") from None
+    return {"slot_bytes": get("slot_bytes", 64 << 10), "slots": get("slots", 8),
+            "staging_bytes": get("staging_bytes", 1 << 20)}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@lru_cache(maxsize=8192)
+def signature(*fields) -> int:
+    """A 63-bit hash of a call's description, equal on every rank (unlike hash())."""
+    digest = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class ShmPlan:
+    steps: np.ndarray  # int64, the format csrc/shm_plan.cpp documents
+    tmp_bytes: int
+    sig: int
+
+
+def flatten(schedule: Schedule, itemsize: int) -> np.ndarray:
+    out = [len(schedule.rounds)]
+    b = lambda r: _BUFFERS[r.buf]  # noqa: E731
+    for rnd in schedule.rounds:
+        copies, sends, recvs = rnd.copies, rnd.sends, rnd.recvs
+        out += [len(copies), len(sends), len(recvs)]
+        for c in copies:
+            out += [b(c.src), c.src.offset * itemsize, b(c.dst), c.dst.offset * itemsize,
+                    c.src.count * itemsize]
+        for s in sends:
+            out += [s.peer, b(s.src), s.src.offset * itemsize, s.src.count * itemsize]
+        for r in recvs:
+            reduce = isinstance(r, RecvReduce)
+            src = r.src if reduce else r.dst
+            out += [r.peer, b(r.dst), r.dst.offset * itemsize, b(src), src.offset * itemsize,
+                    r.dst.count * itemsize, int(reduce)]
+    return np.array(out, dtype=np.int64)
+
+
+@lru_cache(maxsize=4096)
+def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> ShmPlan:
+    schedule = algorithm.build(size, rank, count, itemsize, **dict(params))
+    assert all(not isinstance(s, Copy) or s.src.count == s.dst.count
+               for rnd in schedule.rounds for s in rnd.steps)
+    # What every rank must agree on: all_to_all's counts and splits differ per rank (each
+    # transfer's size is checked on arrival instead).
+    agreed = (tuple(p for p in params if p[0] == "root") if algorithm.collective == "all_to_all"
+              else (count, params))
+    return ShmPlan(flatten(schedule, itemsize), schedule.tmp_count * itemsize,
+                   signature(algorithm.collective, algorithm.name, size, itemsize, agreed))
+
+
+class ShmExecutor:
+    """Runs schedules and direct collectives among the ranks of one host."""
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        config = mpi_comm.bcast(_config_from_env(), root=0)  # every rank must agree
+        size = mpi_comm.Get_size()
+        spin = 20_000 if size <= _cores() else 0  # spinning on a shared core only delays the peer
+        transport, error = None, None
+        try:
+            transport = _C.ShmComm(mpi_comm.Get_rank(), size, spin=spin, yields=200, **config)
+        except (RuntimeError, ValueError) as e:
+            error = e
+        names = mpi_comm.allgather(transport.name if transport else None)
+        if transport and None not in names:
+            try:
+                transport.attach(names)
+            except RuntimeError as e:
+                error = e
+        # every rank has mapped every segment (or given up): unlink, so a crash leaves nothing
+        failed = mpi_comm.allreduce(int(error is not None), op=MPI.MAX)
+        if transport:
+            transport.unlink_own()
+        if failed:
+            raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
+                            "set COMMLIB_TRANSPORT=mpi to run without it")
+        self.transport = transport
+
+    plan = staticmethod(plan_for)
+
+    def run(self, plan: ShmPlan, bufs: dict, dtype_code: int, op_code: int) -> None:
+        ptrs = [bufs["out"].ptr, bufs["in"].ptr if "in" in bufs else 0]
+        self.call(self.transport.run_plan, plan.steps, ptrs, plan.tmp_bytes, dtype_code, op_code,
+                  (plan.sig * 31 + dtype_code * 8 + op_code) & (2**63 - 1))
+
+    def barrier(self) -> None:
+        self.call(self.transport.barrier)
+
+    @staticmethod
+    def call(method, *args):
+        """Run a transport method; a peer that disagrees or died becomes a CommError."""
+        try:
+            method(*args)
+        except _C.PeerError as e:
+            raise CommError(str(e)) from None

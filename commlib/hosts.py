@@ -1,0 +1,68 @@
+"""Which ranks share a host, and the transport a communicator therefore uses.
+
+    shm    every rank on one host: schedules run on the shared-memory executor, and the
+           host-only algorithms (direct) are available
+    mpi    schedules run on the mpi4py executor (between hosts, or COMMLIB_TRANSPORT=mpi)
+    hosts  ranks on several hosts: mpi, plus hierarchical algorithms that use shared
+           memory inside each host and MPI between them
+
+COMMLIB_RANKS_PER_HOST=k pretends that world ranks [0, k), [k, 2k), ... are separate
+hosts, so the multi-host path can be tested on one machine.
+"""
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+TRANSPORTS = ("auto", "shm", "mpi")
+
+
+def requested_transport() -> str:
+    value = os.environ.get("COMMLIB_TRANSPORT", "auto")
+    if value not in TRANSPORTS:
+        raise ValueError(f"COMMLIB_TRANSPORT={value!r}; valid: {', '.join(TRANSPORTS)}")
+    return value
+
+
+def host_color(mpi_comm: MPI.Comm) -> int:
+    """An id shared exactly by the ranks of ``mpi_comm`` on this rank's (virtual) host."""
+    per_host = os.environ.get("COMMLIB_RANKS_PER_HOST")
+    if per_host:
+        if not per_host.isdigit() or int(per_host) < 1:
+            raise ValueError(f"COMMLIB_RANKS_PER_HOST={per_host!r}; expected a positive int")
+        return MPI.COMM_WORLD.Get_rank() // int(per_host)
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:  # the lowest world rank on the node names it
+        return node.allreduce(MPI.COMM_WORLD.Get_rank(), op=MPI.MIN)
+    finally:
+        node.Free()
+
+
+def count_hosts(mpi_comm: MPI.Comm) -> tuple[int, bool]:
+    """(number of hosts, whether every host has the same number of ranks); collective."""
+    colors = mpi_comm.allgather(host_color(mpi_comm))
+    sizes = {colors.count(c) for c in colors}
+    return len(set(colors)), len(sizes) == 1
+
+
+class HostLayout:
+    """This communicator's ranks grouped by host (every host with the same number of
+    ranks): ``local`` holds this rank's host-mates ordered by rank, ``cross`` the ranks
+    with the same local rank on every host; ``position[r]`` is rank r's (local rank, cross
+    rank) and ``owner[i][h]`` the rank at position (i, h)."""
+
+    def __init__(self, mpi_comm: MPI.Comm, make_communicator):
+        local = mpi_comm.Split(host_color(mpi_comm), mpi_comm.Get_rank())
+        cross = mpi_comm.Split(local.Get_rank(), mpi_comm.Get_rank())
+        self.local = make_communicator(local, "shm")
+        self.cross = make_communicator(cross, "mpi")
+        self.position = mpi_comm.allgather((self.local.rank, self.cross.rank))
+        self.owner = [[0] * self.cross.size for _ in range(self.local.size)]
+        for r, (i, h) in enumerate(self.position):
+            self.owner[i][h] = r
+
+    def free(self):
+        for c in (self.local, self.cross):
+            c.free()
+            c.mpi.Free()

@@ -1,0 +1,199 @@
+// Shared-memory transport between the ranks of one host, and the two ways collectives
+// run over it (shm_plan.cpp: schedules; shm_direct.cpp: direct collectives).
+//
+// Vocabulary:
+//   segment    one POSIX shared-memory object per rank, mapped by every rank of the
+//              communicator. Created 0600 under a unique name and unlinked as soon as all
+//              peers have mapped it, so a crash leaves nothing in /dev/shm.
+//   control    the cache line where a rank publishes its state: calls started, the current
+//              call's signature, barrier arrivals, staging pieces released, poison, pid.
+//   doorbell   a futex word per rank; a rank that has waited long sleeps on it and
+//              whoever publishes something it may wait for rings it.
+//   channel    a FIFO of `slots` slots of `slot_bytes` from the segment's owner to one peer.
+//              The owner fills slots; the peer copies or reduces straight out of them and
+//              hands them back through the channel's `consumed` counter.
+//   staging    two halves in each segment where direct collectives publish a piece of
+//              their input for the peers to read in place.
+//   piece      the part of a direct collective that fits in one staging half; pieces
+//              alternate halves so staging piece g+1 overlaps peers reading piece g.
+//   signature  64-bit hash of (collective, algorithm, counts, dtype, op, root). Ranks that
+//              meet with different signatures poison the communicator and raise, instead
+//              of exchanging wrong data or hanging.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace commlib::shm {
+
+constexpr size_t kLine = 64;
+
+struct alignas(kLine) Control {
+  std::atomic<uint64_t> call;      // calls this rank has started
+  std::atomic<uint64_t> sig;       // signature of that call
+  std::atomic<uint64_t> arrived;   // barrier arrivals, monotone over the communicator's life
+  std::atomic<uint64_t> released;  // staging pieces this rank has finished reading
+  std::atomic<uint32_t> poisoned;
+  int32_t pid;
+};
+
+struct alignas(kLine) Doorbell {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> sleeping;
+};
+
+struct alignas(kLine) SlotHeader {
+  std::atomic<uint64_t> seq;  // k+1 once the k-th slot of this channel is filled
+  uint64_t sig;
+  uint64_t total;   // bytes of the whole transfer this slot belongs to
+  uint64_t offset;  // where this slot's bytes go within that transfer
+  uint64_t nbytes;
+};
+
+struct alignas(kLine) ChannelTail {
+  std::atomic<uint64_t> consumed;  // slots the receiver has drained
+};
+
+// Raised for a peer that disagrees, died or poisoned the communicator (CommError in Python).
+struct PeerError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Config {
+  int64_t slot_bytes;
+  int64_t slots;
+  int64_t staging_bytes;  // both halves
+  int64_t spin;           // polls before yielding; 0 when ranks outnumber cores
+  int64_t yields;         // sched_yield()s before sleeping on the doorbell
+};
+
+class ShmComm {
+ public:
+  ShmComm(int rank, int size, const Config& config);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  // Set-up, collective over the ranks: create (constructor) -> exchange names -> attach
+  // every peer's segment -> barrier -> unlink_own.
+  const std::string& name() const { return name_; }
+  void attach(const std::vector<std::string>& names);
+  void unlink_own();
+
+  // Collectives; pointers are raw addresses. A plan's `sig` comes from Python (it hashes
+  // the schedule's description); the direct collectives derive theirs from their arguments.
+  void run_plan(const int64_t* plan, int64_t plan_len, const std::vector<uintptr_t>& bufs,
+                int64_t tmp_bytes, int dtype, int op, uint64_t sig);
+  void barrier();
+  // phases: 1 = reduce-scatter (rank r's block of chunks(count, n) is reduced in place),
+  // 2 = all-gather of those blocks, 3 = both (all_reduce).
+  void all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int phases);
+  void reduce(uintptr_t buf, int64_t count, int dtype, int op, int root);
+  void reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op);
+  void all_gather(uintptr_t out, uintptr_t in, int64_t nbytes);
+  void broadcast(uintptr_t buf, int64_t nbytes, int root);
+
+  // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
+  static constexpr int64_t kSmallBytes = 4096;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const Config& config() const { return config_; }
+
+ private:
+  struct Peer {
+    char* base = nullptr;  // the peer's mapped segment
+    Control* control = nullptr;
+    Doorbell* bell = nullptr;
+    int pid = 0;
+  };
+  struct Block {  // one rank's block of a direct collective
+    char* in;     // where its input piece comes from (this rank's block only)
+    char* out;    // where its result goes (nullptr: nowhere on this rank)
+    int64_t count;
+  };
+
+  // layout
+  size_t channel_offset(int to) const;
+  ChannelTail* tail(int owner, int to) const;
+  SlotHeader* slot(int owner, int to, uint64_t k) const;
+  char* staging(int owner, uint64_t piece) const;
+
+  // calls and waiting
+  void begin(uint64_t sig);
+  void fail(const std::string& message);  // poisons, then throws PeerError
+  void check_signature(int peer);  // throws if `peer` is poisoned or in this call with another sig
+  void check_peer(int peer, uint64_t call);  // ... or owes this rank data it will never send
+  void ring(int peer);
+  // Waits until ready(): spin, then yield, then sleep on this rank's doorbell, checking
+  // on each wake that every watched peer can still make it ready. Spinning only pays when
+  // each rank has a core; yielding lets a peer on the same core run; sleeping stops a long
+  // wait (a peer still computing) from burning a core.
+  template <class Cond, class Watched>
+  void wait(Cond ready, Watched watched) {
+    for (int64_t i = 0; !ready(); ++i) {
+      if (i < config_.spin) {
+        cpu_relax();
+      } else if (i < config_.spin + config_.yields) {
+        yield();
+      } else {
+        uint32_t seen = prepare_nap();
+        if (!ready()) nap(seen);
+        end_nap();
+        for (int r = 0; r < size_; ++r) {
+          if (r == rank_ || !watched(r)) continue;
+          uint64_t call = peers_[r].control->call.load(std::memory_order_acquire);
+          if (ready()) return;
+          check_peer(r, call);
+        }
+      }
+    }
+  }
+  uint32_t prepare_nap();
+  void nap(uint32_t seen);
+  void end_nap();
+  static void cpu_relax();
+  static void yield();
+  static auto only(int peer) { return [peer](int r) { return r == peer; }; }
+  uint64_t arrive();  // this rank reached the next barrier; returns the barrier's number
+  // Waits until every watched peer reached barrier `target`, and checks its signature.
+  template <class Watched>
+  void wait_arrivals(uint64_t target, Watched watched) {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_ || !watched(r)) continue;
+      Control* c = peers_[r].control;
+      wait([&] { return c->arrived.load(std::memory_order_acquire) >= target; }, only(r));
+      check_signature(r);
+    }
+  }
+  void wait_staging_free(uint64_t piece);
+  void release_piece(uint64_t piece);
+
+  // direct collectives (shm_direct.cpp)
+  void reduce_pieces(const std::vector<Block>& blocks, int dtype, int op, bool gather,
+                     int gather_root);
+  void gather_pieces(const std::vector<Block>& blocks);
+  void all_reduce_small(char* buf, int64_t count, int dtype, int op);
+  void reduce_sources(char* acc, const std::vector<const char*>& src, int64_t count,
+                      int dtype, int op);
+
+  int rank_, size_;
+  Config config_;
+  std::string name_;
+  size_t bytes_ = 0;
+  std::vector<Peer> peers_;  // index = rank; peers_[rank_] is this rank's own segment
+  Control* me_ = nullptr;
+  uint64_t call_ = 0, sig_ = 0;
+  uint64_t pieces_ = 0;               // staging pieces used so far
+  std::vector<uint64_t> sent_, received_;  // slots per channel so far
+  std::vector<char> tmp_;             // "tmp" buffer of schedules
+  std::mutex mutex_;                  // one collective at a time
+  bool owner_linked_ = false;
+  std::string failure_;
+};
+
+}  // namespace commlib::shm

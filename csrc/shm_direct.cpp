@@ -1,0 +1,238 @@
+// Direct collectives: every rank copies a piece of its input into its staging half, and
+// after a barrier reads what it needs straight from the peers' staging. One copy in and
+// one read per byte, two barriers per piece, no chain of n-1 steps.
+//
+//   reduce_pieces   rank r stages its piece of every block; after the barrier it reduces
+//                   block r from all n stagings (in order 0..n-1, so every rank's result
+//                   is bitwise the same) into its output and, to be gathered, back into its
+//                   own staging slot r; after a second barrier it copies the other reduced
+//                   blocks out of the peers' slots. (all_reduce, reduce, reduce_scatter)
+//   gather_pieces   rank r stages its own block; after the barrier it copies the blocks it
+//                   wants from the peers' stagings. (all_gather, broadcast)
+#include <algorithm>
+#include <cstring>
+
+#include "kernels.h"
+#include "shm.h"
+
+namespace commlib::shm {
+
+namespace {
+
+int64_t itemsize_of(int dtype) {
+  switch (dtype) {
+    case F16: case BF16: return 2;
+    case F32: case I32: return 4;
+    case F64: case I64: return 8;
+    case I8: case U8: return 1;
+    default: throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
+  }
+}
+
+int64_t piece_len(int64_t count, int64_t piece, int64_t per_piece) {
+  return std::clamp<int64_t>(count - piece * per_piece, 0, per_piece);
+}
+
+constexpr int64_t kAccBytes = 8192;  // reductions go through an L1-sized accumulator
+
+// The signature of a direct collective: a mix (splitmix64) of what every rank must agree on.
+uint64_t signature(std::initializer_list<int64_t> fields) {
+  uint64_t h = 0x636f6d6d6c6962ull;
+  for (int64_t f : fields) {
+    h ^= uint64_t(f) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
+enum Kind : int64_t { ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST };
+
+}  // namespace
+
+void ShmComm::reduce_sources(char* acc, const std::vector<const char*>& src, int64_t count,
+                             int dtype, int op) {
+  if (src.size() == 1) {
+    std::memcpy(acc, src[0], count * itemsize_of(dtype));
+    return;
+  }
+  commlib::reduce(acc, src[0], src[1], count, dtype, op);
+  for (size_t j = 2; j < src.size(); ++j) commlib::reduce(acc, acc, src[j], count, dtype, op);
+}
+
+void ShmComm::reduce_pieces(const std::vector<Block>& blocks, int dtype, int op, bool gather,
+                            int gather_root) {
+  const int64_t isz = itemsize_of(dtype);
+  const int64_t per_piece = (config_.staging_bytes / 2 / size_) / kLine * kLine / isz;
+  int64_t longest = 0;
+  for (auto& b : blocks) longest = std::max(longest, b.count);
+  const int64_t npieces = (longest + per_piece - 1) / per_piece;
+  const int64_t acc_count = kAccBytes / isz;
+  alignas(kLine) char acc[kAccBytes];
+  std::vector<const char*> src(size_);
+  const bool reads_gathered = gather_root < 0 || gather_root == rank_;
+
+  for (int64_t k = 0; k < npieces; ++k) {
+    uint64_t g = pieces_++;
+    wait_staging_free(g);
+    char* mine = staging(rank_, g);
+    for (int j = 0; j < size_; ++j)
+      copy(mine + j * per_piece * isz, blocks[j].in + k * per_piece * isz,
+           piece_len(blocks[j].count, k, per_piece) * isz);
+    wait_arrivals(arrive(), [](int) { return true; });
+
+    const Block& me = blocks[rank_];
+    for (int j = 0; j < size_; ++j) src[j] = staging(j, g) + rank_ * per_piece * isz;
+    int64_t len = piece_len(me.count, k, per_piece);
+    for (int64_t c = 0; c < len; c += acc_count) {
+      int64_t m = std::min(acc_count, len - c);
+      for (int j = 0; j < size_; ++j) src[j] = staging(j, g) + (rank_ * per_piece + c) * isz;
+      reduce_sources(acc, src, m, dtype, op);
+      if (gather) std::memcpy(mine + (rank_ * per_piece + c) * isz, acc, m * isz);
+      if (me.out) std::memcpy(me.out + (k * per_piece + c) * isz, acc, m * isz);
+    }
+    if (gather) {
+      uint64_t target = arrive();
+      if (reads_gathered) {
+        wait_arrivals(target, [](int) { return true; });
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && blocks[j].out)
+            std::memcpy(blocks[j].out + k * per_piece * isz, staging(j, g) + j * per_piece * isz,
+                        piece_len(blocks[j].count, k, per_piece) * isz);
+      }
+    }
+    release_piece(g);
+  }
+}
+
+// Blocks in bytes here. A rank stages its own block; it reads block j when blocks[j].out.
+void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
+  const int64_t per_piece = config_.staging_bytes / 2 / kLine * kLine;
+  int64_t longest = 0;
+  for (auto& b : blocks) longest = std::max(longest, b.count);
+  const int64_t npieces = (longest + per_piece - 1) / per_piece;
+  auto reads = [&](int j) { return j != rank_ && blocks[j].out && blocks[j].count > 0; };
+  const Block& me = blocks[rank_];
+  if (me.out && me.out != me.in) copy(me.out, me.in, me.count);  // own block: no staging
+
+  for (int64_t k = 0; k < npieces; ++k) {
+    uint64_t g = pieces_++;
+    int64_t len = piece_len(me.count, k, per_piece);
+    if (len > 0) {
+      wait_staging_free(g);
+      std::memcpy(staging(rank_, g), me.in + k * per_piece, len);
+    }
+    wait_arrivals(arrive(), reads);
+    for (int j = 0; j < size_; ++j)
+      if (reads(j))
+        std::memcpy(blocks[j].out + k * per_piece, staging(j, g),
+                    piece_len(blocks[j].count, k, per_piece));
+    release_piece(g);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The collectives. Blocks of all_reduce/reduce are chunks(count, n) as in schedule.py.
+
+namespace {
+std::vector<std::pair<int64_t, int64_t>> chunks(int64_t count, int parts) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t base = count / parts, extra = count % parts, off = 0;
+  for (int i = 0; i < parts; ++i) {
+    int64_t n = base + (i < extra ? 1 : 0);
+    out.push_back({off, n});
+    off += n;
+  }
+  return out;
+}
+}  // namespace
+
+// Small vectors: one barrier instead of two. Every rank reduces the whole vector from all
+// stagings in the same order, so the results are bitwise equal everywhere.
+void ShmComm::all_reduce_small(char* buf, int64_t count, int dtype, int op) {
+  const int64_t nbytes = count * itemsize_of(dtype);
+  uint64_t g = pieces_++;
+  wait_staging_free(g);
+  std::memcpy(staging(rank_, g), buf, nbytes);
+  wait_arrivals(arrive(), [](int) { return true; });
+  std::vector<const char*> src(size_);
+  for (int j = 0; j < size_; ++j) src[j] = staging(j, g);
+  reduce_sources(buf, src, count, dtype, op);
+  release_piece(g);
+}
+
+void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int phases) {
+  if (phases < 1 || phases > 3) throw std::invalid_argument("phases must be 1, 2 or 3");
+  const int64_t isz = itemsize_of(dtype);
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(signature({ALL_REDUCE, count, dtype, op, phases}));
+  if (size_ == 1 || count == 0) return;
+  char* base = reinterpret_cast<char*>(buf);
+  if (phases == 3 && count * isz <= kSmallBytes) return all_reduce_small(base, count, dtype, op);
+  std::vector<Block> blocks;
+  for (auto [off, n] : chunks(count, size_)) blocks.push_back({base + off * isz, base + off * isz, n});
+  if (phases == 2) {  // gather the blocks, in bytes
+    for (int j = 0; j < size_; ++j) {
+      blocks[j].count *= isz;
+      if (j == rank_) blocks[j].out = nullptr;
+    }
+    gather_pieces(blocks);
+    return;
+  }
+  if (phases == 1)
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_) blocks[j].out = nullptr;
+  reduce_pieces(blocks, dtype, op, phases == 3, -1);
+}
+
+void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) {
+  const int64_t isz = itemsize_of(dtype);
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(signature({REDUCE, count, dtype, op, root}));
+  if (size_ == 1 || count == 0) return;
+  char* base = reinterpret_cast<char*>(buf);
+  std::vector<Block> blocks;
+  for (auto [off, n] : chunks(count, size_))
+    blocks.push_back({base + off * isz, rank_ == root ? base + off * isz : nullptr, n});
+  reduce_pieces(blocks, dtype, op, true, root);
+}
+
+void ShmComm::reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op) {
+  const int64_t isz = itemsize_of(dtype);
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(signature({REDUCE_SCATTER, count, dtype, op}));
+  char* input = reinterpret_cast<char*>(in);
+  char* output = reinterpret_cast<char*>(out);
+  if (size_ == 1) {
+    copy(output, input, count * isz);
+    return;
+  }
+  if (count == 0) return;
+  std::vector<Block> blocks;
+  for (int j = 0; j < size_; ++j)
+    blocks.push_back({input + j * count * isz, j == rank_ ? output : nullptr, count});
+  reduce_pieces(blocks, dtype, op, false, -1);
+}
+
+void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(signature({ALL_GATHER, nbytes}));
+  char* input = reinterpret_cast<char*>(in);
+  char* output = reinterpret_cast<char*>(out);
+  std::vector<Block> blocks;
+  for (int j = 0; j < size_; ++j) blocks.push_back({input, output + j * nbytes, nbytes});
+  gather_pieces(blocks);
+}
+
+void ShmComm::broadcast(uintptr_t buf, int64_t nbytes, int root) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(signature({BROADCAST, nbytes, root}));
+  if (size_ == 1) return;
+  char* data = reinterpret_cast<char*>(buf);
+  std::vector<Block> blocks(size_, Block{data, nullptr, 0});
+  blocks[root] = {data, rank_ == root ? nullptr : data, nbytes};
+  gather_pieces(blocks);
+}
+
+}  // namespace commlib::shm

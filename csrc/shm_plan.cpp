@@ -1,0 +1,174 @@
+// Runs a schedule (commlib/schedule.py) over the shared-memory channels.
+//
+// A plan is the schedule flattened by commlib/executors/shm.py into int64s, offsets in bytes:
+//   plan   = nrounds, round...
+//   round  = ncopies, nsends, nrecvs, copy..., send..., recv...
+//   copy   = src_buf, src_offset, dst_buf, dst_offset, nbytes
+//   send   = peer, buf, offset, nbytes
+//   recv   = peer, dst_buf, dst_offset, src_buf, src_offset, nbytes, reduce (0/1)
+// Buffers are numbered 0 = "out", 1 = "in", 2 = "tmp" (owned here).
+//
+// A round posts everything at once: the loop below moves whatever can move (a send while
+// its channel has a free slot, a receive while its next slot is filled) and waits only
+// when nothing can. Transfers to one peer keep their order, so the k-th send to a peer
+// meets that peer's k-th receive, as under MPI. A receive reduces straight out of the
+// slot: no scratch copy.
+#include <cstring>
+
+#include "kernels.h"
+#include "shm.h"
+
+namespace commlib::shm {
+
+namespace {
+
+struct Send {
+  int peer;
+  char* src;
+  uint64_t nbytes, done = 0;
+};
+
+struct Recv {
+  int peer;
+  char* dst;
+  const char* src;  // reduce: dst = src op incoming; nullptr: plain copy
+  uint64_t nbytes, done = 0;
+};
+
+int64_t take(const int64_t*& p, const int64_t* end) {
+  if (p >= end) throw std::invalid_argument("truncated plan");
+  return *p++;
+}
+
+}  // namespace
+
+void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<uintptr_t>& bufs,
+                       int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(sig);
+  if (int64_t(tmp_.size()) < tmp_bytes) tmp_.resize(tmp_bytes);
+  char* base[3] = {reinterpret_cast<char*>(bufs.at(0)), reinterpret_cast<char*>(bufs.at(1)),
+                   tmp_.data()};
+  auto buf = [&](int64_t i) {
+    if (i < 0 || i > 2) throw std::invalid_argument("bad buffer index in plan");
+    return base[i];
+  };
+  const int64_t* p = plan;
+  const int64_t* end = plan + plan_len;
+  const int64_t itemsize = [&] {
+    switch (dtype) {
+      case F16: case BF16: return 2;
+      case F32: case I32: return 4;
+      case F64: case I64: return 8;
+      default: return 1;
+    }
+  }();
+  const uint64_t slot_bytes = config_.slot_bytes;
+  const uint64_t slots = config_.slots;
+  std::vector<Send> sends;
+  std::vector<Recv> recvs;
+  std::vector<char> blocked(size_);
+
+  int64_t rounds = take(p, end);
+  for (int64_t round = 0; round < rounds; ++round) {
+    int64_t ncopies = take(p, end), nsends = take(p, end), nrecvs = take(p, end);
+    for (int64_t i = 0; i < ncopies; ++i) {
+      char* src = buf(take(p, end)) + take(p, end);
+      char* dst = buf(take(p, end)) + take(p, end);
+      copy(dst, src, take(p, end));
+    }
+    sends.clear();
+    recvs.clear();
+    for (int64_t i = 0; i < nsends; ++i) {
+      int peer = int(take(p, end));
+      char* src = buf(take(p, end)) + take(p, end);
+      sends.push_back({peer, src, uint64_t(take(p, end))});
+    }
+    for (int64_t i = 0; i < nrecvs; ++i) {
+      int peer = int(take(p, end));
+      char* dst = buf(take(p, end)) + take(p, end);
+      int64_t src_buf = take(p, end), src_off = take(p, end), nbytes = take(p, end);
+      bool reduce = take(p, end) != 0;
+      recvs.push_back({peer, dst, reduce ? buf(src_buf) + src_off : nullptr, uint64_t(nbytes)});
+    }
+    for (auto& s : sends)
+      if (s.peer < 0 || s.peer >= size_ || s.peer == rank_) throw std::invalid_argument("bad peer");
+    for (auto& r : recvs)
+      if (r.peer < 0 || r.peer >= size_ || r.peer == rank_) throw std::invalid_argument("bad peer");
+
+    // One pass: move what can move; true if anything did.
+    auto pass = [&]() {
+      bool moved = false;
+      std::fill(blocked.begin(), blocked.end(), 0);
+      for (auto& s : sends) {
+        if (s.done == s.nbytes || blocked[s.peer]) continue;
+        ChannelTail* t = tail(rank_, s.peer);
+        uint64_t& k = sent_[s.peer];
+        while (s.done < s.nbytes && k - t->consumed.load(std::memory_order_acquire) < slots) {
+          SlotHeader* h = slot(rank_, s.peer, k);
+          uint64_t n = std::min(slot_bytes, s.nbytes - s.done);
+          std::memcpy(reinterpret_cast<char*>(h + 1), s.src + s.done, n);
+          h->sig = sig_;
+          h->total = s.nbytes;
+          h->offset = s.done;
+          h->nbytes = n;
+          h->seq.store(++k, std::memory_order_release);
+          s.done += n;
+          moved = true;
+          ring(s.peer);
+        }
+        if (s.done < s.nbytes) blocked[s.peer] = 1;
+      }
+      std::fill(blocked.begin(), blocked.end(), 0);
+      for (auto& r : recvs) {
+        if (r.done == r.nbytes || blocked[r.peer]) continue;
+        uint64_t& k = received_[r.peer];
+        SlotHeader* h = slot(r.peer, rank_, k);
+        while (r.done < r.nbytes && h->seq.load(std::memory_order_acquire) == k + 1) {
+          if (h->sig != sig_ || h->total != r.nbytes || h->offset != r.done)
+            fail("rank " + std::to_string(r.peer) + " sent " + std::to_string(h->total) +
+                 " bytes where this rank expects " + std::to_string(r.nbytes) +
+                 (h->sig != sig_ ? " in a different collective" : "") +
+                 ": the ranks' arguments disagree");
+          const char* data = reinterpret_cast<const char*>(h + 1);
+          if (r.src)
+            commlib::reduce(r.dst + r.done, r.src + r.done, data, int64_t(h->nbytes) / itemsize,
+                            dtype, op);
+          else
+            std::memcpy(r.dst + r.done, data, h->nbytes);
+          r.done += h->nbytes;
+          tail(r.peer, rank_)->consumed.store(++k, std::memory_order_release);
+          ring(r.peer);
+          moved = true;
+          h = slot(r.peer, rank_, k);
+        }
+        if (r.done < r.nbytes) blocked[r.peer] = 1;
+      }
+      return moved;
+    };
+    while (true) {
+      size_t left = 0;
+      for (auto& s : sends) left += s.done < s.nbytes;
+      for (auto& r : recvs) left += r.done < r.nbytes;
+      if (left == 0) break;
+      if (pass()) continue;
+      std::fill(blocked.begin(), blocked.end(), 0);  // now: peers this rank waits on
+      for (auto& s : sends) if (s.done < s.nbytes) blocked[s.peer] = 1;
+      for (auto& r : recvs) if (r.done < r.nbytes) blocked[r.peer] = 1;
+      wait([&] {
+        for (auto& s : sends)
+          if (s.done < s.nbytes &&
+              sent_[s.peer] - tail(rank_, s.peer)->consumed.load(std::memory_order_acquire) < slots)
+            return true;
+        for (auto& r : recvs)
+          if (r.done < r.nbytes &&
+              slot(r.peer, rank_, received_[r.peer])->seq.load(std::memory_order_acquire) ==
+                  received_[r.peer] + 1)
+            return true;
+        return false;
+      }, [&](int peer) { return blocked[peer] != 0; });
+    }
+  }
+}
+
+}  // namespace commlib::shm
