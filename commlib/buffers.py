@@ -27,13 +27,21 @@ _SUPPORTED = ", ".join(DTYPES)
 _BY_NUMPY = {np.dtype(name): d for name, d in DTYPES.items() if name != "bfloat16"}
 
 
-@dataclass(frozen=True)
 class Buffer:
-    obj: object        # the user's array, kept alive while we use its memory
-    bytes: np.ndarray  # flat uint8 view of the same memory (what MPI sends)
-    ptr: int
-    numel: int
-    dtype: DType
+    """A user array's memory: address, element count, dtype; ``bytes`` is a flat uint8
+    numpy view of it (what MPI sends), made on first use."""
+
+    __slots__ = ("obj", "ptr", "numel", "dtype", "_bytes")
+
+    def __init__(self, obj, ptr: int, numel: int, dtype: DType, bytes_view=None):
+        self.obj = obj  # the user's array, kept alive while we use its memory
+        self.ptr, self.numel, self.dtype, self._bytes = ptr, numel, dtype, bytes_view
+
+    @property
+    def bytes(self) -> np.ndarray:
+        if self._bytes is None:
+            self._bytes = _flat_bytes(self.obj, self.numel)
+        return self._bytes
 
     @property
     def nbytes(self) -> int:
@@ -42,34 +50,44 @@ class Buffer:
     def part(self, offset: int, count: int) -> "Buffer":
         """Elements [offset, offset + count) of this buffer."""
         size = self.dtype.itemsize
-        return Buffer(self.obj, self.bytes[offset * size:(offset + count) * size],
-                      self.ptr + offset * size, count, self.dtype)
+        return Buffer(self.obj, self.ptr + offset * size, count, self.dtype,
+                      self.bytes[offset * size:(offset + count) * size])
 
     def overlaps(self, other: "Buffer") -> bool:
         return (self.nbytes > 0 and other.nbytes > 0 and self.ptr < other.ptr + other.nbytes
                 and other.ptr < self.ptr + self.nbytes)
 
 
+def _flat_bytes(obj, numel: int) -> np.ndarray:
+    if isinstance(obj, np.ndarray):
+        return obj.reshape(-1).view(np.uint8)
+    flat = obj.detach().reshape(-1)  # a torch tensor
+    if numel == 0:  # torch refuses to reinterpret some empty views
+        return np.empty(0, np.uint8)
+    import torch
+    return flat.view(torch.uint8).numpy()
+
+
 def scratch(numel: int, dtype: DType) -> Buffer:
     """A new buffer of ``numel`` elements of ``dtype`` (contents undefined)."""
     raw = np.empty(numel * dtype.itemsize, np.uint8)
-    return Buffer(raw, raw, raw.ctypes.data, numel, dtype)
+    return Buffer(raw, raw.ctypes.data, numel, dtype, raw)
 
 
 def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
     """Validate ``obj`` and describe its memory; raise TypeError/ValueError naming ``name``."""
-    if isinstance(obj, np.ndarray):
+    info = _C.array_info(obj)
+    if info is not None:  # a numpy array
+        ptr, contiguous, can_write = info
         dtype = _BY_NUMPY.get(obj.dtype)
         if dtype is None:
             raise TypeError(f"{name}: dtype {obj.dtype} is not supported; use one of {_SUPPORTED}")
-        if not obj.flags.c_contiguous:
+        if not contiguous:
             raise ValueError(f"{name} is not contiguous; pass np.ascontiguousarray({name}) "
                              f"(the torch equivalent is {name}.contiguous())")
-        if writable and not obj.flags.writeable:
+        if writable and not can_write:
             raise ValueError(f"{name} is read-only but receives data; pass a writable copy")
-        flat = obj.reshape(-1)
-        return Buffer(obj, flat.view(np.uint8), obj.__array_interface__["data"][0], obj.size,
-                      dtype)
+        return Buffer(obj, ptr, obj.size, dtype)
     if type(obj).__module__.startswith("torch"):
         return _torch_buffer(obj, name)
     raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, got {type(obj).__name__}")
@@ -86,7 +104,4 @@ def _torch_buffer(t, name: str) -> Buffer:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {_SUPPORTED}")
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; call {name}.contiguous() first")
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:  # torch refuses to reinterpret some empty views
-        return Buffer(t, np.empty(0, np.uint8), flat.data_ptr(), 0, dtype)
-    return Buffer(t, flat.view(torch.uint8).numpy(), flat.data_ptr(), flat.numel(), dtype)
+    return Buffer(t, t.data_ptr(), t.numel(), dtype)

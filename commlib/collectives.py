@@ -3,7 +3,6 @@ anything is sent), picks an algorithm, and runs it. ``comm=None`` means the worl
 from __future__ import annotations
 
 import operator
-import os
 
 from mpi4py import MPI
 
@@ -11,7 +10,6 @@ from . import _C
 from .buffers import Buffer, as_buffer
 from .errors import CommError
 from .ops import ReduceOp
-from .select import choose
 
 
 def _comm(comm):
@@ -36,13 +34,10 @@ def _same_dtype(a: Buffer, b: Buffer, names: str) -> None:
 
 def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
     """Choose the algorithm and plan now (so bad names raise here); return the call."""
-    algo = choose(collective, algorithm, comm.size, count * dtype.itemsize,
-                  transport=comm.transport,
-                  local=comm._layout.local.size if comm._layout else None)
+    algo, plan = comm._plan(collective, algorithm, count, dtype.itemsize,
+                            tuple(sorted(params.items())) if params else ())
     kernel_op = op.kernel_op
     executor = comm._executor
-    plan = None if algo.run is not None else executor.plan(
-        algo, comm.size, comm.rank, count, dtype.itemsize, tuple(sorted(params.items())))
 
     def call():
         try:
@@ -77,16 +72,13 @@ def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=Non
     _prepare(comm, collective, algorithm, bufs, count, dtype, op, params)()
 
 
-_ALL_REDUCE_ENV = "COMMLIB_ALGO_ALL_REDUCE"
-
-
 def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False):
     """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
     comm = comm or _comm(comm)
     # Small sums of numpy arrays on one host skip the general path (its Python costs more
     # than the collective); they run exactly what it would choose, the direct algorithm.
     if (comm._fast_sum_bytes and op == "sum" and algorithm is None and not async_op
-            and comm._engine.idle() and _ALL_REDUCE_ENV not in os.environ):
+            and comm._engine.idle()):
         try:
             if comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes):
                 return t

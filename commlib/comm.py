@@ -9,7 +9,7 @@ from mpi4py import MPI  # noqa: E402
 from . import collectives  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
 from .executors.shm import ShmExecutor  # noqa: E402
-from .select import choose  # noqa: E402
+from .select import algorithm_overrides, choose  # noqa: E402
 from .hosts import HostLayout, count_hosts, requested_transport  # noqa: E402
 from .work import ProgressEngine, RequestPoller  # noqa: E402
 
@@ -35,6 +35,8 @@ class Communicator:
         self._layout = HostLayout(self._coll, Communicator) if self.transport == "hosts" else None
         self._executor = (ShmExecutor(self._coll) if self.transport == "shm"
                           else PythonExecutor(self._coll))
+        self._overrides = algorithm_overrides()
+        self._plans: dict = {}
         self._fast_sum_bytes = self._fast_all_reduce_limit()
         name = f"r{self.rank}of{self.size}"
         self._engine = ProgressEngine(name)
@@ -59,7 +61,7 @@ class Communicator:
     def _fast_all_reduce_limit(self) -> int:
         """Bytes up to which all_reduce may take the fast path (collectives.all_reduce):
         sizes where the cost model picks direct anyway; 0 when it never does."""
-        if self.transport != "shm":
+        if self.transport != "shm" or "all_reduce" in self._overrides:
             return 0
         limit = 0
         for nbytes in (1 << k for k in range(17)):  # up to 64 KiB
@@ -67,6 +69,21 @@ class Communicator:
                 break
             limit = nbytes
         return limit
+
+    def _plan(self, collective: str, requested, count: int, itemsize: int, params: tuple):
+        """(algorithm, plan or None for runners) of a call, cached on this communicator."""
+        key = (collective, requested, count, itemsize, params)
+        hit = self._plans.get(key)
+        if hit is None:
+            algo = choose(collective, requested or self._overrides.get(collective, "auto"),
+                          self.size, count * itemsize, transport=self.transport,
+                          local=self._layout.local.size if self._layout else None)
+            plan = None if algo.run is not None else self._executor.plan(
+                algo, self.size, self.rank, count, itemsize, params)
+            if len(self._plans) >= 4096:
+                self._plans.clear()
+            hit = self._plans[key] = (algo, plan)
+        return hit
 
     def algorithms(self, collective: str) -> list[str]:
         """The algorithms ``collective`` can use on this communicator."""

@@ -12,7 +12,9 @@ class ReduceOp(str, Enum):
     @classmethod
     def parse(cls, op, dtype=None) -> "ReduceOp":
         """Accept a ReduceOp or its name (any case); refuse avg on integer dtypes."""
-        parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
+        parsed = _BY_NAME.get(op) if isinstance(op, str) else None  # also ReduceOp itself
+        if parsed is None:
+            parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
         if parsed is None:
             raise ValueError(f"unknown reduce op {op!r}; valid: "
                              f"{', '.join(o.value for o in cls)}")

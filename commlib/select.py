@@ -202,6 +202,13 @@ class CostModel:
 DEFAULT_MODEL = CostModel.load()
 
 
+def algorithm_overrides() -> dict:
+    """The COMMLIB_ALGO_<COLLECTIVE> settings; a communicator reads them when created."""
+    from .algorithms import COLLECTIVES
+    return {c: os.environ[f"COMMLIB_ALGO_{c.upper()}"] for c in COLLECTIVES
+            if os.environ.get(f"COMMLIB_ALGO_{c.upper()}")}
+
+
 def _registered_for(collective, name, transport):
     return get(collective, name).requires in (None, transport)
 

@@ -112,7 +112,8 @@ class _Background:
 
     def __init__(self, name: str):
         self._name = name
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # taken directly on hot paths; _cv waits on it
+        self._cv = threading.Condition(self._lock)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -147,7 +148,7 @@ class ProgressEngine(_Background):
 
     def run(self, what: str, task, async_op: bool):
         """Run ``task()`` after everything issued before it; its result, or a Work if async."""
-        with self._cv:
+        with self._lock:
             if self._closed:
                 raise CommError(f"{what} issued on a freed communicator")
             inline = not async_op and not self._busy and not self._queue
@@ -162,9 +163,10 @@ class ProgressEngine(_Background):
             try:
                 return task()
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
-                    self._cv.notify_all()
+                    if self._queue:  # async work queued meanwhile: wake the engine thread
+                        self._cv.notify_all()
         if async_op:
             return work
         work.wait()

@@ -147,6 +147,19 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("array"), py::arg("max_bytes"));
 
+  m.def(
+      "array_info",
+      [](py::handle obj) -> py::object {
+        // (address, C-contiguous, writable) of a numpy array, None for anything else:
+        // cheaper than reading them through numpy's Python attributes.
+        if (!py::array::check_(obj)) return py::none();
+        auto arr = py::reinterpret_borrow<py::array>(obj);
+        return py::make_tuple(reinterpret_cast<uintptr_t>(arr.data()),
+                              bool(arr.flags() & py::array::c_style),
+                              bool(arr.flags() & NPY_ARRAY_WRITEABLE_));
+      },
+      py::arg("array"));
+
   m.def("build_info", [] {
     commlib::BuildInfo info = commlib::build_info();
     py::dict d;

@@ -123,7 +123,9 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
       wait_staging_free(g);
       std::memcpy(staging(rank_, g), me.in + k * per_piece, len);
     }
-    wait_arrivals(arrive(), reads);
+    // Wait for everyone, not just the ranks read from: a root that reads nothing still
+    // learns here whether the others called the same broadcast.
+    wait_arrivals(arrive(), [](int) { return true; });
     for (int j = 0; j < size_; ++j)
       if (reads(j))
         std::memcpy(blocks[j].out + k * per_piece, staging(j, g),

@@ -12,7 +12,9 @@
 // its channel has a free slot, a receive while its next slot is filled) and waits only
 // when nothing can. Transfers to one peer keep their order, so the k-th send to a peer
 // meets that peer's k-th receive, as under MPI. A receive reduces straight out of the
-// slot: no scratch copy.
+// slot: no scratch copy. A transfer whose size differs from what the receiver expects is
+// drained (so the channel stays in step) and reported after the schedule, as the mpi4py
+// executor does; a transfer from another collective poisons the communicator.
 #include <cstring>
 
 #include "kernels.h"
@@ -33,6 +35,7 @@ struct Recv {
   char* dst;
   const char* src;  // reduce: dst = src op incoming; nullptr: plain copy
   uint64_t nbytes, done = 0;
+  bool discard = false;  // the sender's transfer has another size: drain it, keep nothing
 };
 
 int64_t take(const int64_t*& p, const int64_t* end) {
@@ -68,6 +71,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
   std::vector<Send> sends;
   std::vector<Recv> recvs;
   std::vector<char> blocked(size_);
+  std::string mismatch;
 
   int64_t rounds = take(p, end);
   for (int64_t round = 0; round < rounds; ++round) {
@@ -125,13 +129,21 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
         uint64_t& k = received_[r.peer];
         SlotHeader* h = slot(r.peer, rank_, k);
         while (r.done < r.nbytes && h->seq.load(std::memory_order_acquire) == k + 1) {
-          if (h->sig != sig_ || h->total != r.nbytes || h->offset != r.done)
-            fail("rank " + std::to_string(r.peer) + " sent " + std::to_string(h->total) +
-                 " bytes where this rank expects " + std::to_string(r.nbytes) +
-                 (h->sig != sig_ ? " in a different collective" : "") +
-                 ": the ranks' arguments disagree");
+          if (h->sig != sig_ || h->offset != r.done)
+            fail("rank " + std::to_string(r.peer) +
+                 " sent data of a different collective: the ranks' arguments disagree");
+          if (h->total != r.nbytes && !r.discard) {
+            if (mismatch.empty())
+              mismatch = "rank " + std::to_string(r.peer) + " sent " + std::to_string(h->total) +
+                         " bytes where this rank expects " + std::to_string(r.nbytes) +
+                         ": the ranks disagree on counts or splits";
+            r.discard = true;
+            r.nbytes = h->total;
+          }
           const char* data = reinterpret_cast<const char*>(h + 1);
-          if (r.src)
+          if (r.discard)
+            ;
+          else if (r.src)
             commlib::reduce(r.dst + r.done, r.src + r.done, data, int64_t(h->nbytes) / itemsize,
                             dtype, op);
           else
@@ -169,6 +181,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
       }, [&](int peer) { return blocked[peer] != 0; });
     }
   }
+  if (!mismatch.empty()) throw PeerError(mismatch);
 }
 
 }  // namespace commlib::shm

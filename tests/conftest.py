@@ -3,3 +3,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import the mpirun helper
 sys.path.insert(0, str(Path(__file__).parent.parent))  # and the bench package
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """After the whole suite: no commlib segment in /dev/shm, no rank still running."""
+    yield
+    left = sorted(str(p) for p in Path("/dev/shm").glob("commlib-*"))
+    assert not left, f"shared-memory segments left behind: {left}"
+    ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m bench"], capture_output=True,
+                           text=True).stdout.strip()
+    assert not ranks, f"processes left running: {ranks}"

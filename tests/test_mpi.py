@@ -10,8 +10,8 @@ from mpirun import mpirun
 RANKS = [1, 2, 3, 4]
 
 
-def run_checked(n, script, *args, timeout=400):
-    code, out = mpirun(n, script, *args, timeout=timeout)
+def run_checked(n, script, *args, timeout=400, env=None):
+    code, out = mpirun(n, script, *args, timeout=timeout, env=env)
     summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
     assert code == 0 and summary, f"mpiexec -n {n} {script} {' '.join(args)} exited {code}:\n{out[-6000:]}"
     assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
@@ -20,6 +20,19 @@ def run_checked(n, script, *args, timeout=400):
 @pytest.mark.parametrize("n", RANKS)
 def test_collectives_numpy(n):
     run_checked(n, "tests/mpi/matrix.py", "numpy", "large")
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_collectives_numpy_over_mpi_transport(n):
+    """The mpi4py executor, as between hosts."""
+    run_checked(n, "tests/mpi/matrix.py", "numpy", "large", env={"COMMLIB_TRANSPORT": "mpi"})
+
+
+# (ranks, ranks per virtual host): even hosts offer hier; 3 ranks as 2 + 1 fall back to mpi
+@pytest.mark.parametrize("n,per_host", [(2, 1), (3, 1), (3, 2), (4, 2)])
+def test_collectives_numpy_on_virtual_hosts(n, per_host):
+    run_checked(n, "tests/mpi/matrix.py", "numpy", "large",
+                env={"COMMLIB_RANKS_PER_HOST": str(per_host)})
 
 
 @pytest.mark.parametrize("n", RANKS)
@@ -38,8 +51,14 @@ def test_async_collectives_and_p2p(n):
     run_checked(n, "tests/mpi/async_ops.py", timeout=200)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_shared_memory_disagreements_fail_on_every_rank(n):
+    run_checked(n, "tests/mpi/shm_errors.py", timeout=120)
+
+
 def test_hung_job_is_killed_with_its_ranks():
-    segments = lambda: set(Path("/dev/shm").glob("mpich_shm_*"))  # noqa: E731
+    segments = lambda: set(Path("/dev/shm").glob("mpich_shm_*")) | set(  # noqa: E731
+        Path("/dev/shm").glob("commlib-*"))
     before = segments()  # this process has MPI up too, with a segment of its own
     code, out = mpirun(2, "tests/mpi/hang.py", timeout=10)
     assert code is None and "TIMEOUT" in out

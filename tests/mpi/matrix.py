@@ -1,7 +1,9 @@
 """Every algorithm x collective x dtype x op x count (x in-place), checked exactly.
 
-Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch
+Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large]
+(COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST select the path; see commlib/hosts.py)
 """
+import os
 import sys
 from functools import lru_cache
 
@@ -114,6 +116,23 @@ def run(collective, algo, dtype, op, count, inplace):
     check.check(name, case)
 
 
+def expected_transport():
+    per_host = int(os.environ.get("COMMLIB_RANKS_PER_HOST", 0))
+    if os.environ.get("COMMLIB_TRANSPORT") == "mpi":
+        return "mpi"
+    if per_host and n > per_host:
+        return "hosts" if n % per_host == 0 else "mpi"
+    return "shm"
+
+
+def on_expected_transport():
+    assert comm.transport == expected_transport(), (comm.transport, expected_transport())
+    special = {"shm": "direct", "hosts": "hier"}.get(comm.transport)
+    if special:
+        assert special in comm.algorithms("all_reduce")
+
+
+check.check(f"transport {expected_transport()}", on_expected_transport)
 # count and data outermost, so the cached inputs and references are reused by every algorithm
 for count in COUNTS:
     for dtype in DTYPES:

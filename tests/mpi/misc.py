@@ -96,15 +96,22 @@ def selection():
     try:
         assert choose("all_reduce", None, n, 1 << 20).name == "tree"
         assert choose("all_reduce", "ring", n, 8).name == "ring"  # the argument wins
+        # a communicator reads the overrides when it is created (as NCCL reads its env at init)
+        tree = comm.dup()
+        assert tree._plan("all_reduce", None, 11, 8, ())[0].name == "tree"
+        assert comm._plan("all_reduce", None, 11, 8, ())[0].name != "tree" or n == 1
         t = np.ones(11)
-        comm.all_reduce(t)
+        tree.all_reduce(t)
         assert_equal(t, np.full(11, float(n)))
         os.environ["COMMLIB_ALGO_ALL_REDUCE"] = "bogus"
+        bogus = comm.dup()
         try:
-            comm.all_reduce(t)
+            bogus.all_reduce(t)
             raise AssertionError("unknown algorithm accepted")
         except ValueError as e:
             assert ", ".join(comm.algorithms("all_reduce")) in str(e)
+        for c in (tree, bogus):
+            c.free()
     finally:
         del os.environ["COMMLIB_ALGO_ALL_REDUCE"]
     assert choose("all_reduce", None, n, 1 << 20, transport=comm.transport).name in \
