@@ -97,6 +97,7 @@ DIRECT_FORMULAS = {
     "reduce_scatter": lambda n, N: (_pieces(n * N), n * N, n * N),
     "all_gather": lambda n, N: (_pieces(N), n * N, 0),
     "broadcast": lambda n, N: (_pieces(N), N, 0),
+    "all_to_all": lambda n, N: (2 + (n - 1), (n - 1) / n * N, 0),  # barriers + a read per peer
 }
 
 # hier, L ranks on each of H hosts: per-rank bytes of its host stage and its cross stage
@@ -224,8 +225,15 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
     return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, transport, local)
 
 
+# all_to_all's counts differ per rank, so its choice must not depend on them: every rank
+# decides at this size.
+ALL_TO_ALL_DECIDING_BYTES = 1 << 20
+
+
 @lru_cache(maxsize=4096)
 def _cheapest(collective: str, n: int, nbytes: int, model: CostModel, transport, local) -> Algorithm:
+    if collective == "all_to_all":
+        nbytes = ALL_TO_ALL_DECIDING_BYTES
     names = [a for a in algorithms(collective)
              if transport is None or _registered_for(collective, a, transport)]
     if transport is None:

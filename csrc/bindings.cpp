@@ -128,6 +128,11 @@ PYBIND11_MODULE(_C, m) {
            nogil())
       .def("broadcast", &ShmComm::broadcast, py::arg("buf"), py::arg("nbytes"), py::arg("root"),
            nogil())
+      .def("all_to_all", &ShmComm::all_to_all, py::arg("out"), py::arg("in"),
+           py::arg("send_offsets"), py::arg("send_lengths"), py::arg("recv_offsets"),
+           py::arg("recv_lengths"), nogil())
+      .def("probe_cma", &ShmComm::probe_cma, nogil())
+      .def_property("cma", &ShmComm::cma, &ShmComm::set_cma)
       .def(
           "all_reduce_sum_array",
           [](ShmComm& c, py::handle obj, int64_t max_bytes) {

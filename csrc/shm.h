@@ -16,6 +16,11 @@
 //              their input for the peers to read in place.
 //   piece      the part of a direct collective that fits in one staging half; pieces
 //              alternate halves so staging piece g+1 overlaps peers reading piece g.
+//   directory  where a rank publishes the address of its user buffer and, per peer, the
+//              (offset, length) there that the peer should read: the single-copy
+//              collectives read it with process_vm_readv (cross-memory attach, "CMA"),
+//              no staging copy. Used when every rank can read every other (probed at
+//              set-up; ptrace policy can forbid it), and large enough to pay the syscalls.
 //   signature  64-bit hash of (collective, algorithm, counts, dtype, op, root). Ranks that
 //              meet with different signatures poison the communicator and raise, instead
 //              of exchanging wrong data or hanging.
@@ -39,6 +44,11 @@ struct alignas(kLine) Control {
   std::atomic<uint64_t> released;  // staging pieces this rank has finished reading
   std::atomic<uint32_t> poisoned;
   int32_t pid;
+  uint64_t self_address;  // where the owner mapped its own segment (for the CMA probe)
+};
+
+struct alignas(kLine) Directory {  // followed by offset[n], length[n] (bytes)
+  uint64_t address;
 };
 
 struct alignas(kLine) Doorbell {
@@ -96,6 +106,19 @@ class ShmComm {
   void reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op);
   void all_gather(uintptr_t out, uintptr_t in, int64_t nbytes);
   void broadcast(uintptr_t buf, int64_t nbytes, int root);
+  // all_to_all with byte offsets/lengths per peer into in (send) and out (receive);
+  // single-copy only (cma() must be true).
+  void all_to_all(uintptr_t out, uintptr_t in, const std::vector<int64_t>& send_offsets,
+                  const std::vector<int64_t>& send_lengths,
+                  const std::vector<int64_t>& recv_offsets,
+                  const std::vector<int64_t>& recv_lengths);
+
+  // Single copy: probe whether this rank can read every peer's memory; every rank must
+  // then set_cma() to the verdict of all (an all-reduce over the probes).
+  bool probe_cma() const;
+  void set_cma(bool on) { cma_ = on; }
+  bool cma() const { return cma_; }
+  static constexpr int64_t kCmaMinBytes = 256 * 1024;
 
   // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
   static constexpr int64_t kSmallBytes = 4096;
@@ -122,6 +145,11 @@ class ShmComm {
   ChannelTail* tail(int owner, int to) const;
   SlotHeader* slot(int owner, int to, uint64_t k) const;
   char* staging(int owner, uint64_t piece) const;
+  Directory* directory(int owner) const;
+  int64_t* directory_offsets(int owner) const;  // then lengths at [size_]
+  void read_peer(int peer, char* dst, uint64_t remote, uint64_t nbytes) const;
+  void publish(const char* base, const std::vector<int64_t>& offsets,
+               const std::vector<int64_t>& lengths);
 
   // calls and waiting
   void begin(uint64_t sig);
@@ -193,6 +221,7 @@ class ShmComm {
   std::vector<char> tmp_;             // "tmp" buffer of schedules
   std::mutex mutex_;                  // one collective at a time
   bool owner_linked_ = false;
+  bool cma_ = false;
   std::string failure_;
 };
 

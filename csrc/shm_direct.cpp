@@ -9,6 +9,10 @@
 //                   blocks out of the peers' slots. (all_reduce, reduce, reduce_scatter)
 //   gather_pieces   rank r stages its own block; after the barrier it copies the blocks it
 //                   wants from the peers' stagings. (all_gather, broadcast)
+//   single copy     large all_gather/broadcast, and all_to_all: rank r publishes where its
+//                   input lives; after the barrier it reads what it wants straight from the
+//                   peers' buffers (process_vm_readv); a second barrier keeps every input
+//                   intact until all have read it.
 #include <algorithm>
 #include <cstring>
 
@@ -47,7 +51,7 @@ uint64_t signature(std::initializer_list<int64_t> fields) {
   return h;
 }
 
-enum Kind : int64_t { ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST };
+enum Kind : int64_t { ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL };
 
 }  // namespace
 
@@ -222,6 +226,17 @@ void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t nbytes) {
   begin(signature({ALL_GATHER, nbytes}));
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
+  if (cma_ && nbytes >= kCmaMinBytes && size_ > 1) {
+    publish(input, std::vector<int64_t>(size_, 0), std::vector<int64_t>(size_, nbytes));
+    wait_arrivals(arrive(), [](int) { return true; });
+    for (int k = 1; k < size_; ++k) {  // start at different peers, to spread the reads
+      int j = (rank_ + k) % size_;
+      read_peer(j, output + j * nbytes, directory(j)->address, nbytes);
+    }
+    if (output + rank_ * nbytes != input) copy(output + rank_ * nbytes, input, nbytes);
+    wait_arrivals(arrive(), [](int) { return true; });
+    return;
+  }
   std::vector<Block> blocks;
   for (int j = 0; j < size_; ++j) blocks.push_back({input, output + j * nbytes, nbytes});
   gather_pieces(blocks);
@@ -232,9 +247,51 @@ void ShmComm::broadcast(uintptr_t buf, int64_t nbytes, int root) {
   begin(signature({BROADCAST, nbytes, root}));
   if (size_ == 1) return;
   char* data = reinterpret_cast<char*>(buf);
+  if (cma_ && nbytes >= kCmaMinBytes) {
+    if (rank_ == root)
+      publish(data, std::vector<int64_t>(size_, 0), std::vector<int64_t>(size_, nbytes));
+    wait_arrivals(arrive(), [](int) { return true; });
+    if (rank_ != root) read_peer(root, data, directory(root)->address, nbytes);
+    wait_arrivals(arrive(), [](int) { return true; });
+    return;
+  }
   std::vector<Block> blocks(size_, Block{data, nullptr, 0});
   blocks[root] = {data, rank_ == root ? nullptr : data, nbytes};
   gather_pieces(blocks);
+}
+
+void ShmComm::all_to_all(uintptr_t out, uintptr_t in, const std::vector<int64_t>& send_offsets,
+                         const std::vector<int64_t>& send_lengths,
+                         const std::vector<int64_t>& recv_offsets,
+                         const std::vector<int64_t>& recv_lengths) {
+  for (auto* v : {&send_offsets, &send_lengths, &recv_offsets, &recv_lengths})
+    if (int(v->size()) != size_) throw std::invalid_argument("one offset and length per rank");
+  if (!cma_) throw std::invalid_argument("all_to_all here needs single copy (cma)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin(signature({ALL_TO_ALL}));
+  char* input = reinterpret_cast<char*>(in);
+  char* output = reinterpret_cast<char*>(out);
+  publish(input, send_offsets, send_lengths);
+  wait_arrivals(arrive(), [](int) { return true; });
+  std::string mismatch;
+  for (int k = 0; k < size_; ++k) {
+    int j = (rank_ + k) % size_;
+    int64_t length = directory_offsets(j)[size_ + rank_];
+    if (length != recv_lengths[j]) {  // reported after the second barrier: no one hangs
+      if (mismatch.empty())
+        mismatch = "rank " + std::to_string(j) + " sends " + std::to_string(length) +
+                   " bytes where this rank expects " + std::to_string(recv_lengths[j]) +
+                   ": the ranks disagree on counts or splits";
+      continue;
+    }
+    char* dst = output + recv_offsets[j];
+    if (j == rank_)
+      copy(dst, input + send_offsets[j], length);
+    else if (length > 0)
+      read_peer(j, dst, directory(j)->address + directory_offsets(j)[rank_], length);
+  }
+  wait_arrivals(arrive(), [](int) { return true; });
+  if (!mismatch.empty()) throw PeerError(mismatch);
 }
 
 }  // namespace commlib::shm

@@ -35,6 +35,11 @@ def test_collectives_numpy_on_virtual_hosts(n, per_host):
                 env={"COMMLIB_RANKS_PER_HOST": str(per_host)})
 
 
+def test_collectives_numpy_without_single_copy():
+    """Shared memory where the host forbids reading another process's memory."""
+    run_checked(3, "tests/mpi/matrix.py", "numpy", "large", env={"COMMLIB_SHM_CMA": "0"})
+
+
 @pytest.mark.parametrize("n", RANKS)
 def test_collectives_torch(n):
     pytest.importorskip("torch")

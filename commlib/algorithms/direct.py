@@ -1,9 +1,13 @@
 """direct: host-only collectives that read the peers' published data in place
 (csrc/shm_direct.cpp). Every rank copies its input into shared memory once and reads what
 it needs straight from the others: no chain of n-1 steps, one barrier or two per piece.
+Large all_gather/broadcast, and all_to_all, read the peers' buffers themselves (single
+copy) where the host allows it; all_to_all falls back to the pairwise schedule where not.
 """
+from itertools import accumulate
+
 from .. import _C
-from . import register
+from . import get, register
 
 
 def _call(comm, method, *args):
@@ -36,5 +40,19 @@ def broadcast(comm, bufs, dtype, op, root=0):
     _call(comm, "broadcast", b.ptr, b.nbytes, root)
 
 
-for _fn in (all_reduce, reduce, reduce_scatter, all_gather, broadcast):
+def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
+    executor, size = comm._executor, dtype.itemsize
+    if not executor.transport.cma:
+        params = (("input_splits", input_splits), ("output_splits", output_splits))
+        plan = executor.plan(get("all_to_all", "pairwise"), comm.size, comm.rank,
+                             bufs["in"].numel, size, params)
+        executor.run(plan, bufs, dtype.code, 0)
+        return
+    offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
+    _call(comm, "all_to_all", bufs["out"].ptr, bufs["in"].ptr, offsets(input_splits),
+          [s * size for s in input_splits], offsets(output_splits),
+          [s * size for s in output_splits])
+
+
+for _fn in (all_reduce, reduce, reduce_scatter, all_gather, broadcast, all_to_all):
     register("direct", _fn.__name__, run=_fn, requires="shm")

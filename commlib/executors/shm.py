@@ -111,6 +111,9 @@ class ShmExecutor:
         if failed:
             raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
                             "set COMMLIB_TRANSPORT=mpi to run without it")
+        # single copy only if every rank can read every other (ptrace policy may forbid it)
+        wanted = os.environ.get("COMMLIB_SHM_CMA", "1") != "0"
+        transport.cma = bool(mpi_comm.allreduce(int(wanted and transport.probe_cma()), op=MPI.MIN))
         self.transport = transport
 
     plan = staticmethod(plan_for)
