@@ -44,21 +44,24 @@ def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
         free[np.argmin(np.where(free, x, np.inf))] = False
 
 
-def _coefficients(collective, algorithm, n, nbytes):
+def _coefficients(collective, algorithm, n, nbytes, transport):
+    """The row of the least-squares problem: coefficients of the fitted constants."""
     if algorithm == "direct":
-        return DIRECT_FORMULAS[collective](n, nbytes)
-    return FORMULAS[(collective, algorithm)](n, nbytes)
+        rounds, moved, reduced = DIRECT_FORMULAS[collective](n, nbytes)
+        return rounds, 0, moved, reduced
+    rounds, moved, reduced = FORMULAS[(collective, algorithm)](n, nbytes)
+    return (rounds, moved, 0, reduced) if transport == "shm" else (rounds, moved, reduced)
 
 
 def fit(samples, transport: str = "mpi", base: CostModel | None = None) -> CostModel:
     """samples: (collective, algorithm, n, nbytes, seconds) -> ``base`` (default: the
     built-in constants) with the constants of ``transport`` ("shm": alpha_shm, beta_shm,
-    gamma_shm; otherwise alpha, beta, gamma) and native's fitted. Constants without data
-    keep their values."""
+    beta_direct, gamma_shm; otherwise alpha, beta, gamma) and native's fitted. Constants
+    without data keep their values."""
     default = base or CostModel()
-    names = ("alpha_shm", "beta_shm", "gamma_shm") if transport == "shm" else ("alpha", "beta",
-                                                                              "gamma")
-    sched = [(_coefficients(c, a, n, b), t) for c, a, n, b, t in samples
+    names = (("alpha_shm", "beta_shm", "beta_direct", "gamma_shm") if transport == "shm"
+             else ("alpha", "beta", "gamma"))
+    sched = [(_coefficients(c, a, n, b, transport), t) for c, a, n, b, t in samples
              if a not in ("native", "hier")]
     params = {name: getattr(default, name) for name in names}
     if sched:
@@ -104,12 +107,13 @@ def main(args, comm) -> int:
     if comm.rank != 0:
         return 0
     model = fit(samples, comm.transport, DEFAULT_MODEL)
-    suffix = "_shm" if comm.transport == "shm" else ""
-    alpha, beta, gamma = (getattr(model, c + suffix) for c in ("alpha", "beta", "gamma"))
     rate = lambda per_byte: 1 / per_byte / 1e9 if per_byte else float("inf")  # noqa: E731
-    print(f"# calibrate: {n} ranks over {comm.transport}; fitted alpha{suffix} {alpha * 1e6:.2f} "
-          f"us, beta{suffix} {rate(beta):.2f} GB/s, gamma{suffix} {rate(gamma):.2f} GB/s, "
-          f"alpha_native {model.alpha_native * 1e6:.2f} us")
+    shm = comm.transport == "shm"
+    fitted = (("alpha_shm", "beta_shm", "beta_direct", "gamma_shm") if shm
+              else ("alpha", "beta", "gamma"))
+    print(f"# calibrate: {n} ranks over {comm.transport}; fitted " + ", ".join(
+        f"{c} {getattr(model, c) * 1e6:.2f} us" if c.startswith("alpha")
+        else f"{c} {rate(getattr(model, c)):.2f} GB/s" for c in fitted + ("alpha_native",)))
     table = []
     for name, algo, nr, nbytes, t in samples:
         pred = model.predict(name, algo, nr, nbytes, comm.transport)

@@ -38,6 +38,7 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
                             tuple(sorted(params.items())) if params else ())
     kernel_op = op.kernel_op
     executor = comm._executor
+    average = op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"])
 
     def call():
         try:
@@ -47,7 +48,7 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
                 executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
         except MPI.Exception as e:
             raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
-        if op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"]):
+        if average:
             target = bufs["out"]
             _C.scale(target.ptr, target.numel, dtype.code, 1.0 / comm.size)
 
@@ -57,13 +58,8 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
 def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, *, result,
          async_op=False, **params):
     """Validate-then-run entry of the public collectives: on the communicator's engine."""
-    call = _prepare(comm, collective, algorithm, bufs, count, dtype, op, params)
-
-    def task():
-        call()
-        return result
-
-    return comm._engine.run(collective, task, async_op)
+    return comm._engine.run(collective, _prepare(comm, collective, algorithm, bufs, count, dtype,
+                                                 op, params), async_op, result)
 
 
 def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=None, **params):

@@ -9,8 +9,8 @@ with 2 ranks apply. ``native`` (the MPI library's own collective) is opaque: its
 alpha, and one per-byte cost per collective in place of beta and gamma.
 
 On the shared-memory transport (one host) schedules pay their own constants (alpha_shm,
-beta_shm, gamma_shm), and ``direct`` has formulas of its own: a round there is a barrier
-per staged piece. ``hier`` costs its host stage (direct, L ranks per host) plus its
+beta_shm, gamma_shm), and ``direct`` has formulas of its own (its copies cost beta_direct):
+a round there is a barrier per staged piece. All alphas include the Python call path. ``hier`` costs its host stage (direct, L ranks per host) plus its
 cross-host stage (the best MPI algorithm among H hosts on 1/L of the data).
 """
 from __future__ import annotations
@@ -134,9 +134,10 @@ class CostModel:
     alpha: float = 6e-6         # s per round, schedules on the Python executor
     beta: float = 0.9e-10       # s per byte moved
     gamma: float = 0.2e-10      # s per byte reduced
-    alpha_shm: float = 1.5e-6     # s per round (schedules) or barrier (direct) on shared memory
-    beta_shm: float = 0.6e-10     # s per byte moved through shared memory
-    gamma_shm: float = 0.4e-10    # s per byte reduced there
+    alpha_shm: float = 3.5e-6     # s per round (schedules) or barrier (direct) on shared memory
+    beta_shm: float = 2.5e-11     # s per byte moved through shared memory by schedules
+    beta_direct: float = 2.6e-11  # s per byte direct copies (staging, gathers)
+    gamma_shm: float = 1.0e-11    # s per byte reduced there
     alpha_native: float = 4e-6  # s per latency round of the MPI library's own collectives
     native_per_byte: tuple = field(default=(  # s per byte its traffic moves, per collective
         ("all_reduce", 3.4e-10), ("reduce_scatter", 1.6e-10), ("all_gather", 0.75e-10),
@@ -153,7 +154,7 @@ class CostModel:
             if formula is None:
                 return math.inf
             rounds, moved, reduced = formula(n, nbytes)
-            return rounds * self.alpha_shm + moved * self.beta_shm + reduced * self.gamma_shm
+            return rounds * self.alpha_shm + moved * self.beta_direct + reduced * self.gamma_shm
         if name == "native":
             rounds, moved = NATIVE_FORMULAS[collective](n, nbytes)
             return self.alpha_native * max(1, rounds) + moved * dict(self.native_per_byte)[collective]

@@ -146,8 +146,9 @@ class ProgressEngine(_Background):
         """Nothing queued or running (a hint: another thread may issue at any time)."""
         return not self._busy and not self._queue
 
-    def run(self, what: str, task, async_op: bool):
-        """Run ``task()`` after everything issued before it; its result, or a Work if async."""
+    def run(self, what: str, task, async_op: bool, result=None):
+        """Run ``task()`` after everything issued before it; then return ``result`` (a Work
+        holding it, if ``async_op``)."""
         with self._lock:
             if self._closed:
                 raise CommError(f"{what} issued on a freed communicator")
@@ -156,12 +157,14 @@ class ProgressEngine(_Background):
                 self._busy = True
             else:
                 work = Work(what)
+                work.result = result
                 self._queue.append((work, task))
                 self._start()
                 self._cv.notify_all()
         if inline:
             try:
-                return task()
+                task()
+                return result
             finally:
                 with self._lock:
                     self._busy = False
@@ -181,15 +184,15 @@ class ProgressEngine(_Background):
                     self._cv.wait()
                 work, task = self._queue.popleft()
                 self._busy = True
-            result, error = None, None
+            error = None
             try:
-                result = task()
+                task()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 error = e
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-            work._finish(result, error)
+            work._finish(work.result, error)
 
 
 class RequestPoller(_Background):

@@ -18,9 +18,9 @@
 //              alternate halves so staging piece g+1 overlaps peers reading piece g.
 //   directory  where a rank publishes the address of its user buffer and, per peer, the
 //              (offset, length) there that the peer should read: the single-copy
-//              collectives read it with process_vm_readv (cross-memory attach, "CMA"),
+//              all_to_all reads it with process_vm_readv (cross-memory attach, "CMA"),
 //              no staging copy. Used when every rank can read every other (probed at
-//              set-up; ptrace policy can forbid it), and large enough to pay the syscalls.
+//              set-up; ptrace policy can forbid it).
 //   signature  64-bit hash of (collective, algorithm, counts, dtype, op, root). Ranks that
 //              meet with different signatures poison the communicator and raise, instead
 //              of exchanging wrong data or hanging.
@@ -118,7 +118,6 @@ class ShmComm {
   bool probe_cma() const;
   void set_cma(bool on) { cma_ = on; }
   bool cma() const { return cma_; }
-  static constexpr int64_t kCmaMinBytes = 256 * 1024;
 
   // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
   static constexpr int64_t kSmallBytes = 4096;

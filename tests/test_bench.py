@@ -9,7 +9,7 @@ from bench.calibrate import fit
 from bench.harness import parse_size, sizes
 from bench.overlap import overlap_percent
 from bench.specs import SPECS, count_wrong
-from commlib.select import FORMULAS, NATIVE_FORMULAS, CostModel
+from commlib.select import DIRECT_FORMULAS, FORMULAS, NATIVE_FORMULAS, CostModel
 from mpirun import mpirun
 
 
@@ -65,6 +65,19 @@ def test_calibrate_recovers_known_constants():
         assert getattr(got, field) == pytest.approx(getattr(truth, field), rel=0.02), field
     for (c, v), (c2, v2) in zip(got.native_per_byte, truth.native_per_byte):
         assert c == c2 and v == pytest.approx(v2, rel=0.02)
+
+
+def test_calibrate_recovers_shared_memory_constants():
+    truth = CostModel(alpha_shm=1.2e-6, beta_shm=1 / 20e9, beta_direct=1 / 35e9,
+                      gamma_shm=1 / 60e9)
+    rng = np.random.default_rng(1)
+    pairs = list(FORMULAS) + [(c, "direct") for c in DIRECT_FORMULAS]
+    samples = [(c, a, n, b, truth.predict(c, a, n, b, "shm") * (1 + rng.normal(0, 0.002)))
+               for (c, a) in pairs for n in (2, 3, 4) for b in (64, 4096, 1 << 18, 1 << 22)]
+    got = fit(samples, "shm")
+    for field in ("alpha_shm", "beta_shm", "beta_direct", "gamma_shm"):
+        assert getattr(got, field) == pytest.approx(getattr(truth, field), rel=0.02), field
+    assert got.alpha == CostModel().alpha  # the MPI constants are left alone
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -1,8 +1,8 @@
 """direct: host-only collectives that read the peers' published data in place
 (csrc/shm_direct.cpp). Every rank copies its input into shared memory once and reads what
 it needs straight from the others: no chain of n-1 steps, one barrier or two per piece.
-Large all_gather/broadcast, and all_to_all, read the peers' buffers themselves (single
-copy) where the host allows it; all_to_all falls back to the pairwise schedule where not.
+all_to_all reads the peers' buffers themselves (single copy) where the host allows it, and
+falls back to the pairwise schedule where not.
 """
 from itertools import accumulate
 
