@@ -2,8 +2,9 @@
 
 For each collective and size, repetitions interleave the implementations so machine drift
 hits all alike; each reports the median over all its iterations of the max over ranks, and
-is then checked once on exact data. The table gives busbw per implementation and the ratio
-of commlib's best (and of auto) to the best peer (MPI or gloo). --json writes every number,
+is then checked once on exact data. The table gives busbw per implementation, the ratio
+of commlib's best (and of auto) to the best peer (MPI or gloo), and commlib's best as a
+fraction of this machine's memcpy bandwidth at that size (one rank copying alone). --json writes every number,
 --plot a PNG of busbw against size with the measured memcpy bandwidth drawn as a bound.
 """
 from __future__ import annotations
@@ -106,9 +107,11 @@ def main(args, comm) -> int:
 def _print(rows, tables, n, dtype):
     for name, impls in tables.items():
         mine = [r for r in rows if r["collective"] == name and r["impl"] != "memcpy"]
+        memcpy = {r["size"]: r["busbw"] for r in rows
+                  if r["collective"] == name and r["impl"] == "memcpy"}
         print(f"# compare {name}: {n} ranks, {dtype}; busbw in GB/s (median of the max over "
               f"ranks); ratios are busbw over the best peer's (mpi, gloo)")
-        header = ["size"] + impls + ["best", "best/peer", "auto/peer", "#wrong"]
+        header = ["size"] + impls + ["best", "best/peer", "auto/peer", "best/memcpy", "#wrong"]
         table = []
         for size in sorted({r["size"] for r in mine}):
             at = {r["impl"]: r for r in mine if r["size"] == size}
@@ -119,6 +122,8 @@ def _print(rows, tables, n, dtype):
             table.append([size, *bw.values(), best.removeprefix("commlib:"),
                           ours.get(best, float("nan")) / peer if peer else float("nan"),
                           bw.get("commlib:auto", float("nan")) / peer if peer else float("nan"),
+                          ours.get(best, float("nan")) / memcpy[size] if memcpy.get(size)
+                          else float("nan"),
                           sum(r["wrong"] for r in at.values())])
         print_table(header, table)
         small = min(r["size"] for r in mine)

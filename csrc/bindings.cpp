@@ -81,6 +81,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), "Copy nbytes bytes; regions may overlap (memmove).");
 
   m.def(
+      "copy_streaming",
+      [](uintptr_t dst, uintptr_t src, int64_t nbytes) {
+        if (nbytes < 0) throw std::invalid_argument("nbytes must be >= 0");
+        py::gil_scoped_release nogil;
+        commlib::copy_streaming(ptr(dst), ptr(src), nbytes);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+      "Copy nbytes bytes with stores that bypass the cache (large copies); no overlap.");
+
+  m.def(
       "scale",
       [](uintptr_t dst, int64_t count, int dtype, double factor) {
         py::gil_scoped_release nogil;

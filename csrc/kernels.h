@@ -182,6 +182,7 @@ COMMLIB_INLINE void scale_half(f16* dst, size_t n, float factor) {
 void reduce(void* dst, const void* a, const void* b, int64_t count, int dtype, int op);
 void scale(void* dst, int64_t count, int dtype, double factor);
 void copy(void* dst, const void* src, int64_t nbytes);  // memmove
+void copy_streaming(void* dst, const void* src, int64_t nbytes);  // no overlap; bypasses cache
 
 struct BuildInfo {
   const char* compiler;

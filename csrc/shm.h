@@ -121,6 +121,9 @@ class ShmComm {
 
   // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
   static constexpr int64_t kSmallBytes = 4096;
+  // Received data lands with non-temporal stores in transfers at least this large (far
+  // beyond the cache, where skipping the read-for-ownership saves DRAM traffic).
+  static constexpr int64_t kStreamingBytes = 8 << 20;
 
   int rank() const { return rank_; }
   int size() const { return size_; }

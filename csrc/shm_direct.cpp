@@ -119,7 +119,13 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
   const int64_t npieces = (longest + per_piece - 1) / per_piece;
   auto reads = [&](int j) { return j != rank_ && blocks[j].out && blocks[j].count > 0; };
   const Block& me = blocks[rank_];
-  if (me.out && me.out != me.in) copy(me.out, me.in, me.count);  // own block: no staging
+  auto copy_out = [&](char* dst, const char* src, int64_t n) {
+    if (longest >= kStreamingBytes)
+      copy_streaming(dst, src, n);
+    else
+      std::memcpy(dst, src, n);
+  };
+  if (me.out && me.out != me.in) copy_out(me.out, me.in, me.count);  // own block: no staging
 
   for (int64_t k = 0; k < npieces; ++k) {
     uint64_t g = pieces_++;
@@ -133,8 +139,8 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
     wait_arrivals(arrive(), [](int) { return true; });
     for (int j = 0; j < size_; ++j)
       if (reads(j))
-        std::memcpy(blocks[j].out + k * per_piece, staging(j, g),
-                    piece_len(blocks[j].count, k, per_piece));
+        copy_out(blocks[j].out + k * per_piece, staging(j, g),
+                 piece_len(blocks[j].count, k, per_piece));
     release_piece(g);
   }
 }

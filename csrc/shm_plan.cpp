@@ -146,6 +146,8 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           else if (r.src)
             commlib::reduce(r.dst + r.done, r.src + r.done, data, int64_t(h->nbytes) / itemsize,
                             dtype, op);
+          else if (r.nbytes >= uint64_t(kStreamingBytes))
+            copy_streaming(r.dst + r.done, data, h->nbytes);
           else
             std::memcpy(r.dst + r.done, data, h->nbytes);
           r.done += h->nbytes;

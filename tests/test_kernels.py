@@ -247,3 +247,14 @@ def test_baseline_path():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
                           "-k", "not baseline_path and not torch"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_streaming_copy_any_alignment_and_size():
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 70_000, dtype=np.uint8)
+    for n in (0, 1, 63, 64, 255, 256, 257, 4096 + 17, 65_000):
+        for src_off, dst_off in ((0, 0), (1, 0), (0, 3), (5, 11), (16, 7)):
+            dst = np.zeros(70_000, np.uint8)
+            _C.copy_streaming(ptr(dst) + dst_off, ptr(src) + src_off, n)
+            assert np.array_equal(dst[dst_off:dst_off + n], src[src_off:src_off + n]), (n, src_off)
+            assert not dst[:dst_off].any() and not dst[dst_off + n:].any(), (n, src_off, dst_off)

@@ -164,4 +164,18 @@ def errors_before_communication():
     comm.barrier()  # everyone is still in step
 
 
+def large_transfers():
+    """Transfers beyond the cache (>= 8 MiB per peer) take the streaming-store copies."""
+    count = (9 << 20) // 4 + 3
+    mine = np.arange(count, dtype=np.int32) + rank
+    want = np.concatenate([np.arange(count, dtype=np.int32) + r for r in range(n)])
+    for algo in comm.algorithms("all_gather"):
+        out = np.zeros(n * count, np.int32)
+        comm.all_gather(out, mine, algorithm=algo)
+        assert_equal(out, want)
+    a2a_out = np.zeros(n * count, np.int32)
+    comm.all_to_all(a2a_out, np.tile(mine, n))
+    assert_equal(a2a_out, want)
+
+
 check.run_cases(globals())
