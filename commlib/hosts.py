@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from mpi4py import MPI
 
 TRANSPORTS = ("auto", "shm", "mpi")
@@ -61,6 +62,17 @@ class HostLayout:
         self.owner = [[0] * self.cross.size for _ in range(self.local.size)]
         for r, (i, h) in enumerate(self.position):
             self.owner[i][h] = r
+        self._scratch: dict = {}
+
+    def scratch(self, slot: int, numel: int, dtype):
+        """Reused working buffer number ``slot`` (fresh pages every call would cost more
+        than the copies); one collective at a time uses them."""
+        from .buffers import Buffer
+        nbytes = numel * dtype.itemsize
+        raw = self._scratch.get(slot)
+        if raw is None or raw.size < nbytes:
+            raw = self._scratch[slot] = np.empty(nbytes, np.uint8)
+        return Buffer(raw, raw.ctypes.data, numel, dtype, raw[:nbytes])
 
     def free(self):
         for c in (self.local, self.cross):

@@ -13,7 +13,6 @@ same local rank on every host; ``owner[i][h]`` is the rank with local rank i at 
 h of its cross communicator. Offered when every host has the same number of ranks.
 """
 from .. import _C
-from ..buffers import scratch
 from ..ops import ReduceOp
 from . import register
 
@@ -44,11 +43,11 @@ def _chunk(count, parts, i):
 def reduce_scatter(comm, bufs, dtype, op):
     lay, out, inp = comm._layout, bufs["out"], bufs["in"]
     n, hosts = out.numel, lay.cross.size
-    grouped = scratch(comm.size * n, dtype)  # blocks ordered by (local rank, host)
+    grouped = lay.scratch(0, comm.size * n, dtype)  # blocks ordered by (local rank, host)
     for i, row in enumerate(lay.owner):
         for h, r in enumerate(row):
             _C.copy(grouped.ptr + (i * hosts + h) * out.nbytes, inp.ptr + r * out.nbytes, out.nbytes)
-    shard = scratch(hosts * n, dtype)
+    shard = lay.scratch(1, hosts * n, dtype)
     _execute(lay.local, "reduce_scatter", {"out": shard, "in": grouped}, hosts * n, dtype, op)
     _execute(lay.cross, "reduce_scatter", {"out": out, "in": shard}, n, dtype, op)
 
@@ -56,9 +55,9 @@ def reduce_scatter(comm, bufs, dtype, op):
 def all_gather(comm, bufs, dtype, op):
     lay, out, inp = comm._layout, bufs["out"], bufs["in"]
     n, hosts = inp.numel, lay.cross.size
-    shard = scratch(hosts * n, dtype)
+    shard = lay.scratch(1, hosts * n, dtype)
     _execute(lay.cross, "all_gather", {"out": shard, "in": inp}, n, dtype)
-    grouped = scratch(comm.size * n, dtype)
+    grouped = lay.scratch(0, comm.size * n, dtype)
     _execute(lay.local, "all_gather", {"out": grouped, "in": shard}, hosts * n, dtype)
     for i, row in enumerate(lay.owner):
         for h, r in enumerate(row):

@@ -40,6 +40,17 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+@lru_cache(maxsize=1)
+def _processes_on_this_machine() -> int:
+    """MPI processes sharing this machine (all of them, whatever communicator or virtual
+    hosts): what competes for its cores."""
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
 @lru_cache(maxsize=8192)
 def signature(*fields) -> int:
     """A 63-bit hash of a call's description, equal on every rank (unlike hash())."""
@@ -92,7 +103,10 @@ class ShmExecutor:
     def __init__(self, mpi_comm: MPI.Comm):
         config = mpi_comm.bcast(_config_from_env(), root=0)  # every rank must agree
         size = mpi_comm.Get_size()
-        spin = 20_000 if size <= _cores() else 0  # spinning on a shared core only delays the peer
+        # Spinning on a core that a peer needs only delays it: no spinning when ranks
+        # outnumber cores.
+        crowded = mpi_comm.allreduce(int(_processes_on_this_machine() > _cores()), op=MPI.MAX)
+        spin = 0 if crowded else int(os.environ.get("COMMLIB_SHM_SPIN", 20_000))
         transport, error = None, None
         try:
             transport = _C.ShmComm(mpi_comm.Get_rank(), size, spin=spin, yields=200, **config)
