@@ -182,7 +182,8 @@ void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int ph
   begin(signature({ALL_REDUCE, count, dtype, op, phases}));
   if (size_ == 1 || count == 0) return;
   char* base = reinterpret_cast<char*>(buf);
-  if (phases == 3 && count * isz <= kSmallBytes) return all_reduce_small(base, count, dtype, op);
+  if (phases == 3 && count * isz <= std::min(kSmallBytes, config_.staging_bytes / 2))
+    return all_reduce_small(base, count, dtype, op);
   std::vector<Block> blocks;
   for (auto [off, n] : chunks(count, size_)) blocks.push_back({base + off * isz, base + off * isz, n});
   if (phases == 2) {  // gather the blocks, in bytes

@@ -71,6 +71,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
   std::vector<Send> sends;
   std::vector<Recv> recvs;
   std::vector<char> blocked(size_);
+  std::vector<char> sent_to(size_);
   std::string mismatch;
 
   int64_t rounds = take(p, end);
@@ -95,8 +96,10 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
       bool reduce = take(p, end) != 0;
       recvs.push_back({peer, dst, reduce ? buf(src_buf) + src_off : nullptr, uint64_t(nbytes)});
     }
-    for (auto& s : sends)
+    for (auto& s : sends) {
       if (s.peer < 0 || s.peer >= size_ || s.peer == rank_) throw std::invalid_argument("bad peer");
+      sent_to[s.peer] = 1;
+    }
     for (auto& r : recvs)
       if (r.peer < 0 || r.peer >= size_ || r.peer == rank_) throw std::invalid_argument("bad peer");
 
@@ -182,6 +185,15 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
         return false;
       }, [&](int peer) { return blocked[peer] != 0; });
     }
+  }
+  // A send completes once its data is in the channel, so a receiver that is in another
+  // collective might never tell this rank. Make sure each receiver has begun this call
+  // and agrees (it usually has: it is the one that drained the channel).
+  for (int r = 0; r < size_; ++r) {
+    if (!sent_to[r]) continue;
+    Control* c = peers_[r].control;
+    wait([&] { return c->call.load(std::memory_order_acquire) >= call_; }, only(r));
+    check_signature(r);
   }
   if (!mismatch.empty()) throw PeerError(mismatch);
 }
