@@ -82,7 +82,7 @@ def test_registry_lists_expected_names():
     assert algorithms("all_reduce", _On("hosts")) == ["hier", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("mpi")) == ["native", "rhd", "ring", "tree"]
     assert algorithms("all_to_all") == ["direct", "native", "pairwise"]
-    with pytest.raises(ValueError, match="valid: native, pairwise"):
+    with pytest.raises(ValueError, match="valid: direct, native, pairwise"):
         get("all_to_all", "ring")
     with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: native, rhd"):
         get("all_reduce", "direct", "mpi")
