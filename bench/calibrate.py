@@ -14,7 +14,7 @@ import commlib
 import dataclasses
 
 from commlib.select import (DEFAULT_MODEL, DIRECT_FORMULAS, FORMULAS, NATIVE_FORMULAS, CostModel,
-                            tuning_path)
+                            shm_terms, tuning_path)
 
 from .harness import iteration_times, parse_size, print_table, sizes
 from .peers import Case, CommlibPeer
@@ -49,8 +49,10 @@ def _coefficients(collective, algorithm, n, nbytes, transport):
     if algorithm == "direct":
         rounds, moved, reduced = DIRECT_FORMULAS[collective](n, nbytes)
         return rounds, 0, moved, reduced
-    rounds, moved, reduced = FORMULAS[(collective, algorithm)](n, nbytes)
-    return (rounds, moved, 0, reduced) if transport == "shm" else (rounds, moved, reduced)
+    if transport == "shm":
+        rounds, copied, reduced = shm_terms(collective, algorithm, n, nbytes)
+        return max(rounds, 1), copied, 0, reduced
+    return FORMULAS[(collective, algorithm)](n, nbytes)
 
 
 def fit(samples, transport: str = "mpi", base: CostModel | None = None) -> CostModel:

@@ -8,9 +8,12 @@ calibrate``), which writes a tuning file; without one, defaults fitted on a 2-co
 with 2 ranks apply. ``native`` (the MPI library's own collective) is opaque: its own
 alpha, and one per-byte cost per collective in place of beta and gamma.
 
-On the shared-memory transport (one host) schedules pay their own constants (alpha_shm,
-beta_shm, gamma_shm), and ``direct`` has formulas of its own (its copies cost beta_direct):
-a round there is a barrier per staged piece. All alphas include the Python call path. ``hier`` costs its host stage (direct, L ranks per host) plus its
+On the shared-memory transport (one host) every byte a schedule sends or receives is a
+copy (into a slot, out of one), so its terms are read off the schedule itself
+(``shm_terms``: rounds, bytes copied, bytes reduced, for the busiest rank) and priced with
+alpha_shm, beta_shm, gamma_shm. ``direct`` has formulas of its own (its copies cost
+beta_direct): a round there is a barrier per staged piece. All alphas include the Python
+call path. ``hier`` costs its host stage (direct, L ranks per host) plus its
 cross-host stage (the best MPI algorithm among H hosts on 1/L of the data).
 """
 from __future__ import annotations
@@ -96,9 +99,41 @@ DIRECT_FORMULAS = {
     "reduce": lambda n, N: (2 * _pieces(N), N + N / n, N),
     "reduce_scatter": lambda n, N: (_pieces(n * N), n * N, n * N),
     "all_gather": lambda n, N: (_pieces(N), n * N, 0),
-    "broadcast": lambda n, N: (_pieces(N), N, 0),
-    "all_to_all": lambda n, N: (2 + (n - 1), (n - 1) / n * N, 0),  # barriers + a read per peer
+    # the root stages a piece, then the others copy it: one after the other
+    "broadcast": lambda n, N: (_pieces(N), 2 * N, 0),
+    # barriers + a read per peer; a process_vm_readv byte measured about 3 copies' time
+    "all_to_all": lambda n, N: (2 + (n - 1), 3 * (n - 1) / n * N + N / n, 0),
 }
+
+@lru_cache(maxsize=2048)
+def shm_terms(collective: str, name: str, n: int, nbytes: int) -> tuple:
+    """(rounds, bytes copied, bytes reduced) of the busiest rank when schedule ``name``
+    runs on shared memory: sends and plain receives and local copies each copy their
+    bytes once; a reducing receive reduces them."""
+    params = {}
+    if collective in ("broadcast", "reduce"):
+        params["root"] = 0
+    if collective == "all_to_all":
+        splits = tuple(n_ for _, n_ in _even(nbytes, n))
+        params.update(input_splits=splits, output_splits=splits)
+    worst = (0, 0, 0)
+    for rank in range(n):
+        sched = get(collective, name).build(n, rank, nbytes, 1, **params)
+        copied = reduced = 0
+        for rnd in sched.rounds:
+            for step in rnd.steps:
+                if type(step).__name__ == "RecvReduce":
+                    reduced += step.dst.count
+                else:
+                    copied += (step.src if hasattr(step, "src") else step.dst).count
+        worst = max(worst, (len(sched.rounds), copied, reduced), key=lambda t: t[1] + t[2])
+    return worst
+
+
+def _even(count, parts):
+    base, extra = divmod(count, parts)
+    return [(0, base + (i < extra)) for i in range(parts)]
+
 
 # hier, L ranks on each of H hosts: per-rank bytes of its host stage and its cross stage
 HIER_BYTES = {
@@ -134,10 +169,10 @@ class CostModel:
     alpha: float = 6e-6         # s per round, schedules on the Python executor
     beta: float = 0.9e-10       # s per byte moved
     gamma: float = 0.2e-10      # s per byte reduced
-    alpha_shm: float = 3.5e-6     # s per round (schedules) or barrier (direct) on shared memory
-    beta_shm: float = 2.5e-11     # s per byte moved through shared memory by schedules
-    beta_direct: float = 2.6e-11  # s per byte direct copies (staging, gathers)
-    gamma_shm: float = 1.0e-11    # s per byte reduced there
+    alpha_shm: float = 3.7e-6     # s per round (schedules) or barrier (direct) on shared memory
+    beta_shm: float = 2.25e-11    # s per byte a schedule copies (into or out of a slot, locally)
+    beta_direct: float = 2.0e-11  # s per byte direct copies (staging, gathers)
+    gamma_shm: float = 2.76e-11   # s per byte reduced there
     alpha_native: float = 4e-6  # s per latency round of the MPI library's own collectives
     native_per_byte: tuple = field(default=(  # s per byte its traffic moves, per collective
         ("all_reduce", 3.4e-10), ("reduce_scatter", 1.6e-10), ("all_gather", 0.75e-10),
@@ -161,12 +196,14 @@ class CostModel:
         formula = FORMULAS.get((collective, name))
         if formula is None:
             return math.inf
-        alpha, beta, gamma = ((self.alpha_shm, self.beta_shm, self.gamma_shm) if transport == "shm"
-                              else (self.alpha, self.beta, self.gamma))
+        if transport == "shm":
+            rounds, copied, reduced = shm_terms(collective, name, n, nbytes)
+            return (max(rounds, 1) * self.alpha_shm + copied * self.beta_shm
+                    + reduced * self.gamma_shm)
         if n == 1:
-            return alpha
+            return self.alpha
         rounds, moved, reduced = formula(n, nbytes)
-        return rounds * alpha + moved * beta + reduced * gamma
+        return rounds * self.alpha + moved * self.beta + reduced * self.gamma
 
     def _predict_hier(self, collective, n, nbytes, local):
         if collective not in HIER_BYTES or local >= n:
