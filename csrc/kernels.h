@@ -24,6 +24,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 namespace commlib {
@@ -175,6 +177,17 @@ COMMLIB_INLINE void scale_half(f16* dst, size_t n, float factor) {
     scale_loop(x, m, factor);
     Cvt::from_float(dst + i, x, m);
   }
+}
+
+// Bytes per element of a dtype code; throws std::invalid_argument for an unknown code.
+inline int64_t itemsize(int dtype) {
+  switch (dtype) {
+    case F16: case BF16: return 2;
+    case F32: case I32: return 4;
+    case F64: case I64: return 8;
+    case I8: case U8: return 1;
+  }
+  throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
 }
 
 // Entry points (kernels.cpp). Arguments are validated there; they throw

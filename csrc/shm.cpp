@@ -206,7 +206,7 @@ void ShmComm::fail(const std::string& message) {
   if (failure_.empty()) failure_ = message;
   me_->poisoned.store(1, std::memory_order_release);
   for (int r = 0; r < size_; ++r)
-    if (r != rank_) ring(r);
+    if (r != rank_) notify(r);
   throw PeerError(message);
 }
 
@@ -234,7 +234,7 @@ void ShmComm::check_peer(int peer, uint64_t call) {
     fail(who + " (pid " + std::to_string(peers_[peer].pid) + ") has exited");
 }
 
-void ShmComm::ring(int peer) {
+void ShmComm::notify(int peer) {
   Doorbell* bell = peers_[peer].bell;
   std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the sleeper's fence
   if (bell->sleeping.load(std::memory_order_relaxed)) {
@@ -247,7 +247,7 @@ uint32_t ShmComm::prepare_nap() {
   Doorbell* bell = peers_[rank_].bell;
   uint32_t seen = bell->seq.load(std::memory_order_relaxed);
   bell->sleeping.store(1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring()'s fence
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with notify()'s fence
   return seen;
 }
 
@@ -263,7 +263,7 @@ uint64_t ShmComm::arrive() {
   uint64_t target = me_->arrived.load(std::memory_order_relaxed) + 1;
   me_->arrived.store(target, std::memory_order_release);
   for (int r = 0; r < size_; ++r)
-    if (r != rank_) ring(r);
+    if (r != rank_) notify(r);
   return target;
 }
 
@@ -286,7 +286,7 @@ void ShmComm::wait_staging_free(uint64_t piece) {
 void ShmComm::release_piece(uint64_t piece) {
   me_->released.store(piece + 1, std::memory_order_release);
   for (int r = 0; r < size_; ++r)
-    if (r != rank_) ring(r);
+    if (r != rank_) notify(r);
 }
 
 }  // namespace commlib::shm

@@ -24,16 +24,6 @@ namespace commlib::shm {
 
 namespace {
 
-int64_t itemsize_of(int dtype) {
-  switch (dtype) {
-    case F16: case BF16: return 2;
-    case F32: case I32: return 4;
-    case F64: case I64: return 8;
-    case I8: case U8: return 1;
-    default: throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
-  }
-}
-
 int64_t piece_len(int64_t count, int64_t piece, int64_t per_piece) {
   return std::clamp<int64_t>(count - piece * per_piece, 0, per_piece);
 }
@@ -59,7 +49,7 @@ enum Kind : int64_t { ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADC
 void ShmComm::reduce_sources(char* acc, const std::vector<const char*>& src, int64_t count,
                              int dtype, int op) {
   if (src.size() == 1) {
-    std::memcpy(acc, src[0], count * itemsize_of(dtype));
+    std::memcpy(acc, src[0], count * itemsize(dtype));
     return;
   }
   commlib::reduce(acc, src[0], src[1], count, dtype, op);
@@ -68,7 +58,7 @@ void ShmComm::reduce_sources(char* acc, const std::vector<const char*>& src, int
 
 void ShmComm::reduce_pieces(const std::vector<Block>& blocks, int dtype, int op, bool gather,
                             int gather_root) {
-  const int64_t isz = itemsize_of(dtype);
+  const int64_t isz = itemsize(dtype);
   const int64_t per_piece = (config_.staging_bytes / 2 / size_) / kLine * kLine / isz;
   int64_t longest = 0;
   for (auto& b : blocks) longest = std::max(longest, b.count);
@@ -164,7 +154,7 @@ std::vector<std::pair<int64_t, int64_t>> chunks(int64_t count, int parts) {
 // Small vectors: one barrier instead of two. Every rank reduces the whole vector from all
 // stagings in the same order, so the results are bitwise equal everywhere.
 void ShmComm::all_reduce_small(char* buf, int64_t count, int dtype, int op) {
-  const int64_t nbytes = count * itemsize_of(dtype);
+  const int64_t nbytes = count * itemsize(dtype);
   uint64_t g = pieces_++;
   wait_staging_free(g);
   std::memcpy(staging(rank_, g), buf, nbytes);
@@ -177,7 +167,7 @@ void ShmComm::all_reduce_small(char* buf, int64_t count, int dtype, int op) {
 
 void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int phases) {
   if (phases < 1 || phases > 3) throw std::invalid_argument("phases must be 1, 2 or 3");
-  const int64_t isz = itemsize_of(dtype);
+  const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
   begin(signature({ALL_REDUCE, count, dtype, op, phases}));
   if (size_ == 1 || count == 0) return;
@@ -201,7 +191,7 @@ void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int ph
 }
 
 void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) {
-  const int64_t isz = itemsize_of(dtype);
+  const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
   begin(signature({REDUCE, count, dtype, op, root}));
   if (size_ == 1 || count == 0) return;
@@ -213,7 +203,7 @@ void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) 
 }
 
 void ShmComm::reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op) {
-  const int64_t isz = itemsize_of(dtype);
+  const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
   begin(signature({REDUCE_SCATTER, count, dtype, op}));
   char* input = reinterpret_cast<char*>(in);

@@ -58,14 +58,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
   };
   const int64_t* p = plan;
   const int64_t* end = plan + plan_len;
-  const int64_t itemsize = [&] {
-    switch (dtype) {
-      case F16: case BF16: return 2;
-      case F32: case I32: return 4;
-      case F64: case I64: return 8;
-      default: return 1;
-    }
-  }();
+  const int64_t item_bytes = itemsize(dtype);
   const uint64_t slot_bytes = config_.slot_bytes;
   const uint64_t slots = config_.slots;
   std::vector<Send> sends;
@@ -122,7 +115,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           h->seq.store(++k, std::memory_order_release);
           s.done += n;
           moved = true;
-          ring(s.peer);
+          notify(s.peer);
         }
         if (s.done < s.nbytes) blocked[s.peer] = 1;
       }
@@ -147,7 +140,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           if (r.discard)
             ;
           else if (r.src)
-            commlib::reduce(r.dst + r.done, r.src + r.done, data, int64_t(h->nbytes) / itemsize,
+            commlib::reduce(r.dst + r.done, r.src + r.done, data, int64_t(h->nbytes) / item_bytes,
                             dtype, op);
           else if (r.nbytes >= uint64_t(kStreamingBytes))
             copy_streaming(r.dst + r.done, data, h->nbytes);
@@ -155,7 +148,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
             std::memcpy(r.dst + r.done, data, h->nbytes);
           r.done += h->nbytes;
           tail(r.peer, rank_)->consumed.store(++k, std::memory_order_release);
-          ring(r.peer);
+          notify(r.peer);
           moved = true;
           h = slot(r.peer, rank_, k);
         }
