@@ -37,6 +37,7 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
     algo, plan = comm._plan(collective, algorithm, count, dtype.itemsize,
                             tuple(sorted(params.items())) if params else ())
     kernel_op = op.kernel_op
+    op_code = _C.OPS[kernel_op]
     executor = comm._executor
     average = op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"])
 
@@ -45,7 +46,7 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
             if plan is None:
                 algo.run(comm, bufs, dtype, kernel_op, **params)
             else:
-                executor.run(plan, bufs, dtype.code, _C.OPS[kernel_op])
+                executor.run(plan, bufs, dtype.code, op_code)
         except MPI.Exception as e:
             raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
         if average:

@@ -26,7 +26,8 @@ class ReduceOp(str, Enum):
     @property
     def kernel_op(self) -> str:
         """The op the reduction kernels apply (avg reduces as sum)."""
-        return "sum" if self is ReduceOp.AVG else self.value
+        return _KERNEL_OP[self]
 
 
 _BY_NAME = {o.value: o for o in ReduceOp}
+_KERNEL_OP = {o: "sum" if o is ReduceOp.AVG else o.value for o in ReduceOp}

@@ -118,15 +118,15 @@ PYBIND11_MODULE(_C, m) {
       .def("unlink_own", &ShmComm::unlink_own)
       .def(
           "run_plan",
-          [](ShmComm& c, py::array_t<int64_t, py::array::c_style> plan,
-             std::vector<uintptr_t> bufs, int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
+          [](ShmComm& c, py::array_t<int64_t, py::array::c_style> plan, uintptr_t out,
+             uintptr_t in, int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
             const int64_t* data = plan.data();
             int64_t len = plan.size();
             py::gil_scoped_release release;
-            c.run_plan(data, len, bufs, tmp_bytes, dtype, op, sig);
+            c.run_plan(data, len, {out, in}, tmp_bytes, dtype, op, sig);
           },
-          py::arg("plan"), py::arg("bufs"), py::arg("tmp_bytes"), py::arg("dtype"), py::arg("op"),
-          py::arg("sig"))
+          py::arg("plan"), py::arg("out"), py::arg("in"), py::arg("tmp_bytes"), py::arg("dtype"),
+          py::arg("op"), py::arg("sig"))
       .def("barrier", &ShmComm::barrier, nogil())
       .def("all_reduce", &ShmComm::all_reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("phases"), nogil())

@@ -95,7 +95,8 @@ class ShmComm {
   void unlink_own();
 
   // Collectives; pointers are raw addresses. A plan's `sig` comes from Python (it hashes
-  // the schedule's description); the direct collectives derive theirs from their arguments.
+  // the schedule's description; dtype and op are mixed in here); the direct collectives
+  // derive theirs from their arguments.
   void run_plan(const int64_t* plan, int64_t plan_len, const std::vector<uintptr_t>& bufs,
                 int64_t tmp_bytes, int dtype, int op, uint64_t sig);
   void barrier();

@@ -48,7 +48,7 @@ int64_t take(const int64_t*& p, const int64_t* end) {
 void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<uintptr_t>& bufs,
                        int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(sig);
+  begin(sig ^ (uint64_t(dtype) << 56) ^ (uint64_t(op) << 48));  // the plan's sig has no dtype, op
   if (int64_t(tmp_.size()) < tmp_bytes) tmp_.resize(tmp_bytes);
   char* base[3] = {reinterpret_cast<char*>(bufs.at(0)), reinterpret_cast<char*>(bufs.at(1)),
                    tmp_.data()};

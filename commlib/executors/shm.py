@@ -131,9 +131,12 @@ class ShmExecutor:
     plan = staticmethod(plan_for)
 
     def run(self, plan: ShmPlan, bufs: dict, dtype_code: int, op_code: int) -> None:
-        ptrs = [bufs["out"].ptr, bufs["in"].ptr if "in" in bufs else 0]
-        self.call(self.transport.run_plan, plan.steps, ptrs, plan.tmp_bytes, dtype_code, op_code,
-                  (plan.sig * 31 + dtype_code * 8 + op_code) & (2**63 - 1))
+        inp = bufs.get("in")
+        try:
+            self.transport.run_plan(plan.steps, bufs["out"].ptr, inp.ptr if inp else 0,
+                                    plan.tmp_bytes, dtype_code, op_code, plan.sig)
+        except _C.PeerError as e:
+            raise CommError(str(e)) from None
 
     def barrier(self) -> None:
         self.call(self.transport.barrier)
