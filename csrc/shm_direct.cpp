@@ -115,7 +115,7 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
     else
       std::memcpy(dst, src, n);
   };
-  if (me.out && me.out != me.in) copy_out(me.out, me.in, me.count);  // own block: no staging
+  const bool keep_own = me.out && me.out != me.in;  // own block copied, not read from a peer
 
   for (int64_t k = 0; k < npieces; ++k) {
     uint64_t g = pieces_++;
@@ -124,9 +124,13 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
       wait_staging_free(g);
       std::memcpy(staging(rank_, g), me.in + k * per_piece, len);
     }
+    uint64_t barrier = arrive();
+    // The own block's copy comes from the staging just written (still in cache) and fills
+    // the time the peers take to arrive.
+    if (keep_own && len > 0) copy_out(me.out + k * per_piece, staging(rank_, g), len);
     // Wait for everyone, not just the ranks read from: a root that reads nothing still
     // learns here whether the others called the same broadcast.
-    wait_arrivals(arrive(), [](int) { return true; });
+    wait_arrivals(barrier, [](int) { return true; });
     for (int j = 0; j < size_; ++j)
       if (reads(j))
         copy_out(blocks[j].out + k * per_piece, staging(j, g),

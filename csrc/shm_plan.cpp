@@ -3,7 +3,7 @@
 // A plan is the schedule flattened by commlib/executors/shm.py into int64s, offsets in bytes:
 //   plan   = nrounds, round...
 //   round  = ncopies, nsends, nrecvs, copy..., send..., recv...
-//   copy   = src_buf, src_offset, dst_buf, dst_offset, nbytes
+//   copy   = src_buf, src_offset, dst_buf, dst_offset, nbytes, deferrable (0/1)
 //   send   = peer, buf, offset, nbytes
 //   recv   = peer, dst_buf, dst_offset, src_buf, src_offset, nbytes, reduce (0/1)
 // Buffers are numbered 0 = "out", 1 = "in", 2 = "tmp" (owned here).
@@ -14,7 +14,9 @@
 // meets that peer's k-th receive, as under MPI. A receive reduces straight out of the
 // slot: no scratch copy. A transfer whose size differs from what the receiver expects is
 // drained (so the channel stays in step) and reported after the schedule, as the mpi4py
-// executor does; a transfer from another collective poisons the communicator.
+// executor does; a transfer from another collective poisons the communicator. A copy that
+// no transfer of its round touches (the flattener marks it deferrable) runs when the loop
+// would otherwise wait, so a rank's own block moves while its peers catch up.
 #include <cstring>
 
 #include "kernels.h"
@@ -65,15 +67,26 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
   std::vector<Recv> recvs;
   std::vector<char> blocked(size_);
   std::vector<char> sent_to(size_);
+  struct Copy {
+    char* dst;
+    const char* src;
+    int64_t nbytes;
+  };
+  std::vector<Copy> deferred;
   std::string mismatch;
 
   int64_t rounds = take(p, end);
   for (int64_t round = 0; round < rounds; ++round) {
     int64_t ncopies = take(p, end), nsends = take(p, end), nrecvs = take(p, end);
+    deferred.clear();
     for (int64_t i = 0; i < ncopies; ++i) {
       char* src = buf(take(p, end)) + take(p, end);
       char* dst = buf(take(p, end)) + take(p, end);
-      copy(dst, src, take(p, end));
+      int64_t nbytes = take(p, end);
+      if (take(p, end))
+        deferred.push_back({dst, src, nbytes});
+      else
+        copy(dst, src, nbytes);
     }
     sends.clear();
     recvs.clear();
@@ -162,6 +175,11 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
       for (auto& r : recvs) left += r.done < r.nbytes;
       if (left == 0) break;
       if (pass()) continue;
+      if (!deferred.empty()) {  // nothing can move: do a deferred copy instead of waiting
+        copy(deferred.back().dst, deferred.back().src, deferred.back().nbytes);
+        deferred.pop_back();
+        continue;
+      }
       std::fill(blocked.begin(), blocked.end(), 0);  // now: peers this rank waits on
       for (auto& s : sends) if (s.done < s.nbytes) blocked[s.peer] = 1;
       for (auto& r : recvs) if (r.done < r.nbytes) blocked[r.peer] = 1;
@@ -178,6 +196,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
         return false;
       }, [&](int peer) { return blocked[peer] != 0; });
     }
+    for (auto& c : deferred) copy(c.dst, c.src, c.nbytes);
   }
   // A send completes once its data is in the channel, so a receiver that is in another
   // collective might never tell this rank. Make sure each receiver has begun this call

@@ -65,7 +65,22 @@ class ShmPlan:
     sig: int
 
 
-def flatten(schedule: Schedule, itemsize: int) -> np.ndarray:
+def _deferrable(copy, rnd, user_aliased: bool) -> bool:
+    """Whether ``copy`` may run at any time during its round: no transfer of the round
+    reads or writes its destination, or writes its source. ``user_aliased``: "in" and "out"
+    may be the same memory (in-place forms), so any use of one conflicts with the other."""
+    def conflict(a, b):
+        if user_aliased and {a.buf, b.buf} <= {"in", "out"} and a.buf != b.buf:
+            return a.count > 0 and b.count > 0
+        return a.overlaps(b)
+    touched = [s.src for s in rnd.sends] + [r.dst for r in rnd.recvs] + [
+        r.src for r in rnd.recvs if isinstance(r, RecvReduce)]
+    written = [r.dst for r in rnd.recvs]
+    return (not any(conflict(copy.dst, t) for t in touched)
+            and not any(conflict(copy.src, w) for w in written))
+
+
+def flatten(schedule: Schedule, itemsize: int, user_aliased: bool = True) -> np.ndarray:
     out = [len(schedule.rounds)]
     b = lambda r: _BUFFERS[r.buf]  # noqa: E731
     for rnd in schedule.rounds:
@@ -73,7 +88,7 @@ def flatten(schedule: Schedule, itemsize: int) -> np.ndarray:
         out += [len(copies), len(sends), len(recvs)]
         for c in copies:
             out += [b(c.src), c.src.offset * itemsize, b(c.dst), c.dst.offset * itemsize,
-                    c.src.count * itemsize]
+                    c.src.count * itemsize, int(_deferrable(c, rnd, user_aliased))]
         for s in sends:
             out += [s.peer, b(s.src), s.src.offset * itemsize, s.src.count * itemsize]
         for r in recvs:
@@ -91,7 +106,9 @@ def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params:
     # transfer's size is checked on arrival instead).
     agreed = (tuple(p for p in params if p[0] == "root") if algorithm.collective == "all_to_all"
               else (count, params))
-    return ShmPlan(flatten(schedule, itemsize), schedule.tmp_count * itemsize,
+    # only reduce_scatter and all_gather accept in-place forms where "in" is part of "out"
+    aliased = algorithm.collective in ("reduce_scatter", "all_gather")
+    return ShmPlan(flatten(schedule, itemsize, aliased), schedule.tmp_count * itemsize,
                    signature(algorithm.collective, algorithm.name, size, itemsize, agreed))
 
 
