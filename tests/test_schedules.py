@@ -126,3 +126,19 @@ def test_simulator_detects_out_of_bounds():
     s0 = _sched([Send(1, Region("out", 2, 4))])
     with pytest.raises(ScheduleError, match="outside"):
         simulate([s0, _sched()], [{"out": np.zeros(4)}, {"out": np.zeros(4)}])
+
+
+def test_shm_plans_defer_only_independent_copies():
+    """The shared-memory executor may run a copy late only when no transfer of its round
+    touches it: the own part of a pairwise all_to_all, not the own block a ring all_gather
+    sends on, nor anything in/out may alias in an in-place form."""
+    from commlib.executors.shm import _deferrable
+
+    def flags(collective, name, aliased, **params):
+        sched = get(collective, name).build(3, 0, 12, 4, **params)
+        return [_deferrable(c, rnd, aliased) for rnd in sched.rounds for c in rnd.copies]
+
+    splits = {"input_splits": (4, 4, 4), "output_splits": (4, 4, 4)}
+    assert flags("all_to_all", "pairwise", False, **splits) == [True]
+    assert flags("all_gather", "ring", True) == [False]
+    assert flags("all_to_all", "pairwise", True, **splits) == [False]  # if in/out could alias
