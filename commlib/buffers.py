@@ -68,12 +68,6 @@ def _flat_bytes(obj, numel: int) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def scratch(numel: int, dtype: DType) -> Buffer:
-    """A new buffer of ``numel`` elements of ``dtype`` (contents undefined)."""
-    raw = np.empty(numel * dtype.itemsize, np.uint8)
-    return Buffer(raw, raw.ctypes.data, numel, dtype, raw)
-
-
 def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
     """Validate ``obj`` and describe its memory; raise TypeError/ValueError naming ``name``."""
     info = _C.array_info(obj)
