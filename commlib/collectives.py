@@ -71,16 +71,13 @@ def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=Non
 
 def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False):
     """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
-    comm = comm or _comm(comm)
+    comm = _comm(comm)
     # Small sums of numpy arrays on one host skip the general path (its Python costs more
     # than the collective); they run exactly what it would choose, the direct algorithm.
     if (comm._fast_sum_bytes and op == "sum" and algorithm is None and not async_op
-            and comm._engine.idle()):
-        try:
-            if comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes):
-                return t
-        except _C.PeerError as e:
-            raise CommError(str(e)) from None
+            and comm._engine.idle()
+            and comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes)):
+        return t
     buf = as_buffer(t, "t")
     return _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
                 ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op)

@@ -99,7 +99,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("factor"),
       "dst[i] *= factor for floating dtypes (float16/bfloat16 computed in float32).");
 
-  py::register_exception<commlib::shm::PeerError>(m, "PeerError", PyExc_RuntimeError);
+  // A peer that disagrees, died or failed: raised as commlib.CommError itself (PeerError
+  // derives from it), so callers need no translation. errors.py imports nothing.
+  py::register_exception<commlib::shm::PeerError>(
+      m, "PeerError", py::module_::import("commlib.errors").attr("CommError"));
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "

@@ -109,15 +109,23 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
     for (auto& r : recvs)
       if (r.peer < 0 || r.peer >= size_ || r.peer == rank_) throw std::invalid_argument("bad peer");
 
+    // A send can move while its channel has a free slot, a receive while its next slot is
+    // filled; the pass below and the wait share these tests.
+    auto slot_free = [&](int peer) {
+      return sent_[peer] - tail(rank_, peer)->consumed.load(std::memory_order_acquire) < slots;
+    };
+    auto slot_filled = [&](int peer) {
+      return slot(peer, rank_, received_[peer])->seq.load(std::memory_order_acquire) ==
+             received_[peer] + 1;
+    };
     // One pass: move what can move; true if anything did.
     auto pass = [&]() {
       bool moved = false;
       std::fill(blocked.begin(), blocked.end(), 0);
       for (auto& s : sends) {
         if (s.done == s.nbytes || blocked[s.peer]) continue;
-        ChannelTail* t = tail(rank_, s.peer);
         uint64_t& k = sent_[s.peer];
-        while (s.done < s.nbytes && k - t->consumed.load(std::memory_order_acquire) < slots) {
+        while (s.done < s.nbytes && slot_free(s.peer)) {
           SlotHeader* h = slot(rank_, s.peer, k);
           uint64_t n = std::min(slot_bytes, s.nbytes - s.done);
           std::memcpy(reinterpret_cast<char*>(h + 1), s.src + s.done, n);
@@ -136,8 +144,8 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
       for (auto& r : recvs) {
         if (r.done == r.nbytes || blocked[r.peer]) continue;
         uint64_t& k = received_[r.peer];
-        SlotHeader* h = slot(r.peer, rank_, k);
-        while (r.done < r.nbytes && h->seq.load(std::memory_order_acquire) == k + 1) {
+        while (r.done < r.nbytes && slot_filled(r.peer)) {
+          SlotHeader* h = slot(r.peer, rank_, k);
           if (h->sig != sig_ || h->offset != r.done)
             fail("rank " + std::to_string(r.peer) +
                  " sent data of a different collective: the ranks' arguments disagree");
@@ -163,7 +171,6 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           tail(r.peer, rank_)->consumed.store(++k, std::memory_order_release);
           notify(r.peer);
           moved = true;
-          h = slot(r.peer, rank_, k);
         }
         if (r.done < r.nbytes) blocked[r.peer] = 1;
       }
@@ -185,14 +192,9 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
       for (auto& r : recvs) if (r.done < r.nbytes) blocked[r.peer] = 1;
       wait([&] {
         for (auto& s : sends)
-          if (s.done < s.nbytes &&
-              sent_[s.peer] - tail(rank_, s.peer)->consumed.load(std::memory_order_acquire) < slots)
-            return true;
+          if (s.done < s.nbytes && slot_free(s.peer)) return true;
         for (auto& r : recvs)
-          if (r.done < r.nbytes &&
-              slot(r.peer, rank_, received_[r.peer])->seq.load(std::memory_order_acquire) ==
-                  received_[r.peer] + 1)
-            return true;
+          if (r.done < r.nbytes && slot_filled(r.peer)) return true;
         return false;
       }, [&](int peer) { return blocked[peer] != 0; });
     }

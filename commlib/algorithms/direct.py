@@ -10,34 +10,29 @@ from .. import _C
 from . import get, register
 
 
-def _call(comm, method, *args):
-    executor = comm._executor
-    executor.call(getattr(executor.transport, method), *args)
-
-
 def all_reduce(comm, bufs, dtype, op):
     b = bufs["out"]
-    _call(comm, "all_reduce", b.ptr, b.numel, dtype.code, _C.OPS[op], 3)
+    comm._executor.transport.all_reduce(b.ptr, b.numel, dtype.code, _C.OPS[op], 3)
 
 
 def reduce(comm, bufs, dtype, op, root=0):
     b = bufs["out"]
-    _call(comm, "reduce", b.ptr, b.numel, dtype.code, _C.OPS[op], root)
+    comm._executor.transport.reduce(b.ptr, b.numel, dtype.code, _C.OPS[op], root)
 
 
 def reduce_scatter(comm, bufs, dtype, op):
     out, inp = bufs["out"], bufs["in"]
-    _call(comm, "reduce_scatter", out.ptr, inp.ptr, out.numel, dtype.code, _C.OPS[op])
+    comm._executor.transport.reduce_scatter(out.ptr, inp.ptr, out.numel, dtype.code, _C.OPS[op])
 
 
 def all_gather(comm, bufs, dtype, op):
     out, inp = bufs["out"], bufs["in"]
-    _call(comm, "all_gather", out.ptr, inp.ptr, inp.nbytes)
+    comm._executor.transport.all_gather(out.ptr, inp.ptr, inp.nbytes)
 
 
 def broadcast(comm, bufs, dtype, op, root=0):
     b = bufs["out"]
-    _call(comm, "broadcast", b.ptr, b.nbytes, root)
+    comm._executor.transport.broadcast(b.ptr, b.nbytes, root)
 
 
 def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
@@ -49,9 +44,9 @@ def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
         executor.run(plan, bufs, dtype.code, 0)
         return
     offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
-    _call(comm, "all_to_all", bufs["out"].ptr, bufs["in"].ptr, offsets(input_splits),
-          [s * size for s in input_splits], offsets(output_splits),
-          [s * size for s in output_splits])
+    executor.transport.all_to_all(bufs["out"].ptr, bufs["in"].ptr, offsets(input_splits),
+                                  [s * size for s in input_splits], offsets(output_splits),
+                                  [s * size for s in output_splits])
 
 
 for _fn in (all_reduce, reduce, reduce_scatter, all_gather, broadcast, all_to_all):

@@ -25,10 +25,10 @@ def _execute(comm, collective, bufs, count, dtype, op="sum", **params):
 def all_reduce(comm, bufs, dtype, op):
     lay, buf = comm._layout, bufs["out"]
     local = lay.local
-    shm = local._executor
+    transport = local._executor.transport
 
     def phase(p):
-        shm.call(shm.transport.all_reduce, buf.ptr, buf.numel, dtype.code, _C.OPS[op], p)
+        transport.all_reduce(buf.ptr, buf.numel, dtype.code, _C.OPS[op], p)
     phase(1)  # local rank i now holds the host's sum of chunk i
     offset, count = _chunk(buf.numel, local.size, local.rank)
     _execute(lay.cross, "all_reduce", {"out": buf.part(offset, count)}, count, dtype, op)

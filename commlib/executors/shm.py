@@ -6,7 +6,8 @@ each unlinks its own, so nothing is left in /dev/shm whatever happens next.
 
 A schedule is flattened once into the int64 plan csrc/shm_plan.cpp reads (cached like the
 mpi4py executor's plans); every call carries a signature so that ranks that disagree about
-a collective fail instead of exchanging wrong data.
+a collective fail instead of exchanging wrong data. Such failures arrive as _C.PeerError,
+a commlib.CommError.
 """
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ def _processes_on_this_machine() -> int:
         node.Free()
 
 
-@lru_cache(maxsize=8192)
 def signature(*fields) -> int:
     """A 63-bit hash of a call's description, equal on every rank (unlike hash())."""
     digest = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
@@ -149,19 +149,8 @@ class ShmExecutor:
 
     def run(self, plan: ShmPlan, bufs: dict, dtype_code: int, op_code: int) -> None:
         inp = bufs.get("in")
-        try:
-            self.transport.run_plan(plan.steps, bufs["out"].ptr, inp.ptr if inp else 0,
-                                    plan.tmp_bytes, dtype_code, op_code, plan.sig)
-        except _C.PeerError as e:
-            raise CommError(str(e)) from None
+        self.transport.run_plan(plan.steps, bufs["out"].ptr, inp.ptr if inp else 0,
+                                plan.tmp_bytes, dtype_code, op_code, plan.sig)
 
     def barrier(self) -> None:
-        self.call(self.transport.barrier)
-
-    @staticmethod
-    def call(method, *args):
-        """Run a transport method; a peer that disagrees or died becomes a CommError."""
-        try:
-            method(*args)
-        except _C.PeerError as e:
-            raise CommError(str(e)) from None
+        self.transport.barrier()
