@@ -198,7 +198,7 @@ void ShmComm::begin(uint64_t sig) {
     throw PeerError("this communicator is unusable after an earlier failure (" + failure_ +
                     "); create a new communicator");
   sig_ = sig;
-  me_->sig.store(sig, std::memory_order_relaxed);
+  me_->sig[(call_ + 1) % 2].store(sig, std::memory_order_relaxed);
   me_->call.store(++call_, std::memory_order_release);
 }
 
@@ -215,8 +215,9 @@ void ShmComm::check_signature(int peer) {
   if (c->poisoned.load(std::memory_order_acquire))
     fail("rank " + std::to_string(peer) +
          " failed in this or an earlier collective on this communicator");
-  if (c->call.load(std::memory_order_acquire) == call_ &&
-      c->sig.load(std::memory_order_relaxed) != sig_)
+  if (c->call.load(std::memory_order_acquire) != call_) return;  // not (or no longer) in it
+  uint64_t sig = c->sig[call_ % 2].load(std::memory_order_acquire);
+  if (sig != sig_ && c->call.load(std::memory_order_acquire) == call_)
     fail("rank " + std::to_string(peer) +
          " called a different collective, or the same one with different counts, dtype, op, "
          "root or algorithm (collective #" + std::to_string(call_) + " on this communicator)");

@@ -39,7 +39,9 @@ constexpr size_t kLine = 64;
 
 struct alignas(kLine) Control {
   std::atomic<uint64_t> call;      // calls this rank has started
-  std::atomic<uint64_t> sig;       // signature of that call
+  // Signature of call k in sig[k % 2]: starting call k+1 must not overwrite what a peer
+  // still in call k may be comparing against.
+  std::atomic<uint64_t> sig[2];
   std::atomic<uint64_t> arrived;   // barrier arrivals, monotone over the communicator's life
   std::atomic<uint64_t> released;  // staging pieces this rank has finished reading
   std::atomic<uint32_t> poisoned;
