@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 from mpi4py import MPI
 
 from . import _C
 from .buffers import Buffer, as_buffer
 from .errors import CommError
 from .ops import ReduceOp
+from .work import finished, in_thread
 
 
 def _comm(comm):
@@ -206,6 +208,9 @@ def send(t, dst, tag=0, comm=None, async_op=False):
     buf = as_buffer(t, "t", writable=False)
     _check_peer(comm, dst, "dst")
     _check_tag(tag)
+    if comm.mpi is None:  # made from a store: the store holds the message at once
+        comm._p2p.send(buf.bytes.tobytes(), dst, tag)
+        return finished(f"send to rank {dst}") if async_op else None
     try:
         if async_op:
             return comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
@@ -222,6 +227,8 @@ def recv(t, src, tag=0, comm=None, async_op=False):
     buf = as_buffer(t, "t")
     _check_peer(comm, src, "src")
     _check_tag(tag)
+    if comm.mpi is None:
+        return _recv_from_store(comm, t, buf, src, tag, async_op)
     try:
         if async_op:
             return comm._poller.track(comm._p2p.Irecv(buf.bytes, src, tag),
@@ -235,3 +242,16 @@ def recv(t, src, tag=0, comm=None, async_op=False):
     if got != buf.nbytes:
         raise CommError(f"recv from rank {src}: got {got} bytes, tensor holds {buf.nbytes}")
     return t
+
+
+def _recv_from_store(comm, t, buf, src, tag, async_op):
+    receive = comm._p2p.post_recv(src, tag)  # claimed now: receives match in issue order
+
+    def task():
+        data = receive()
+        if len(data) != buf.nbytes:
+            raise CommError(f"recv from rank {src}: got {len(data)} bytes, tensor holds "
+                            f"{buf.nbytes}")
+        buf.bytes[:] = np.frombuffer(data, np.uint8)
+        return t
+    return in_thread(f"recv from rank {src}", task) if async_op else task()

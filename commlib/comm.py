@@ -1,4 +1,4 @@
-"""Communicator: a group of ranks over an mpi4py communicator."""
+"""Communicator: a group of ranks over an mpi4py communicator (or, on one host, a store)."""
 from __future__ import annotations
 
 import mpi4py
@@ -10,7 +10,10 @@ from . import collectives  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
 from .executors.shm import ShmExecutor  # noqa: E402
 from .select import algorithm_overrides, choose  # noqa: E402
-from .hosts import HostLayout, count_hosts, requested_transport  # noqa: E402
+from .algorithms import OFFERS  # noqa: E402
+from .hosts import HostLayout, count_hosts, crowded_host, requested_transport  # noqa: E402
+from .store import StoreGroup, StoreMailbox, check_one_host  # noqa: E402
+from .store import crowded as store_crowded  # noqa: E402
 from .work import ProgressEngine, RequestPoller  # noqa: E402
 
 
@@ -32,9 +35,33 @@ class Communicator:
         self._coll = mpi_comm.Dup()
         self._p2p = mpi_comm.Dup()
         self.transport = _transport or self._pick_transport()
+        self.offers = OFFERS[self.transport]
         self._layout = HostLayout(self._coll, Communicator) if self.transport == "hosts" else None
-        self._executor = (ShmExecutor(self._coll) if self.transport == "shm"
+        self._executor = (ShmExecutor(self._coll, crowded_host()) if self.transport == "shm"
                           else PythonExecutor(self._coll))
+        self._start()
+
+    @classmethod
+    def from_store(cls, store, rank: int, size: int, prefix: str = "commlib") -> "Communicator":
+        """A communicator of ``size`` processes of this host that meet through ``store``
+        (a torch.distributed Store, or anything with its set/get/delete_key), without MPI:
+        for launchers such as torchrun that form no MPI world. Collective over the ranks;
+        each passes its own ``rank``. Collectives run on shared memory as usual;
+        send/recv go through the store (see commlib/store.py)."""
+        self = cls.__new__(cls)
+        self._group = StoreGroup(store, rank, size, prefix)
+        check_one_host(self._group)
+        self.mpi = self._coll = None
+        self.rank, self.size = rank, size
+        self._p2p = StoreMailbox(store, rank, f"{prefix}/p2p")
+        self.transport = "shm"
+        self.offers = OFFERS["shm"] - {"mpi"}
+        self._layout = None
+        self._executor = ShmExecutor(self._group, store_crowded(self._group))
+        self._start()
+        return self
+
+    def _start(self):
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
         self._fast_sum_bytes = self._fast_all_reduce_limit()
@@ -65,7 +92,8 @@ class Communicator:
             return 0
         limit = 0
         for nbytes in (1 << k for k in range(17)):  # up to 64 KiB
-            if choose("all_reduce", "auto", self.size, nbytes, transport="shm").name != "direct":
+            if choose("all_reduce", "auto", self.size, nbytes, transport="shm",
+                      offers=self.offers).name != "direct":
                 break
             limit = nbytes
         return limit
@@ -77,7 +105,8 @@ class Communicator:
         if hit is None:
             algo = choose(collective, requested or self._overrides.get(collective, "auto"),
                           self.size, count * itemsize, transport=self.transport,
-                          local=self._layout.local.size if self._layout else None)
+                          local=self._layout.local.size if self._layout else None,
+                          offers=self.offers)
             plan = None if algo.run is not None else self._executor.plan(
                 algo, self.size, self.rank, count, itemsize, params)
             if len(self._plans) >= 4096:
@@ -96,11 +125,25 @@ class Communicator:
         if color is not None and (isinstance(color, bool) or not isinstance(color, int)
                                   or color < 0):
             raise ValueError(f"color must be a non-negative int or None, got {color!r}")
+        if self.mpi is None:
+            return self._split_store(color, key)
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
         return None if sub == MPI.COMM_NULL else Communicator(sub)
 
+    def _split_store(self, color, key) -> "Communicator | None":
+        group = self._group
+        choices = group.allgather([color, key])
+        if color is None:
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
+        rank = members.index((key, self.rank))
+        return Communicator.from_store(group.store, rank, len(members),
+                                       f"{group.prefix}/split{group.rounds}/{color}")
+
     def dup(self) -> "Communicator":
         """A new communicator over the same ranks, with traffic separate from this one."""
+        if self.mpi is None:
+            return self._split_store(0, self.rank)
         return Communicator(self.mpi.Dup())
 
     def free(self) -> None:
@@ -111,7 +154,7 @@ class Communicator:
             self._layout.free()
         self._executor = None  # unmaps shared memory
         for c in (self._coll, self._p2p):
-            if c != MPI.COMM_NULL:
+            if isinstance(c, MPI.Comm) and c != MPI.COMM_NULL:
                 c.Free()
 
     def all_reduce(self, t, op="sum", algorithm=None, async_op=False):

@@ -12,6 +12,7 @@ hosts, so the multi-host path can be tested on one machine.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import numpy as np
 from mpi4py import MPI
@@ -36,6 +37,26 @@ def host_color(mpi_comm: MPI.Comm) -> int:
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:  # the lowest world rank on the node names it
         return node.allreduce(MPI.COMM_WORLD.Get_rank(), op=MPI.MIN)
+    finally:
+        node.Free()
+
+
+def affinity() -> list[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@lru_cache(maxsize=1)
+def crowded_host() -> bool:
+    """Whether this machine's MPI processes (all of them, whatever communicator or virtual
+    hosts) outnumber the cores they may run on: the union of their affinities, since a
+    launcher that binds each rank to its own core (Open MPI does) leaves each one core."""
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        cores = set().union(*node.allgather(affinity()))
+        return node.Get_size() > len(cores)
     finally:
         node.Free()
 

@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 # (import names: the package attribute commlib.algorithms is the public function)
-from .algorithms import Algorithm, algorithms, get
+from .algorithms import OFFERS, Algorithm, algorithms, get
 from .algorithms.ring import BROADCAST_MAX_SEGMENTS, BROADCAST_SEGMENT_BYTES
 
 STAGING_HALF_BYTES = 512 * 1024  # csrc/shm_direct.cpp stages pieces of about this size
@@ -211,7 +211,7 @@ class CostModel:
         hosts = n // local
         host_bytes, cross_bytes = HIER_BYTES[collective](local, hosts, nbytes)
         cross = min(self.predict(collective, a, hosts, int(cross_bytes), "mpi")
-                    for a in algorithms(collective) if _registered_for(collective, a, "mpi"))
+                    for a in _runnable(collective, OFFERS["mpi"]))
         return self.predict(collective, "direct", local, int(host_bytes), "shm") + cross
 
     def save(self, path: Path | None = None) -> Path:
@@ -248,19 +248,21 @@ def algorithm_overrides() -> dict:
             if os.environ.get(f"COMMLIB_ALGO_{c.upper()}")}
 
 
-def _registered_for(collective, name, transport):
-    return get(collective, name).requires in (None, transport)
+def _runnable(collective: str, offers: frozenset) -> list[str]:
+    return [a for a in algorithms(collective) if get(collective, a).requires in (None, *offers)]
 
 
 def choose(collective: str, requested: str | None, n: int, nbytes: int,
            model: CostModel | None = None, transport: str | None = None,
-           local: int | None = None) -> Algorithm:
+           local: int | None = None, offers: frozenset | None = None) -> Algorithm:
     """The algorithm to run: ``requested`` if given, then the environment, then the model
-    (among the algorithms ``transport`` offers; see commlib/hosts.py)."""
+    (among the algorithms that ``offers``, by default ``transport``'s, allow; see
+    algorithms.OFFERS). Without either: what a plain MPI communicator offers."""
+    offers = offers if offers is not None else OFFERS[transport or "mpi"]
     name = requested or os.environ.get(f"COMMLIB_ALGO_{collective.upper()}")
     if name and name != "auto":
-        return get(collective, name, transport)
-    return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, transport, local)
+        return get(collective, name, offers)
+    return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, transport, local, offers)
 
 
 # all_to_all's counts differ per rank, so its choice must not depend on them: every rank
@@ -269,12 +271,10 @@ ALL_TO_ALL_DECIDING_BYTES = 1 << 20
 
 
 @lru_cache(maxsize=4096)
-def _cheapest(collective: str, n: int, nbytes: int, model: CostModel, transport, local) -> Algorithm:
+def _cheapest(collective: str, n: int, nbytes: int, model: CostModel, transport, local,
+              offers: frozenset) -> Algorithm:
     if collective == "all_to_all":
         nbytes = ALL_TO_ALL_DECIDING_BYTES
-    names = [a for a in algorithms(collective)
-             if transport is None or _registered_for(collective, a, transport)]
-    if transport is None:
-        names = [a for a in names if get(collective, a).requires is None]
+    names = _runnable(collective, offers)
     return get(collective, min(names, key=lambda nm: (
         model.predict(collective, nm, n, nbytes, transport, local), nm)))

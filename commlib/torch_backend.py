@@ -7,9 +7,10 @@ Importing this module registers the backend. Under ``mpiexec``:
     # or the standard call, with ranks that match MPI.COMM_WORLD's:
     torch.distributed.init_process_group("commlib", rank=..., world_size=..., init_method=...)
 
-The default group is MPI.COMM_WORLD; ``new_group(ranks)`` becomes an MPI communicator over
-those ranks. Ranks come from MPI, so a launcher that forms no MPI world (torchrun) is
-refused with a message to use mpiexec. Tensors are CPU tensors of any dtype for data
+Under mpiexec the default group is MPI.COMM_WORLD and ``new_group(ranks)`` becomes an MPI
+communicator over those ranks. A launcher that forms no MPI world (``torchrun
+--nproc-per-node N`` on one host) works too: each group's ranks then meet through torch's
+store and run on shared memory (Communicator.from_store; send/recv go through the store). Tensors are CPU tensors of any dtype for data
 movement; reductions take commlib's dtypes plus bool and complex (see torch_ops.reduction).
 Every op with ``async_op=True`` returns at once and progresses on commlib's threads.
 """
@@ -31,26 +32,21 @@ from .torch_work import TorchWork
 
 BACKEND = "commlib"
 
-_NO_MPI_WORLD = (
-    "commlib backend: torch expects {size} ranks, but this process is alone in its MPI world "
-    "(MPI size 1), as happens under torchrun. The commlib backend takes its ranks from MPI: "
-    "launch with `mpiexec -n {size} python your_script.py` instead (a store-based bootstrap "
-    "without mpiexec is not supported yet).")
-
-
 # --------------------------------------------------------------------------- bootstrap
 
 def init_process_group(backend: str = BACKEND, timeout: timedelta | None = None, **kwargs):
     """``torch.distributed.init_process_group`` with rank, world size and store from MPI.
 
     Rank 0 serves a TCPStore (on a free port it broadcasts over MPI); torch uses the store
-    for its own bookkeeping and for any gloo groups created alongside. Extra keyword
+    for its own bookkeeping and for any gloo groups created alongside. Under torchrun
+    (no MPI world) torch's own environment settings are used instead. Extra keyword
     arguments go to torch (``backend`` may also be e.g. "cpu:commlib,cuda:nccl").
     """
     world = MPI.COMM_WORLD
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if world.size == 1 and launched > 1:
-        raise RuntimeError(_NO_MPI_WORLD.format(size=launched))
+    if world.size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun: it set RANK, WORLD_SIZE and the store's address; the ranks meet there
+        dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}), **kwargs)
+        return
     store = _mpi_store(world, timeout or timedelta(minutes=5))
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -75,12 +71,18 @@ def _mpi_store(world: MPI.Comm, timeout: timedelta) -> dist.TCPStore:
 
 def _create(opts, backend_options=None) -> "ProcessGroupCommlib":
     """torch's creator hook (extended API). torch calls it only on the group's members, so
-    subgroups use MPI_Comm_create_group, which is collective over the members alone."""
+    subgroups use MPI_Comm_create_group, which is collective over the members alone (or,
+    without MPI, the group's own store)."""
     world = MPI.COMM_WORLD
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError("commlib backend needs MPI_THREAD_MULTIPLE; MPI was initialised "
                            "with a lower thread level before commlib was imported")
     ranks = list(opts.global_ranks_in_group)
+    world_size = opts.group_size if not ranks else dist.get_world_size()
+    if world.size == 1 and world_size > 1:  # no MPI world (torchrun): meet through the store
+        comm = Communicator.from_store(opts.store, opts.group_rank, opts.group_size,
+                                       f"commlib/{opts.group_id}")
+        return ProcessGroupCommlib(comm, str(opts.group_id), opts.timeout)
     if not ranks:  # the default group
         _check_world(world, opts.group_rank, opts.group_size, collective=True)
         mpi = world
@@ -102,8 +104,6 @@ def _check_world(world: MPI.Comm, rank: int, size: int, collective: bool = False
     """torch's rank and size must be MPI.COMM_WORLD's. ``collective``: all of the world is
     here (creating the default group), so agree on the verdict first: a rank whose own
     numbers happen to match must not go on into a collective that the others left."""
-    if world.size == 1 and size > 1:
-        raise RuntimeError(_NO_MPI_WORLD.format(size=size))
     if size != world.size:
         raise RuntimeError(f"commlib backend: torch's world size {size} is not MPI.COMM_WORLD's "
                            f"size {world.size}; launch with `mpiexec -n {size}`")

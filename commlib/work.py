@@ -92,6 +92,29 @@ def wait_all(works, timeout: float | None = None) -> None:
         raise first_error
 
 
+def finished(what: str, result=None) -> Work:
+    """A Work that is already complete."""
+    work = Work(what)
+    work._finish(result)
+    return work
+
+
+def in_thread(what: str, task) -> Work:
+    """Run ``task()`` on a thread of its own; the Work holds what it returns. For blocking
+    operations that must not wait behind one another (receives through a store)."""
+    work = Work(what)
+
+    def run():
+        try:
+            result = task()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            work._finish(None, e)
+        else:
+            work._finish(result)
+    threading.Thread(target=run, name=f"commlib-{what}", daemon=True).start()
+    return work
+
+
 _live_threads: "weakref.WeakSet" = weakref.WeakSet()
 
 

@@ -205,8 +205,7 @@ void ShmComm::begin(uint64_t sig) {
 void ShmComm::fail(const std::string& message) {
   if (failure_.empty()) failure_ = message;
   me_->poisoned.store(1, std::memory_order_release);
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_) notify(r);
+  notify_peers();
   throw PeerError(message);
 }
 
@@ -236,8 +235,18 @@ void ShmComm::check_peer(int peer, uint64_t call) {
 }
 
 void ShmComm::notify(int peer) {
-  Doorbell* bell = peers_[peer].bell;
   std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the sleeper's fence
+  ring(peer);
+}
+
+void ShmComm::notify_peers() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // one fence covers every peer
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) ring(r);
+}
+
+void ShmComm::ring(int peer) {
+  Doorbell* bell = peers_[peer].bell;
   if (bell->sleeping.load(std::memory_order_relaxed)) {
     bell->seq.fetch_add(1, std::memory_order_relaxed);
     futex_wake(&bell->seq);
@@ -263,8 +272,7 @@ void ShmComm::yield() { sched_yield(); }
 uint64_t ShmComm::arrive() {
   uint64_t target = me_->arrived.load(std::memory_order_relaxed) + 1;
   me_->arrived.store(target, std::memory_order_release);
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_) notify(r);
+  notify_peers();
   return target;
 }
 
@@ -286,8 +294,7 @@ void ShmComm::wait_staging_free(uint64_t piece) {
 
 void ShmComm::release_piece(uint64_t piece) {
   me_->released.store(piece + 1, std::memory_order_release);
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_) notify(r);
+  notify_peers();
 }
 
 }  // namespace commlib::shm

@@ -162,6 +162,8 @@ class ShmComm {
   void check_signature(int peer);  // throws if `peer` is poisoned or in this call with another sig
   void check_peer(int peer, uint64_t call);  // ... or owes this rank data it will never send
   void notify(int peer);  // rings the peer's doorbell if it sleeps
+  void notify_peers();     // notify() to every peer
+  void ring(int peer);     // notify() without its fence
   // Waits until ready(): spin, then yield, then sleep on this rank's doorbell, checking
   // on each wake that every watched peer can still make it ready. Spinning only pays when
   // each rank has a core; yielding lets a peer on the same core run; sleeping stops a long

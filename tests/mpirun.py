@@ -1,4 +1,5 @@
-"""Launch a script under mpiexec from pytest, with a hard timeout that kills the whole job."""
+"""Launch a script under mpiexec (or torchrun) from pytest, with a hard timeout that kills the
+whole job."""
 import os
 import shutil
 import signal
@@ -24,7 +25,17 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | No
     The job runs in its own process group; on timeout the whole group is SIGKILLed so a
     hang fails one test instead of the suite."""
     target = [script] if script == "-m" else [str(ROOT / script)]
-    cmd = [mpiexec(), "-n", str(n), sys.executable, *target, *args]
+    return _launch([mpiexec(), "-n", str(n), sys.executable, *target, *args], timeout, env)
+
+
+def torchrun(n: int, script: str, timeout: float = 300, env: dict | None = None):
+    """Run ``script`` on ``n`` processes of this host started by torchrun (no MPI world)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(n), str(ROOT / script)]
+    return _launch(cmd, timeout, {"OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _launch(cmd: list, timeout: float, env: dict | None):
     shm_before = _mpich_segments()
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

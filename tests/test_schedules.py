@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from commlib import algorithms
-from commlib.algorithms import COLLECTIVES, get
+from commlib.algorithms import COLLECTIVES, OFFERS, get
 from commlib.schedule import (Builder, Recv, RecvReduce, Region, ScheduleError, Send, reference,
                               simulate)
 
@@ -71,9 +71,9 @@ def test_large_broadcast_pipelines_in_segments():
     run_case("broadcast", "ring", 5, 300_000, root=3)
 
 
-class _On:  # stands in for a communicator on a transport
-    def __init__(self, transport):
-        self.transport = transport
+class _On:  # stands in for a communicator that offers these (algorithms.OFFERS)
+    def __init__(self, transport, mpi=True):
+        self.offers = OFFERS[transport] if mpi else OFFERS[transport] - {"mpi"}
 
 
 def test_registry_lists_expected_names():
@@ -81,11 +81,14 @@ def test_registry_lists_expected_names():
     assert algorithms("all_reduce", _On("shm")) == ["direct", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("hosts")) == ["hier", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("mpi")) == ["native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("shm", mpi=False)) == ["direct", "rhd", "ring", "tree"]
     assert algorithms("all_to_all") == ["direct", "native", "pairwise"]
     with pytest.raises(ValueError, match="valid: direct, native, pairwise"):
         get("all_to_all", "ring")
     with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: native, rhd"):
-        get("all_reduce", "direct", "mpi")
+        get("all_reduce", "direct", OFFERS["mpi"])
+    with pytest.raises(ValueError, match="needs the MPI library.*valid here: direct, rhd"):
+        get("all_reduce", "native", _On("shm", mpi=False).offers)
 
 
 def _sched(*rounds):

@@ -1,14 +1,12 @@
 """The torch.distributed backend "commlib", under mpiexec with 1-4 ranks: every collective,
-DDP and FSDP2 against gloo inside the same processes, the ways to start it, and torchrun
-refused with a message to use mpiexec."""
+DDP and FSDP2 against gloo inside the same processes, the ways to start it; and the same
+under torchrun, where the ranks meet through torch's store instead of MPI."""
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from mpirun import ROOT, mpirun
+from mpirun import ROOT, mpirun, torchrun
 
 pytest.importorskip("torch")
 
@@ -16,10 +14,10 @@ pytest.importorskip("torch")
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_checked(n, script, timeout=240):
-    code, out = mpirun(n, script, timeout=timeout, env=ENV)
+def run_checked(n, script, timeout=240, launch=mpirun):
+    code, out = launch(n, script, timeout=timeout, env=ENV)
     summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
-    assert code == 0 and summary, f"mpiexec -n {n} {script} exited {code}:\n{out[-6000:]}"
+    assert code == 0 and summary, f"{launch.__name__} {n} {script} exited {code}:\n{out[-6000:]}"
     assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
     return out
 
@@ -40,12 +38,11 @@ def test_init_paths(n):
     run_checked(n, "tests/mpi/torch_init.py")
 
 
-def test_torchrun_is_refused_with_a_pointer_to_mpiexec():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(ROOT / "tests/mpi/torch_torchrun.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, **ENV})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert out.count("refused-helper") == 2 and out.count("refused-standard") == 2, out[-4000:]
-    assert "ACCEPTED" not in out
+@pytest.mark.parametrize("n", [2, 3])
+def test_torchrun_collectives_match_gloo(n):
+    run_checked(n, "tests/mpi/torch_torchrun.py", launch=torchrun)
+    run_checked(n, "tests/mpi/torch_collectives.py", launch=torchrun)
+
+
+def test_torchrun_ddp_and_fsdp2():
+    run_checked(2, "tests/mpi/torch_train.py", launch=torchrun)

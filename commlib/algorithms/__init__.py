@@ -20,8 +20,17 @@ class Algorithm:
     collective: str
     build: Optional[Callable] = None  # schedule builder
     run: Optional[Callable] = None    # direct runner (native, direct, hier)
-    requires: Optional[str] = None    # transport it needs; None: any
+    requires: Optional[str] = None    # what it needs of a communicator (OFFERS); None: nothing
 
+
+# What each transport (commlib/hosts.py) offers algorithms: the MPI library, shared memory
+# among all ranks, several hosts. A communicator bootstrapped from a store (torchrun) has
+# shared memory but no MPI library: "shm" less "mpi".
+OFFERS = {"shm": frozenset({"shm", "mpi"}), "mpi": frozenset({"mpi"}),
+          "hosts": frozenset({"hosts", "mpi"})}
+_NEEDS = {"shm": "all ranks on one host with shared memory",
+          "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)",
+          "mpi": "the MPI library (a communicator made under mpiexec, not from a store)"}
 
 _registry: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
 
@@ -42,28 +51,25 @@ def schedule(name: str, *collectives: str):
 
 
 def algorithms(collective: str, comm=None) -> list[str]:
-    """Names of the algorithms for ``collective``, sorted: those that run on ``comm``'s
-    transport, or every one registered when ``comm`` is None."""
+    """Names of the algorithms for ``collective``, sorted: those that run on ``comm``, or
+    every one registered when ``comm`` is None."""
     if collective not in _registry:
         raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
-    transport = None if comm is None else comm.transport
     return sorted(name for name, a in _registry[collective].items()
-                  if transport is None or a.requires in (None, transport))
+                  if comm is None or a.requires in (None, *comm.offers))
 
 
-def get(collective: str, name: str, transport: str | None = None) -> Algorithm:
-    """The algorithm ``name``; with ``transport``, one that runs there."""
+def get(collective: str, name: str, offers: frozenset | None = None) -> Algorithm:
+    """The algorithm ``name``; with ``offers`` (a communicator's), one that runs there."""
     table = _registry[collective]
     valid = sorted(n for n, a in table.items()
-                   if transport is None or a.requires in (None, transport))
+                   if offers is None or a.requires in (None, *offers))
     if name not in table:
         raise ValueError(f"unknown algorithm {name!r} for {collective}; valid: {', '.join(valid)}")
     algo = table[name]
     if name not in valid:
-        need = {"shm": "all ranks on one host with shared memory",
-                "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)"}[algo.requires]
-        raise ValueError(f"algorithm {name!r} for {collective} needs {need}; this communicator's "
-                         f"transport is {transport!r}; valid here: {', '.join(valid)}")
+        raise ValueError(f"algorithm {name!r} for {collective} needs {_NEEDS[algo.requires]}, "
+                         f"which this communicator lacks; valid here: {', '.join(valid)}")
     return algo
 
 

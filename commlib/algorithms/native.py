@@ -74,4 +74,4 @@ def reduce(comm, bufs, dtype, op, root=0):
 
 
 for _fn in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce):
-    register("native", _fn.__name__, run=_fn)
+    register("native", _fn.__name__, run=_fn, requires="mpi")

@@ -1,8 +1,9 @@
 """The shared-memory executor: schedules and direct collectives over csrc/shm.cpp.
 
 Set-up is collective over the (single-host) communicator: each rank creates its segment,
-the names travel over MPI, every rank maps every segment, and once all have (a barrier)
-each unlinks its own, so nothing is left in /dev/shm whatever happens next.
+the names travel over MPI (or a store: commlib/store.py), every rank maps every segment,
+and once all have (a barrier) each unlinks its own, so nothing is left in /dev/shm
+whatever happens next.
 
 A schedule is flattened once into the int64 plan csrc/shm_plan.cpp reads (cached like the
 mpi4py executor's plans); every call carries a signature so that ranks that disagree about
@@ -17,8 +18,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from mpi4py import MPI
-
 from .. import _C
 from ..errors import CommError
 from ..schedule import RecvReduce, Schedule
@@ -35,21 +34,6 @@ def _config_from_env() -> dict:
             raise ValueError(f"COMMLIB_SHM_{name.upper()}={value!r}; expected an int") from None
     return {"slot_bytes": get("slot_bytes", 64 << 10), "slots": get("slots", 8),
             "staging_bytes": get("staging_bytes", 1 << 20)}
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-@lru_cache(maxsize=1)
-def _processes_on_this_machine() -> int:
-    """MPI processes sharing this machine (all of them, whatever communicator or virtual
-    hosts): what competes for its cores."""
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size()
-    finally:
-        node.Free()
 
 
 def signature(*fields) -> int:
@@ -115,26 +99,29 @@ def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params:
 class ShmExecutor:
     """Runs schedules and direct collectives among the ranks of one host."""
 
-    def __init__(self, mpi_comm: MPI.Comm):
-        config = mpi_comm.bcast(_config_from_env(), root=0)  # every rank must agree
-        size = mpi_comm.Get_size()
+    def __init__(self, group, crowded: bool):
+        """``group``: the communicator's ranks, through anything with ``rank``, ``size`` and
+        ``allgather(value)`` (an mpi4py communicator's, or a store.StoreGroup's);
+        ``crowded``: this rank's machine has more processes than cores (hosts.crowded_host)."""
+        rank, size = group.rank, group.size
+        config = group.allgather(_config_from_env())[0]  # rank 0's: every rank must agree
         # Spinning on a core that a peer needs only delays it: no spinning when ranks
         # outnumber cores.
-        crowded = mpi_comm.allreduce(int(_processes_on_this_machine() > _cores()), op=MPI.MAX)
-        spin = 0 if crowded else int(os.environ.get("COMMLIB_SHM_SPIN", 20_000))
+        spin = 0 if any(group.allgather(crowded)) else int(os.environ.get("COMMLIB_SHM_SPIN",
+                                                                           20_000))
         transport, error = None, None
         try:
-            transport = _C.ShmComm(mpi_comm.Get_rank(), size, spin=spin, yields=200, **config)
+            transport = _C.ShmComm(rank, size, spin=spin, yields=200, **config)
         except (RuntimeError, ValueError) as e:
             error = e
-        names = mpi_comm.allgather(transport.name if transport else None)
+        names = group.allgather(transport.name if transport else None)
         if transport and None not in names:
             try:
                 transport.attach(names)
             except RuntimeError as e:
                 error = e
         # every rank has mapped every segment (or given up): unlink, so a crash leaves nothing
-        failed = mpi_comm.allreduce(int(error is not None), op=MPI.MAX)
+        failed = any(group.allgather(error is not None))
         if transport:
             transport.unlink_own()
         if failed:
@@ -142,7 +129,7 @@ class ShmExecutor:
                             "set COMMLIB_TRANSPORT=mpi to run without it")
         # single copy only if every rank can read every other (ptrace policy may forbid it)
         wanted = os.environ.get("COMMLIB_SHM_CMA", "1") != "0"
-        transport.cma = bool(mpi_comm.allreduce(int(wanted and transport.probe_cma()), op=MPI.MIN))
+        transport.cma = all(group.allgather(wanted and transport.probe_cma()))
         self.transport = transport
 
     plan = staticmethod(plan_for)
