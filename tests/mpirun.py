@@ -1,6 +1,7 @@
 """Launch a script under mpiexec (or torchrun) from pytest, with a hard timeout that kills the
 whole job."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -8,6 +9,24 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict | None = None,
+                launch=None) -> str:
+    """Run a tests/mpi script built on harness.Checker on ``n`` ranks (``launch``: mpirun,
+    or torchrun) with this checkout first on the path; it must exit 0 and report at least
+    one case and no failures. Returns its output."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, **(env or {})}
+    if launch is None or launch is mpirun:
+        code, out = mpirun(n, script, *args, timeout=timeout, env=env)
+    else:
+        code, out = launch(n, script, timeout=timeout, env=env)
+    summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
+    name = getattr(launch, "__name__", "mpirun")
+    assert code == 0 and summary, f"{name} {n} {script} {' '.join(args)} exited {code}:\n{out[-6000:]}"
+    assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
+    return out
 
 
 def mpiexec() -> str:

@@ -1,20 +1,12 @@
 """Multi-rank tests: each script runs under mpiexec with 1, 2, 3 and 4 ranks."""
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from mpirun import mpirun
+from mpirun import mpirun, run_checked
 
 RANKS = [1, 2, 3, 4]
-
-
-def run_checked(n, script, *args, timeout=400, env=None):
-    code, out = mpirun(n, script, *args, timeout=timeout, env=env)
-    summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
-    assert code == 0 and summary, f"mpiexec -n {n} {script} {' '.join(args)} exited {code}:\n{out[-6000:]}"
-    assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
 
 
 @pytest.mark.parametrize("n", RANKS)

@@ -1,30 +1,18 @@
 """The torch.distributed backend "commlib", under mpiexec with 1-4 ranks: every collective,
 DDP and FSDP2 against gloo inside the same processes, the ways to start it; and the same
 under torchrun, where the ranks meet through torch's store instead of MPI."""
-import os
 import re
 
 import pytest
 
-from mpirun import ROOT, mpirun, torchrun
+from mpirun import run_checked, torchrun
 
 pytest.importorskip("torch")
-
-# The scripts must import this checkout's commlib, whatever the environment has installed.
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-
-
-def run_checked(n, script, timeout=240, launch=mpirun):
-    code, out = launch(n, script, timeout=timeout, env=ENV)
-    summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
-    assert code == 0 and summary, f"{launch.__name__} {n} {script} exited {code}:\n{out[-6000:]}"
-    assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
-    return out
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])  # 4: also the 2-D device mesh
 def test_collectives_match_gloo(n):
-    run_checked(n, "tests/mpi/torch_collectives.py")
+    run_checked(n, "tests/mpi/torch_collectives.py", timeout=240)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -3,7 +3,6 @@ communicators are made from torch's store (Communicator.from_store). What differ
 the MPI path: the transport has no MPI library, split/dup go through the store, and
 send/recv travel through it (in order per tag, tags independent)."""
 import numpy as np
-import torch
 import torch.distributed as dist
 from mpi4py import MPI
 

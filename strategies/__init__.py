@@ -1,0 +1,1 @@
+"""Parallel training schemes (DP, ZeRO, TP) built on commlib's collectives."""

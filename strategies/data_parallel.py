@@ -1,0 +1,121 @@
+"""Data parallelism: every rank of a group holds the whole model and a slice of the batch;
+gradients are averaged over the group during backward.
+
+Vocabulary: a *bucket* is a flat buffer holding the gradients of several parameters of one
+dtype (about ``bucket_bytes``), in reverse registration order, which is roughly the order
+backward produces them. A parameter's gradient is copied into its bucket by a hook as soon
+as autograd has accumulated it; a full bucket's all-reduce is launched at once (async), so
+it overlaps the rest of backward. Buckets are launched strictly in index order, so every
+rank issues the same collectives in the same order even if its gradients arrive in another.
+At the end of backward the remaining buckets are launched, all are waited for, and the
+averaged gradients are written back to ``param.grad``: after ``loss.backward()`` returns,
+the optimizer can step.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+import commlib
+
+
+class _Bucket:
+    def __init__(self, params: list, dtype: torch.dtype):
+        self.params = params
+        self.offsets, total = {}, 0
+        for p in params:
+            self.offsets[p] = total
+            total += p.numel()
+        self.flat = torch.zeros(total, dtype=dtype)
+        self.ready: set = set()
+        self.work = None
+
+    def view(self, p) -> torch.Tensor:
+        return self.flat[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p)
+
+
+class DataParallel(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, group: commlib.Communicator,
+                 bucket_bytes: int = 25 << 20):
+        super().__init__()
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.module, self.group = module, group
+        with torch.no_grad():  # every rank starts from rank 0's weights
+            for t in list(module.parameters()) + list(module.buffers()):
+                group.broadcast(t.data, root=0)
+        self.buckets = _make_buckets([p for p in module.parameters() if p.requires_grad],
+                                     bucket_bytes)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._pending = False  # this backward has hooked, and will finish at its end
+        self._next_launch = 0
+        self.launched_during_backward = 0  # buckets whose all-reduce overlapped backward
+        for p in self._bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the first one outside
+        averages the accumulated sum (gradient accumulation)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # ------------------------------------------------------------------ during backward
+    def _on_grad(self, p):
+        if not self._sync:
+            return
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self._bucket_of[p]
+        view = bucket.view(p)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        bucket.ready.add(p)
+        self._launch(until_incomplete=True)
+
+    def _launch(self, until_incomplete: bool) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if until_incomplete and len(bucket.ready) < len(bucket.params):
+                return
+            if len(bucket.ready) < len(bucket.params):  # unused parameters contribute zeros
+                for p in bucket.params:
+                    if p not in bucket.ready:
+                        bucket.view(p).zero_()
+            elif until_incomplete:
+                self.launched_during_backward += 1
+            bucket.work = self.group.all_reduce(bucket.flat, op="avg", async_op=True)
+            self._next_launch += 1
+
+    def _finish(self):
+        self._launch(until_incomplete=False)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
+            bucket.ready.clear()
+            for p in bucket.params:
+                p.grad = bucket.view(p)  # a view: the next backward accumulates in place
+        self._next_launch = 0
+        self._pending = False
+
+
+def _make_buckets(params: list, bucket_bytes: int) -> list:
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if current and (p.dtype != current[0].dtype or size + p.nbytes > bucket_bytes):
+            buckets.append(_Bucket(current, current[0].dtype))
+            current, size = [], 0
+        current.append(p)
+        size += p.nbytes
+    if current:
+        buckets.append(_Bucket(current, current[0].dtype))
+    return buckets

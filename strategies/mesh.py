@@ -1,0 +1,79 @@
+"""The parallel layout: one validated object that slices the world's ranks into groups.
+
+The ranks form a grid of shape (pp, dp, ep, cp, tp), row-major, so tensor-parallel
+partners are neighbouring ranks (on one host when hosts are filled in rank order, as
+mpiexec does) and pipeline stages are the farthest apart. ``group(dim)`` holds the ranks
+that differ only in that coordinate: the ones a tp collective, a dp gradient reduction
+or a pp send talks to. Every group is created when the mesh is, by every rank in the
+same order (creating communicators is collective); pass the mesh explicitly to whatever
+needs it.
+"""
+from __future__ import annotations
+
+import math
+
+import commlib
+
+DIMS = ("pp", "dp", "ep", "cp", "tp")
+
+
+class Mesh:
+    def __init__(self, world: commlib.Communicator, *, dp: int = 1, tp: int = 1, pp: int = 1,
+                 cp: int = 1, ep: int = 1):
+        sizes = {"pp": pp, "dp": dp, "ep": ep, "cp": cp, "tp": tp}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mesh: {name} must be a positive int, got {value!r}")
+        total = math.prod(sizes.values())
+        if total != world.size:
+            layout = " x ".join(f"{d}={s}" for d, s in sizes.items() if s > 1) or "1"
+            raise ValueError(f"mesh: {layout} makes {total} ranks, but the world has "
+                             f"{world.size}; choose sizes whose product is {world.size}")
+        self.world = world
+        self.sizes = sizes
+        self.coords = _unravel(world.rank, [sizes[d] for d in DIMS])
+        self._groups = {}
+        for i, dim in enumerate(DIMS):
+            # ranks that agree on every other coordinate share a group, ordered along dim
+            others = self.coords[:i] + (0,) + self.coords[i + 1:]
+            self._groups[dim] = world.split(_ravel(others, [sizes[d] for d in DIMS]),
+                                            key=self.coords[i])
+
+    def group(self, dim: str) -> commlib.Communicator:
+        return self._groups[_check_dim(dim)]
+
+    def size(self, dim: str) -> int:
+        return self.sizes[_check_dim(dim)]
+
+    def rank(self, dim: str) -> int:
+        """This rank's coordinate along ``dim`` (its rank in ``group(dim)``)."""
+        return self.coords[DIMS.index(_check_dim(dim))]
+
+    def __repr__(self):
+        shape = ", ".join(f"{d}={s}" for d, s in self.sizes.items())
+        return f"<Mesh {shape}; rank {self.world.rank} at {dict(zip(DIMS, self.coords))}>"
+
+    def free(self) -> None:
+        for g in self._groups.values():
+            g.free()
+
+
+def _check_dim(dim: str) -> str:
+    if dim not in DIMS:
+        raise ValueError(f"mesh: unknown dimension {dim!r}; valid: {', '.join(DIMS)}")
+    return dim
+
+
+def _unravel(index: int, shape: list[int]) -> tuple:
+    coords = []
+    for extent in reversed(shape):
+        index, c = divmod(index, extent)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def _ravel(coords, shape: list[int]) -> int:
+    index = 0
+    for c, extent in zip(coords, shape):
+        index = index * extent + c
+    return index
