@@ -12,6 +12,6 @@ def test_mesh_and_mappings(n):
     run_checked(n, "tests/mpi/strategies_basics.py")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_data_parallel_trains_like_one_process(n):
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_dp_and_zero_train_like_one_process(n):
     run_checked(n, "tests/mpi/strategies_train.py")

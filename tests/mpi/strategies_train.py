@@ -8,6 +8,7 @@ from harness import Checker, raises
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
 from strategies.model import GPT, GPTConfig, cross_entropy
+from strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -94,6 +95,61 @@ def data_parallel_errors():
            lambda: DataParallel(GPT(CONFIG, SEED), world, bucket_bytes=0))
     if n > 1:
         raises(ValueError, f"does not divide by dp={n}", lambda: shard(torch.ones(n + 1), 0, n))
+
+
+# ------------------------------------------------------------------------------ ZeRO
+
+def train_zero(stage, micro=1):
+    model = ZeRO(GPT(CONFIG, SEED + rank), world, stage, optimizer)
+    for x, y in batches():
+        xs, ys = shard(x, rank, n), shard(y, rank, n)
+        for xm, ym in zip(xs.chunk(micro), ys.chunk(micro)):
+            (cross_entropy(model(xm), ym) / micro).backward()
+        model.step()
+        model.zero_grad()
+    return model
+
+
+def zero_stage_1():
+    model = train_zero(1)
+    same_as_reference(model.full_parameters().items())
+    shard_elems = model.master.numel()
+    total = sum(p.numel() for p in model.module.parameters())
+    assert shard_elems <= total // n + len(model.units), (shard_elems, total, n)
+
+
+def zero_stage_2():
+    model = train_zero(2)
+    same_as_reference(model.full_parameters().items())
+    # every unit's reduce-scatter was launched from backward, once its gradients were done
+    assert model.reduced_during_backward == STEPS * len(model.units)
+
+
+def zero_stage_3():
+    model = train_zero(3)
+    assert all(p.numel() == 0 for p in model.module.parameters())  # only shards are kept
+    # every gather but the first of each forward and backward was prefetched
+    assert model.prefetched == STEPS * 2 * (len(model.units) - 1), model.prefetched
+    same_as_reference(model.full_parameters().items())
+
+
+def zero_stage_2_and_3_accumulate_micro_batches():
+    # one process computing the same total: each rank's micro-batches, averaged over ranks
+    ref = GPT(CONFIG, SEED)
+    opt = optimizer(ref.parameters())
+    for x, y in batches():
+        for r in range(n):
+            for xm, ym in zip(shard(x, r, n).chunk(2), shard(y, r, n).chunk(2)):
+                (ref.loss(xm, ym) / (2 * n)).backward()
+        opt.step()
+        opt.zero_grad()
+    for stage in (2, 3):
+        same_as_reference(train_zero(stage, micro=2).full_parameters().items(),
+                          dict(ref.named_parameters()))
+
+
+def zero_errors():
+    raises(ValueError, "stage must be 1, 2 or 3", lambda: ZeRO(GPT(CONFIG, SEED), world, 4, optimizer))
 
 
 check.run_cases(globals())

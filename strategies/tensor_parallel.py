@@ -1,0 +1,327 @@
+"""Tensor parallelism (Megatron-style): each rank of a tp group holds a slice of every large
+weight and computes its part of each layer; the mappings stitch the parts together.
+
+Vocabulary as in ``mappings``: *replicated*, *partial*, *split along dim*. The layers:
+
+    ColumnParallelLinear   holds output rows [r*out/tp, (r+1)*out/tp); replicated in,
+                           split (or, with gather_output, replicated) out
+    RowParallelLinear      holds input columns [r*in/tp, ...); split in, replicated out
+    VocabParallelEmbedding holds vocab rows [r*V/tp, ...); ids in, replicated out
+
+A transformer block needs two reductions forward and two backward: attention's q/k/v are
+column-parallel (a rank keeps whole heads) feeding a row-parallel proj, and the MLP's fc1 is
+column-parallel feeding a row-parallel fc2. The LM head is column-parallel over the vocab and
+its loss, ``vocab_parallel_cross_entropy``, never gathers the full logits.
+
+Parameters that every rank of the group holds whole (LayerNorms, the position embedding,
+row-parallel biases) are used on replicated inputs, so each rank computes the same full
+gradient for them and they stay identical without any extra communication.
+
+Vocab sizes that do not divide by tp are padded up to a multiple of tp: the padded embedding
+rows and head rows are zero, no valid token id looks a padded row up, and the loss masks the
+padded logits to -inf, so padding changes neither values nor gradients. Each sharded
+parameter carries ``tp_split_dim`` (the dim it is split along) and ``tp_full_size`` (the
+unpadded size of that dim), which ``gathered_state`` uses to rebuild the full tensors.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import commlib
+from strategies.mappings import copy_to_group, gather_along, reduce_from_group, split_along
+from strategies.model import GPT
+
+
+def _chunk_size(total: int, group: commlib.Communicator, what: str, fix: str) -> int:
+    if total % group.size:
+        raise ValueError(f"{what}={total} is not divisible by tp={group.size}; {fix}")
+    return total // group.size
+
+
+def _shard(full: torch.Tensor, group: commlib.Communicator, dim: int) -> torch.Tensor:
+    return full.detach().chunk(group.size, dim)[group.rank].clone()
+
+
+def _mark(param: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
+    param.tp_split_dim, param.tp_full_size = dim, full_size
+    return param
+
+
+def padded_size(size: int, group: commlib.Communicator) -> int:
+    """``size`` rounded up to a multiple of the group's size."""
+    return -(-size // group.size) * group.size
+
+
+# ------------------------------------------------------------------------------ layers
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows (and b) split over the group.
+
+    The input is replicated; ``copy_to_group`` makes its gradient the sum of every rank's
+    part. The output is split along the last dim, or all-gathered when ``gather_output``.
+    A fresh layer holds this rank's slice of an ``nn.Linear(in, out)`` drawn from the global
+    RNG, so ranks with the same RNG state hold slices of one consistent layer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: commlib.Communicator, *,
+                 bias: bool = True, gather_output: bool = False):
+        super().__init__()
+        _chunk_size(out_features, group, "out_features", "choose a multiple of tp")
+        self._load(nn.Linear(in_features, out_features, bias=bias), group, gather_output)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: commlib.Communicator, *,
+                    gather_output: bool = False, full_size: int | None = None):
+        """This rank's slice of ``linear`` (``full_size``: the rows that are not padding)."""
+        _chunk_size(linear.out_features, group, "out_features", "choose a multiple of tp")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._load(linear, group, gather_output, full_size)
+        return layer
+
+    def _load(self, linear, group, gather_output, full_size=None):
+        self.group, self.gather_output = group, gather_output
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        full_size = linear.out_features if full_size is None else full_size
+        self.weight = _mark(nn.Parameter(_shard(linear.weight, group, 0)), 0, full_size)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = _mark(nn.Parameter(_shard(linear.bias, group, 0)), 0, full_size)
+
+    def forward(self, x):
+        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return gather_along(y, self.group, -1) if self.gather_output else y
+
+    def extra_repr(self):
+        return (f"in={self.in_features}, out={self.out_features}/{self.group.size}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split over the group and b held whole.
+
+    The input is split along the last dim (``input_is_parallel``), else replicated and split
+    here. Each rank's product is a partial sum; ``reduce_from_group`` adds them, and then the
+    bias is added once, so it is not counted tp times.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: commlib.Communicator, *,
+                 bias: bool = True, input_is_parallel: bool = False):
+        super().__init__()
+        _chunk_size(in_features, group, "in_features", "choose a multiple of tp")
+        self._load(nn.Linear(in_features, out_features, bias=bias), group, input_is_parallel)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: commlib.Communicator, *,
+                    input_is_parallel: bool = False):
+        _chunk_size(linear.in_features, group, "in_features", "choose a multiple of tp")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._load(linear, group, input_is_parallel)
+        return layer
+
+    def _load(self, linear, group, input_is_parallel):
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _mark(nn.Parameter(_shard(linear.weight, group, 1)), 1, linear.in_features)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().clone())  # replicated
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = split_along(x, self.group, -1)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return (f"in={self.in_features}/{self.group.size}, out={self.out_features}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocab rows are split over the group (the vocab padded to a
+    multiple of tp with zero rows). Ids outside this rank's rows give zeros here; the sum
+    over ranks is the full lookup."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: commlib.Communicator):
+        super().__init__()
+        self._load(nn.Embedding(num_embeddings, embedding_dim), group)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: commlib.Communicator):
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._load(embedding, group)
+        return layer
+
+    def _load(self, embedding, group):
+        self.group = group
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        padded = _pad_rows(embedding.weight, padded_size(self.num_embeddings, group))
+        self.rows = padded.shape[0] // group.size
+        self.start = group.rank * self.rows  # this rank holds ids [start, start + rows)
+        self.weight = _mark(nn.Parameter(_shard(padded, group, 0)), 0, self.num_embeddings)
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def extra_repr(self):
+        return (f"{self.num_embeddings} (rows {self.start}..{self.start + self.rows - 1} here), "
+                f"{self.embedding_dim}")
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    padded = weight.detach().new_zeros((rows,) + weight.shape[1:])
+    padded[:weight.shape[0]] = weight.detach()
+    return padded
+
+
+# ------------------------------------------------------------------------------ the loss
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
+                                 group: commlib.Communicator,
+                                 vocab_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits split along the vocab (last) dim, without gathering them.
+
+    ``local_logits`` (..., V/tp) is rank r's slice [r*V/tp, (r+1)*V/tp) of the logits;
+    ``targets`` (...) are global ids, the same on every rank. ``vocab_size``: the real vocab
+    when V was padded; logits of the padded ids are ignored (as if -inf). Computed in at
+    least fp32; the result is replicated over the group, and the gradient flows to the local
+    logits (softmax minus one-hot, on this rank's slice).
+    """
+    return _VocabParallelCrossEntropy.apply(local_logits, targets, group, vocab_size)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_logits, targets, group, vocab_size):
+        rows = local_logits.shape[-1]
+        start = group.rank * rows
+        vocab_size = rows * group.size if vocab_size is None else vocab_size
+        if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < vocab_size:
+            raise ValueError(f"targets must lie in [0, {vocab_size}), got "
+                             f"[{int(targets.min())}, {int(targets.max())}]")
+        dtype = torch.promote_types(local_logits.dtype, torch.float32)
+        x = local_logits.detach().to(dtype).reshape(-1, rows)
+        padding = torch.arange(start, start + rows, device=x.device) >= vocab_size
+        x = x.masked_fill(padding, float("-inf"))
+        # stabilise with the global max: a constant per row, so no gradient flows through it
+        shift = x.max(-1).values.contiguous()
+        group.all_reduce(shift, op="max")
+        x = x - shift.unsqueeze(-1)
+        exp = x.exp()
+        sum_exp = exp.sum(-1).contiguous()
+        group.all_reduce(sum_exp)
+        # the target's logit: the rank that holds its row contributes it, the others zero
+        local = targets.reshape(-1) - start
+        mine = (local >= 0) & (local < rows)
+        local = local.masked_fill(~mine, 0)
+        picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        group.all_reduce(picked)
+        loss = (sum_exp.log() - picked).mean()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, mine)
+        ctx.logits_shape, ctx.logits_dtype = local_logits.shape, local_logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        rows_here = mine.nonzero().squeeze(-1)
+        g[rows_here, local[rows_here]] -= 1.0
+        g *= grad / g.shape[0]
+        return g.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None
+
+
+# ------------------------------------------------------------------------------ the GPT
+
+class TensorParallelGPT(nn.Module):
+    """The reference GPT split over ``group``, built from a reference model's weights.
+
+    Parameter names match the reference's. ``forward`` gathers the full logits (for checks
+    and sampling); ``loss`` keeps them split and uses ``vocab_parallel_cross_entropy``.
+    """
+
+    def __init__(self, reference: GPT, group: commlib.Communicator):
+        super().__init__()
+        config, tp = reference.config, group.size
+        if config.n_heads % tp:
+            raise ValueError(f"tensor parallel: n_heads={config.n_heads} is not divisible by "
+                             f"tp={tp}; each rank must hold whole heads, so choose tp dividing "
+                             f"{config.n_heads} or n_heads a multiple of {tp}")
+        # then mlp_ratio * d_model (a multiple of n_heads) divides by tp as well
+        self.config, self.group = config, group
+        self.tok_emb = VocabParallelEmbedding.from_embedding(reference.tok_emb, group)
+        self.pos_emb = copy.deepcopy(reference.pos_emb)
+        self.blocks = nn.ModuleList(_parallel_block(b, group) for b in reference.blocks)
+        self.ln_f = copy.deepcopy(reference.ln_f)
+        head = nn.Linear(config.d_model, padded_size(config.vocab_size, group), bias=False)
+        with torch.no_grad():
+            head.weight.copy_(_pad_rows(reference.head.weight, head.out_features))
+        self.head = ColumnParallelLinear.from_linear(head, group, gather_output=False,
+                                                     full_size=config.vocab_size)
+
+    def local_logits(self, idx):
+        """Token ids (B, T) -> this rank's slice of the (padded) vocab's logits."""
+        if idx.dim() != 2:
+            raise ValueError(f"expected token ids of shape (batch, time), got {tuple(idx.shape)}")
+        time = idx.shape[1]
+        if time > self.config.seq_len:
+            raise ValueError(f"sequence length {time} exceeds the model's seq_len "
+                             f"{self.config.seq_len}; use shorter inputs or a larger seq_len")
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(time, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx):
+        """Full logits (B, T, vocab_size) on every rank (all-gathered, padding dropped)."""
+        return gather_along(self.local_logits(idx), self.group, -1)[..., :self.config.vocab_size]
+
+    def loss(self, idx, targets):
+        return vocab_parallel_cross_entropy(self.local_logits(idx), targets, self.group,
+                                            self.config.vocab_size)
+
+
+def _parallel_block(block: nn.Module, group: commlib.Communicator) -> nn.Module:
+    """A copy of a reference Block whose attention keeps n_heads/tp heads and whose MLP
+    keeps hidden/tp units."""
+    block = copy.deepcopy(block)
+    attn, mlp = block.attn, block.mlp
+    # q/k/v each all-reduce their input's gradient (three reductions where a fused qkv
+    # projection would need one): simple, and the sum is the same
+    for name in ("q", "k", "v"):
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group))
+    attn.proj = RowParallelLinear.from_linear(attn.proj, group, input_is_parallel=True)
+    attn.n_heads //= group.size
+    mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group)
+    mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, input_is_parallel=True)
+    return block
+
+
+def tensor_parallel_gpt(reference: GPT, group: commlib.Communicator) -> TensorParallelGPT:
+    return TensorParallelGPT(reference, group)
+
+
+@torch.no_grad()
+def gathered_state(module: nn.Module, group: commlib.Communicator, *,
+                   grads: bool = False) -> dict:
+    """name -> the full (unsharded, unpadded) parameter, or its gradient with ``grads``,
+    on every rank. Collective: every rank of the group must call it."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.grad if grads else p
+        t = t.detach()
+        dim = getattr(p, "tp_split_dim", None)
+        if dim is not None:
+            t = gather_along(t, group, dim).narrow(dim, 0, p.tp_full_size)
+        out[name] = t.clone()
+    return out

@@ -1,0 +1,250 @@
+"""ZeRO: data parallelism whose optimizer state (stage 1), gradients (2) and parameters (3)
+are sharded over the data-parallel group instead of replicated.
+
+Vocabulary: the model is cut into *units* (by default each child module, with the items of
+a ModuleList or Sequential as units of their own): a unit is what stage 3 gathers at once.
+A unit's parameters, flattened in order and padded to a multiple of the group size, form
+its *flat* vector; rank r owns the r-th of its ``group.size`` equal *shards*. This rank's
+shards of every unit, concatenated, are the *master* vector: the only parameters the
+optimizer sees (any torch optimizer), so its state exists for 1/n of the model.
+
+    stage 1  backward as usual; step() reduce-scatters each unit's gradients to their
+             owners, updates the master shard, all-gathers the new parameters.
+    stage 2  as soon as a unit's gradients are complete in backward, they are
+             reduce-scattered (async, overlapping the rest of backward) and freed.
+    stage 3  parameters live only as shards: a unit is all-gathered just before its forward
+             (the next unit's gather is already in flight), freed after it, gathered again
+             before its backward (prefetching the unit before it), then freed again.
+
+Traffic per step: stages 1 and 2 reduce-scatter and all-gather the model once each (2x its
+size), stage 3 all-gathers it twice and reduce-scatters it once (3x).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import commlib
+
+
+def default_units(model: nn.Module) -> list:
+    """Each child of ``model`` with parameters, ModuleList/Sequential items each on their own;
+    parameters registered on ``model`` itself form a unit of ``model`` (non-recursive)."""
+    units = []
+    for child in model.children():
+        items = list(child) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
+        units += [m for m in items if any(True for _ in m.parameters())]
+    if any(True for _ in model.parameters(recurse=False)):
+        units.append(model)
+    return units
+
+
+class _Unit:
+    def __init__(self, module: nn.Module, params: list, group: commlib.Communicator,
+                 master_offset: int):
+        self.module = module
+        self.params = [p for p in params if p.requires_grad]
+        self.shapes = [p.shape for p in self.params]
+        self.numel = sum(p.numel() for p in self.params)
+        n = group.size
+        self.shard_numel = -(-self.numel // n)
+        self.padded = self.shard_numel * n
+        self.master_offset = master_offset
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.gathered = False    # the parameters hold their full values
+        self.gather_work = None  # (work, flat) of an all-gather in flight
+        self.grad_work = None    # (work, shard) of a reduce-scatter in flight
+        self.ready: set = set()
+
+    def flatten(self, tensors) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.dtype)
+        offset = 0
+        for t, shape in zip(tensors, self.shapes):
+            n = shape.numel()
+            if t is not None:
+                flat[offset:offset + n].copy_(t.reshape(-1))
+            offset += n
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list:
+        out, offset = [], 0
+        for shape in self.shapes:
+            out.append(flat[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return out
+
+
+class ZeRO(nn.Module):
+    """``ZeRO(model, group, stage, optimizer)``: ``optimizer(params)`` builds any torch
+    optimizer over the list it is given (this rank's master shard). Train with
+    ``loss.backward(); zero.step(); zero.zero_grad()``."""
+
+    def __init__(self, module: nn.Module, group: commlib.Communicator, stage: int, optimizer,
+                 units: list | None = None):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        self.module, self.group, self.stage = module, group, stage
+        with torch.no_grad():  # every rank starts from rank 0's weights
+            for t in list(module.parameters()) + list(module.buffers()):
+                group.broadcast(t.data, root=0)
+        self.units, offset = [], 0
+        for m in units if units is not None else default_units(module):
+            # the model itself as a unit holds only the parameters registered on it
+            params = list(m.parameters(recurse=m is not module))
+            self.units.append(_Unit(m, params, group, offset))
+            offset += self.units[-1].shard_numel
+        covered = {p for u in self.units for p in u.params}
+        missing = [name for name, p in module.named_parameters() if p.requires_grad and p not in covered]
+        if missing:
+            raise ValueError(f"ZeRO: parameters {missing[:3]} belong to no unit; pass units "
+                             "that cover every trainable parameter")
+        self.master = nn.Parameter(torch.empty(offset, dtype=torch.float32))
+        with torch.no_grad():
+            for u in self.units:
+                self._master_of(u).copy_(u.flatten(u.params).chunk(group.size)[group.rank])
+        self.optimizer = optimizer([self.master])
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._pending = False
+        self._next_launch = 0  # units' reduce-scatters are launched in reverse unit order
+        # evidence of overlap: gathers already in flight when needed, reduce-scatters
+        # launched while backward was still running
+        self.prefetched = self.reduced_during_backward = 0
+        if stage >= 2:
+            for p in self._unit_of:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        if stage == 3:
+            for i, u in enumerate(self.units):
+                self._free(u)
+                u.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+                u.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _master_of(self, u: _Unit) -> torch.Tensor:
+        return self.master.data[u.master_offset:u.master_offset + u.shard_numel]
+
+    # ------------------------------------------------------------------ stage 3 parameters
+    def _start_gather(self, u: _Unit) -> None:
+        if u.gather_work is None and not u.gathered:
+            flat = torch.empty(u.padded, dtype=u.dtype)
+            src = self._master_of(u).to(u.dtype)
+            u.gather_work = (self.group.all_gather(flat, src, async_op=True), flat)
+
+    def _gather(self, u: _Unit) -> None:
+        if u.gathered:
+            return
+        self.prefetched += u.gather_work is not None
+        self._start_gather(u)
+        work, flat = u.gather_work
+        work.wait()
+        u.gather_work = None
+        for p, view in zip(u.params, u.views(flat)):
+            p.data = view
+        u.gathered = True
+
+    def _free(self, u: _Unit) -> None:
+        for p in u.params:
+            p.data = torch.empty(0, dtype=u.dtype)
+        u.gathered = False
+
+    def _before_forward(self, i: int) -> None:
+        self._gather(self.units[i])
+        if i + 1 < len(self.units):
+            self._start_gather(self.units[i + 1])  # prefetch: overlaps this unit's compute
+
+    def _after_forward(self, i: int, out) -> None:
+        self._free(self.units[i])
+        # Gradients reaching the unit's outputs mean its backward is next: gather it again.
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        self._gather(self.units[i])
+        if i > 0:
+            self._start_gather(self.units[i - 1])
+
+    # ------------------------------------------------------------------ gradients
+    def _on_grad(self, p) -> None:
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        u = self._unit_of[p]
+        u.ready.add(p)
+        while self._next_launch < len(self.units):  # in reverse unit order, complete ones
+            u = self.units[len(self.units) - 1 - self._next_launch]
+            if len(u.ready) < len(u.params):
+                return
+            self._reduce_scatter(u)
+            self.reduced_during_backward += 1
+
+    def _reduce_scatter(self, u: _Unit) -> None:
+        """Launch the reduce-scatter of ``u``'s gradients; free them (and, in stage 3, the
+        unit's parameters)."""
+        flat = u.flatten([p.grad for p in u.params])
+        shard = torch.empty(u.shard_numel, dtype=u.dtype)
+        u.grad_work = (self.group.reduce_scatter(shard, flat, op="avg", async_op=True), shard)
+        for p in u.params:
+            p.grad = None
+        if self.stage == 3:
+            self._free(u)
+        u.ready.clear()
+        self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        while self._next_launch < len(self.units):  # units without gradients send zeros
+            self._reduce_scatter(self.units[len(self.units) - 1 - self._next_launch])
+        self._collect_gradients()
+        self._next_launch = 0
+        self._pending = False
+
+    def _collect_gradients(self) -> None:
+        """Wait for the reduce-scatters; add each shard into the master's gradient (so
+        micro-batches accumulate)."""
+        if self.master.grad is None:
+            self.master.grad = torch.zeros_like(self.master)
+        for u in self.units:
+            work, shard = u.grad_work
+            work.wait()
+            u.grad_work = None
+            self.master.grad[u.master_offset:u.master_offset + u.shard_numel] += shard
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.stage == 1:
+            for u in reversed(self.units):
+                self._reduce_scatter(u)
+            self._next_launch = 0
+            self._collect_gradients()
+        self.optimizer.step()
+        if self.stage < 3:
+            gathers = []
+            for u in self.units:
+                flat = torch.empty(u.padded, dtype=u.dtype)
+                gathers.append((self.group.all_gather(flat, self._master_of(u).to(u.dtype),
+                                                      async_op=True), u, flat))
+            for work, u, flat in gathers:
+                work.wait()
+                for p, view in zip(u.params, u.views(flat)):
+                    p.copy_(view)
+
+    def zero_grad(self) -> None:
+        self.master.grad = None
+        for p in self._unit_of:
+            p.grad = None
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict:
+        """Every parameter, whole, by name (stage 3 gathers them: collective)."""
+        if self.stage == 3:
+            for u in self.units:
+                self._gather(u)
+        out = {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        if self.stage == 3:
+            for u in self.units:
+                self._free(u)
+        return out
