@@ -99,10 +99,19 @@ class ZeRO(nn.Module):
         if missing:
             raise ValueError(f"ZeRO: parameters {missing[:3]} belong to no unit; pass units "
                              "that cover every trainable parameter")
+        dtypes = {u.dtype for u in self.units}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO: the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "convert it to one (e.g. model.to(torch.bfloat16))")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        # fp32 master weights whatever the model's dtype (mixed precision: bf16 model)
         self.master = nn.Parameter(torch.empty(offset, dtype=torch.float32))
+        self.grad_shard = None  # this rank's reduced gradients, in the model's dtype
         with torch.no_grad():
             for u in self.units:
                 self._master_of(u).copy_(u.flatten(u.params).chunk(group.size)[group.rank])
+        # stage 3 gathers from a shard in the model's dtype (the master itself in fp32)
+        self.param_shard = self.master.data.to(self.dtype) if stage == 3 else None
         self.optimizer = optimizer([self.master])
         self._unit_of = {p: u for u in self.units for p in u.params}
         self._pending = False
@@ -129,7 +138,7 @@ class ZeRO(nn.Module):
     def _start_gather(self, u: _Unit) -> None:
         if u.gather_work is None and not u.gathered:
             flat = torch.empty(u.padded, dtype=u.dtype)
-            src = self._master_of(u).to(u.dtype)
+            src = self.param_shard[u.master_offset:u.master_offset + u.shard_numel]
             u.gather_work = (self.group.all_gather(flat, src, async_op=True), flat)
 
     def _gather(self, u: _Unit) -> None:
@@ -202,15 +211,16 @@ class ZeRO(nn.Module):
         self._pending = False
 
     def _collect_gradients(self) -> None:
-        """Wait for the reduce-scatters; add each shard into the master's gradient (so
-        micro-batches accumulate)."""
-        if self.master.grad is None:
-            self.master.grad = torch.zeros_like(self.master)
+        """Wait for the reduce-scatters; add each shard into this rank's gradient shard (so
+        micro-batches accumulate). It keeps the model's dtype: the optimizer gets an fp32
+        copy only for the step."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.master.numel(), dtype=self.dtype)
         for u in self.units:
             work, shard = u.grad_work
             work.wait()
             u.grad_work = None
-            self.master.grad[u.master_offset:u.master_offset + u.shard_numel] += shard
+            self.grad_shard[u.master_offset:u.master_offset + u.shard_numel] += shard
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -220,7 +230,13 @@ class ZeRO(nn.Module):
                 self._reduce_scatter(u)
             self._next_launch = 0
             self._collect_gradients()
+        if self.grad_shard is None:
+            raise RuntimeError("ZeRO.step() without gradients: call loss.backward() first")
+        self.master.grad = self.grad_shard.to(self.master.dtype)
         self.optimizer.step()
+        self.master.grad = None
+        if self.stage == 3 and self.param_shard.data_ptr() != self.master.data_ptr():
+            self.param_shard.copy_(self.master.data)
         if self.stage < 3:
             gathers = []
             for u in self.units:
@@ -233,7 +249,7 @@ class ZeRO(nn.Module):
                     p.copy_(view)
 
     def zero_grad(self) -> None:
-        self.master.grad = None
+        self.grad_shard = None
         for p in self._unit_of:
             p.grad = None
 

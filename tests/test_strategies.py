@@ -1,10 +1,17 @@
 """strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
 parallel layout training like the single-process reference."""
+import json
+import os
+import re
+
 import pytest
 
-from mpirun import run_checked
+from mpirun import ROOT, mpirun, run_checked
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
+from strategies import accounting  # noqa: E402  (needs torch)
+
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -15,3 +22,43 @@ def test_mesh_and_mappings(n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_dp_and_zero_train_like_one_process(n):
     run_checked(n, "tests/mpi/strategies_train.py")
+
+
+def _train(n, tmp_path, *args):
+    """Run the training CLI; return its log (one record per step)."""
+    log = tmp_path / f"log-{n}-{'_'.join(args).replace('-', '')}.json"
+    code, out = mpirun(n, "-m", "strategies.train", *args, "--steps", "4", "--quiet",
+                       "--log", str(log), timeout=300, env=ENV)
+    assert code == 0, out[-4000:]
+    return json.loads(log.read_text()), out
+
+
+def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
+    want = [r["loss"] for r in _train(1, tmp_path)[0]]
+    assert want[-1] < want[0]
+    for n, layout in [(2, ["--dp", "2"]), (2, ["--tp", "2"]), (2, ["--zero", "3"]),
+                      (4, ["--dp", "2", "--tp", "2", "--zero", "1"])]:
+        got = [r["loss"] for r in _train(n, tmp_path, *layout)[0]]
+        assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_held_matches_the_seeds_figures(tmp_path, stage):
+    """Measured bytes of parameters, gradients and optimizer state per rank, within 10% of
+    the ZeRO accounting (the model is large enough for padding to be negligible)."""
+    args = ["--zero", str(stage), "--d-model", "128"] + (["--bf16"] if stage else [])
+    log, out = _train(2, tmp_path, *args)
+    held = log[-1]["bytes_held_max"]
+    numel = int(re.search(r"GPT ([\d,]+) parameters", out).group(1).replace(",", ""))
+    dtype = torch.bfloat16 if stage else torch.float32
+    for kind, want in accounting.theory(numel, dtype, 2, stage).items():
+        assert held[kind] == pytest.approx(want, rel=0.10), (kind, held[kind], want)
+
+
+def test_training_cli_errors():
+    code, out = mpirun(3, "-m", "strategies.train", "--tp", "2", "--steps", "1", env=ENV)
+    assert code != 0 and "--tp 2 does not divide the 3 ranks" in out, out[-2000:]
+    code, out = mpirun(2, "-m", "strategies.train", "--dp", "3", "--steps", "1", env=ENV)
+    assert code != 0 and "dp=3 makes 3 ranks, but the world has 2" in out, out[-2000:]
+    code, out = mpirun(1, "-m", "strategies.train", "--bf16", env=ENV)
+    assert code != 0 and "--zero 1, 2 or 3" in out, out[-2000:]

@@ -1,0 +1,49 @@
+"""What a rank holds: bytes of parameters, gradients and optimizer state, measured from the
+tensors it actually keeps (each storage counted once), next to the figures the seeds give
+for Adam (ZeRO paper accounting, Φ = parameter count, N = data-parallel ranks):
+
+    mixed precision  parameters 2Φ, gradients 2Φ, optimizer 12Φ (fp32 master, m, v)
+    fp32             parameters 4Φ, gradients 4Φ, optimizer  8Φ (m, v; ZeRO adds a fp32
+                     master shard: 12Φ/N)
+    ZeRO stage 1 divides the optimizer state by N, stage 2 also the gradients, stage 3 also
+    the parameters.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, zero=None) -> dict:
+    """Bytes this rank holds now. ``zero``: the ZeRO wrapper, whose shards count as
+    parameters (stage 3's parameter shard), gradients and optimizer state (master)."""
+    params = [p for p in model.parameters()]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    held_params = [p for p in params if zero is None or p is not zero.master]
+    grads = [p.grad for p in params]
+    if zero is not None:
+        held_params.append(zero.param_shard if zero.stage == 3 else None)
+        grads.append(zero.grad_shard)
+        state.append(zero.master)
+    return {"parameters": _bytes(held_params), "gradients": _bytes(grads),
+            "optimizer": _bytes(state)}
+
+
+def theory(numel: int, dtype: torch.dtype, ranks: int, stage: int) -> dict:
+    """The seeds' figures for ``numel`` parameters (Adam) on each of ``ranks`` ranks."""
+    width = torch.finfo(dtype).bits // 8
+    states = 12 if width < 4 or stage > 0 else 8  # fp32 master weights, or none needed
+    return {"parameters": numel * width / (ranks if stage >= 3 else 1),
+            "gradients": numel * width / (ranks if stage >= 2 else 1),
+            "optimizer": numel * states / (ranks if stage >= 1 else 1)}
