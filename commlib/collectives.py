@@ -208,6 +208,7 @@ def send(t, dst, tag=0, comm=None, async_op=False):
     buf = as_buffer(t, "t", writable=False)
     _check_peer(comm, dst, "dst")
     _check_tag(tag)
+    comm._p2p_bytes_sent += buf.nbytes
     if comm.mpi is None:  # made from a store: the store holds the message at once
         comm._p2p.send(buf.bytes.tobytes(), dst, tag)
         return finished(f"send to rank {dst}") if async_op else None

@@ -62,6 +62,9 @@ class Communicator:
         return self
 
     def _start(self):
+        # bytes_sent beyond the executor's: MPI's own collectives (run one at a time, on
+        # the engine), point-to-point sends (on the callers' threads)
+        self._native_bytes_sent = self._p2p_bytes_sent = 0
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
         self._fast_sum_bytes = self._fast_all_reduce_limit()
@@ -113,6 +116,19 @@ class Communicator:
                 self._plans.clear()
             hit = self._plans[key] = (algo, plan)
         return hit
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has handed to its peers on this communicator: what its
+        executor moved (sent over MPI, pushed into a peer's shared-memory channel, or
+        staged there and read by a peer: once per reader), plus point-to-point sends. For
+        MPI's own collectives (native), whose internals are hidden, the least that any
+        algorithm sends (nccl-tests' bus bytes)."""
+        total = self._native_bytes_sent + self._p2p_bytes_sent
+        total += self._executor.bytes_sent if self._executor else 0
+        if self._layout is not None:
+            total += self._layout.local.bytes_sent + self._layout.cross.bytes_sent
+        return total
 
     def algorithms(self, collective: str) -> list[str]:
         """The algorithms ``collective`` can use on this communicator."""

@@ -146,6 +146,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("recv_lengths"), nogil())
       .def("probe_cma", &ShmComm::probe_cma, nogil())
       .def_property("cma", &ShmComm::cma, &ShmComm::set_cma)
+      .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
       .def(
           "all_reduce_sum_array",
           [](ShmComm& c, py::handle obj, int64_t max_bytes) {

@@ -120,6 +120,9 @@ class ShmComm {
   // then set_cma() to the verdict of all (an all-reduce over the probes).
   bool probe_cma() const;
   void set_cma(bool on) { cma_ = on; }
+  // Bytes of this rank's data handed to peers so far: pushed into their channels, or
+  // staged (published) and read by them, once per reader.
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
   bool cma() const { return cma_; }
 
   // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
@@ -224,6 +227,8 @@ class ShmComm {
   Control* me_ = nullptr;
   uint64_t call_ = 0, sig_ = 0;
   uint64_t pieces_ = 0;               // staging pieces used so far
+  std::atomic<uint64_t> bytes_sent_{0};  // see bytes_sent(); read from any thread
+  void count_sent(uint64_t n) { bytes_sent_.fetch_add(n, std::memory_order_relaxed); }
   std::vector<uint64_t> sent_, received_;  // slots per channel so far
   std::vector<char> tmp_;             // "tmp" buffer of schedules
   std::mutex mutex_;                  // one collective at a time

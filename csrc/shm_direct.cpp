@@ -72,9 +72,11 @@ void ShmComm::reduce_pieces(const std::vector<Block>& blocks, int dtype, int op,
     uint64_t g = pieces_++;
     wait_staging_free(g);
     char* mine = staging(rank_, g);
-    for (int j = 0; j < size_; ++j)
-      copy(mine + j * per_piece * isz, blocks[j].in + k * per_piece * isz,
-           piece_len(blocks[j].count, k, per_piece) * isz);
+    for (int j = 0; j < size_; ++j) {
+      int64_t n = piece_len(blocks[j].count, k, per_piece) * isz;
+      copy(mine + j * per_piece * isz, blocks[j].in + k * per_piece * isz, n);
+      if (j != rank_) count_sent(n);  // rank j reduces its block from every staging
+    }
     wait_arrivals(arrive(), [](int) { return true; });
 
     const Block& me = blocks[rank_];
@@ -87,7 +89,9 @@ void ShmComm::reduce_pieces(const std::vector<Block>& blocks, int dtype, int op,
       if (gather) std::memcpy(mine + (rank_ * per_piece + c) * isz, acc, m * isz);
       if (me.out) std::memcpy(me.out + (k * per_piece + c) * isz, acc, m * isz);
     }
-    if (gather) {
+    if (gather) {  // the reduced block is read by every rank, or by the root only
+      int readers = gather_root < 0 ? size_ - 1 : (gather_root == rank_ ? 0 : 1);
+      count_sent(uint64_t(len * isz) * readers);
       uint64_t target = arrive();
       if (reads_gathered) {
         wait_arrivals(target, [](int) { return true; });
@@ -123,6 +127,7 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks) {
     if (len > 0) {
       wait_staging_free(g);
       std::memcpy(staging(rank_, g), me.in + k * per_piece, len);
+      count_sent(uint64_t(len) * (size_ - 1));  // every other rank reads this block
     }
     uint64_t barrier = arrive();
     // The own block's copy comes from the staging just written (still in cache) and fills
@@ -162,6 +167,7 @@ void ShmComm::all_reduce_small(char* buf, int64_t count, int dtype, int op) {
   uint64_t g = pieces_++;
   wait_staging_free(g);
   std::memcpy(staging(rank_, g), buf, nbytes);
+  count_sent(uint64_t(nbytes) * (size_ - 1));
   wait_arrivals(arrive(), [](int) { return true; });
   std::vector<const char*> src(size_);
   for (int j = 0; j < size_; ++j) src[j] = staging(j, g);
@@ -255,6 +261,8 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, const std::vector<int64_t>
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
   publish(input, send_offsets, send_lengths);
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_) count_sent(send_lengths[j]);
   wait_arrivals(arrive(), [](int) { return true; });
   std::string mismatch;
   for (int k = 0; k < size_; ++k) {

@@ -135,6 +135,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           h->nbytes = n;
           h->seq.store(++k, std::memory_order_release);
           s.done += n;
+          count_sent(n);
           moved = true;
           notify(s.peer);
         }

@@ -7,6 +7,12 @@ for Adam (ZeRO paper accounting, Φ = parameter count, N = data-parallel ranks):
                      master shard: 12Φ/N)
     ZeRO stage 1 divides the optimizer state by N, stage 2 also the gradients, stage 3 also
     the parameters.
+
+and what it sends per step: the gradients' all-reduce (plain data parallelism), or their
+reduce-scatter plus the parameters' all-gather (ZeRO 1 and 2), moves 2Φ·(N-1)/N elements
+per rank; ZeRO 3 gathers the parameters twice (forward, backward): 3Φ·(N-1)/N. The seeds
+quote the large-N limits, 2Φ and 3Φ. Measured traffic comes from commlib's own counters
+(Communicator.bytes_sent).
 """
 from __future__ import annotations
 
@@ -38,6 +44,12 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, zero=None
         state.append(zero.master)
     return {"parameters": _bytes(held_params), "gradients": _bytes(grads),
             "optimizer": _bytes(state)}
+
+
+def traffic_theory(numel: int, dtype: torch.dtype, ranks: int, stage: int) -> float:
+    """Bytes each of ``ranks`` data-parallel ranks sends per step (see above)."""
+    width = torch.finfo(dtype).bits // 8
+    return (3 if stage == 3 else 2) * numel * width * (ranks - 1) / ranks
 
 
 def theory(numel: int, dtype: torch.dtype, ranks: int, stage: int) -> dict:

@@ -36,10 +36,10 @@ from strategies.mappings import copy_to_group, gather_along, reduce_from_group, 
 from strategies.model import GPT
 
 
-def _chunk_size(total: int, group: commlib.Communicator, what: str, fix: str) -> int:
+def _check_divides(total: int, group: commlib.Communicator, what: str) -> None:
     if total % group.size:
-        raise ValueError(f"{what}={total} is not divisible by tp={group.size}; {fix}")
-    return total // group.size
+        raise ValueError(f"{what}={total} is not divisible by tp={group.size}; "
+                         f"choose a multiple of {group.size}")
 
 
 def _shard(full: torch.Tensor, group: commlib.Communicator, dim: int) -> torch.Tensor:
@@ -70,27 +70,32 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: commlib.Communicator, *,
                  bias: bool = True, gather_output: bool = False):
         super().__init__()
-        _chunk_size(out_features, group, "out_features", "choose a multiple of tp")
-        self._load(nn.Linear(in_features, out_features, bias=bias), group, gather_output)
+        _check_divides(out_features, group, "out_features")
+        full = nn.Linear(in_features, out_features, bias=bias)
+        self._load(full.weight, full.bias, group, gather_output, out_features)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: commlib.Communicator, *,
-                    gather_output: bool = False, full_size: int | None = None):
-        """This rank's slice of ``linear`` (``full_size``: the rows that are not padding)."""
-        _chunk_size(linear.out_features, group, "out_features", "choose a multiple of tp")
+                    gather_output: bool = False):
+        """This rank's slice of ``linear``."""
+        return cls._from_full(linear.weight, linear.bias, group, gather_output)
+
+    @classmethod
+    def _from_full(cls, weight, bias, group, gather_output, full_size=None):
+        """From the full weight (out, in) and bias; ``full_size``: the rows not padding."""
+        _check_divides(weight.shape[0], group, "out_features")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._load(linear, group, gather_output, full_size)
+        layer._load(weight, bias, group, gather_output,
+                    weight.shape[0] if full_size is None else full_size)
         return layer
 
-    def _load(self, linear, group, gather_output, full_size=None):
+    def _load(self, weight, bias, group, gather_output, full_size):
         self.group, self.gather_output = group, gather_output
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        full_size = linear.out_features if full_size is None else full_size
-        self.weight = _mark(nn.Parameter(_shard(linear.weight, group, 0)), 0, full_size)
-        self.bias = None
-        if linear.bias is not None:
-            self.bias = _mark(nn.Parameter(_shard(linear.bias, group, 0)), 0, full_size)
+        self.out_features, self.in_features = weight.shape
+        self.weight = _mark(nn.Parameter(_shard(weight, group, 0)), 0, full_size)
+        self.bias = None if bias is None else _mark(nn.Parameter(_shard(bias, group, 0)), 0,
+                                                    full_size)
 
     def forward(self, x):
         y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
@@ -112,13 +117,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: commlib.Communicator, *,
                  bias: bool = True, input_is_parallel: bool = False):
         super().__init__()
-        _chunk_size(in_features, group, "in_features", "choose a multiple of tp")
+        _check_divides(in_features, group, "in_features")
         self._load(nn.Linear(in_features, out_features, bias=bias), group, input_is_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: commlib.Communicator, *,
                     input_is_parallel: bool = False):
-        _chunk_size(linear.in_features, group, "in_features", "choose a multiple of tp")
+        _check_divides(linear.in_features, group, "in_features")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._load(linear, group, input_is_parallel)
@@ -263,11 +268,9 @@ class TensorParallelGPT(nn.Module):
         self.pos_emb = copy.deepcopy(reference.pos_emb)
         self.blocks = nn.ModuleList(_parallel_block(b, group) for b in reference.blocks)
         self.ln_f = copy.deepcopy(reference.ln_f)
-        head = nn.Linear(config.d_model, padded_size(config.vocab_size, group), bias=False)
-        with torch.no_grad():
-            head.weight.copy_(_pad_rows(reference.head.weight, head.out_features))
-        self.head = ColumnParallelLinear.from_linear(head, group, gather_output=False,
-                                                     full_size=config.vocab_size)
+        head = _pad_rows(reference.head.weight, padded_size(config.vocab_size, group))
+        self.head = ColumnParallelLinear._from_full(head, None, group, gather_output=False,
+                                                    full_size=config.vocab_size)
 
     def local_logits(self, idx):
         """Token ids (B, T) -> this rank's slice of the (padded) vocab's logits."""

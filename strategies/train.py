@@ -20,7 +20,7 @@ import commlib
 from strategies import accounting
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
-from strategies.mesh import Mesh
+from strategies.mesh import DIMS, Mesh
 from strategies.model import GPT, GPTConfig
 from strategies.tensor_parallel import tensor_parallel_gpt
 from strategies.zero import ZeRO
@@ -100,9 +100,13 @@ class Trainer:
         self.args = args
         self.data = AdditionDataset(args.seed)
 
+    def bytes_sent(self) -> int:
+        return sum(self.mesh.group(d).bytes_sent for d in DIMS)
+
     def step(self, step: int) -> tuple[float, dict]:
         """One optimizer step on global batch ``step``: (mean loss over the batch, bytes this
-        rank held after backward)."""
+        rank held after backward, and sent during the step)."""
+        before = self.bytes_sent()
         x, y = self.data.batch(step, self.args.batch, self.args.seq_len)
         dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
         loss = self.model.loss(shard(x, rank, dp), shard(y, rank, dp))
@@ -114,6 +118,7 @@ class Trainer:
         else:
             self.optimizer.step()
             self.optimizer.zero_grad()
+        held["sent"] = self.bytes_sent() - before
         total = loss.detach().double().reshape(1)
         self.mesh.group("dp").all_reduce(total, op="avg")
         return float(total), held
@@ -156,7 +161,8 @@ def main(argv=None) -> int:
         if lead and not args.quiet:
             print(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.6f}"
                   f"  {tokens / seconds:9.0f} tok/s  MB/rank: params {_mb(most['parameters'])}"
-                  f" grads {_mb(most['gradients'])} optim {_mb(most['optimizer'])}", flush=True)
+                  f" grads {_mb(most['gradients'])} optim {_mb(most['optimizer'])}"
+                  f" sent {_mb(most['sent'])}", flush=True)
     if lead:
         _summary(args, trainer, records)
         if args.log:
@@ -167,13 +173,15 @@ def main(argv=None) -> int:
     return 0
 
 
+HELD = ("parameters", "gradients", "optimizer", "sent")
+
+
 def _gather_held(world, held: dict) -> dict:
-    values = torch.tensor([held[k] for k in ("parameters", "gradients", "optimizer")],
-                          dtype=torch.int64)
-    out = torch.empty(world.size * 3, dtype=torch.int64)
+    values = torch.tensor([held[k] for k in HELD], dtype=torch.int64)
+    out = torch.empty(world.size * len(HELD), dtype=torch.int64)
     world.all_gather(out, values)
-    rows = out.view(world.size, 3)
-    return {k: rows[:, i].tolist() for i, k in enumerate(("parameters", "gradients", "optimizer"))}
+    rows = out.view(world.size, len(HELD))
+    return {k: rows[:, i].tolist() for i, k in enumerate(HELD)}
 
 
 def _summary(args, trainer, records) -> None:
@@ -183,9 +191,13 @@ def _summary(args, trainer, records) -> None:
                              trainer.mesh.size("dp"), args.zero)
     got = records[-1]["bytes_held_max"]
     print(f"# final loss {records[-1]['loss']:.6f}; median {rates[len(rates) // 2]:.0f} tok/s")
-    print("# per-rank MB, measured vs the seeds' figures (Φ/tp parameters per rank):")
-    for k in ("parameters", "gradients", "optimizer"):
-        print(f"#   {k:10s} {_mb(got[k]):>10s} {_mb(want[k]):>10s}")
+    dp = trainer.mesh.size("dp")
+    want["sent"] = accounting.traffic_theory(trainer.numel, dtype, dp, args.zero)
+    print("# per-rank MB, measured vs the seeds' figures (Φ/tp parameters per rank; "
+          "sent: gradient and parameter traffic of data parallelism, without tp's):")
+    for k in HELD:
+        theory = _mb(want[k]) if k != "sent" or trainer.mesh.size("tp") == 1 else "-"
+        print(f"#   {k:10s} {_mb(got[k]):>10s} {theory:>10s}")
 
 
 def _plot(records, path: str) -> None:

@@ -43,16 +43,19 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_memory_held_matches_the_seeds_figures(tmp_path, stage):
-    """Measured bytes of parameters, gradients and optimizer state per rank, within 10% of
-    the ZeRO accounting (the model is large enough for padding to be negligible)."""
+def test_memory_and_traffic_match_the_seeds_figures(tmp_path, stage):
+    """Measured bytes of parameters, gradients and optimizer state per rank, and bytes sent
+    per step (commlib's counters), within 10% of the ZeRO accounting (the model is large
+    enough for padding and the loss's own all-reduce to be negligible)."""
     args = ["--zero", str(stage), "--d-model", "128"] + (["--bf16"] if stage else [])
     log, out = _train(2, tmp_path, *args)
     held = log[-1]["bytes_held_max"]
     numel = int(re.search(r"GPT ([\d,]+) parameters", out).group(1).replace(",", ""))
     dtype = torch.bfloat16 if stage else torch.float32
-    for kind, want in accounting.theory(numel, dtype, 2, stage).items():
-        assert held[kind] == pytest.approx(want, rel=0.10), (kind, held[kind], want)
+    want = accounting.theory(numel, dtype, 2, stage)
+    want["sent"] = accounting.traffic_theory(numel, dtype, 2, stage)
+    for kind, bytes_ in want.items():
+        assert held[kind] == pytest.approx(bytes_, rel=0.10), (kind, held[kind], bytes_)
 
 
 def test_training_cli_errors():

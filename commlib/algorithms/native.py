@@ -35,12 +35,19 @@ def _op(dtype, op):
     return _MPI_OPS[op]
 
 
+def _count(comm, nbytes: float) -> None:
+    """MPI's traffic is hidden: count the least any algorithm sends (Communicator.bytes_sent)."""
+    comm._native_bytes_sent += int(nbytes)
+
+
 def all_reduce(comm, bufs, dtype, op):
+    _count(comm, 2 * (comm.size - 1) / comm.size * bufs["out"].nbytes)
     comm._coll.Allreduce(MPI.IN_PLACE, _spec(bufs["out"]), _op(dtype, op))
 
 
 def reduce_scatter(comm, bufs, dtype, op):
     out, inp = bufs["out"], bufs["in"]
+    _count(comm, (comm.size - 1) * out.nbytes)
     if out.overlaps(inp):  # MPI's in-place form leaves the result at the front, not in block r
         result = np.empty_like(out.bytes)
         comm._coll.Reduce_scatter_block(_spec(inp), [result, _MPI_TYPES[dtype.name]], _op(dtype, op))
@@ -51,22 +58,26 @@ def reduce_scatter(comm, bufs, dtype, op):
 
 def all_gather(comm, bufs, dtype, op):
     out, inp = bufs["out"], bufs["in"]
+    _count(comm, (comm.size - 1) * inp.nbytes)
     send = MPI.IN_PLACE if out.overlaps(inp) else _spec(inp)
     comm._coll.Allgather(send, _spec(out))
 
 
 def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
     mpi_type = _MPI_TYPES[dtype.name]
+    _count(comm, (sum(input_splits) - input_splits[comm.rank]) * dtype.itemsize)
     displs = lambda splits: np.concatenate([[0], np.cumsum(splits)[:-1]])  # noqa: E731
     comm._coll.Alltoallv([bufs["in"].bytes, (input_splits, displs(input_splits)), mpi_type],
                          [bufs["out"].bytes, (output_splits, displs(output_splits)), mpi_type])
 
 
 def broadcast(comm, bufs, dtype, op, root=0):
+    _count(comm, bufs["out"].nbytes if comm.size > 1 else 0)
     comm._coll.Bcast(_spec(bufs["out"]), root)
 
 
 def reduce(comm, bufs, dtype, op, root=0):
+    _count(comm, bufs["out"].nbytes if comm.size > 1 else 0)
     if comm.rank == root:
         comm._coll.Reduce(MPI.IN_PLACE, _spec(bufs["out"]), _op(dtype, op), root)
     else:

@@ -52,6 +52,7 @@ class Plan:
     rounds: tuple  # (copies: ((src, src_off, dst, dst_off, nbytes), ...), recvs, sends)
     tmp_bytes: int
     slot_bytes: int  # one receive-scratch slot; SCRATCH_SLOTS of them follow tmp
+    sent_bytes: int  # what this rank sends to peers in one run
 
 
 def _segments(offset, count, itemsize):
@@ -79,7 +80,8 @@ def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
                     recvs.append(_Transfer(r.peer, r.dst.buf, off * itemsize, n * itemsize))
         rounds.append((copies, tuple(recvs), sends))
     slot_bytes = min(SEGMENT_BYTES, schedule.scratch_count * itemsize)
-    return Plan(schedule, tuple(rounds), tmp_bytes, slot_bytes)
+    sent = sum(s.nbytes for _, _, sends in rounds for s in sends)
+    return Plan(schedule, tuple(rounds), tmp_bytes, slot_bytes, sent)
 
 
 @lru_cache(maxsize=4096)
@@ -96,6 +98,7 @@ class PythonExecutor:
         self.mpi = mpi_comm
         self._arena = np.empty(0, np.uint8)  # tmp, then receive scratch
         self._lock = threading.Lock()
+        self.bytes_sent = 0  # to peers, over all runs
 
     def _arena_for(self, nbytes: int) -> np.ndarray:
         if self._arena.size < nbytes:
@@ -112,6 +115,7 @@ class PythonExecutor:
             errors: list = []
             for rnd in plan.rounds:
                 self._run_round(rnd, plan, views, ptrs, dtype_code, op_code, errors)
+            self.bytes_sent += plan.sent_bytes
             if errors:
                 raise errors[0]
 

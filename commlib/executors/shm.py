@@ -141,3 +141,7 @@ class ShmExecutor:
 
     def barrier(self) -> None:
         self.transport.barrier()
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.transport.bytes_sent

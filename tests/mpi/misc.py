@@ -164,6 +164,28 @@ def errors_before_communication():
     comm.barrier()  # everyone is still in step
 
 
+def bytes_sent_counts_what_each_algorithm_sends():
+    """Communicator.bytes_sent: exact for schedules and direct reads (the run matrix covers
+    the shm, mpi and virtual-host transports); a point-to-point send counts its bytes."""
+    nbytes = 48_000  # divides by 1..4 ranks into whole float32 elements
+    ring_and_direct = 2 * (n - 1) * nbytes // n  # per rank: a reduce-scatter and a gather
+    for algo in [a for a in ("ring", "direct", "native") if a in comm.algorithms("all_reduce")]:
+        before = comm.bytes_sent
+        comm.all_reduce(np.ones(nbytes // 4, np.float32), algorithm=algo)
+        assert comm.bytes_sent - before == ring_and_direct, (algo, comm.bytes_sent - before)
+    before = comm.bytes_sent
+    comm.all_gather(np.empty(nbytes // 4 * n, np.float32), np.ones(nbytes // 4, np.float32),
+                    algorithm="ring")
+    assert comm.bytes_sent - before == (n - 1) * nbytes
+    if n > 1:
+        before = comm.bytes_sent
+        if rank == 0:
+            comm.send(np.ones(10, np.int64), 1)
+        elif rank == 1:
+            comm.recv(np.empty(10, np.int64), 0)
+        assert comm.bytes_sent - before == (80 if rank == 0 else 0)
+
+
 def large_transfers():
     """Transfers beyond the cache (>= 8 MiB per peer) take the streaming-store copies."""
     count = (9 << 20) // 4 + 3

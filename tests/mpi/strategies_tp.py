@@ -175,7 +175,7 @@ def batches(steps=STEPS):
     return [DATA.batch(step, BATCH, CONFIG.seq_len) for step in range(steps)]
 
 
-def reference() -> dict:
+def _reference() -> dict:
     model = GPT(CONFIG, SEED)
     opt = optimizer(model.parameters())
     for x, y in batches():
@@ -185,7 +185,7 @@ def reference() -> dict:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-REFERENCE = reference()
+REFERENCE = _reference()
 
 
 def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6):
@@ -206,7 +206,9 @@ def replicated_params_identical(model, group):
 
 def tp_gpt_forward_and_gradients():
     ref = GPT(CONFIG, SEED)
+    rng = torch.get_rng_state()
     model = tensor_parallel_gpt(ref, world)
+    assert torch.equal(torch.get_rng_state(), rng)  # building draws nothing
     assert model.blocks[0].attn.n_heads == CONFIG.n_heads // n
     same_as(gathered_state(model, world), dict(ref.named_parameters()), rtol=0, atol=0)
     x, y = batches(1)[0]
