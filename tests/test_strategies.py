@@ -65,3 +65,9 @@ def test_training_cli_errors():
     assert code != 0 and "dp=3 makes 3 ranks, but the world has 2" in out, out[-2000:]
     code, out = mpirun(1, "-m", "strategies.train", "--bf16", env=ENV)
     assert code != 0 and "--zero 1, 2 or 3" in out, out[-2000:]
+
+
+def test_training_benchmark_runs():
+    code, out = mpirun(2, "bench/train.py", "--rounds", "1", "--steps", "1", "--d-model", "64",
+                       "--layers", "1", timeout=300, env=ENV)
+    assert code == 0 and "vs torch FSDP2 gloo" in out, out[-3000:]

@@ -10,8 +10,10 @@ import commlib
 from harness import Checker, raises
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
+from strategies.mappings import gather_along
 from strategies.mesh import Mesh
 from strategies.model import GPT, GPTConfig, cross_entropy
+from strategies.zero import ZeRO
 from strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, gathered_state,
                                         tensor_parallel_gpt, vocab_parallel_cross_entropy)
@@ -265,6 +267,31 @@ def dp_x_tp_with_data_parallel_wrapper():
         opt.step()
         opt.zero_grad()
     same_as(gathered_state(model.module, tp), REFERENCE)
+    mesh.free()
+
+
+def zero_x_tp_trains_like_one_process():
+    """ZeRO 1-3 over the dp ranks of a tensor-parallel model (each dp rank shards its tp
+    slice further)."""
+    if n % 2:
+        return
+    mesh = Mesh(world, dp=n // 2, tp=2)
+    tp, dp = mesh.group("tp"), mesh.group("dp")
+    for stage in (1, 2, 3):
+        model = ZeRO(tensor_parallel_gpt(GPT(CONFIG, SEED + mesh.rank("dp")), tp), dp, stage,
+                     optimizer)
+        for x, y in batches():
+            xs, ys = shard(x, mesh.rank("dp"), dp.size), shard(y, mesh.rank("dp"), dp.size)
+            model.module.loss(xs, ys).backward()
+            model.step()
+            model.zero_grad()
+        local, full = model.full_parameters(), {}
+        with torch.no_grad():
+            for name, p in model.module.named_parameters():
+                dim = getattr(p, "tp_split_dim", None)
+                full[name] = local[name] if dim is None else gather_along(
+                    local[name].contiguous(), tp, dim).narrow(dim, 0, p.tp_full_size)
+        same_as(full, REFERENCE)
     mesh.free()
 
 
