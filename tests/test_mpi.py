@@ -35,7 +35,8 @@ def test_collectives_numpy_without_single_copy():
 @pytest.mark.parametrize("n", RANKS)
 def test_collectives_torch(n):
     pytest.importorskip("torch")
-    run_checked(n, "tests/mpi/matrix.py", "torch", "large")
+    # bfloat16 at the large counts once (3 ranks: uneven chunks); numpy runs the rest of them
+    run_checked(n, "tests/mpi/matrix.py", "torch", *(["large"] if n == 3 else []))
 
 
 @pytest.mark.parametrize("n", RANKS)

@@ -40,6 +40,8 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
                       (4, ["--dp", "2", "--tp", "2", "--zero", "1"])]:
         got = [r["loss"] for r in _train(n, tmp_path, *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
+    mixed = [r["loss"] for r in _train(2, tmp_path, "--zero", "2", "--bf16")[0]]
+    assert mixed[-1] < mixed[0] and mixed == pytest.approx(want, rel=0.02), (mixed, want)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
