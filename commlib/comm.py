@@ -6,7 +6,7 @@ import mpi4py
 mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
 from mpi4py import MPI  # noqa: E402
 
-from . import collectives  # noqa: E402
+from . import abort, collectives  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
 from .executors.shm import ShmExecutor  # noqa: E402
 from .select import algorithm_overrides, choose  # noqa: E402
@@ -214,4 +214,5 @@ def init() -> Communicator:
             raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
                                "a lower thread level before commlib was imported")
         _world = Communicator(MPI.COMM_WORLD)
+        abort.install()  # an uncaught exception on any rank then ends the job
     return _world

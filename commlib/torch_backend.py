@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from . import abort
 from .comm import Communicator
 from .torch_ops import (byte_view, contiguous, copy_back, fold, in_order, only, per_element,
                         reduce_view, reduction, row_splits)
@@ -94,6 +95,7 @@ def _create(opts, backend_options=None) -> "ProcessGroupCommlib":
         mpi = world.Create_group(group, _tag(str(opts.group_id)))
         group.Free()
     comm = Communicator(mpi)  # private duplicates: torch traffic never meets the user's
+    abort.install()  # an uncaught exception on any rank ends the job (commlib/abort.py)
     if (comm.rank, comm.size) != (opts.group_rank, opts.group_size):
         raise RuntimeError(f"commlib backend: torch's group rank {opts.group_rank} of "
                            f"{opts.group_size} is rank {comm.rank} of {comm.size} in MPI")

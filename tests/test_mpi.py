@@ -1,5 +1,6 @@
 """Multi-rank tests: each script runs under mpiexec with 1, 2, 3 and 4 ranks."""
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,27 @@ def test_shared_memory_disagreements_fail_on_every_rank(n):
     run_checked(n, "tests/mpi/shm_errors.py", timeout=120)
 
 
+def _segments() -> set:
+    return set(Path("/dev/shm").glob("mpich_shm_*")) | set(Path("/dev/shm").glob("commlib-*"))
+
+
 def test_hung_job_is_killed_with_its_ranks():
-    segments = lambda: set(Path("/dev/shm").glob("mpich_shm_*")) | set(  # noqa: E731
-        Path("/dev/shm").glob("commlib-*"))
+    segments = _segments
     before = segments()  # this process has MPI up too, with a segment of its own
     code, out = mpirun(2, "tests/mpi/hang.py", timeout=10)
     assert code is None and "TIMEOUT" in out
     left = subprocess.run(["pgrep", "-f", "tests/mpi/hang.py"], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"ranks survived the timeout: {left.stdout}"
     assert segments() <= before, "the killed job left shared memory behind"
+
+
+def test_an_exception_on_one_rank_ends_the_job_at_once():
+    before = _segments()
+    start = time.monotonic()
+    code, out = mpirun(3, "tests/mpi/raise_on_one_rank.py", timeout=60)
+    took = time.monotonic() - start
+    assert code not in (None, 0), out[-3000:]
+    assert "RuntimeError: deliberate failure on rank 1" in out and "aborting the job" in out
+    assert "RETURNED" not in out
+    assert took < 30, f"the job took {took:.0f} s to end"  # launch included; no hang
+    assert _segments() <= before, "the aborted job left shared memory behind"

@@ -1,0 +1,52 @@
+"""An uncaught exception on one rank ends the whole job, promptly.
+
+Otherwise the failed rank waits in MPI_Finalize for peers that wait for it in a collective,
+and the job hangs until killed. commlib.init() (and the torch backend) install this hook:
+the rank prints its traceback as usual, then MPI_Abort makes mpiexec stop every rank, and
+the job exits non-zero. COMMLIB_ABORT_ON_EXCEPTION=0 leaves Python's default behaviour.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from mpi4py import MPI
+
+_installed = False
+
+
+def install() -> None:
+    """Chain the abort after the current sys.excepthook (once per process)."""
+    global _installed
+    if _installed or os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") == "0":
+        return
+    _installed = True
+    previous = sys.excepthook
+
+    def abort_job(exc_type, exc, tb):
+        previous(exc_type, exc, tb)  # the traceback first, as Python prints it
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            print(f"commlib: uncaught {exc_type.__name__} on rank {MPI.COMM_WORLD.Get_rank()}: "
+                  "aborting the job (COMMLIB_ABORT_ON_EXCEPTION=0 to wait instead)",
+                  file=sys.stderr, flush=True)
+            _unlink_mapped_mpich_segments()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+def _unlink_mapped_mpich_segments() -> None:
+    """MPICH unlinks its node segment in MPI_Finalize, which an aborted job never reaches,
+    so the file would stay in /dev/shm. This rank maps it, so it is this job's: unlink it
+    now (ranks that map it keep their mapping)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps
+                     if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
