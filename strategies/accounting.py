@@ -34,10 +34,9 @@ def _bytes(tensors) -> int:
 def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, zero=None) -> dict:
     """Bytes this rank holds now. ``zero``: the ZeRO wrapper, whose shards count as
     parameters (stage 3's parameter shard), gradients and optimizer state (master)."""
-    params = [p for p in model.parameters()]
+    held_params = list(model.parameters())
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    held_params = [p for p in params if zero is None or p is not zero.master]
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in held_params]
     if zero is not None:
         held_params.append(zero.param_shard if zero.stage == 3 else None)
         grads.append(zero.grad_shard)

@@ -181,13 +181,12 @@ class ZeRO(nn.Module):
         if not self._pending:
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        u = self._unit_of[p]
-        u.ready.add(p)
+        self._unit_of[p].ready.add(p)
         while self._next_launch < len(self.units):  # in reverse unit order, complete ones
-            u = self.units[len(self.units) - 1 - self._next_launch]
-            if len(u.ready) < len(u.params):
+            next_unit = self.units[len(self.units) - 1 - self._next_launch]
+            if len(next_unit.ready) < len(next_unit.params):
                 return
-            self._reduce_scatter(u)
+            self._reduce_scatter(next_unit)
             self.reduced_during_backward += 1
 
     def _reduce_scatter(self, u: _Unit) -> None:

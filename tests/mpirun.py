@@ -16,8 +16,7 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
     """Run a tests/mpi script built on harness.Checker on ``n`` ranks (``launch``: mpirun,
     or torchrun) with this checkout first on the path; it must exit 0 and report at least
     one case and no failures. Returns its output."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": path, **(env or {})}
+    env = {**checkout_env(), **(env or {})}
     if launch is None or launch is mpirun:
         code, out = mpirun(n, script, *args, timeout=timeout, env=env)
     else:
@@ -27,6 +26,11 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
     assert code == 0 and summary, f"{name} {n} {script} {' '.join(args)} exited {code}:\n{out[-6000:]}"
     assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
     return out
+
+
+def checkout_env() -> dict:
+    """Environment that puts this checkout first on the launched processes' path."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def mpiexec() -> str:

@@ -1,17 +1,16 @@
 """strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
 parallel layout training like the single-process reference."""
 import json
-import os
 import re
 
 import pytest
 
-from mpirun import ROOT, mpirun, run_checked
+from mpirun import checkout_env, mpirun, run_checked
 
 torch = pytest.importorskip("torch")
 from strategies import accounting  # noqa: E402  (needs torch)
 
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+ENV = checkout_env()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
