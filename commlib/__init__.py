@@ -9,13 +9,14 @@ from .algorithms import algorithms
 from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, recv, reduce,
                           reduce_scatter, send)
 from .comm import Communicator, init
-from .errors import CommError, CommTimeoutError
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .ops import ReduceOp
 from .work import Work, wait_all
 
-__all__ = ["Communicator", "CommError", "CommTimeoutError", "ReduceOp", "Work", "algorithms",
-           "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "build_info", "init",
-           "recv", "reduce", "reduce_scatter", "send", "wait_all"]
+__all__ = ["CollectiveMismatchError", "Communicator", "CommError", "CommTimeoutError",
+           "ReduceOp", "Work", "algorithms", "all_gather", "all_reduce", "all_to_all", "barrier",
+           "broadcast", "build_info", "init", "recv", "reduce", "reduce_scatter", "send",
+           "wait_all"]
 
 
 def build_info() -> dict:

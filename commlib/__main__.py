@@ -4,6 +4,7 @@ import time
 import numpy as np
 
 import commlib
+from commlib.exchange import allgather
 
 
 def main():
@@ -16,8 +17,8 @@ def main():
     halves = comm.split(rank % 2)
     s = np.array([float(rank)])
     halves.all_reduce(s, op="max")
-    lines = comm.mpi.gather(f"rank {rank}/{n}: all_reduce {t.tolist()}  all_gather {gathered.tolist()}"
-                            f"  max over my half {s[0]:.0f}")
+    lines = allgather(comm.mpi, f"rank {rank}/{n}: all_reduce {t.tolist()}  all_gather "
+                                f"{gathered.tolist()}  max over my half {s[0]:.0f}")
     big = np.ones(1 << 20, np.float32)
     timings = {}
     for algo in comm.algorithms("all_reduce"):
@@ -26,18 +27,13 @@ def main():
         start = time.perf_counter()
         for _ in range(5):
             comm.all_reduce(big, algorithm=algo)
-        timings[algo] = comm.mpi.allreduce((time.perf_counter() - start) / 5, op=max_op())
+        timings[algo] = max(allgather(comm.mpi, (time.perf_counter() - start) / 5))
     if rank == 0:
         print("\n".join(lines))
         print(f"commlib {commlib.build_info().get('simd', '')}; all_reduce of 4 MiB float32:")
         for algo, sec in timings.items():
             busbw = big.nbytes / sec * 2 * (n - 1) / n / 1e9
             print(f"  {algo:>7}: {sec * 1e3:7.2f} ms  busbw {busbw:5.2f} GB/s")
-
-
-def max_op():
-    from mpi4py import MPI
-    return MPI.MAX
 
 
 if __name__ == "__main__":

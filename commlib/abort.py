@@ -29,16 +29,17 @@ def install() -> None:
             print(f"commlib: uncaught {exc_type.__name__} on rank {MPI.COMM_WORLD.Get_rank()}: "
                   "aborting the job (COMMLIB_ABORT_ON_EXCEPTION=0 to wait instead)",
                   file=sys.stderr, flush=True)
-            _unlink_mapped_mpich_segments()
+            unlink_mpich_segments()
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job
 
 
-def _unlink_mapped_mpich_segments() -> None:
-    """MPICH unlinks its node segment in MPI_Finalize, which an aborted job never reaches,
-    so the file would stay in /dev/shm. This rank maps it, so it is this job's: unlink it
-    now (ranks that map it keep their mapping)."""
+def unlink_mpich_segments() -> None:
+    """MPICH unlinks its node segment in MPI_Finalize, which a killed or aborted job never
+    reaches, so the file would stay in /dev/shm. This rank maps it, so it is this job's:
+    unlink it (ranks that map it keep their mapping). commlib.init() calls this once every
+    rank has mapped it, so nothing is left whatever happens next."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(None, 5)[5].strip() for line in maps

@@ -64,6 +64,8 @@ def _flat_bytes(obj, numel: int) -> np.ndarray:
     flat = obj.detach().reshape(-1)  # a torch tensor
     if numel == 0:  # torch refuses to reinterpret some empty views
         return np.empty(0, np.uint8)
+    if flat.stride(0) != 1:  # a single element keeps any stride; torch's view() needs 1
+        flat = flat.as_strided((numel,), (1,))
     import torch
     return flat.view(torch.uint8).numpy()
 
@@ -93,6 +95,10 @@ def _torch_buffer(t, name: str) -> Buffer:
         raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}; this commlib build handles CPU tensors only")
+    if t.is_nested:
+        raise ValueError(f"{name} is a nested tensor; pass its {name}.values()")
+    if t.layout != torch.strided:  # sparse, mkldnn: no flat memory to communicate
+        raise ValueError(f"{name} has layout {t.layout}; pass {name}.to_dense()")
     dtype = DTYPES.get(str(t.dtype).removeprefix("torch."))
     if dtype is None:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {_SUPPORTED}")

@@ -9,15 +9,24 @@ from mpi4py import MPI
 
 from . import _C
 from .buffers import Buffer, as_buffer
+from .calls import (NONE, REDUCING, FlightRecorder, check_agreement, check_timeout,
+                    descriptor)
 from .errors import CommError
 from .ops import ReduceOp
-from .work import finished, in_thread
+from .work import Deadline, finished, in_thread, wait_request
 
 
 def _comm(comm):
     if comm is None:
         from .comm import init
         return init()
+    try:
+        freed = comm._executor is None  # Communicator.free() drops its executor
+    except AttributeError:
+        raise TypeError(f"comm must be a commlib.Communicator (or None for the world), got "
+                        f"{type(comm).__name__}") from None
+    if freed:
+        raise CommError("this communicator has been freed; use a live one")
     return comm
 
 
@@ -34,55 +43,93 @@ def _same_dtype(a: Buffer, b: Buffer, names: str) -> None:
         raise TypeError(f"{names} must have the same dtype, got {a.dtype.name} and {b.dtype.name}")
 
 
-def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params):
-    """Choose the algorithm and plan now (so bad names raise here); return the call."""
+def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeout=None,
+             check=True):
+    """Choose the algorithm and plan now (so bad names raise here); return the call. The
+    call records itself in the flight recorder, is bounded by the timeout and, off shared
+    memory (whose transport checks every call itself), first checks that every rank made
+    the same call (``check``; calls.py)."""
     algo, plan = comm._plan(collective, algorithm, count, dtype.itemsize,
                             tuple(sorted(params.items())) if params else ())
-    kernel_op = op.kernel_op
-    op_code = _C.OPS[kernel_op]
+    op_code = _C.OPS[op.value]
     executor = comm._executor
     average = op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"])
+    seconds = comm.timeout if timeout is None else check_timeout(timeout)
+    record = comm._recorder.issue(collective, algo.name, count, dtype.name,
+                                  op.value if collective in REDUCING else None,
+                                  params.get("root"))
+    # shared memory checks its own calls; MPI's collectives on it meet there first
+    agree = check and (comm._check_agreement or plan is None and algo.name == "native"
+                       and comm.transport == "shm")
 
     def call():
+        comm._start(record)
+        if executor.timeout != seconds:
+            executor.set_timeout(seconds)
         try:
+            if agree:
+                splits = None
+                if collective == "all_to_all":
+                    splits = [[s * dtype.itemsize for s in params[k]]
+                              for k in ("input_splits", "output_splits")]
+                desc = descriptor(collective, algo.name, count, dtype.code, op_code,
+                                  params.get("root", NONE))
+                if comm.transport == "shm":
+                    executor.transport.agree(desc, *(splits or ([], [])), dtype.itemsize)
+                else:
+                    check_agreement(comm._coll, desc, dtype.itemsize, splits, seconds)
             if plan is None:
-                algo.run(comm, bufs, dtype, kernel_op, **params)
+                algo.run(comm, bufs, dtype, op.value, **params)
             else:
                 executor.run(plan, bufs, dtype.code, op_code)
         except MPI.Exception as e:
-            raise CommError(f"{collective} ({algo.name}) failed inside MPI: {e}") from e
+            error = CommError(f"{collective} ({algo.name}) failed inside MPI: {e}")
+            comm._finish(record, error)
+            raise error from e
+        except CommError as e:
+            raise comm._finish(record, e)
         if average:
             target = bufs["out"]
             _C.scale(target.ptr, target.numel, dtype.code, 1.0 / comm.size)
+        FlightRecorder.finish(record)
 
     return call
 
 
 def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, *, result,
-         async_op=False, **params):
+         async_op=False, timeout=None, **params):
     """Validate-then-run entry of the public collectives: on the communicator's engine."""
     return comm._engine.run(collective, _prepare(comm, collective, algorithm, bufs, count, dtype,
-                                                 op, params), async_op, result)
+                                                 op, params, timeout), async_op, result)
 
 
 def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=None, **params):
     """Run a collective on Buffers now, on this thread: for algorithms built from others
-    (hier), which already run on their own communicator's engine."""
-    _prepare(comm, collective, algorithm, bufs, count, dtype, op, params)()
+    (hier), which already run on their own communicator's engine and whose own call
+    checked that the ranks agree."""
+    _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, check=False)()
 
 
-def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False):
+def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
     """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
     comm = _comm(comm)
     # Small sums of numpy arrays on one host skip the general path (its Python costs more
     # than the collective); they run exactly what it would choose, the direct algorithm.
     if (comm._fast_sum_bytes and op == "sum" and algorithm is None and not async_op
-            and comm._engine.idle()
-            and comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes)):
-        return t
+            and timeout is None and comm._engine.idle()):
+        record = comm._recorder.issue("all_reduce", "direct", None, None, "sum")
+        try:
+            done = comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes)
+        except CommError as e:
+            raise comm._finish(record, e)
+        if done:
+            record[3], record[4] = t.size, t.dtype
+            FlightRecorder.finish(record)
+            return t
+        comm._recorder.retract(record)
     buf = as_buffer(t, "t")
     return _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op)
+                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op, timeout=timeout)
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
@@ -99,22 +146,23 @@ def _check_whole_and_block(comm, collective, whole, whole_name, block, block_nam
                          f"{whole_name}[rank*n:(rank+1)*n]")
 
 
-def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=False):
+def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=False,
+                   timeout=None):
     """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
     comm = _comm(comm)
     out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
     _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
     return _run(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel, out.dtype,
-                ReduceOp.parse(op, out.dtype), result=output, async_op=async_op)
+                ReduceOp.parse(op, out.dtype), result=output, async_op=async_op, timeout=timeout)
 
 
-def all_gather(output, input, algorithm=None, comm=None, async_op=False):
+def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout=None):
     """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
     comm = _comm(comm)
     out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
     _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
     return _run(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
-                result=output, async_op=async_op)
+                result=output, async_op=async_op, timeout=timeout)
 
 
 def _splits(comm, splits, total: int, name: str) -> tuple:
@@ -141,7 +189,7 @@ def _splits(comm, splits, total: int, name: str) -> tuple:
 
 
 def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=None, comm=None,
-               async_op=False):
+               async_op=False, timeout=None):
     """Rank r sends input's j-th part to rank j, receiving rank j's r-th part into output.
 
     Splits count elements per peer (like torch's all_to_all_single); None means equal parts.
@@ -154,37 +202,51 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
     osplits = _splits(comm, output_splits, out.numel, "output_splits")
     isplits = _splits(comm, input_splits, inp.numel, "input_splits")
     return _run(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
-                result=output, async_op=async_op, input_splits=isplits, output_splits=osplits)
+                result=output, async_op=async_op, timeout=timeout, input_splits=isplits,
+                output_splits=osplits)
 
 
-def broadcast(t, root=0, algorithm=None, comm=None, async_op=False):
+def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None):
     """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
     comm = _comm(comm)
     buf = as_buffer(t, "t")
     return _run(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype, result=t,
-                async_op=async_op, root=_check_rank(comm, root, "root"))
+                async_op=async_op, timeout=timeout, root=_check_rank(comm, root, "root"))
 
 
-def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False):
+def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
     """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is unchanged."""
     comm = _comm(comm)
     buf = as_buffer(t, "t")
     return _run(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op,
+                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op, timeout=timeout,
                 root=_check_rank(comm, root, "root"))
 
 
-def barrier(comm=None, async_op=False):
+def barrier(comm=None, async_op=False, timeout=None):
+    """Return once every rank has called barrier (a Work if ``async_op``)."""
     comm = _comm(comm)
+    seconds = comm.timeout if timeout is None else check_timeout(timeout)
+    record = comm._recorder.issue("barrier", None, 0, None)
 
     def task():
-        if comm.transport == "shm":
-            comm._executor.barrier()
-            return
+        comm._start(record)
         try:
-            comm._coll.Barrier()
+            if comm.transport == "shm":
+                comm._executor.set_timeout(seconds)
+                comm._executor.barrier()
+            elif comm._check_agreement:  # an allgather is a barrier too
+                check_agreement(comm._coll, descriptor("barrier", "native", 0, NONE, NONE, NONE),
+                                1, timeout=seconds)
+            else:
+                wait_request(comm._coll.Ibarrier(), Deadline(seconds), "its peers to arrive")
         except MPI.Exception as e:
-            raise CommError(f"barrier failed inside MPI: {e}") from e
+            error = CommError(f"barrier failed inside MPI: {e}")
+            comm._finish(record, error)
+            raise error from e
+        except CommError as e:
+            raise comm._finish(record, e)
+        FlightRecorder.finish(record)
 
     return comm._engine.run("barrier", task, async_op)
 
@@ -201,10 +263,12 @@ def _check_peer(comm, peer, what):
                          "forever; copy locally instead")
 
 
-def send(t, dst, tag=0, comm=None, async_op=False):
+def send(t, dst, tag=0, comm=None, async_op=False, timeout=None):
     """Send ``t`` to rank ``dst``; blocking, or a Work if ``async_op`` (keep ``t`` intact
-    until it completes)."""
+    until it completes). Fails with CommTimeoutError if ``dst`` has not taken it within
+    ``timeout`` seconds (default: the communicator's)."""
     comm = _comm(comm)
+    deadline = Deadline(comm.timeout if timeout is None else check_timeout(timeout))
     buf = as_buffer(t, "t", writable=False)
     _check_peer(comm, dst, "dst")
     _check_tag(tag)
@@ -215,16 +279,19 @@ def send(t, dst, tag=0, comm=None, async_op=False):
     try:
         if async_op:
             return comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
-                                      f"send to rank {dst}", None)
-        comm._p2p.Send(buf.bytes, dst, tag)
+                                      f"send to rank {dst}", None, deadline=deadline, keep=t)
+        wait_request(comm._p2p.Isend(buf.bytes, dst, tag), deadline,
+                     f"rank {dst} to receive (send, tag {tag})", keep=t)
     except MPI.Exception as e:
         raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
 
 
-def recv(t, src, tag=0, comm=None, async_op=False):
+def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):
     """Receive into ``t`` from rank ``src``; the message must fill ``t`` exactly. Blocking
-    (returns ``t``), or a Work if ``async_op``."""
+    (returns ``t``), or a Work if ``async_op``. Fails with CommTimeoutError if nothing
+    arrives within ``timeout`` seconds (default: the communicator's)."""
     comm = _comm(comm)
+    deadline = Deadline(comm.timeout if timeout is None else check_timeout(timeout))
     buf = as_buffer(t, "t")
     _check_peer(comm, src, "src")
     _check_tag(tag)
@@ -233,9 +300,11 @@ def recv(t, src, tag=0, comm=None, async_op=False):
     try:
         if async_op:
             return comm._poller.track(comm._p2p.Irecv(buf.bytes, src, tag),
-                                      f"recv from rank {src}", t, expect_bytes=buf.nbytes)
+                                      f"recv from rank {src}", t, expect_bytes=buf.nbytes,
+                                      deadline=deadline, keep=t)
         status = MPI.Status()
-        comm._p2p.Recv(buf.bytes, src, tag, status)
+        wait_request(comm._p2p.Irecv(buf.bytes, src, tag), deadline,
+                     f"rank {src} to send (recv, tag {tag})", status, keep=t)
     except MPI.Exception as e:
         raise CommError(f"recv from rank {src} failed inside MPI (a message larger than "
                         f"the {buf.nbytes}-byte tensor?): {e}") from e

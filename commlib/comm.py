@@ -1,12 +1,17 @@
 """Communicator: a group of ranks over an mpi4py communicator (or, on one host, a store)."""
 from __future__ import annotations
 
+import os
+
 import mpi4py
 
 mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, collectives  # noqa: E402
+from .calls import FlightRecorder, _now, check_timeout, default_timeout  # noqa: E402
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError  # noqa: E402
+from .exchange import MpiGroup  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
 from .executors.shm import ShmExecutor  # noqa: E402
 from .select import algorithm_overrides, choose  # noqa: E402
@@ -37,9 +42,10 @@ class Communicator:
         self.transport = _transport or self._pick_transport()
         self.offers = OFFERS[self.transport]
         self._layout = HostLayout(self._coll, Communicator) if self.transport == "hosts" else None
-        self._executor = (ShmExecutor(self._coll, crowded_host()) if self.transport == "shm"
+        self._executor = (ShmExecutor(MpiGroup(self._coll), crowded_host())
+                          if self.transport == "shm"
                           else PythonExecutor(self._coll))
-        self._start()
+        self._set_up()
 
     @classmethod
     def from_store(cls, store, rank: int, size: int, prefix: str = "commlib") -> "Communicator":
@@ -58,13 +64,20 @@ class Communicator:
         self.offers = OFFERS["shm"] - {"mpi"}
         self._layout = None
         self._executor = ShmExecutor(self._group, store_crowded(self._group))
-        self._start()
+        self._set_up()
         return self
 
-    def _start(self):
+    def _set_up(self):
         # bytes_sent beyond the executor's: MPI's own collectives (run one at a time, on
         # the engine), point-to-point sends (on the callers' threads)
         self._native_bytes_sent = self._p2p_bytes_sent = 0
+        self.timeout = default_timeout()
+        self._recorder = FlightRecorder(repr(self))
+        # shared memory checks every call itself (csrc/agreement.h); elsewhere the ranks
+        # exchange descriptors first, unless COMMLIB_CHECK=0
+        self._check_agreement = (self.transport != "shm"
+                                 and os.environ.get("COMMLIB_CHECK", "1") != "0")
+        self._failure: str | None = None  # why this communicator can no longer be used
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
         self._fast_sum_bytes = self._fast_all_reduce_limit()
@@ -74,6 +87,40 @@ class Communicator:
 
     def __repr__(self):
         return f"<commlib.Communicator rank {self.rank} of {self.size} over {self.transport}>"
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any call on this communicator may wait for its peers before it raises
+        CommTimeoutError (0: no limit); COMMLIB_TIMEOUT by default, ``timeout=`` per call."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = check_timeout(seconds)
+
+    def flight_record(self) -> list[dict]:
+        """The last calls on this communicator, oldest first (calls.FlightRecorder)."""
+        return self._recorder.records()
+
+    def _start(self, record) -> None:  # the call is about to run
+        if self._failure is not None:
+            error = CommError(f"this communicator is unusable after an earlier failure "
+                              f"({self._failure}); create a new communicator")
+            raise self._finish(record, error)
+        record[7], record[9] = "running", _now()
+
+    def _finish(self, record, error: BaseException | None = None):
+        """Record how the call ended; returns ``error``. A timeout or disagreement ends the
+        communicator (peers may be anywhere in it) and prints the flight record."""
+        if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
+            error.args = (f"collective #{record[0]} on rank {self.rank} ({record[1]}): "
+                          f"{error}",)
+            if isinstance(error, CommTimeoutError) and self._failure is None:
+                self._failure = str(error)  # (shared memory also poisons it for the peers)
+        FlightRecorder.finish(record, error)
+        if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
+            self._recorder.dump()
+        return error
 
     def _pick_transport(self) -> str:
         """shm on one host, hosts across evenly filled hosts, else mpi (see hosts.py)."""
@@ -173,34 +220,35 @@ class Communicator:
             if isinstance(c, MPI.Comm) and c != MPI.COMM_NULL:
                 c.Free()
 
-    def all_reduce(self, t, op="sum", algorithm=None, async_op=False):
-        return collectives.all_reduce(t, op, algorithm, self, async_op)
+    def all_reduce(self, t, op="sum", algorithm=None, async_op=False, timeout=None):
+        return collectives.all_reduce(t, op, algorithm, self, async_op, timeout)
 
-    def reduce_scatter(self, output, input, op="sum", algorithm=None, async_op=False):
-        return collectives.reduce_scatter(output, input, op, algorithm, self, async_op)
+    def reduce_scatter(self, output, input, op="sum", algorithm=None, async_op=False,
+                       timeout=None):
+        return collectives.reduce_scatter(output, input, op, algorithm, self, async_op, timeout)
 
-    def all_gather(self, output, input, algorithm=None, async_op=False):
-        return collectives.all_gather(output, input, algorithm, self, async_op)
+    def all_gather(self, output, input, algorithm=None, async_op=False, timeout=None):
+        return collectives.all_gather(output, input, algorithm, self, async_op, timeout)
 
     def all_to_all(self, output, input, output_splits=None, input_splits=None, algorithm=None,
-                   async_op=False):
+                   async_op=False, timeout=None):
         return collectives.all_to_all(output, input, output_splits, input_splits, algorithm,
-                                      self, async_op)
+                                      self, async_op, timeout)
 
-    def broadcast(self, t, root=0, algorithm=None, async_op=False):
-        return collectives.broadcast(t, root, algorithm, self, async_op)
+    def broadcast(self, t, root=0, algorithm=None, async_op=False, timeout=None):
+        return collectives.broadcast(t, root, algorithm, self, async_op, timeout)
 
-    def reduce(self, t, root=0, op="sum", algorithm=None, async_op=False):
-        return collectives.reduce(t, root, op, algorithm, self, async_op)
+    def reduce(self, t, root=0, op="sum", algorithm=None, async_op=False, timeout=None):
+        return collectives.reduce(t, root, op, algorithm, self, async_op, timeout)
 
-    def barrier(self, async_op=False):
-        return collectives.barrier(self, async_op)
+    def barrier(self, async_op=False, timeout=None):
+        return collectives.barrier(self, async_op, timeout)
 
-    def send(self, t, dst, tag=0, async_op=False):
-        return collectives.send(t, dst, tag, self, async_op)
+    def send(self, t, dst, tag=0, async_op=False, timeout=None):
+        return collectives.send(t, dst, tag, self, async_op, timeout)
 
-    def recv(self, t, src, tag=0, async_op=False):
-        return collectives.recv(t, src, tag, self, async_op)
+    def recv(self, t, src, tag=0, async_op=False, timeout=None):
+        return collectives.recv(t, src, tag, self, async_op, timeout)
 
 
 _world: Communicator | None = None
@@ -213,6 +261,7 @@ def init() -> Communicator:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
                                "a lower thread level before commlib was imported")
-        _world = Communicator(MPI.COMM_WORLD)
+        _world = Communicator(MPI.COMM_WORLD)  # collective: every rank is past MPI_Init
+        abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
     return _world

@@ -8,3 +8,8 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError, TimeoutError):
     """An operation did not complete within its timeout."""
+
+
+class CollectiveMismatchError(CommError):
+    """The ranks called different collectives, or the same one with different arguments
+    (count, dtype, op, root, algorithm, splits). Raised on every rank, naming what differs."""

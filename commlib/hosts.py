@@ -17,6 +17,8 @@ from functools import lru_cache
 import numpy as np
 from mpi4py import MPI
 
+from .exchange import allgather
+
 TRANSPORTS = ("auto", "shm", "mpi")
 
 
@@ -36,7 +38,9 @@ def host_color(mpi_comm: MPI.Comm) -> int:
         return MPI.COMM_WORLD.Get_rank() // int(per_host)
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:  # the lowest world rank on the node names it
-        return node.allreduce(MPI.COMM_WORLD.Get_rank(), op=MPI.MIN)
+        lowest = np.array([MPI.COMM_WORLD.Get_rank()], np.int64)
+        node.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
+        return int(lowest[0])
     finally:
         node.Free()
 
@@ -55,7 +59,7 @@ def crowded_host() -> bool:
     launcher that binds each rank to its own core (Open MPI does) leaves each one core."""
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        cores = set().union(*node.allgather(affinity()))
+        cores = set().union(*allgather(node, sorted(affinity())))
         return node.Get_size() > len(cores)
     finally:
         node.Free()
@@ -63,7 +67,7 @@ def crowded_host() -> bool:
 
 def count_hosts(mpi_comm: MPI.Comm) -> tuple[int, bool]:
     """(number of hosts, whether every host has the same number of ranks); collective."""
-    colors = mpi_comm.allgather(host_color(mpi_comm))
+    colors = allgather(mpi_comm, host_color(mpi_comm))
     sizes = {colors.count(c) for c in colors}
     return len(set(colors)), len(sizes) == 1
 
@@ -79,7 +83,7 @@ class HostLayout:
         cross = mpi_comm.Split(local.Get_rank(), mpi_comm.Get_rank())
         self.local = make_communicator(local, "shm")
         self.cross = make_communicator(cross, "mpi")
-        self.position = mpi_comm.allgather((self.local.rank, self.cross.rank))
+        self.position = allgather(mpi_comm, (self.local.rank, self.cross.rank))
         self.owner = [[0] * self.cross.size for _ in range(self.local.size)]
         for r, (i, h) in enumerate(self.position):
             self.owner[i][h] = r

@@ -7,7 +7,7 @@ class ReduceOp(str, Enum):
     PROD = "prod"
     MIN = "min"
     MAX = "max"
-    AVG = "avg"  # sum, then scaled by 1/size; floating dtypes only
+    AVG = "avg"  # reduces as sum, then scaled by 1/size; floating dtypes only
 
     @classmethod
     def parse(cls, op, dtype=None) -> "ReduceOp":
@@ -23,11 +23,6 @@ class ReduceOp(str, Enum):
                              "use 'sum' and divide, or convert to a float type first")
         return parsed
 
-    @property
-    def kernel_op(self) -> str:
-        """The op the reduction kernels apply (avg reduces as sum)."""
-        return _KERNEL_OP[self]
 
 
 _BY_NAME = {o.value: o for o in ReduceOp}
-_KERNEL_OP = {o: "sum" if o is ReduceOp.AVG else o.value for o in ReduceOp}

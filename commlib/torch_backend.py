@@ -29,7 +29,9 @@ from . import abort
 from .comm import Communicator
 from .torch_ops import (byte_view, contiguous, copy_back, fold, in_order, only, per_element,
                         reduce_view, reduction, row_splits)
-from .torch_work import TorchWork
+from .errors import CommError
+from .exchange import allgather
+from .torch_work import TorchWork, dist_error
 
 BACKEND = "commlib"
 
@@ -56,15 +58,23 @@ def init_process_group(backend: str = BACKEND, timeout: timedelta | None = None,
 
 
 def _mpi_store(world: MPI.Comm, timeout: timedelta) -> dist.TCPStore:
-    # Ranks that all run on rank 0's machine reach it over loopback; otherwise by name.
-    hosts = world.allgather(socket.gethostname())
+    # Ranks that all run on rank 0's machine reach it over loopback, and the store listens
+    # on loopback only (torch's own binds every interface: it gets a socket bound here);
+    # otherwise by name.
+    hosts = allgather(world, socket.gethostname())
     host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
     port = None
     if world.rank == 0:  # port 0: the OS picks a free port; workers learn it over MPI
-        store = dist.TCPStore(host, 0, world.size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        listener = None
+        if host == "127.0.0.1":
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((host, 0))
+            listener.listen(world.size)
+        store = dist.TCPStore(host, listener.getsockname()[1] if listener else 0, world.size,
+                              is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listener.detach() if listener else None)
         port = store.port
-    port = world.bcast(port, root=0)
+    port = allgather(world, port)[0]
     if world.rank != 0:
         store = dist.TCPStore(host, port, world.size, is_master=False, timeout=timeout)
     return store
@@ -109,7 +119,7 @@ def _check_world(world: MPI.Comm, rank: int, size: int, collective: bool = False
     if size != world.size:
         raise RuntimeError(f"commlib backend: torch's world size {size} is not MPI.COMM_WORLD's "
                            f"size {world.size}; launch with `mpiexec -n {size}`")
-    ranks = world.allgather(rank) if collective else None
+    ranks = allgather(world, rank) if collective else None
     if rank != world.rank or (ranks is not None and ranks != list(range(size))):
         listed = f"torch's ranks, by MPI rank, are {ranks}" if ranks else \
             f"torch's rank {rank} is MPI rank {world.rank}"
@@ -153,6 +163,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         self._group_name = group_name
         self._group_desc = ""
         self._timeout = timeout  # what wait() without a timeout waits at most, like gloo
+        if timeout:  # ... and what each collective may wait for its peers, like NCCL's
+            comm.timeout = timeout.total_seconds()
         self._owns_mpi = owns_mpi  # created for this group: freed with it
 
     # torch's bookkeeping getters and setters (a Python ProcessGroup must provide them)
@@ -186,9 +198,12 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     # plumbing
     def _issue(self, async_op: bool, fn, *args, **kwargs) -> list:
         """Run one commlib call: queued (returns [its Work]) or to completion now ([])."""
-        if async_op:
-            return [fn(*args, async_op=True, **kwargs)]
-        fn(*args, **kwargs)
+        try:
+            if async_op:
+                return [fn(*args, async_op=True, **kwargs)]
+            fn(*args, **kwargs)
+        except CommError as e:  # raised as torch reports backend failures
+            raise dist_error(e) from e
         return []
 
     def _work(self, what, works, outputs, finish=None, keep=()) -> TorchWork:

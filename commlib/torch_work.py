@@ -15,7 +15,32 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError
+
+
+# commlib's errors as torch reports backend failures: each is a DistBackendError (what
+# torch users catch, as with NCCL) and still the commlib error it was.
+class DistCommError(dist.DistBackendError, CommError):
+    pass
+
+
+class DistMismatchError(dist.DistBackendError, CollectiveMismatchError):
+    pass
+
+
+class DistTimeoutError(dist.DistBackendError, CommTimeoutError):
+    pass
+
+
+def dist_error(error: BaseException) -> BaseException:
+    """``error`` as a DistBackendError if it is a commlib communication error."""
+    if isinstance(error, dist.DistBackendError) or not isinstance(error, CommError):
+        return error
+    cls = (DistMismatchError if isinstance(error, CollectiveMismatchError) else
+           DistTimeoutError if isinstance(error, CommTimeoutError) else DistCommError)
+    mapped = cls(str(error))
+    mapped.__cause__ = error
+    return mapped
 
 
 def _seconds(timeout) -> float | None:
@@ -59,7 +84,7 @@ class TorchWork(dist.Work):
     def _one_done(self, work) -> None:
         with self._lock:
             if self._error is None and work.exception() is not None:
-                self._error = work.exception()
+                self._error = dist_error(work.exception())
             self._pending -= 1
             last = self._pending == 0
         if last:
@@ -83,7 +108,7 @@ class TorchWork(dist.Work):
     def wait(self, timeout=None) -> bool:
         seconds = _seconds(timeout) or self._timeout
         if not self._done.wait(seconds):
-            raise CommTimeoutError(f"commlib backend: {self._what} did not complete within "
+            raise DistTimeoutError(f"commlib backend: {self._what} did not complete within "
                                    f"{seconds} s (a peer may not have issued it)")
         if self._error is not None:
             raise self._error

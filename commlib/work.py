@@ -14,6 +14,7 @@ Everything blocking in these threads (MPI waits, the C++ kernels) releases the G
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import traceback
@@ -90,6 +91,66 @@ def wait_all(works, timeout: float | None = None) -> None:
             first_error = first_error or e
     if first_error is not None:
         raise first_error
+
+
+class Deadline:
+    """When a call must be over: ``seconds`` from now (0 or None: never)."""
+
+    __slots__ = ("seconds", "at")
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds or 0.0
+        self.at = time.monotonic() + self.seconds if self.seconds else None
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+
+# Requests abandoned at a timeout: MPI may still use their buffers, so both stay alive.
+_abandoned: list = []
+
+
+def wait_request(request: MPI.Request, deadline: Deadline, waiting_for: str,
+                 status: MPI.Status | None = None, keep=None) -> None:
+    """Wait for an MPI request until ``deadline``. MPI has no timed wait, and a
+    non-blocking operation progresses only while MPI is called, so this polls back to
+    back (as MPI's own blocking wait spins), letting other threads run in between. On
+    expiry a receive is cancelled, anything else abandoned with ``keep`` (its buffers), and
+    CommTimeoutError names ``waiting_for``."""
+    polls = 0
+    while not request.Test(status):
+        polls += 1
+        if polls % 64 == 0 and deadline.expired():
+            _abandon(request, keep)
+            raise CommTimeoutError(f"timed out after {deadline.seconds:g} s waiting for "
+                                   f"{waiting_for}")
+        os.sched_yield()  # lets the GIL go (time.sleep(0) would nap for ~0.4 ms)
+
+
+def wait_all_requests(requests: list, peers: list, deadline: Deadline, what: str,
+                      keep=None) -> None:
+    """Wait for all ``requests`` (``peers[i]`` names the peer of each) until ``deadline``;
+    on expiry abandon those still pending and name their peers."""
+    for i, (request, peer) in enumerate(zip(requests, peers)):
+        try:
+            wait_request(request, deadline, f"{peer} {what}", keep=keep)
+        except CommTimeoutError:
+            rest = list(zip(requests[i + 1:], peers[i + 1:]))
+            late = [peer] + [p for r, p in rest if not r.Test()]
+            for r, _ in rest:
+                if r:  # still active
+                    _abandon(r, keep)
+            late = sorted(set(late), key=late.index)
+            raise CommTimeoutError(f"timed out after {deadline.seconds:g} s waiting for "
+                                   f"{', '.join(late)} {what}") from None
+
+
+def _abandon(request: MPI.Request, keep) -> None:
+    try:
+        request.Cancel()  # succeeds for a receive nobody matched; harmless otherwise
+    except MPI.Exception:
+        pass
+    _abandoned.append((request, keep))
 
 
 def finished(what: str, result=None) -> Work:
@@ -226,16 +287,32 @@ class RequestPoller(_Background):
 
     def __init__(self, name: str):
         super().__init__(f"p2p-{name}")
-        self._pending: list = []  # (request, work, expected bytes or None)
+        self._pending: list = []  # (request, work, expected bytes or None, deadline, keep)
 
-    def track(self, request: MPI.Request, what: str, result, expect_bytes=None) -> Work:
+    def track(self, request: MPI.Request, what: str, result, expect_bytes=None,
+              deadline: Deadline | None = None, keep=None) -> Work:
+        """A Work for ``request``; past ``deadline`` it fails with CommTimeoutError and the
+        request is abandoned with ``keep`` (its buffer)."""
         work = Work(what)
         work.result = result
         with self._cv:
-            self._pending.append((request, work, expect_bytes))
+            self._pending.append((request, work, expect_bytes, deadline, keep))
             self._start()
             self._cv.notify_all()
         return work
+
+    def _expire(self) -> None:
+        """Fail the works whose deadline has passed."""
+        now = time.monotonic()
+        with self._cv:
+            expired = [p for p in self._pending if p[3] is not None and p[3].at is not None
+                       and now >= p[3].at]
+            gone = {id(p) for p in expired}
+            self._pending = [p for p in self._pending if id(p) not in gone]
+        for request, work, _, deadline, keep in expired:
+            _abandon(request, keep)
+            work._finish(None, CommTimeoutError(f"{work.what} did not complete within "
+                                                f"{deadline.seconds:g} s"))
 
     def _loop(self):
         last_progress = time.monotonic()
@@ -248,7 +325,7 @@ class RequestPoller(_Background):
                 batch = list(self._pending)
             statuses = [MPI.Status() for _ in batch]
             try:
-                done = MPI.Request.Testsome([r for r, _, _ in batch], statuses) or []
+                done = MPI.Request.Testsome([p[0] for p in batch], statuses) or []
             except MPI.Exception as e:
                 done, failure = list(range(len(batch))), CommError(f"point-to-point failed: {e}")
             else:
@@ -258,7 +335,7 @@ class RequestPoller(_Background):
                 with self._cv:
                     self._pending = [p for p in self._pending if id(p[0]) not in finished]
                 for k, i in enumerate(done):  # statuses[k] belongs to the k-th completion
-                    _, work, expect = batch[i]
+                    _, work, expect, _, _ = batch[i]
                     error = failure
                     if error is None and expect is not None:
                         got = statuses[k].Get_count(MPI.BYTE)
@@ -268,6 +345,7 @@ class RequestPoller(_Background):
                     work._finish(work.result, error)
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.SPIN_SECONDS:
+                self._expire()
                 time.sleep(self.NAP_SECONDS)
             else:
                 time.sleep(0)  # yield the GIL and the core to the caller's compute

@@ -52,7 +52,14 @@ PYBIND11_MODULE(_C, m) {
   ops["prod"] = int(commlib::PROD);
   ops["min"] = int(commlib::MIN);
   ops["max"] = int(commlib::MAX);
+  ops["avg"] = int(commlib::AVG);
   m.attr("OPS") = ops;
+
+  py::dict collectives;
+  for (int64_t c = commlib::ALL_REDUCE; c <= commlib::BARRIER; ++c)
+    collectives[commlib::collective_name(c)] = c;
+  m.attr("COLLECTIVES") = collectives;
+  m.attr("NONE") = commlib::kNone;
 
   m.def(
       "reduce",
@@ -99,10 +106,52 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("factor"),
       "dst[i] *= factor for floating dtypes (float16/bfloat16 computed in float32).");
 
-  // A peer that disagrees, died or failed: raised as commlib.CommError itself (PeerError
-  // derives from it), so callers need no translation. errors.py imports nothing.
-  py::register_exception<commlib::shm::PeerError>(
-      m, "PeerError", py::module_::import("commlib.errors").attr("CommError"));
+  // Failures raise subclasses of commlib's own errors, so callers need no translation
+  // (errors.py imports nothing, so importing it here is safe).
+  py::module_ errors = py::module_::import("commlib.errors");
+  py::register_exception<commlib::shm::PeerError>(m, "CommError", errors.attr("CommError"));
+  py::register_exception<commlib::MismatchError>(m, "CollectiveMismatchError",
+                                                 errors.attr("CollectiveMismatchError"));
+  py::register_exception<commlib::TimeoutError>(m, "CommTimeoutError",
+                                                errors.attr("CommTimeoutError"));
+
+  m.def(
+      "check_agreement",
+      [](py::array_t<int64_t, py::array::c_style> descs, int64_t itemsize,
+         py::object splits) {
+        // descs: one row of descriptor fields per rank; splits: None, or one row per rank
+        // of bytes sent to each peer, then received from each (agreement.h).
+        if (descs.ndim() != 2 || descs.shape(1) != commlib::kDescFields)
+          throw std::invalid_argument("descs must have one row of 8 fields per rank");
+        int n = int(descs.shape(0));
+        std::vector<commlib::Desc> rows(n);
+        std::vector<const commlib::Desc*> ptrs(n);
+        for (int r = 0; r < n; ++r) {
+          std::copy(descs.data(r), descs.data(r) + commlib::kDescFields, rows[r].f);
+          ptrs[r] = &rows[r];
+        }
+        std::string reason = commlib::disagreement(ptrs);
+        if (reason.empty() && !splits.is_none()) {
+          auto table = splits.cast<py::array_t<int64_t, py::array::c_style>>();
+          if (table.ndim() != 2 || table.shape(0) != n || table.shape(1) != 2 * n)
+            throw std::invalid_argument("splits must have one row of 2n entries per rank");
+          reason = commlib::split_disagreement(
+              n, itemsize, [&](int i, int j) { return *table.data(i, j); },
+              [&](int j, int i) { return *table.data(j, n + i); });
+        }
+        if (!reason.empty()) throw commlib::MismatchError(reason);
+      },
+      py::arg("descs"), py::arg("itemsize"), py::arg("splits"),
+      "Raise CollectiveMismatchError naming what differs if the ranks' calls disagree.");
+  m.def(
+      "describe",
+      [](py::array_t<int64_t, py::array::c_style> fields) {
+        if (fields.size() != commlib::kDescFields) throw std::invalid_argument("8 fields");
+        commlib::Desc d;
+        std::copy(fields.data(), fields.data() + commlib::kDescFields, d.f);
+        return commlib::describe(d);
+      },
+      py::arg("fields"), "A call's descriptor as text, e.g. all_reduce(count=4, dtype=float32, ...).");
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "
@@ -122,14 +171,14 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "run_plan",
           [](ShmComm& c, py::array_t<int64_t, py::array::c_style> plan, uintptr_t out,
-             uintptr_t in, int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
+             uintptr_t in, int64_t tmp_bytes, int dtype, int op) {
             const int64_t* data = plan.data();
             int64_t len = plan.size();
             py::gil_scoped_release release;
-            c.run_plan(data, len, {out, in}, tmp_bytes, dtype, op, sig);
+            c.run_plan(data, len, {out, in}, tmp_bytes, dtype, op);
           },
           py::arg("plan"), py::arg("out"), py::arg("in"), py::arg("tmp_bytes"), py::arg("dtype"),
-          py::arg("op"), py::arg("sig"))
+          py::arg("op"))
       .def("barrier", &ShmComm::barrier, nogil())
       .def("all_reduce", &ShmComm::all_reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("phases"), nogil())
@@ -137,16 +186,21 @@ PYBIND11_MODULE(_C, m) {
            py::arg("op"), py::arg("root"), nogil())
       .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("out"), py::arg("in"),
            py::arg("count"), py::arg("dtype"), py::arg("op"), nogil())
-      .def("all_gather", &ShmComm::all_gather, py::arg("out"), py::arg("in"), py::arg("nbytes"),
-           nogil())
-      .def("broadcast", &ShmComm::broadcast, py::arg("buf"), py::arg("nbytes"), py::arg("root"),
-           nogil())
-      .def("all_to_all", &ShmComm::all_to_all, py::arg("out"), py::arg("in"),
+      .def("all_gather", &ShmComm::all_gather, py::arg("out"), py::arg("in"), py::arg("count"),
+           py::arg("dtype"), nogil())
+      .def("broadcast", &ShmComm::broadcast, py::arg("buf"), py::arg("count"), py::arg("dtype"),
+           py::arg("root"), nogil())
+      .def("all_to_all", &ShmComm::all_to_all, py::arg("out"), py::arg("in"), py::arg("dtype"),
            py::arg("send_offsets"), py::arg("send_lengths"), py::arg("recv_offsets"),
            py::arg("recv_lengths"), nogil())
+      .def("agree", &ShmComm::agree, py::arg("fields"), py::arg("send"), py::arg("recv"),
+           py::arg("itemsize"), nogil())
       .def("probe_cma", &ShmComm::probe_cma, nogil())
       .def_property("cma", &ShmComm::cma, &ShmComm::set_cma)
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
+      .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
+                    "seconds a call may wait for its peers before CommTimeoutError (0: none)")
+      .def_property_readonly("calls", &ShmComm::calls)
       .def(
           "all_reduce_sum_array",
           [](ShmComm& c, py::handle obj, int64_t max_bytes) {

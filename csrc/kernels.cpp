@@ -126,7 +126,8 @@ void check_common(const void* dst, int64_t count, int dtype) {
 
 void reduce(void* dst, const void* a, const void* b, int64_t count, int dtype, int op) {
   check_common(dst, count, dtype);
-  check(op >= SUM && op <= MAX, "invalid op code " + std::to_string(op) + " (see _C.OPS)");
+  check(op >= SUM && op <= AVG, "invalid op code " + std::to_string(op) + " (see _C.OPS)");
+  if (op == AVG) op = SUM;
   check(count == 0 || (a != nullptr && b != nullptr), "null pointer with count > 0");
   if (use_avx2) {
 #if COMMLIB_X86_DISPATCH

@@ -31,7 +31,9 @@
 namespace commlib {
 
 enum DType : int { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, U8 = 5, I32 = 6, I64 = 7 };
-enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3 };
+// AVG reduces exactly as SUM (the caller scales the result); it has its own code so that
+// ranks that disagree about sum and avg are caught (agreement.h).
+enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, AVG = 4 };
 
 #define COMMLIB_INLINE inline __attribute__((always_inline))
 // Exact aliasing (dst == a) is harmless for an elementwise loop, so tell the

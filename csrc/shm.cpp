@@ -13,6 +13,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
+#include <cstdio>
 #include <random>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -31,20 +33,40 @@ std::string errno_text(const std::string& what) { return what + ": " + std::stre
 
 std::string unique_name(int rank) {
   static std::atomic<uint64_t> serial{0};
-  std::random_device entropy;
+  std::random_device entropy;  // 64 unpredictable bits: no one can guess or pre-create it
+  char secret[17];
+  std::snprintf(secret, sizeof(secret), "%08x%08x", entropy(), entropy());
   return "/commlib-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-r" +
-         std::to_string(rank) + "-" + std::to_string(serial++) + "-" +
-         std::to_string(entropy() & 0xffffff);
+         std::to_string(rank) + "-" + std::to_string(serial++) + "-" + secret;
 }
 
-// Layout of every segment: control, doorbell, one channel per peer, staging.
-constexpr size_t kHeaderBytes = 2 * kLine;
+// Layout of every segment: control, doorbell, published descriptors, poison reason, one
+// channel per peer, staging, directory, splits.
+constexpr size_t kDoorbellAt = kLine, kPublishedAt = 2 * kLine;
+constexpr size_t kReasonAt = kPublishedAt + sizeof(Published);
+constexpr size_t kHeaderBytes = kReasonAt + sizeof(Reason);
 
 // A futex in memory shared between processes (so not FUTEX_PRIVATE).
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, long nanoseconds) {
   timespec timeout{0, nanoseconds};
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &timeout, nullptr,
           0);
+}
+
+// A process that has exited, including one its parent has not reaped yet (a zombie
+// still answers kill(pid, 0)).
+bool alive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[32], stat[256];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return errno != ENOENT;
+  ssize_t n = read(fd, stat, sizeof(stat) - 1);
+  close(fd);
+  if (n <= 0) return true;
+  stat[n] = 0;
+  const char* end = std::strrchr(stat, ')');  // the state follows the command name
+  return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
 }
 
 void futex_wake(std::atomic<uint32_t>* word) {
@@ -80,6 +102,10 @@ int64_t* ShmComm::directory_offsets(int owner) const {
   return reinterpret_cast<int64_t*>(directory(owner) + 1);
 }
 
+int64_t* ShmComm::splits(int owner, uint64_t call) const {
+  return directory_offsets(owner) + 2 * size_ + (call % 2) * 2 * size_;
+}
+
 ShmComm::ShmComm(int rank, int size, const Config& config)
     : rank_(rank), size_(size), config_(config), peers_(size), sent_(size), received_(size) {
   if (size < 1 || rank < 0 || rank >= size) throw std::invalid_argument("bad rank or size");
@@ -89,7 +115,7 @@ ShmComm::ShmComm(int rank, int size, const Config& config)
         "shared-memory config: slot_bytes must be a multiple of 64, slots >= 1, staging_bytes "
         "a multiple of 128 and at least 128 per rank");
   bytes_ = channel_offset(size) + config.staging_bytes + sizeof(Directory) +
-           2 * size * sizeof(int64_t);
+           (2 + 4) * size * sizeof(int64_t);  // directory offsets, lengths; splits
   name_ = unique_name(rank);
   int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error(errno_text("shm_open " + name_));
@@ -140,7 +166,9 @@ void ShmComm::attach(const std::vector<std::string>& names) {
   }
   for (auto& p : peers_) {
     p.control = reinterpret_cast<Control*>(p.base);
-    p.bell = reinterpret_cast<Doorbell*>(p.base + kLine);
+    p.bell = reinterpret_cast<Doorbell*>(p.base + kDoorbellAt);
+    p.published = reinterpret_cast<Published*>(p.base + kPublishedAt);
+    p.reason = reinterpret_cast<Reason*>(p.base + kReasonAt);
     p.pid = p.control->pid;
   }
 }
@@ -193,33 +221,73 @@ void ShmComm::unlink_own() {
 // ---------------------------------------------------------------------------------------
 // Calls, failures, waiting.
 
-void ShmComm::begin(uint64_t sig) {
-  if (me_->poisoned.load(std::memory_order_relaxed))
-    throw PeerError("this communicator is unusable after an earlier failure (" + failure_ +
-                    "); create a new communicator");
-  sig_ = sig;
-  me_->sig[(call_ + 1) % 2].store(sig, std::memory_order_relaxed);
+void ShmComm::set_timeout(double seconds) {
+  if (!(seconds >= 0)) throw std::invalid_argument("timeout must be >= 0 seconds (0: none)");
+  timeout_ = seconds;
+}
+
+void ShmComm::begin(const Desc& desc) {
+  if (uint32_t kind = me_->poisoned.load(std::memory_order_relaxed)) {
+    std::string why = "this communicator is unusable after an earlier failure (" + failure_ +
+                      "); create a new communicator";
+    if (kind == MISMATCHED) throw MismatchError(why);
+    throw PeerError(why);
+  }
+  desc_ = desc;
+  sig_ = desc.hash();
+  if (timeout_ > 0)
+    deadline_ = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(timeout_));
+  uint64_t next = call_ + 1;
+  peers_[rank_].published->call[next % 2] = desc;
+  me_->sig[next % 2].store(sig_, std::memory_order_relaxed);
   me_->call.store(++call_, std::memory_order_release);
 }
 
-void ShmComm::fail(const std::string& message) {
-  if (failure_.empty()) failure_ = message;
-  me_->poisoned.store(1, std::memory_order_release);
-  notify_peers();
-  throw PeerError(message);
+void ShmComm::fail(Poison kind, const std::string& reason) {
+  if (failure_.empty()) {
+    failure_ = reason;
+    failure_kind_ = kind;
+    char* text = peers_[rank_].reason->text;
+    size_t n = std::min(reason.size(), sizeof(Reason::text) - 1);
+    std::memcpy(text, reason.data(), n);
+    text[n] = 0;
+    me_->poisoned.store(kind, std::memory_order_release);
+    notify_peers();
+  }
+  if (kind == MISMATCHED) throw MismatchError(reason);
+  if (kind == TIMED_OUT) throw TimeoutError(reason);
+  throw PeerError(reason);
+}
+
+std::string ShmComm::mismatch_reason() const {
+  // A peer in this call, or already in the next one, still shows this call's descriptor.
+  std::vector<const Desc*> descs(size_);
+  for (int r = 0; r < size_; ++r) {
+    uint64_t call = peers_[r].control->call.load(std::memory_order_acquire);
+    if (call == call_ || call == call_ + 1) descs[r] = &peers_[r].published->call[call_ % 2];
+  }
+  std::string reason = disagreement(descs);
+  return reason.empty() ? "the ranks' calls do not match (they called collectives in "
+                          "different orders, or different numbers of them)"
+                        : reason;
 }
 
 void ShmComm::check_signature(int peer) {
   Control* c = peers_[peer].control;
-  if (c->poisoned.load(std::memory_order_acquire))
-    fail("rank " + std::to_string(peer) +
-         " failed in this or an earlier collective on this communicator");
+  if (uint32_t kind = c->poisoned.load(std::memory_order_acquire)) {
+    // The peer's verdict becomes this rank's, so every rank raises the same error; a
+    // timeout elsewhere is a failure here (this rank did not wait too long).
+    std::string reason(peers_[peer].reason->text);
+    if (kind == MISMATCHED) fail(MISMATCHED, reason);
+    fail(FAILED, "rank " + std::to_string(peer) + " failed, which ends this collective on "
+                     "every rank: " + reason);
+  }
   if (c->call.load(std::memory_order_acquire) != call_) return;  // not (or no longer) in it
   uint64_t sig = c->sig[call_ % 2].load(std::memory_order_acquire);
   if (sig != sig_ && c->call.load(std::memory_order_acquire) == call_)
-    fail("rank " + std::to_string(peer) +
-         " called a different collective, or the same one with different counts, dtype, op, "
-         "root or algorithm (collective #" + std::to_string(call_) + " on this communicator)");
+    fail(MISMATCHED, mismatch_reason());
 }
 
 // `call` is the peer's call counter read before `ready()` was found still false: a peer
@@ -228,10 +296,72 @@ void ShmComm::check_peer(int peer, uint64_t call) {
   check_signature(peer);
   std::string who = "rank " + std::to_string(peer);
   if (call > call_)
-    fail(who + " finished collective #" + std::to_string(call_) +
-         " without the data this rank waits for: the ranks' arguments disagree");
-  if (kill(peers_[peer].pid, 0) != 0 && errno == ESRCH)
-    fail(who + " (pid " + std::to_string(peers_[peer].pid) + ") has exited");
+    fail(MISMATCHED, who + " finished " + describe(peers_[peer].published->call[call_ % 2]) +
+                         " without the data this rank waits for in " + describe(desc_) +
+                         ": the ranks' arguments disagree");
+  if (!alive(peers_[peer].pid))
+    fail(FAILED, who + " (pid " + std::to_string(peers_[peer].pid) + ") has exited during " +
+                     describe(desc_));
+}
+
+void ShmComm::check_deadline(const std::vector<int>& waited_for) {
+  if (timeout_ <= 0 || std::chrono::steady_clock::now() < deadline_) return;
+  std::string peers;
+  for (int r : waited_for) {
+    uint64_t call = peers_[r].control->call.load(std::memory_order_acquire);
+    peers += std::string(peers.empty() ? "" : ", ") + "rank " + std::to_string(r) + " (pid " +
+             std::to_string(peers_[r].pid) + ", " +
+             (call < call_ ? "has not started it: " + std::to_string(call_ - call) +
+                                 " call(s) behind"
+                           : std::string("in it")) + ")";
+  }
+  char seconds[32];
+  std::snprintf(seconds, sizeof(seconds), "%g", timeout_);
+  fail(TIMED_OUT, "rank " + std::to_string(rank_) + " timed out after " + seconds + " s in " +
+                      describe(desc_) + " waiting for " + (peers.empty() ? "its peers" : peers));
+}
+
+void ShmComm::publish_splits(const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  int64_t* table = splits(rank_, call_ + 1);
+  std::copy(send.begin(), send.end(), table);
+  std::copy(recv.begin(), recv.end(), table + size_);
+}
+
+void ShmComm::wait_all_begun() {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    Control* c = peers_[r].control;
+    wait([&] { return c->call.load(std::memory_order_acquire) >= call_; }, only(r));
+    check_signature(r);
+  }
+}
+
+void ShmComm::agree(const std::vector<int64_t>& fields, const std::vector<int64_t>& send,
+                    const std::vector<int64_t>& recv, int64_t itemsize) {
+  if (fields.size() != kDescFields) throw std::invalid_argument("a descriptor has 8 fields");
+  bool splits = !send.empty();
+  if (splits && (int(send.size()) != size_ || int(recv.size()) != size_))
+    throw std::invalid_argument("one split per rank");
+  Desc desc;
+  std::copy(fields.begin(), fields.end(), desc.f);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (splits) publish_splits(send, recv);
+  begin(desc);
+  wait_all_begun();
+  if (splits) check_splits(itemsize);
+}
+
+void ShmComm::check_splits(int64_t itemsize) {
+  // Every rank reads the same published matrix, so all raise alike (nothing is poisoned:
+  // no data moved, the communicator stays usable, as after a bad argument).
+  std::string reason = split_disagreement(
+      size_, itemsize, [&](int i, int j) { return splits(i, call_)[j]; },
+      [&](int j, int i) { return splits(j, call_)[size_ + i]; });
+  if (reason.empty()) return;
+  for (int r = 0; r < size_; ++r)  // a peer two calls on has overwritten this call's splits,
+    if (peers_[r].control->call.load(std::memory_order_acquire) > call_ + 1)
+      return;  // and it got that far only because the matrix agreed
+  throw MismatchError(reason);
 }
 
 void ShmComm::notify(int peer) {
@@ -278,7 +408,7 @@ uint64_t ShmComm::arrive() {
 
 void ShmComm::barrier() {
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(0x6261727269657221ull);
+  begin({BARRIER, pack_name("direct"), kNone, kNone, kNone, kNone, 0, 0});
   wait_arrivals(arrive(), [](int) { return true; });
 }
 

@@ -21,17 +21,27 @@
 //              all_to_all reads it with process_vm_readv (cross-memory attach, "CMA"),
 //              no staging copy. Used when every rank can read every other (probed at
 //              set-up; ptrace policy can forbid it).
-//   signature  64-bit hash of (collective, algorithm, counts, dtype, op, root). Ranks that
-//              meet with different signatures poison the communicator and raise, instead
-//              of exchanging wrong data or hanging.
+//   descriptor what every rank must agree on about a call (agreement.h), published per
+//              call with its 64-bit hash, the signature. Ranks that meet with different
+//              signatures poison the communicator and raise CollectiveMismatchError naming
+//              what differs, instead of exchanging wrong data or hanging.
+//   splits     all_to_all's bytes to and from each peer, published so that every rank
+//              checks the whole matrix and all raise alike when it does not add up.
+//   poison     a failed rank's verdict (kind + reason text) in its segment: peers that see
+//              it raise the same error, so one failure ends the call on every rank.
+//   timeout    every wait is bounded: past the deadline a rank poisons the communicator and
+//              raises CommTimeoutError naming the call and the peers it waited for.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "agreement.h"
 
 namespace commlib::shm {
 
@@ -44,9 +54,19 @@ struct alignas(kLine) Control {
   std::atomic<uint64_t> sig[2];
   std::atomic<uint64_t> arrived;   // barrier arrivals, monotone over the communicator's life
   std::atomic<uint64_t> released;  // staging pieces this rank has finished reading
-  std::atomic<uint32_t> poisoned;
+  std::atomic<uint32_t> poisoned;  // a Poison kind, 0 while healthy
   int32_t pid;
   uint64_t self_address;  // where the owner mapped its own segment (for the CMA probe)
+};
+
+enum Poison : uint32_t { HEALTHY = 0, FAILED, MISMATCHED, TIMED_OUT };
+
+struct alignas(kLine) Published {  // descriptor of call k in call[k % 2], like Control::sig
+  Desc call[2];
+};
+
+struct alignas(kLine) Reason {  // why this rank poisoned the communicator
+  char text[4 * kLine];
 };
 
 struct alignas(kLine) Directory {  // followed by offset[n], length[n] (bytes)
@@ -70,7 +90,8 @@ struct alignas(kLine) ChannelTail {
   std::atomic<uint64_t> consumed;  // slots the receiver has drained
 };
 
-// Raised for a peer that disagrees, died or poisoned the communicator (CommError in Python).
+// Raised for a peer that died or failed (CommError in Python); disagreements raise
+// MismatchError, expired waits TimeoutError (agreement.h).
 struct PeerError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -96,25 +117,37 @@ class ShmComm {
   void attach(const std::vector<std::string>& names);
   void unlink_own();
 
-  // Collectives; pointers are raw addresses. A plan's `sig` comes from Python (it hashes
-  // the schedule's description; dtype and op are mixed in here); the direct collectives
-  // derive theirs from their arguments.
+  // Collectives; pointers are raw addresses, counts in elements of dtype. A plan starts
+  // with its call's descriptor fields (shm_plan.cpp); the direct collectives describe
+  // themselves.
   void run_plan(const int64_t* plan, int64_t plan_len, const std::vector<uintptr_t>& bufs,
-                int64_t tmp_bytes, int dtype, int op, uint64_t sig);
+                int64_t tmp_bytes, int dtype, int op);
   void barrier();
   // phases: 1 = reduce-scatter (rank r's block of chunks(count, n) is reduced in place),
   // 2 = all-gather of those blocks, 3 = both (all_reduce).
   void all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int phases);
   void reduce(uintptr_t buf, int64_t count, int dtype, int op, int root);
   void reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op);
-  void all_gather(uintptr_t out, uintptr_t in, int64_t nbytes);
-  void broadcast(uintptr_t buf, int64_t nbytes, int root);
+  void all_gather(uintptr_t out, uintptr_t in, int64_t count, int dtype);
+  void broadcast(uintptr_t buf, int64_t count, int dtype, int root);
   // all_to_all with byte offsets/lengths per peer into in (send) and out (receive);
   // single-copy only (cma() must be true).
-  void all_to_all(uintptr_t out, uintptr_t in, const std::vector<int64_t>& send_offsets,
+  void all_to_all(uintptr_t out, uintptr_t in, int dtype,
+                  const std::vector<int64_t>& send_offsets,
                   const std::vector<int64_t>& send_lengths,
                   const std::vector<int64_t>& recv_offsets,
                   const std::vector<int64_t>& recv_lengths);
+
+  // A call that moves its data elsewhere (MPI's own collectives) first meets its peers
+  // here, so that ranks that disagree fail alike instead of one waiting inside MPI.
+  // send/recv: all_to_all's bytes to and from each peer (else empty).
+  void agree(const std::vector<int64_t>& fields, const std::vector<int64_t>& send,
+             const std::vector<int64_t>& recv, int64_t itemsize);
+
+  // Seconds any wait of a call may take before it fails with TimeoutError (0: forever).
+  double timeout() const { return timeout_; }
+  void set_timeout(double seconds);
+  uint64_t calls() const { return call_; }  // collectives started on this communicator
 
   // Single copy: probe whether this rank can read every peer's memory; every rank must
   // then set_cma() to the verdict of all (an all-reduce over the probes).
@@ -140,6 +173,8 @@ class ShmComm {
     char* base = nullptr;  // the peer's mapped segment
     Control* control = nullptr;
     Doorbell* bell = nullptr;
+    Published* published = nullptr;
+    Reason* reason = nullptr;
     int pid = 0;
   };
   struct Block {  // one rank's block of a direct collective
@@ -160,10 +195,19 @@ class ShmComm {
                const std::vector<int64_t>& lengths);
 
   // calls and waiting
-  void begin(uint64_t sig);
-  void fail(const std::string& message);  // poisons, then throws PeerError
+  void begin(const Desc& desc);
+  // Poisons the communicator with `kind` and `reason`, then throws the matching error.
+  [[noreturn]] void fail(Poison kind, const std::string& reason);
   void check_signature(int peer);  // throws if `peer` is poisoned or in this call with another sig
   void check_peer(int peer, uint64_t call);  // ... or owes this rank data it will never send
+  void check_deadline(const std::vector<int>& waited_for);
+  std::string mismatch_reason() const;  // every rank's descriptor of this call, compared
+  // all_to_all: publish this call's splits (before begin), then check the whole matrix
+  // once every peer has published (after a barrier, or wait_all_begun()).
+  void publish_splits(const std::vector<int64_t>& send, const std::vector<int64_t>& recv);
+  void wait_all_begun();
+  void check_splits(int64_t itemsize);
+  int64_t* splits(int owner, uint64_t call) const;  // send[n], then recv[n]
   void notify(int peer);  // rings the peer's doorbell if it sleeps
   void notify_peers();     // notify() to every peer
   void ring(int peer);     // notify() without its fence
@@ -182,12 +226,15 @@ class ShmComm {
         uint32_t seen = prepare_nap();
         if (!ready()) nap(seen);
         end_nap();
+        waited_for_.clear();
         for (int r = 0; r < size_; ++r) {
           if (r == rank_ || !watched(r)) continue;
           uint64_t call = peers_[r].control->call.load(std::memory_order_acquire);
           if (ready()) return;
           check_peer(r, call);
+          waited_for_.push_back(r);
         }
+        check_deadline(waited_for_);
       }
     }
   }
@@ -226,6 +273,10 @@ class ShmComm {
   std::vector<Peer> peers_;  // index = rank; peers_[rank_] is this rank's own segment
   Control* me_ = nullptr;
   uint64_t call_ = 0, sig_ = 0;
+  Desc desc_{};                       // this call's
+  double timeout_ = 0;
+  std::chrono::steady_clock::time_point deadline_;
+  std::vector<int> waited_for_;
   uint64_t pieces_ = 0;               // staging pieces used so far
   std::atomic<uint64_t> bytes_sent_{0};  // see bytes_sent(); read from any thread
   void count_sent(uint64_t n) { bytes_sent_.fetch_add(n, std::memory_order_relaxed); }
@@ -234,6 +285,7 @@ class ShmComm {
   std::mutex mutex_;                  // one collective at a time
   bool owner_linked_ = false;
   bool cma_ = false;
+  Poison failure_kind_ = HEALTHY;
   std::string failure_;
 };
 

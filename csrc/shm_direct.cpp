@@ -30,19 +30,12 @@ int64_t piece_len(int64_t count, int64_t piece, int64_t per_piece) {
 
 constexpr int64_t kAccBytes = 8192;  // reductions go through an L1-sized accumulator
 
-// The signature of a direct collective: a mix (splitmix64) of what every rank must agree on.
-uint64_t signature(std::initializer_list<int64_t> fields) {
-  uint64_t h = 0x636f6d6d6c6962ull;
-  for (int64_t f : fields) {
-    h ^= uint64_t(f) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
-    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
-    h ^= h >> 31;
-  }
-  return h;
-}
+constexpr int64_t kDirect = pack_name("direct");
 
-enum Kind : int64_t { ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL };
+Desc direct(Collective collective, int64_t count, int dtype, int64_t op, int64_t root,
+            int64_t variant = 0) {
+  return {{collective, kDirect, count, dtype, op, root, variant, 0}};
+}
 
 }  // namespace
 
@@ -179,7 +172,7 @@ void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int ph
   if (phases < 1 || phases > 3) throw std::invalid_argument("phases must be 1, 2 or 3");
   const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(signature({ALL_REDUCE, count, dtype, op, phases}));
+  begin(direct(ALL_REDUCE, count, dtype, op, kNone, phases == 3 ? 0 : phases));
   if (size_ == 1 || count == 0) return;
   char* base = reinterpret_cast<char*>(buf);
   if (phases == 3 && count * isz <= std::min(kSmallBytes, config_.staging_bytes / 2))
@@ -203,7 +196,7 @@ void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int ph
 void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) {
   const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(signature({REDUCE, count, dtype, op, root}));
+  begin(direct(REDUCE, count, dtype, op, root));
   if (size_ == 1 || count == 0) return;
   char* base = reinterpret_cast<char*>(buf);
   std::vector<Block> blocks;
@@ -215,7 +208,7 @@ void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) 
 void ShmComm::reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op) {
   const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(signature({REDUCE_SCATTER, count, dtype, op}));
+  begin(direct(REDUCE_SCATTER, count, dtype, op, kNone));
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
   if (size_ == 1) {
@@ -229,9 +222,10 @@ void ShmComm::reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dty
   reduce_pieces(blocks, dtype, op, false, -1);
 }
 
-void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t nbytes) {
+void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t count, int dtype) {
+  const int64_t nbytes = count * itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(signature({ALL_GATHER, nbytes}));
+  begin(direct(ALL_GATHER, count, dtype, kNone, kNone));
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
   std::vector<Block> blocks;
@@ -239,9 +233,10 @@ void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t nbytes) {
   gather_pieces(blocks);
 }
 
-void ShmComm::broadcast(uintptr_t buf, int64_t nbytes, int root) {
+void ShmComm::broadcast(uintptr_t buf, int64_t count, int dtype, int root) {
+  const int64_t nbytes = count * itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(signature({BROADCAST, nbytes, root}));
+  begin(direct(BROADCAST, count, dtype, kNone, root));
   if (size_ == 1) return;
   char* data = reinterpret_cast<char*>(buf);
   std::vector<Block> blocks(size_, Block{data, nullptr, 0});
@@ -249,7 +244,8 @@ void ShmComm::broadcast(uintptr_t buf, int64_t nbytes, int root) {
   gather_pieces(blocks);
 }
 
-void ShmComm::all_to_all(uintptr_t out, uintptr_t in, const std::vector<int64_t>& send_offsets,
+void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
+                         const std::vector<int64_t>& send_offsets,
                          const std::vector<int64_t>& send_lengths,
                          const std::vector<int64_t>& recv_offsets,
                          const std::vector<int64_t>& recv_lengths) {
@@ -257,32 +253,24 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, const std::vector<int64_t>
     if (int(v->size()) != size_) throw std::invalid_argument("one offset and length per rank");
   if (!cma_) throw std::invalid_argument("all_to_all here needs single copy (cma)");
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(signature({ALL_TO_ALL}));
+  publish_splits(send_lengths, recv_lengths);
+  begin(direct(ALL_TO_ALL, kNone, dtype, kNone, kNone));
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
   publish(input, send_offsets, send_lengths);
   for (int j = 0; j < size_; ++j)
     if (j != rank_) count_sent(send_lengths[j]);
   wait_arrivals(arrive(), [](int) { return true; });
-  std::string mismatch;
+  check_splits(itemsize(dtype));
   for (int k = 0; k < size_; ++k) {
     int j = (rank_ + k) % size_;
-    int64_t length = directory_offsets(j)[size_ + rank_];
-    if (length != recv_lengths[j]) {  // reported after the second barrier: no one hangs
-      if (mismatch.empty())
-        mismatch = "rank " + std::to_string(j) + " sends " + std::to_string(length) +
-                   " bytes where this rank expects " + std::to_string(recv_lengths[j]) +
-                   ": the ranks disagree on counts or splits";
-      continue;
-    }
     char* dst = output + recv_offsets[j];
     if (j == rank_)
-      copy(dst, input + send_offsets[j], length);
-    else if (length > 0)
-      read_peer(j, dst, directory(j)->address + directory_offsets(j)[rank_], length);
+      copy(dst, input + send_offsets[j], recv_lengths[j]);
+    else if (recv_lengths[j] > 0)
+      read_peer(j, dst, directory(j)->address + directory_offsets(j)[rank_], recv_lengths[j]);
   }
   wait_arrivals(arrive(), [](int) { return true; });
-  if (!mismatch.empty()) throw PeerError(mismatch);
 }
 
 }  // namespace commlib::shm

@@ -1,7 +1,11 @@
 // Runs a schedule (commlib/schedule.py) over the shared-memory channels.
 //
 // A plan is the schedule flattened by commlib/executors/shm.py into int64s, offsets in bytes:
-//   plan   = nrounds, round...
+//   plan   = call, splits, nrounds, round...
+//   call   = collective, algorithm, count, root, variant: the descriptor's fields that the
+//            plan fixes (dtype and op come with each run; agreement.h)
+//   splits = 0, or n followed by the bytes sent to each peer, then received from each
+//            (all_to_all, whose matrix every rank checks before any data moves)
 //   round  = ncopies, nsends, nrecvs, copy..., send..., recv...
 //   copy   = src_buf, src_offset, dst_buf, dst_offset, nbytes, deferrable (0/1)
 //   send   = peer, buf, offset, nbytes
@@ -48,9 +52,28 @@ int64_t take(const int64_t*& p, const int64_t* end) {
 }  // namespace
 
 void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<uintptr_t>& bufs,
-                       int64_t tmp_bytes, int dtype, int op, uint64_t sig) {
+                       int64_t tmp_bytes, int dtype, int op) {
+  const int64_t* p = plan;
+  const int64_t* end = plan + plan_len;
+  Desc desc{};
+  for (int field : {COLLECTIVE, ALGORITHM, COUNT, ROOT, VARIANT}) desc.f[field] = take(p, end);
+  desc.f[DTYPE] = dtype;
+  desc.f[OP] = desc.f[COLLECTIVE] == ALL_REDUCE || desc.f[COLLECTIVE] == REDUCE ||
+                       desc.f[COLLECTIVE] == REDUCE_SCATTER ? op : kNone;
+  int64_t nsplits = take(p, end);
+  if (nsplits != 0 && (nsplits != size_ || end - p < 2 * nsplits))
+    throw std::invalid_argument("bad splits in plan");
+  const int64_t* split_table = p;
+  p += 2 * nsplits;
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(sig ^ (uint64_t(dtype) << 56) ^ (uint64_t(op) << 48));  // the plan's sig has no dtype, op
+  if (nsplits) {
+    publish_splits({split_table, split_table + size_}, {split_table + size_, split_table + 2 * size_});
+    begin(desc);
+    wait_all_begun();
+    check_splits(itemsize(dtype));
+  } else {
+    begin(desc);
+  }
   if (int64_t(tmp_.size()) < tmp_bytes) tmp_.resize(tmp_bytes);
   char* base[3] = {reinterpret_cast<char*>(bufs.at(0)), reinterpret_cast<char*>(bufs.at(1)),
                    tmp_.data()};
@@ -58,8 +81,6 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
     if (i < 0 || i > 2) throw std::invalid_argument("bad buffer index in plan");
     return base[i];
   };
-  const int64_t* p = plan;
-  const int64_t* end = plan + plan_len;
   const int64_t item_bytes = itemsize(dtype);
   const uint64_t slot_bytes = config_.slot_bytes;
   const uint64_t slots = config_.slots;
@@ -148,8 +169,10 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
         while (r.done < r.nbytes && slot_filled(r.peer)) {
           SlotHeader* h = slot(r.peer, rank_, k);
           if (h->sig != sig_ || h->offset != r.done)
-            fail("rank " + std::to_string(r.peer) +
-                 " sent data of a different collective: the ranks' arguments disagree");
+            fail(MISMATCHED, h->sig != sig_ ? mismatch_reason()
+                                            : "rank " + std::to_string(r.peer) +
+                                                  " sent data out of order: the ranks' "
+                                                  "arguments disagree");
           if (h->total != r.nbytes && !r.discard) {
             if (mismatch.empty())
               mismatch = "rank " + std::to_string(r.peer) + " sent " + std::to_string(h->total) +
@@ -210,7 +233,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
     wait([&] { return c->call.load(std::memory_order_acquire) >= call_; }, only(r));
     check_signature(r);
   }
-  if (!mismatch.empty()) throw PeerError(mismatch);
+  if (!mismatch.empty()) throw MismatchError(mismatch);
 }
 
 }  // namespace commlib::shm

@@ -4,6 +4,10 @@
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3, ...
+With --save-dir the run saves sharded checkpoints (strategies/checkpoint.py), which
+--resume continues from, in this layout or any other; in the same layout the resumed
+losses are bit-identical to an uninterrupted run's.
+
 Each step prints the loss (averaged over the data-parallel ranks), tokens/s and the most
 any rank holds of parameters, gradients and optimizer state (strategies/accounting.py).
 """
@@ -18,6 +22,7 @@ import torch
 
 import commlib
 from strategies import accounting
+from strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
 from strategies.mesh import DIMS, Mesh
@@ -52,11 +57,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="global batch in sequences, split over dp (default 16)")
     run.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     run.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--save-dir", help="save checkpoints in this directory (step-N/ each)")
+    ckpt.add_argument("--save-every", type=int, default=0,
+                      help="save every N steps (default: only after the last step)")
+    ckpt.add_argument("--resume", nargs="?", const="", metavar="PATH",
+                      help="continue from checkpoint PATH (a step-N directory, or a root: its "
+                           "newest); without PATH, the newest in --save-dir if there is one")
     out = p.add_argument_group("output")
     out.add_argument("--log", help="write a JSON list, one record per step, to this file")
     out.add_argument("--plot", default="", help="write the loss curve to this PNG file")
     out.add_argument("--quiet", action="store_true", help="print only the summary")
     args = p.parse_args(argv)
+    if args.save_every < 0:
+        p.error("--save-every must be >= 0")
+    if args.save_every and not args.save_dir:
+        p.error("--save-every needs --save-dir")
+    if args.resume == "" and not args.save_dir:
+        p.error("--resume without PATH resumes from --save-dir: give one of them")
     if args.bf16 and args.zero == 0:
         p.error("--bf16 keeps fp32 master weights in ZeRO's optimizer shards: add --zero 1, 2 or 3")
     return args
@@ -138,6 +156,7 @@ def main(argv=None) -> int:
     world = commlib.init()
     try:
         trainer = Trainer(args, world)
+        first = _resume(args, trainer)
     except ValueError as e:
         if world.rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -149,8 +168,10 @@ def main(argv=None) -> int:
               f"dp={mesh.size('dp')} tp={mesh.size('tp')}, zero={args.zero}"
               f"{', bf16 + fp32 master' if args.bf16 else ''}; global batch {args.batch} x "
               f"{args.seq_len} tokens", flush=True)
+    if lead and first:
+        print(f"# resumed at step {first}", flush=True)
     records, tokens = [], args.batch * args.seq_len
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         world.barrier()
         start = time.perf_counter()
         loss, held = trainer.step(step)
@@ -163,14 +184,29 @@ def main(argv=None) -> int:
                   f"  {tokens / seconds:9.0f} tok/s  MB/rank: params {_mb(most['parameters'])}"
                   f" grads {_mb(most['gradients'])} optim {_mb(most['optimizer'])}"
                   f" sent {_mb(most['sent'])}", flush=True)
-    if lead:
+        done = step + 1
+        if args.save_dir and (done == args.steps or args.save_every and done % args.save_every == 0):
+            path = save_checkpoint(args.save_dir, done, trainer)
+            if lead and not args.quiet:
+                print(f"# saved {path}", flush=True)
+    if lead and not records:
+        print(f"# nothing to do: the run is at step {first} of {args.steps}")
+    if lead and records:
         _summary(args, trainer, records)
-        if args.log:
-            with open(args.log, "w") as f:
-                json.dump(records, f, indent=1)
         if args.plot:
             _plot(records, args.plot)
+    if lead and args.log:
+        with open(args.log, "w") as f:
+            json.dump(records, f, indent=1)
     return 0
+
+
+def _resume(args, trainer) -> int:
+    """The step to start from: 0, or the step of the checkpoint --resume names."""
+    if args.resume is None:
+        return 0
+    path = args.resume or latest_checkpoint(args.save_dir)
+    return 0 if path is None else load_checkpoint(path, trainer)
 
 
 HELD = ("parameters", "gradients", "optimizer", "sent")

@@ -42,13 +42,16 @@ def mpiexec() -> str:
     return found
 
 
-def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
+def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None,
+           options: tuple = ()):
     """Run ``script`` (or ``"-m", module``) on ``n`` ranks; returns (exit code, output).
+    ``options`` go to mpiexec.
 
     The job runs in its own process group; on timeout the whole group is SIGKILLed so a
     hang fails one test instead of the suite."""
     target = [script] if script == "-m" else [str(ROOT / script)]
-    return _launch([mpiexec(), "-n", str(n), sys.executable, *target, *args], timeout, env)
+    return _launch([mpiexec(), *options, "-n", str(n), sys.executable, *target, *args], timeout,
+                   env)
 
 
 def torchrun(n: int, script: str, timeout: float = 300, env: dict | None = None):

@@ -1,4 +1,5 @@
 """Multi-rank tests: each script runs under mpiexec with 1, 2, 3 and 4 ranks."""
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -55,6 +56,23 @@ def test_shared_memory_disagreements_fail_on_every_rank(n):
     run_checked(n, "tests/mpi/shm_errors.py", timeout=120)
 
 
+MISMATCH_RUNS = [(2, {}), (3, {}), (4, {}), (3, {"COMMLIB_TRANSPORT": "mpi"}),
+                 (3, {"COMMLIB_RANKS_PER_HOST": "1"}), (4, {"COMMLIB_RANKS_PER_HOST": "2"}),
+                 (3, {"COMMLIB_SHM_CMA": "0"})]
+
+
+@pytest.mark.parametrize("n,env", MISMATCH_RUNS, ids=lambda v: str(v))
+def test_mismatched_calls_raise_on_every_rank(n, env):
+    out = run_checked(n, "tests/mpi/mismatch.py", timeout=200, env=env)
+    print(re.search(r"mismatch figures.*", out).group(0))  # pytest -s shows the figures
+
+
+@pytest.mark.parametrize("n,env", [(2, {}), (3, {}), (3, {"COMMLIB_TRANSPORT": "mpi"}),
+                                   (3, {"COMMLIB_RANKS_PER_HOST": "1"})], ids=lambda v: str(v))
+def test_every_wait_is_bounded(n, env):
+    run_checked(n, "tests/mpi/timeouts.py", timeout=200, env=env)
+
+
 def _segments() -> set:
     return set(Path("/dev/shm").glob("mpich_shm_*")) | set(Path("/dev/shm").glob("commlib-*"))
 
@@ -79,3 +97,27 @@ def test_an_exception_on_one_rank_ends_the_job_at_once():
     assert "RETURNED" not in out
     assert took < 30, f"the job took {took:.0f} s to end"  # launch included; no hang
     assert _segments() <= before, "the aborted job left shared memory behind"
+
+
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def test_a_killed_rank_makes_every_survivor_raise_and_the_job_end(transport):
+    """Over shared memory the survivors see the process gone and raise at once. Over MPI,
+    MPICH itself ends them as soon as it sees the dead rank's connections drop (even with
+    -disable-auto-cleanup), before they could raise: there the job must just end, cleanly."""
+    before = _segments()
+    start = time.monotonic()
+    code, out = mpirun(3, "tests/mpi/kill_rank.py", timeout=60, options=("-disable-auto-cleanup",),
+                       env={"COMMLIB_TRANSPORT": transport, "COMMLIB_TIMEOUT": "3"})
+    took = time.monotonic() - start
+    assert code not in (None, 0), out[-3000:]
+    survivors = re.findall(r"SURVIVOR rank (\d) raised after ([\d.]+) s: (.*?)(?=SURVIVOR|\n|$)",
+                           out)
+    if transport == "shm":
+        assert sorted(r for r, _, _ in survivors) == ["0", "1"], out[-3000:]
+        for _, seconds, message in survivors:
+            assert float(seconds) < 1 and "rank 2" in message and "exited" in message, message
+    assert "RETURNED" not in out
+    assert took < 40, f"the job took {took:.0f} s to end"
+    left = subprocess.run(["pgrep", "-f", "tests/mpi/kill_rank.py"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"ranks left running: {left.stdout}"
+    assert _segments() <= before, "the killed rank left shared memory behind"

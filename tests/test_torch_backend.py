@@ -34,3 +34,8 @@ def test_torchrun_collectives_match_gloo(n):
 
 def test_torchrun_ddp_and_fsdp2():
     run_checked(2, "tests/mpi/torch_train.py", launch=torchrun)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_failures_arrive_as_dist_backend_errors(n):
+    run_checked(n, "tests/mpi/torch_errors.py")

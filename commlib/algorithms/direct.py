@@ -27,12 +27,12 @@ def reduce_scatter(comm, bufs, dtype, op):
 
 def all_gather(comm, bufs, dtype, op):
     out, inp = bufs["out"], bufs["in"]
-    comm._executor.transport.all_gather(out.ptr, inp.ptr, inp.nbytes)
+    comm._executor.transport.all_gather(out.ptr, inp.ptr, inp.numel, dtype.code)
 
 
 def broadcast(comm, bufs, dtype, op, root=0):
     b = bufs["out"]
-    comm._executor.transport.broadcast(b.ptr, b.nbytes, root)
+    comm._executor.transport.broadcast(b.ptr, b.numel, dtype.code, root)
 
 
 def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
@@ -41,10 +41,11 @@ def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
         params = (("input_splits", input_splits), ("output_splits", output_splits))
         plan = executor.plan(get("all_to_all", "pairwise"), comm.size, comm.rank,
                              bufs["in"].numel, size, params)
-        executor.run(plan, bufs, dtype.code, 0)
+        executor.run(plan, bufs, dtype.code, _C.OPS["sum"])
         return
     offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
-    executor.transport.all_to_all(bufs["out"].ptr, bufs["in"].ptr, offsets(input_splits),
+    executor.transport.all_to_all(bufs["out"].ptr, bufs["in"].ptr, dtype.code,
+                                  offsets(input_splits),
                                   [s * size for s in input_splits], offsets(output_splits),
                                   [s * size for s in output_splits])
 

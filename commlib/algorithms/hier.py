@@ -19,7 +19,9 @@ from . import register
 
 def _execute(comm, collective, bufs, count, dtype, op="sum", **params):
     from ..collectives import execute  # (import cycle: collectives -> select -> algorithms)
-    execute(comm, collective, bufs, count, dtype, ReduceOp(op), **params)
+    # the top-level call checked agreement and scales an average once, at the end
+    execute(comm, collective, bufs, count, dtype, ReduceOp("sum" if op == "avg" else op),
+            **params)
 
 
 def all_reduce(comm, bufs, dtype, op):

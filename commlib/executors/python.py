@@ -17,8 +17,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
-from ..errors import CommError
+from ..errors import CommError, CommTimeoutError
 from ..schedule import RecvReduce, Schedule
+from ..work import Deadline, _abandon, wait_request
 
 SEGMENT_BYTES = int(os.environ.get("COMMLIB_SEGMENT_BYTES", 1 << 20))
 # Reductions land in a few scratch slots reused round-robin rather than one slot per
@@ -99,6 +100,10 @@ class PythonExecutor:
         self._arena = np.empty(0, np.uint8)  # tmp, then receive scratch
         self._lock = threading.Lock()
         self.bytes_sent = 0  # to peers, over all runs
+        self.timeout = 0.0  # seconds a run may wait for its peers (0: forever)
+
+    def set_timeout(self, seconds: float) -> None:
+        self.timeout = seconds
 
     def _arena_for(self, nbytes: int) -> np.ndarray:
         if self._arena.size < nbytes:
@@ -113,13 +118,14 @@ class PythonExecutor:
             ptrs = {name: b.ptr for name, b in bufs.items()}
             ptrs["tmp"] = ptrs["arena"] = arena.ctypes.data
             errors: list = []
+            deadline = Deadline(self.timeout)
             for rnd in plan.rounds:
-                self._run_round(rnd, plan, views, ptrs, dtype_code, op_code, errors)
+                self._run_round(rnd, plan, views, ptrs, dtype_code, op_code, errors, deadline)
             self.bytes_sent += plan.sent_bytes
             if errors:
                 raise errors[0]
 
-    def _run_round(self, rnd, plan, views, ptrs, dtype_code, op_code, errors):
+    def _run_round(self, rnd, plan, views, ptrs, dtype_code, op_code, errors, deadline):
         """One round. Receives are posted in schedule order (MPI matches in posting order);
         one needing a scratch slot waits for a free one, freed as earlier ones are reduced.
         A bad transfer is recorded, not raised at once: finishing the schedule keeps every
@@ -151,7 +157,12 @@ class PythonExecutor:
         while pending:
             req, t, slot = pending.popleft()
             try:
-                req.Wait(status)
+                wait_request(req, deadline, f"rank {t.peer} (a {t.nbytes}-byte receive)",
+                             status, views)
+            except CommTimeoutError:  # the peers' state is unknown: drop everything posted
+                for other in [p[0] for p in pending] + sreqs:
+                    _abandon(other, views)
+                raise
             except MPI.Exception as e:  # e.g. a message longer than expected (truncated)
                 errors.append(CommError(f"receive from rank {t.peer} failed: {e}"))
             else:
@@ -167,4 +178,6 @@ class PythonExecutor:
             if slot is not None:
                 slots.append(slot)
                 post()
-        MPI.Request.Waitall(sreqs)
+        for req, t in zip(sreqs, sends):
+            wait_request(req, deadline, f"rank {t.peer} to take a {t.nbytes}-byte send",
+                         keep=views)

@@ -6,19 +6,19 @@ and once all have (a barrier) each unlinks its own, so nothing is left in /dev/s
 whatever happens next.
 
 A schedule is flattened once into the int64 plan csrc/shm_plan.cpp reads (cached like the
-mpi4py executor's plans); every call carries a signature so that ranks that disagree about
-a collective fail instead of exchanging wrong data. Such failures arrive as _C.PeerError,
-a commlib.CommError.
+mpi4py executor's plans), headed by what the ranks must agree on about the call (its
+descriptor, commlib/calls.py), so that ranks that disagree fail with
+CollectiveMismatchError instead of exchanging wrong data.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 from .. import _C
+from ..calls import NONE, pack_name
 from ..errors import CommError
 from ..schedule import RecvReduce, Schedule
 
@@ -36,17 +36,10 @@ def _config_from_env() -> dict:
             "staging_bytes": get("staging_bytes", 1 << 20)}
 
 
-def signature(*fields) -> int:
-    """A 63-bit hash of a call's description, equal on every rank (unlike hash())."""
-    digest = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 @dataclass(frozen=True)
 class ShmPlan:
     steps: np.ndarray  # int64, the format csrc/shm_plan.cpp documents
     tmp_bytes: int
-    sig: int
 
 
 def _deferrable(copy, rnd, user_aliased: bool) -> bool:
@@ -83,17 +76,27 @@ def flatten(schedule: Schedule, itemsize: int, user_aliased: bool = True) -> np.
     return np.array(out, dtype=np.int64)
 
 
+def call_header(algorithm, size: int, count: int, itemsize: int, params: dict) -> list:
+    """The plan's head (csrc/shm_plan.cpp): the descriptor fields it fixes, then
+    all_to_all's bytes to and from each peer, which every rank checks as a matrix."""
+    collective = algorithm.collective
+    head = [_C.COLLECTIVES[collective], pack_name(algorithm.name),
+            NONE if collective == "all_to_all" else count, params.get("root", NONE), 0]
+    if collective != "all_to_all":
+        return head + [0]
+    return head + [size] + [s * itemsize for s in params["input_splits"]] + [
+        s * itemsize for s in params["output_splits"]]
+
+
 @lru_cache(maxsize=4096)
 def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> ShmPlan:
-    schedule = algorithm.build(size, rank, count, itemsize, **dict(params))
-    # What every rank must agree on: all_to_all's counts and splits differ per rank (each
-    # transfer's size is checked on arrival instead).
-    agreed = (tuple(p for p in params if p[0] == "root") if algorithm.collective == "all_to_all"
-              else (count, params))
+    kwargs = dict(params)
+    schedule = algorithm.build(size, rank, count, itemsize, **kwargs)
     # only reduce_scatter and all_gather accept in-place forms where "in" is part of "out"
     aliased = algorithm.collective in ("reduce_scatter", "all_gather")
-    return ShmPlan(flatten(schedule, itemsize, aliased), schedule.tmp_count * itemsize,
-                   signature(algorithm.collective, algorithm.name, size, itemsize, agreed))
+    steps = flatten(schedule, itemsize, aliased)
+    head = np.array(call_header(algorithm, size, count, itemsize, kwargs), np.int64)
+    return ShmPlan(np.concatenate([head, steps]), schedule.tmp_count * itemsize)
 
 
 class ShmExecutor:
@@ -131,13 +134,18 @@ class ShmExecutor:
         wanted = os.environ.get("COMMLIB_SHM_CMA", "1") != "0"
         transport.cma = all(group.allgather(wanted and transport.probe_cma()))
         self.transport = transport
+        self.timeout = transport.timeout
 
     plan = staticmethod(plan_for)
+
+    def set_timeout(self, seconds: float) -> None:
+        """Seconds a call may wait for its peers (0: forever), from the next call on."""
+        self.timeout = self.transport.timeout = seconds
 
     def run(self, plan: ShmPlan, bufs: dict, dtype_code: int, op_code: int) -> None:
         inp = bufs.get("in")
         self.transport.run_plan(plan.steps, bufs["out"].ptr, inp.ptr if inp else 0,
-                                plan.tmp_bytes, dtype_code, op_code, plan.sig)
+                                plan.tmp_bytes, dtype_code, op_code)
 
     def barrier(self) -> None:
         self.transport.barrier()

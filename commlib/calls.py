@@ -1,0 +1,165 @@
+"""What a communicator knows about its collective calls: what the ranks must agree on (the
+descriptor), how long a call may wait (the timeout), and the last calls it made (the flight
+recorder).
+
+- descriptor: eight int64 fields (csrc/agreement.h): collective, algorithm (name packed
+  into 8 bytes), count, dtype, op, root, variant, reserved; _C.NONE where a field does not
+  apply. The shared-memory transport publishes it in shared memory with every call; other
+  transports exchange it (check_agreement) before the call moves data.
+- timeout: COMMLIB_TIMEOUT seconds (default 600, 0 = none), per communicator
+  (``comm.timeout``) and per call (``timeout=``).
+- flight recorder: the last COMMLIB_FLIGHT_RECORDER (default 64) calls of a communicator,
+  with sequence number, arguments, state and timings; ``comm.flight_record()`` returns
+  them and a timeout or mismatch prints them to stderr.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _C
+from .work import Deadline, wait_all_requests
+
+NONE = _C.NONE
+_now = time.monotonic
+REDUCING = ("all_reduce", "reduce", "reduce_scatter")
+ROOTED = ("broadcast", "reduce")
+
+
+def _env_number(name: str, default: float, kind=float) -> float:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}; expected a number") from None
+    if number < 0:
+        raise ValueError(f"{name}={value!r}; expected a number >= 0")
+    return number
+
+
+def default_timeout() -> float:
+    """COMMLIB_TIMEOUT: seconds a collective may wait for its peers (0: no limit)."""
+    return _env_number("COMMLIB_TIMEOUT", 600.0)
+
+
+def check_timeout(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0 (0: none), got {timeout!r}")
+    return float(timeout)
+
+
+def pack_name(name: str) -> int:
+    """An algorithm's name as csrc/agreement.h packs it: up to 8 ASCII bytes, little-endian."""
+    return int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little", signed=True)
+
+
+def descriptor(collective: str, algorithm: str, count: int, dtype_code: int, op_code: int,
+               root) -> list:
+    return [_C.COLLECTIVES[collective], pack_name(algorithm),
+            NONE if collective == "all_to_all" else count, dtype_code,
+            op_code if collective in REDUCING else NONE,
+            root if collective in ROOTED else NONE, 0, 0]
+
+
+AGREEMENT_TAG = 6  # on the collective communicator; the mpi4py executor uses 7
+
+
+def check_agreement(mpi_comm, desc: list, itemsize: int, splits=None, timeout=0.0) -> None:
+    """Every rank sends its descriptor (and all_to_all's splits) to every other, then all
+    raise CollectiveMismatchError alike if they differ. Point to point rather than one
+    allgather so that a timeout can name the ranks that never arrived."""
+    size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    table = np.zeros((size, 8 + 2 * size), np.int64)  # one size for every call: no truncation
+    table[me, :8] = desc
+    if splits:
+        table[me, 8:] = list(splits[0]) + list(splits[1])
+    peers = [p for p in range(size) if p != me]
+    recvs = [mpi_comm.Irecv(table[p], p, AGREEMENT_TAG) for p in peers]
+    sends = [mpi_comm.Isend(table[me], p, AGREEMENT_TAG) for p in peers]
+    requests = recvs + sends
+    if not MPI.Request.Testall(requests):
+        wait_all_requests(requests, [f"rank {p}" for p in peers] * 2, Deadline(timeout),
+                          "to start the same collective", keep=table)
+    _C.check_agreement(np.ascontiguousarray(table[:, :8]), itemsize,
+                       np.ascontiguousarray(table[:, 8:]) if splits else None)
+
+
+class FlightRecorder:
+    """The last ``size`` calls: [seq, collective, algorithm, count, dtype, op, root, state,
+    issued, started, finished, error] per call, kept as plain lists (cheap to record)."""
+
+    FIELDS = ("seq", "collective", "algorithm", "count", "dtype", "op", "root", "state",
+              "issued", "started", "finished", "error")
+
+    def __init__(self, owner: str, size: int | None = None):
+        self.owner = owner
+        self.calls: deque = deque(maxlen=int(_env_number("COMMLIB_FLIGHT_RECORDER", 64, int))
+                                  if size is None else size)
+        self.seq = 0
+
+    def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> list:
+        self.seq += 1
+        record = [self.seq, collective, algorithm, count, dtype, op, root, "issued",
+                  _now(), None, None, None]
+        self.calls.append(record)
+        return record
+
+    def retract(self, record) -> None:
+        """Forget the newest call (it was never made)."""
+        if self.calls and self.calls[-1] is record:
+            self.calls.pop()
+            self.seq -= 1
+
+    @staticmethod
+    def start(record) -> None:
+        record[7], record[9] = "running", _now()
+
+    @staticmethod
+    def finish(record, error: BaseException | None = None) -> None:
+        record[10] = _now()
+        if record[9] is None:  # ran at once (the fast path records no start)
+            record[9] = record[8]
+        if error is None:
+            record[7] = "done"
+        else:
+            record[7], record[11] = "failed", f"{type(error).__name__}: {error}"
+
+    def records(self) -> list[dict]:
+        out = []
+        for r in list(self.calls):
+            d = dict(zip(self.FIELDS, r))
+            d["dtype"] = str(d["dtype"]) if d["dtype"] is not None else None
+            out.append(d)
+        return out
+
+    def dump(self, file=None) -> str:
+        """The recorded calls as a table, oldest first; written to ``file`` (stderr)."""
+        if not self.calls.maxlen:
+            return ""
+        now = time.monotonic()
+        lines = [f"commlib flight recorder: {self.owner}, last {len(self.calls)} calls "
+                 f"(times in ms before now)"]
+        lines.append(f"{'seq':>6} {'state':8} {'collective':15} {'algorithm':9} {'count':>10} "
+                     f"{'dtype':9} {'op':5} {'root':>4} {'issued':>9} {'started':>9} "
+                     f"{'took':>9}  error")
+        ms = lambda t: f"{(now - t) * 1e3:9.1f}" if t is not None else f"{'-':>9}"  # noqa: E731
+        for d in self.records():
+            took = (f"{(d['finished'] - d['started']) * 1e3:9.3f}"
+                    if d["finished"] is not None and d["started"] is not None else f"{'-':>9}")
+            shown = {k: "-" if v is None else v for k, v in d.items()}
+            lines.append(f"{d['seq']:>6} {d['state']:8} {d['collective']:15} "
+                         f"{shown['algorithm']:9} {shown['count']:>10} {shown['dtype']:9} "
+                         f"{shown['op']:5} {shown['root']:>4} {ms(d['issued'])} "
+                         f"{ms(d['started'])} {took}  {d['error'] or ''}")
+        text = "\n".join(lines) + "\n"
+        print(text, file=file or sys.stderr, end="", flush=True)
+        return text

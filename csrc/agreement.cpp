@@ -1,0 +1,123 @@
+// Descriptors of calls and the messages that name a disagreement (see agreement.h).
+#include "agreement.h"
+
+#include <map>
+
+#include "kernels.h"
+
+namespace commlib {
+
+namespace {
+
+const char* const kDTypeNames[] = {"float16", "bfloat16", "float32", "float64",
+                                   "int8",    "uint8",    "int32",   "int64"};
+const char* const kOpNames[] = {"sum", "prod", "min", "max", "avg"};
+const char* const kFieldNames[] = {"collective", "algorithm", "count", "dtype",
+                                   "op",         "root",      "variant", "reserved"};
+
+std::string field_value(const Desc& d, int field) {
+  int64_t v = d.f[field];
+  if (v == kNone) return "-";
+  switch (field) {
+    case COLLECTIVE: return collective_name(v);
+    case ALGORITHM: {
+      std::string name;
+      for (int i = 0; i < 8 && (uint64_t(v) >> (8 * i)) & 0xff; ++i)
+        name += char((uint64_t(v) >> (8 * i)) & 0xff);
+      return name;
+    }
+    case DTYPE: return v >= 0 && v <= I64 ? kDTypeNames[v] : std::to_string(v);
+    case OP: return v >= 0 && v <= AVG ? kOpNames[v] : std::to_string(v);
+    default: return std::to_string(v);
+  }
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+}  // namespace
+
+const char* collective_name(int64_t code) {
+  static const char* const names[] = {"?",         "all_reduce", "reduce",     "reduce_scatter",
+                                      "all_gather", "broadcast", "all_to_all", "barrier"};
+  return code >= ALL_REDUCE && code <= BARRIER ? names[code] : "?";
+}
+
+bool Desc::operator==(const Desc& o) const {
+  for (int i = 0; i < kDescFields; ++i)
+    if (f[i] != o.f[i]) return false;
+  return true;
+}
+
+uint64_t Desc::hash() const {  // splitmix64 over the fields
+  uint64_t h = 0x636f6d6d6c6962ull;
+  for (int64_t v : f) {
+    h ^= uint64_t(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
+std::string describe(const Desc& d) {
+  std::string out = field_value(d, COLLECTIVE) + "(";
+  bool first = true;
+  for (int field : {COUNT, DTYPE, OP, ROOT, ALGORITHM, VARIANT}) {
+    if (d.f[field] == kNone || (field == VARIANT && d.f[field] == 0)) continue;
+    out += (first ? "" : ", ") + std::string(kFieldNames[field]) + "=" + field_value(d, field);
+    first = false;
+  }
+  return out + ")";
+}
+
+std::string disagreement(const std::vector<const Desc*>& descs) {
+  std::vector<const Desc*> kinds;     // distinct descriptors, in order of first rank
+  std::map<size_t, std::vector<int>> ranks_of;
+  for (int r = 0; r < int(descs.size()); ++r) {
+    if (!descs[r]) continue;
+    size_t k = 0;
+    while (k < kinds.size() && *kinds[k] != *descs[r]) ++k;
+    if (k == kinds.size()) kinds.push_back(descs[r]);
+    ranks_of[k].push_back(r);
+  }
+  if (kinds.size() < 2) return "";
+  std::string differ;
+  for (int field = 0; field < kDescFields; ++field)
+    for (const Desc* d : kinds)
+      if (d->f[field] != kinds[0]->f[field]) {
+        differ += (differ.empty() ? "" : ", ") + std::string(kFieldNames[field]);
+        break;
+      }
+  std::string out = "the ranks' calls do not match (" + differ + " differ" +
+                    (differ.find(',') == std::string::npos ? "s" : "") + "): ";
+  for (size_t k = 0; k < kinds.size(); ++k)
+    out += (k ? "; " : "") + rank_list(ranks_of[k]) + " called " + describe(*kinds[k]);
+  return out;
+}
+
+std::string split_disagreement(int size, int64_t itemsize,
+                               const std::function<int64_t(int, int)>& sent,
+                               const std::function<int64_t(int, int)>& expected) {
+  std::string out;
+  int shown = 0, pairs = 0;
+  for (int i = 0; i < size; ++i)
+    for (int j = 0; j < size; ++j) {
+      int64_t s = sent(i, j), e = expected(j, i);
+      if (s == e) continue;
+      if (shown++ < 4)
+        out += std::string(out.empty() ? "" : "; ") + "rank " + std::to_string(i) + " sends " +
+               std::to_string(s / itemsize) + " elements to rank " + std::to_string(j) +
+               ", which expects " + std::to_string(e / itemsize);
+      ++pairs;
+    }
+  if (pairs == 0) return "";
+  if (pairs > shown) out += "; and " + std::to_string(pairs - shown) + " more pairs";
+  return "all_to_all splits do not match across ranks (input_splits of rank i, entry j, "
+         "must equal output_splits of rank j, entry i): " + out;
+}
+
+}  // namespace commlib

@@ -1,0 +1,65 @@
+// What the ranks of a collective must agree on, and the errors that say they do not.
+//
+//   descriptor  eight int64 fields of one call: collective, algorithm, count, dtype, op,
+//               root, variant, reserved. kNone marks a field that does not apply (a
+//               root for all_reduce). The algorithm is its name packed into 8 ASCII
+//               bytes, so no table of algorithms is needed here.
+//   splits      all_to_all's bytes per peer. They may differ from rank to rank, so they
+//               are not in the descriptor: what rank i sends to j must equal what j
+//               expects from i, checked over the whole matrix.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace commlib {
+
+constexpr int64_t kNone = -1;
+
+enum Collective : int64_t {
+  ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL, BARRIER
+};
+const char* collective_name(int64_t code);
+
+enum DescField { COLLECTIVE, ALGORITHM, COUNT, DTYPE, OP, ROOT, VARIANT, RESERVED, kDescFields };
+
+struct Desc {
+  int64_t f[kDescFields];
+  bool operator==(const Desc& o) const;
+  bool operator!=(const Desc& o) const { return !(*this == o); }
+  uint64_t hash() const;  // the signature stored next to it, for cheap comparisons
+};
+
+constexpr int64_t pack_name(const char* s) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8 && s[i]; ++i) v |= uint64_t(uint8_t(s[i])) << (8 * i);
+  return int64_t(v);
+}
+
+// "all_reduce(count=10, dtype=float32, op=sum, algorithm=ring)"
+std::string describe(const Desc& d);
+
+// "" when every present rank's descriptor is the same; otherwise a message that groups
+// the ranks by what they called and names the fields that differ. descs[r] is nullptr
+// for a rank whose call is unknown.
+std::string disagreement(const std::vector<const Desc*>& descs);
+
+// "" when sent(i, j) == expected(j, i) for every pair; otherwise the pairs that differ,
+// in elements of `itemsize` bytes.
+std::string split_disagreement(int size, int64_t itemsize,
+                               const std::function<int64_t(int, int)>& sent,
+                               const std::function<int64_t(int, int)>& expected);
+
+// Raised as commlib.CollectiveMismatchError and commlib.CommTimeoutError. Messages do not
+// number the call: Python prefixes its own sequence number (calls.py).
+struct MismatchError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace commlib

@@ -1,0 +1,99 @@
+"""Ranks that disagree about a collective: every rank raises CollectiveMismatchError naming
+what differs and which ranks called what, within seconds, on whatever transport this
+launch uses (COMMLIB_TRANSPORT / COMMLIB_RANKS_PER_HOST). The last rank disagrees.
+
+Usage: mpiexec -n N python tests/mpi/mismatch.py   (N >= 2; prints the figures on rank 0)
+"""
+import time
+
+import numpy as np
+
+import commlib
+from harness import Checker
+
+world = commlib.init()
+n, rank = world.size, world.rank
+odd = rank == n - 1  # the rank that disagrees
+check = Checker()
+detected, tried, seconds = 0, 0, []
+
+
+def ones(count, dtype="float64"):
+    return np.ones(count, dtype)
+
+
+def all_to_all_splits(comm):
+    # rank 0 expects one element more from the last rank than the last rank sends it
+    isplits, osplits = [2] * n, [2] * n
+    if rank == 0:
+        osplits[n - 1] = 3
+    comm.all_to_all(np.zeros(sum(osplits)), ones(sum(isplits)), osplits, isplits)
+
+
+def two_algorithms(comm, collective):
+    names = [a for a in comm.algorithms(collective) if a != "hier"]
+    return names[0], names[1]
+
+
+CASES = {  # name: (what the message must name, the call each rank makes)
+    "all_reduce count": ("count", lambda c: c.all_reduce(ones(10 + odd))),
+    "all_reduce dtype": ("dtype", lambda c: c.all_reduce(ones(8, "float32" if odd else "float64"))),
+    "all_reduce op": ("op", lambda c: c.all_reduce(ones(8), op="max" if odd else "sum")),
+    "all_reduce sum vs avg": ("op", lambda c: c.all_reduce(ones(8), op="avg" if odd else "sum")),
+    "all_reduce algorithm": ("algorithm", lambda c: c.all_reduce(
+        ones(1000), algorithm=two_algorithms(c, "all_reduce")[odd])),
+    "reduce_scatter count": ("count", lambda c: c.reduce_scatter(ones(4 + odd), ones(n * (4 + odd)))),
+    "reduce_scatter op": ("op", lambda c: c.reduce_scatter(ones(4), ones(4 * n),
+                                                           op="min" if odd else "sum")),
+    "all_gather count": ("count", lambda c: c.all_gather(ones(n * (3 + odd)), ones(3 + odd))),
+    "all_gather dtype": ("dtype", lambda c: c.all_gather(
+        ones(4 * n, "int32" if odd else "float32"), ones(4, "int32" if odd else "float32"))),
+    "broadcast root": ("root", lambda c: c.broadcast(ones(6), root=1 if odd else 0)),
+    "broadcast count": ("count", lambda c: c.broadcast(ones(6 + odd))),
+    "reduce root": ("root", lambda c: c.reduce(ones(6), root=1 if odd else 0)),
+    "reduce op": ("op", lambda c: c.reduce(ones(6), op="prod" if odd else "sum")),
+    "all_to_all splits": ("splits", all_to_all_splits),
+    "all_reduce vs broadcast": ("collective", lambda c: c.broadcast(ones(8)) if odd
+                                else c.all_reduce(ones(8))),
+    "barrier vs all_reduce": ("collective", lambda c: c.barrier() if odd
+                              else c.all_reduce(ones(8))),
+    "all_gather vs all_to_all": ("collective", lambda c: c.all_to_all(ones(2 * n), ones(2 * n))
+                                 if odd else c.all_gather(ones(2 * n), ones(2))),
+}
+
+
+def case(name, field, call):
+    def run():
+        global detected, tried
+        comm = world.dup()
+        comm.timeout = 20  # a missed mismatch becomes a timeout, not a hang
+        start = time.monotonic()
+        try:
+            call(comm)
+            outcome = "returned"
+        except commlib.CollectiveMismatchError as e:
+            outcome = str(e)
+        except commlib.CommError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - start
+        outcomes = world.mpi.allgather(outcome)
+        tried += 1
+        seconds.append(max(world.mpi.allgather(took)))
+        fine = all(o.startswith("collective #") and "match" in o for o in outcomes)
+        detected += fine
+        assert fine, f"not every rank raised CollectiveMismatchError: {outcomes}"
+        mine = outcomes[rank]
+        assert field in mine and f"rank {n - 1}" in mine, f"{field!r} or rank {n - 1} not named: {mine}"
+        comm.free()
+    return run
+
+
+if n >= 2:
+    transport = world.dup().transport
+    for name, (field, call) in CASES.items():
+        check.check(name, case(name, field, call))
+    if rank == 0:
+        print(f"mismatch figures ({transport}, {n} ranks): {tried} cases, {detected} raised "
+              f"CollectiveMismatchError on every rank; time to detection median "
+              f"{np.median(seconds) * 1e3:.1f} ms, max {max(seconds) * 1e3:.1f} ms", flush=True)
+check.finish()
