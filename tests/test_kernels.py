@@ -206,7 +206,7 @@ def test_bad_arguments():
             _C.reduce(p, p, p, 4, dt, s)
         with pytest.raises(ValueError, match="dtype"):
             _C.scale(p, 4, dt, 1.0)
-    for op in (-1, 4):
+    for op in (-1, 5):
         with pytest.raises(ValueError, match="op"):
             _C.reduce_into(p, p, 4, f32, op)
     with pytest.raises(ValueError, match="count"):

@@ -85,6 +85,9 @@ class Checker:
         except Exception as e:  # noqa: BLE001 - collected and reported below
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             self.failures.append(f"{name}: {detail[:400]}")
+            # at once: a failure that leaves the ranks out of step may hang the next case
+            rank = os.environ.get("RANK", MPI.COMM_WORLD.rank)  # torchrun's, else MPI's
+            print(f"[rank {rank}] FAIL {self.failures[-1]}", flush=True)
 
     def run_cases(self, namespace: dict) -> None:
         """Check every public zero-argument function the calling script defined, then finish."""
@@ -96,8 +99,6 @@ class Checker:
 
     def finish(self) -> None:
         failed, rank, barrier = _over_ranks(len(self.failures))
-        for line in self.failures[:20]:
-            print(f"[rank {rank}] FAIL {line}", flush=True)
         barrier()
         if rank == 0:
             print(f"commlib-check: {self.cases} cases, {failed} failures", flush=True)

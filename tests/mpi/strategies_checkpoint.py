@@ -153,14 +153,16 @@ def errors_case(base: Path):
         train(trainer, 0, 1)
         save_checkpoint(root, 1, trainer)
         save_checkpoint(root, 1, trainer)  # the same step again replaces it
-        assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+        listed = sorted(p.name for p in root.iterdir())
+        assert listed == ["step-00000001"], listed
+        world.barrier()  # every rank has looked before rank 0 changes the directory below
         raises(ValueError, "not a directory", lambda: load_checkpoint(root / "nothing", trainer))
         raises(ValueError, "no complete checkpoint", lambda: load_checkpoint(base, trainer))
         if rank == 0:  # a step directory without its manifest: a save that did not finish
             shutil.copytree(root / "step-00000001", root / "step-00000002")
             (root / "step-00000002" / "manifest.json").unlink()
         world.barrier()
-        assert latest_checkpoint(root).name == "step-00000001"
+        assert latest_checkpoint(root).name == "step-00000001", latest_checkpoint(root)
         raises(ValueError, "incomplete checkpoint",
                lambda: load_checkpoint(root / "step-00000002", trainer))
         other = make("--zero 2", "--d-model", "24")
