@@ -62,36 +62,32 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
     agree = check and (comm._check_agreement or plan is None and algo.name == "native"
                        and comm.transport == "shm")
 
-    def call():
-        comm._start(record)
+    what = f"{collective} ({algo.name})"
+
+    def body():
         if executor.timeout != seconds:
             executor.set_timeout(seconds)
-        try:
-            if agree:
-                splits = None
-                if collective == "all_to_all":
-                    splits = [[s * dtype.itemsize for s in params[k]]
-                              for k in ("input_splits", "output_splits")]
-                desc = descriptor(collective, algo.name, count, dtype.code, op_code,
-                                  params.get("root", NONE))
-                if comm.transport == "shm":
-                    executor.transport.agree(desc, *(splits or ([], [])), dtype.itemsize)
-                else:
-                    check_agreement(comm._coll, desc, dtype.itemsize, splits, seconds)
-            if plan is None:
-                algo.run(comm, bufs, dtype, op.value, **params)
+        if agree:
+            splits = None
+            if collective == "all_to_all":
+                splits = [[s * dtype.itemsize for s in params[k]]
+                          for k in ("input_splits", "output_splits")]
+            desc = descriptor(collective, algo.name, count, dtype.code, op_code,
+                              params.get("root", NONE))
+            if comm.transport == "shm":
+                executor.transport.agree(desc, *(splits or ([], [])), dtype.itemsize)
             else:
-                executor.run(plan, bufs, dtype.code, op_code)
-        except MPI.Exception as e:
-            error = CommError(f"{collective} ({algo.name}) failed inside MPI: {e}")
-            comm._finish(record, error)
-            raise error from e
-        except CommError as e:
-            raise comm._finish(record, e)
+                check_agreement(comm._coll, desc, dtype.itemsize, splits, seconds)
+        if plan is None:
+            algo.run(comm, bufs, dtype, op.value, **params)
+        else:
+            executor.run(plan, bufs, dtype.code, op_code)
         if average:
             target = bufs["out"]
             _C.scale(target.ptr, target.numel, dtype.code, 1.0 / comm.size)
-        FlightRecorder.finish(record)
+
+    def call():
+        comm._run_recorded(record, what, body)
 
     return call
 
@@ -229,24 +225,18 @@ def barrier(comm=None, async_op=False, timeout=None):
     seconds = comm.timeout if timeout is None else check_timeout(timeout)
     record = comm._recorder.issue("barrier", None, 0, None)
 
+    def body():
+        if comm.transport == "shm":
+            comm._executor.set_timeout(seconds)
+            comm._executor.barrier()
+        elif comm._check_agreement:  # an allgather is a barrier too
+            check_agreement(comm._coll, descriptor("barrier", "native", 0, NONE, NONE, NONE),
+                            1, timeout=seconds)
+        else:
+            wait_request(comm._coll.Ibarrier(), Deadline(seconds), "its peers to arrive")
+
     def task():
-        comm._start(record)
-        try:
-            if comm.transport == "shm":
-                comm._executor.set_timeout(seconds)
-                comm._executor.barrier()
-            elif comm._check_agreement:  # an allgather is a barrier too
-                check_agreement(comm._coll, descriptor("barrier", "native", 0, NONE, NONE, NONE),
-                                1, timeout=seconds)
-            else:
-                wait_request(comm._coll.Ibarrier(), Deadline(seconds), "its peers to arrive")
-        except MPI.Exception as e:
-            error = CommError(f"barrier failed inside MPI: {e}")
-            comm._finish(record, error)
-            raise error from e
-        except CommError as e:
-            raise comm._finish(record, e)
-        FlightRecorder.finish(record)
+        comm._run_recorded(record, "barrier", body)
 
     return comm._engine.run("barrier", task, async_op)
 

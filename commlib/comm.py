@@ -9,7 +9,7 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, collectives  # noqa: E402
-from .calls import FlightRecorder, _now, check_timeout, default_timeout  # noqa: E402
+from .calls import FlightRecorder, check_timeout, default_timeout  # noqa: E402
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError  # noqa: E402
 from .exchange import MpiGroup  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
@@ -102,12 +102,21 @@ class Communicator:
         """The last calls on this communicator, oldest first (calls.FlightRecorder)."""
         return self._recorder.records()
 
-    def _start(self, record) -> None:  # the call is about to run
+    def _run_recorded(self, record, what: str, body) -> None:
+        """Run ``body()`` as the recorded call ``record`` (refused once this communicator
+        failed); MPI's own errors become CommError naming ``what``."""
         if self._failure is not None:
-            error = CommError(f"this communicator is unusable after an earlier failure "
-                              f"({self._failure}); create a new communicator")
-            raise self._finish(record, error)
-        record[7], record[9] = "running", _now()
+            raise self._finish(record, CommError(
+                f"this communicator is unusable after an earlier failure ({self._failure}); "
+                "create a new communicator"))
+        FlightRecorder.start(record)
+        try:
+            body()
+        except MPI.Exception as e:
+            raise self._finish(record, CommError(f"{what} failed inside MPI: {e}")) from e
+        except CommError as e:
+            raise self._finish(record, e)
+        FlightRecorder.finish(record)
 
     def _finish(self, record, error: BaseException | None = None):
         """Record how the call ended; returns ``error``. A timeout or disagreement ends the

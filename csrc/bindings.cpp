@@ -143,15 +143,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("descs"), py::arg("itemsize"), py::arg("splits"),
       "Raise CollectiveMismatchError naming what differs if the ranks' calls disagree.");
-  m.def(
-      "describe",
-      [](py::array_t<int64_t, py::array::c_style> fields) {
-        if (fields.size() != commlib::kDescFields) throw std::invalid_argument("8 fields");
-        commlib::Desc d;
-        std::copy(fields.data(), fields.data() + commlib::kDescFields, d.f);
-        return commlib::describe(d);
-      },
-      py::arg("fields"), "A call's descriptor as text, e.g. all_reduce(count=4, dtype=float32, ...).");
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "
@@ -200,7 +191,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
                     "seconds a call may wait for its peers before CommTimeoutError (0: none)")
-      .def_property_readonly("calls", &ShmComm::calls)
       .def(
           "all_reduce_sum_array",
           [](ShmComm& c, py::handle obj, int64_t max_bytes) {

@@ -147,7 +147,6 @@ class ShmComm {
   // Seconds any wait of a call may take before it fails with TimeoutError (0: forever).
   double timeout() const { return timeout_; }
   void set_timeout(double seconds);
-  uint64_t calls() const { return call_; }  // collectives started on this communicator
 
   // Single copy: probe whether this rank can read every peer's memory; every rank must
   // then set_cma() to the verdict of all (an all-reduce over the probes).
