@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from mpi4py import MPI
 
@@ -30,6 +31,9 @@ def install() -> None:
                   "aborting the job (COMMLIB_ABORT_ON_EXCEPTION=0 to wait instead)",
                   file=sys.stderr, flush=True)
             unlink_mpich_segments()
+            # mpiexec kills every rank and exits as soon as it hears of the abort; output
+            # still in its forwarding pipes is lost, the traceback with it. Give it a moment.
+            time.sleep(0.3)
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job

@@ -5,7 +5,7 @@ recorder).
 - descriptor: eight int64 fields (csrc/agreement.h): collective, algorithm (name packed
   into 8 bytes), count, dtype, op, root, variant, reserved; _C.NONE where a field does not
   apply. The shared-memory transport publishes it in shared memory with every call; other
-  transports exchange it (check_agreement) before the call moves data.
+  transports exchange it (Agreement) before the call moves data.
 - timeout: COMMLIB_TIMEOUT seconds (default 600, 0 = none), per communicator
   (``comm.timeout``) and per call (``timeout=``).
 - flight recorder: the last COMMLIB_FLIGHT_RECORDER (default 64) calls of a communicator,
@@ -70,27 +70,48 @@ def descriptor(collective: str, algorithm: str, count: int, dtype_code: int, op_
             root if collective in ROOTED else NONE, 0, 0]
 
 
+def invalid_descriptor(collective: str) -> list:
+    """What a rank whose arguments failed validation publishes instead (agreement.h)."""
+    return [_C.COLLECTIVES[collective], NONE, NONE, NONE, NONE, NONE, _C.INVALID, 0]
+
+
 AGREEMENT_TAG = 6  # on the collective communicator; the mpi4py executor uses 7
 
 
-def check_agreement(mpi_comm, desc: list, itemsize: int, splits=None, timeout=0.0) -> None:
-    """Every rank sends its descriptor (and all_to_all's splits) to every other, then all
-    raise CollectiveMismatchError alike if they differ. Point to point rather than one
-    allgather so that a timeout can name the ranks that never arrived."""
-    size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    table = np.zeros((size, 8 + 2 * size), np.int64)  # one size for every call: no truncation
-    table[me, :8] = desc
-    if splits:
-        table[me, 8:] = list(splits[0]) + list(splits[1])
-    peers = [p for p in range(size) if p != me]
-    recvs = [mpi_comm.Irecv(table[p], p, AGREEMENT_TAG) for p in peers]
-    sends = [mpi_comm.Isend(table[me], p, AGREEMENT_TAG) for p in peers]
-    requests = recvs + sends
-    if not MPI.Request.Testall(requests):
-        wait_all_requests(requests, [f"rank {p}" for p in peers] * 2, Deadline(timeout),
-                          "to start the same collective", keep=table)
-    _C.check_agreement(np.ascontiguousarray(table[:, :8]), itemsize,
-                       np.ascontiguousarray(table[:, 8:]) if splits else None)
+class Agreement:
+    """Checks that every rank of an MPI communicator makes the same call: each sends its
+    descriptor (and all_to_all's splits) to every other, then all raise
+    CollectiveMismatchError alike if they differ. Point to point rather than one allgather
+    so that a timeout can name the ranks that never arrived. Calls on a communicator run
+    one at a time, so one table and one set of persistent requests serve them all (starting
+    those costs far less than posting new ones)."""
+
+    def __init__(self, mpi_comm):
+        size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
+        # one message size for every call: a row is 8 fields, then bytes sent and
+        # received per peer (all_to_all only); no message is ever truncated
+        self.table = np.zeros((size, 8 + 2 * size), np.int64)
+        self.mine = self.table[me]
+        peers = [p for p in range(size) if p != me]
+        self.requests = ([mpi_comm.Recv_init(self.table[p], p, AGREEMENT_TAG) for p in peers]
+                         + [mpi_comm.Send_init(self.mine, p, AGREEMENT_TAG) for p in peers])
+        self.peers = [f"rank {p}" for p in peers] * 2
+
+    def check(self, desc: list, itemsize: int, splits=None, timeout=0.0) -> None:
+        self.mine[:8] = desc
+        if splits:
+            self.mine[8:] = list(splits[0]) + list(splits[1])
+        MPI.Prequest.Startall(self.requests)
+        if not MPI.Request.Testall(self.requests):
+            wait_all_requests(self.requests, self.peers, Deadline(timeout),
+                              "to start the same collective", keep=self.table)
+        _C.check_agreement(self.table, itemsize, bool(splits))
+
+    def free(self) -> None:
+        for request in self.requests:
+            if request and not request.Test():  # abandoned after a timeout: MPI keeps it
+                continue
+            request.Free()
 
 
 class FlightRecorder:

@@ -1,5 +1,9 @@
 """The public collectives. Each validates its arguments locally (ValueError/TypeError before
-anything is sent), picks an algorithm, and runs it. ``comm=None`` means the world."""
+anything is sent), picks an algorithm, and runs it. ``comm=None`` means the world.
+
+A rank whose arguments fail validation still joins the call's agreement, with an invalid
+descriptor (``_tell_peers``): its peers then raise CollectiveMismatchError at once
+instead of waiting for it until the timeout, whichever rank's arguments were bad."""
 from __future__ import annotations
 
 import operator
@@ -9,9 +13,9 @@ from mpi4py import MPI
 
 from . import _C
 from .buffers import Buffer, as_buffer
-from .calls import (NONE, REDUCING, FlightRecorder, check_agreement, check_timeout,
-                    descriptor)
-from .errors import CommError
+from .calls import (NONE, REDUCING, FlightRecorder, check_timeout,
+                    descriptor, invalid_descriptor)
+from .errors import CollectiveMismatchError, CommError
 from .ops import ReduceOp
 from .work import Deadline, finished, in_thread, wait_request
 
@@ -77,8 +81,10 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
             if comm.transport == "shm":
                 executor.transport.agree(desc, *(splits or ([], [])), dtype.itemsize)
             else:
-                check_agreement(comm._coll, desc, dtype.itemsize, splits, seconds)
+                comm._agreement.check(desc, dtype.itemsize, splits, seconds)
         if plan is None:
+            if comm._layout is not None:  # hier runs collectives of its own
+                comm._layout.bound(seconds)
             algo.run(comm, bufs, dtype, op.value, **params)
         else:
             executor.run(plan, bufs, dtype.code, op_code)
@@ -92,11 +98,40 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
     return call
 
 
-def _run(comm, collective, algorithm, bufs, count, dtype, op=ReduceOp.SUM, *, result,
-         async_op=False, timeout=None, **params):
-    """Validate-then-run entry of the public collectives: on the communicator's engine."""
-    return comm._engine.run(collective, _prepare(comm, collective, algorithm, bufs, count, dtype,
-                                                 op, params, timeout), async_op, result)
+def _tell_peers(comm, collective: str, error: Exception) -> None:
+    """``error`` (ValueError/TypeError: this rank's arguments are invalid) is about to be
+    raised; first tell the peers, when the communicator checks agreement at all (shared
+    memory always, else unless COMMLIB_CHECK=0). Ranks whose arguments are all invalid agree
+    and raise their own errors; valid peers raise CollectiveMismatchError naming the
+    invalid ranks. (Each collective catches its own validation errors: a try block costs
+    nothing on the calls that pass, a context manager would on every call.)"""
+    if comm.size > 1 and (comm.transport == "shm" or comm._check_agreement):
+        problem = _announce_invalid(comm, collective)
+        if problem:
+            error.add_note(f"commlib: {problem}")
+
+
+def _announce_invalid(comm, collective: str) -> str | None:
+    """Join the agreement of this call with an invalid descriptor; returns what the peers
+    made of it, when that is not what they did themselves."""
+    record = comm._recorder.issue(collective, "invalid", None, None)
+    desc = invalid_descriptor(collective)
+
+    def body():
+        if comm.transport == "shm":
+            comm._executor.set_timeout(comm.timeout)
+            comm._executor.transport.agree(desc, [], [], 1)
+        else:
+            comm._agreement.check(desc, 1, None, comm.timeout)
+
+    try:
+        comm._engine.run(collective, lambda: comm._run_recorded(record, collective, body),
+                         async_op=False)
+    except CollectiveMismatchError:
+        return "its peers made a valid call; they raise CollectiveMismatchError"
+    except CommError as e:
+        return f"telling its peers that the call is invalid failed: {e}"
+    return None
 
 
 def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=None, **params):
@@ -123,9 +158,14 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
             FlightRecorder.finish(record)
             return t
         comm._recorder.retract(record)
-    buf = as_buffer(t, "t")
-    return _run(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op, timeout=timeout)
+    try:
+        buf = as_buffer(t, "t")
+        call = _prepare(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
+                        ReduceOp.parse(op, buf.dtype), {}, timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "all_reduce", e)
+        raise
+    return comm._engine.run("all_reduce", call, async_op, t)
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
@@ -146,19 +186,29 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
                    timeout=None):
     """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
     comm = _comm(comm)
-    out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
-    _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
-    return _run(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel, out.dtype,
-                ReduceOp.parse(op, out.dtype), result=output, async_op=async_op, timeout=timeout)
+    try:
+        out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
+        _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
+        call = _prepare(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel,
+                        out.dtype, ReduceOp.parse(op, out.dtype), {}, timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "reduce_scatter", e)
+        raise
+    return comm._engine.run("reduce_scatter", call, async_op, output)
 
 
 def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout=None):
     """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
     comm = _comm(comm)
-    out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
-    _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
-    return _run(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
-                result=output, async_op=async_op, timeout=timeout)
+    try:
+        out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
+        _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
+        call = _prepare(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel,
+                        inp.dtype, ReduceOp.SUM, {}, timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "all_gather", e)
+        raise
+    return comm._engine.run("all_gather", call, async_op, output)
 
 
 def _splits(comm, splits, total: int, name: str) -> tuple:
@@ -191,38 +241,56 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
     Splits count elements per peer (like torch's all_to_all_single); None means equal parts.
     """
     comm = _comm(comm)
-    out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
-    _same_dtype(out, inp, "output and input")
-    if out.overlaps(inp):
-        raise ValueError("all_to_all: output and input overlap; use separate tensors")
-    osplits = _splits(comm, output_splits, out.numel, "output_splits")
-    isplits = _splits(comm, input_splits, inp.numel, "input_splits")
-    return _run(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel, inp.dtype,
-                result=output, async_op=async_op, timeout=timeout, input_splits=isplits,
-                output_splits=osplits)
+    try:
+        out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
+        _same_dtype(out, inp, "output and input")
+        if out.overlaps(inp):
+            raise ValueError("all_to_all: output and input overlap; use separate tensors")
+        splits = {"input_splits": _splits(comm, input_splits, inp.numel, "input_splits"),
+                  "output_splits": _splits(comm, output_splits, out.numel, "output_splits")}
+        call = _prepare(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel,
+                        inp.dtype, ReduceOp.SUM, splits, timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "all_to_all", e)
+        raise
+    return comm._engine.run("all_to_all", call, async_op, output)
 
 
 def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None):
     """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
     comm = _comm(comm)
-    buf = as_buffer(t, "t")
-    return _run(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype, result=t,
-                async_op=async_op, timeout=timeout, root=_check_rank(comm, root, "root"))
+    try:
+        buf = as_buffer(t, "t")
+        call = _prepare(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype,
+                        ReduceOp.SUM, {"root": _check_rank(comm, root, "root")}, timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "broadcast", e)
+        raise
+    return comm._engine.run("broadcast", call, async_op, t)
 
 
 def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
     """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is unchanged."""
     comm = _comm(comm)
-    buf = as_buffer(t, "t")
-    return _run(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-                ReduceOp.parse(op, buf.dtype), result=t, async_op=async_op, timeout=timeout,
-                root=_check_rank(comm, root, "root"))
+    try:
+        buf = as_buffer(t, "t")
+        call = _prepare(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
+                        ReduceOp.parse(op, buf.dtype), {"root": _check_rank(comm, root, "root")},
+                        timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "reduce", e)
+        raise
+    return comm._engine.run("reduce", call, async_op, t)
 
 
 def barrier(comm=None, async_op=False, timeout=None):
     """Return once every rank has called barrier (a Work if ``async_op``)."""
     comm = _comm(comm)
-    seconds = comm.timeout if timeout is None else check_timeout(timeout)
+    try:
+        seconds = comm.timeout if timeout is None else check_timeout(timeout)
+    except (ValueError, TypeError) as e:
+        _tell_peers(comm, "barrier", e)
+        raise
     record = comm._recorder.issue("barrier", None, 0, None)
 
     def body():
@@ -230,8 +298,8 @@ def barrier(comm=None, async_op=False, timeout=None):
             comm._executor.set_timeout(seconds)
             comm._executor.barrier()
         elif comm._check_agreement:  # an allgather is a barrier too
-            check_agreement(comm._coll, descriptor("barrier", "native", 0, NONE, NONE, NONE),
-                            1, timeout=seconds)
+            comm._agreement.check(descriptor("barrier", "native", 0, NONE, NONE, NONE), 1,
+                                  timeout=seconds)
         else:
             wait_request(comm._coll.Ibarrier(), Deadline(seconds), "its peers to arrive")
 

@@ -9,7 +9,7 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, collectives  # noqa: E402
-from .calls import FlightRecorder, check_timeout, default_timeout  # noqa: E402
+from .calls import Agreement, FlightRecorder, check_timeout, default_timeout  # noqa: E402
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError  # noqa: E402
 from .exchange import MpiGroup  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
@@ -77,6 +77,7 @@ class Communicator:
         # exchange descriptors first, unless COMMLIB_CHECK=0
         self._check_agreement = (self.transport != "shm"
                                  and os.environ.get("COMMLIB_CHECK", "1") != "0")
+        self._agreement = Agreement(self._coll) if self._check_agreement else None
         self._failure: str | None = None  # why this communicator can no longer be used
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
@@ -225,6 +226,8 @@ class Communicator:
         if self._layout is not None:
             self._layout.free()
         self._executor = None  # unmaps shared memory
+        if self._agreement is not None:
+            self._agreement.free()
         for c in (self._coll, self._p2p):
             if isinstance(c, MPI.Comm) and c != MPI.COMM_NULL:
                 c.Free()

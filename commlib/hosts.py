@@ -99,6 +99,13 @@ class HostLayout:
             raw = self._scratch[slot] = np.empty(nbytes, np.uint8)
         return Buffer(raw, raw.ctypes.data, numel, dtype, raw[:nbytes])
 
+    def bound(self, seconds) -> None:
+        """Bound each sub-collective of the next call by that call's timeout (hier's
+        all_reduce also drives the local transport directly)."""
+        for c in (self.local, self.cross):
+            c.timeout = seconds
+        self.local._executor.set_timeout(seconds)
+
     def free(self):
         for c in (self.local, self.cross):
             c.free()

@@ -1,6 +1,7 @@
 // Descriptors of calls and the messages that name a disagreement (see agreement.h).
 #include "agreement.h"
 
+#include <algorithm>
 #include <map>
 
 #include "kernels.h"
@@ -64,6 +65,7 @@ uint64_t Desc::hash() const {  // splitmix64 over the fields
 }
 
 std::string describe(const Desc& d) {
+  if (d.f[VARIANT] == kInvalid) return field_value(d, COLLECTIVE) + " with invalid arguments";
   std::string out = field_value(d, COLLECTIVE) + "(";
   bool first = true;
   for (int field : {COUNT, DTYPE, OP, ROOT, ALGORITHM, VARIANT}) {
@@ -85,6 +87,19 @@ std::string disagreement(const std::vector<const Desc*>& descs) {
     ranks_of[k].push_back(r);
   }
   if (kinds.size() < 2) return "";
+  std::string calls;
+  std::vector<int> invalid;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    calls += (k ? "; " : "") + rank_list(ranks_of[k]) + " called " + describe(*kinds[k]);
+    if (kinds[k]->f[VARIANT] == kInvalid)
+      invalid.insert(invalid.end(), ranks_of[k].begin(), ranks_of[k].end());
+  }
+  if (!invalid.empty()) {
+    std::sort(invalid.begin(), invalid.end());
+    return "the ranks' calls do not match: the arguments of " + rank_list(invalid) +
+           " are invalid (" + (invalid.size() == 1 ? "it raises" : "they raise") +
+           " ValueError or TypeError saying why): " + calls;
+  }
   std::string differ;
   for (int field = 0; field < kDescFields; ++field)
     for (const Desc* d : kinds)
@@ -92,11 +107,8 @@ std::string disagreement(const std::vector<const Desc*>& descs) {
         differ += (differ.empty() ? "" : ", ") + std::string(kFieldNames[field]);
         break;
       }
-  std::string out = "the ranks' calls do not match (" + differ + " differ" +
-                    (differ.find(',') == std::string::npos ? "s" : "") + "): ";
-  for (size_t k = 0; k < kinds.size(); ++k)
-    out += (k ? "; " : "") + rank_list(ranks_of[k]) + " called " + describe(*kinds[k]);
-  return out;
+  return "the ranks' calls do not match (" + differ + " differ" +
+         (differ.find(',') == std::string::npos ? "s" : "") + "): " + calls;
 }
 
 std::string split_disagreement(int size, int64_t itemsize,

@@ -4,6 +4,9 @@
 //               root, variant, reserved. kNone marks a field that does not apply (a
 //               root for all_reduce). The algorithm is its name packed into 8 ASCII
 //               bytes, so no table of algorithms is needed here.
+//   invalid     the descriptor of a call whose arguments failed validation on its rank:
+//               only the collective is set, and variant = kInvalid. The rank still takes
+//               part in the agreement, so its peers raise instead of waiting for it.
 //   splits      all_to_all's bytes per peer. They may differ from rank to rank, so they
 //               are not in the descriptor: what rank i sends to j must equal what j
 //               expects from i, checked over the whole matrix.
@@ -18,6 +21,7 @@
 namespace commlib {
 
 constexpr int64_t kNone = -1;
+constexpr int64_t kInvalid = 1;  // the variant of an invalid call
 
 enum Collective : int64_t {
   ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL, BARRIER

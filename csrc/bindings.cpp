@@ -60,6 +60,7 @@ PYBIND11_MODULE(_C, m) {
     collectives[commlib::collective_name(c)] = c;
   m.attr("COLLECTIVES") = collectives;
   m.attr("NONE") = commlib::kNone;
+  m.attr("INVALID") = commlib::kInvalid;
 
   m.def(
       "reduce",
@@ -117,31 +118,28 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "check_agreement",
-      [](py::array_t<int64_t, py::array::c_style> descs, int64_t itemsize,
-         py::object splits) {
-        // descs: one row of descriptor fields per rank; splits: None, or one row per rank
-        // of bytes sent to each peer, then received from each (agreement.h).
-        if (descs.ndim() != 2 || descs.shape(1) != commlib::kDescFields)
-          throw std::invalid_argument("descs must have one row of 8 fields per rank");
-        int n = int(descs.shape(0));
+      [](py::array_t<int64_t, py::array::c_style> table, int64_t itemsize, bool splits) {
+        // one row per rank: the descriptor's 8 fields, then (all_to_all) the bytes it
+        // sends to each peer and the bytes it receives from each (agreement.h)
+        int n = int(table.shape(0));
+        if (table.ndim() != 2 || table.shape(1) != commlib::kDescFields + 2 * n)
+          throw std::invalid_argument("the table must have one row of 8 + 2n fields per rank");
         std::vector<commlib::Desc> rows(n);
         std::vector<const commlib::Desc*> ptrs(n);
         for (int r = 0; r < n; ++r) {
-          std::copy(descs.data(r), descs.data(r) + commlib::kDescFields, rows[r].f);
+          std::copy(table.data(r), table.data(r) + commlib::kDescFields, rows[r].f);
           ptrs[r] = &rows[r];
         }
         std::string reason = commlib::disagreement(ptrs);
-        if (reason.empty() && !splits.is_none()) {
-          auto table = splits.cast<py::array_t<int64_t, py::array::c_style>>();
-          if (table.ndim() != 2 || table.shape(0) != n || table.shape(1) != 2 * n)
-            throw std::invalid_argument("splits must have one row of 2n entries per rank");
+        if (reason.empty() && splits) {
+          auto split = [&](int r, int i) { return *table.data(r, commlib::kDescFields + i); };
           reason = commlib::split_disagreement(
-              n, itemsize, [&](int i, int j) { return *table.data(i, j); },
-              [&](int j, int i) { return *table.data(j, n + i); });
+              n, itemsize, [&](int i, int j) { return split(i, j); },
+              [&](int j, int i) { return split(j, n + i); });
         }
         if (!reason.empty()) throw commlib::MismatchError(reason);
       },
-      py::arg("descs"), py::arg("itemsize"), py::arg("splits"),
+      py::arg("table"), py::arg("itemsize"), py::arg("splits"),
       "Raise CollectiveMismatchError naming what differs if the ranks' calls disagree.");
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm>(m, "ShmComm",

@@ -1,1 +1,1 @@
-"""Parallel training schemes (DP, ZeRO, TP) built on commlib's collectives."""
+"""Parallel training schemes (DP, ZeRO, TP, PP, SP/CP, MoE/EP) built on commlib's collectives."""

@@ -1,4 +1,5 @@
-"""Sharded, atomic, reshardable checkpoints of a training run (DP, ZeRO-1/2/3, TP, dp x tp).
+"""Sharded, atomic, reshardable checkpoints of a training run (DP, ZeRO-1/2/3, TP, PP, CP,
+MoE/EP, and the layouts strategies/layout.py composes from them).
 
 On disk, inside a root directory::
 
@@ -12,6 +13,8 @@ The content does not depend on the layout that wrote it. Each *piece* is a slice
 along ``dim``; ``dim`` None: the whole tensor), flattened, elements ``[lo, hi)`` (ZeRO's
 shard cuts parameters anywhere). A loader in any layout rebuilds each logical tensor from
 the pieces and keeps its own part; replicated data is written once, its replicas split it.
+A pipeline stage, or an expert-parallel rank, holds some of the parameters: it writes and
+reads those.
 
 Saving is atomic: each rank writes and fsyncs its shard in ``.tmp-step-...``; then rank 0
 writes the manifest (temporary name, fsync, rename, fsync) and renames the directory to
@@ -55,16 +58,17 @@ def save_checkpoint(root, step: int, trainer) -> Path:
     index, digest, size = _write_shard(tmp / name, pieces)
     # the all-gather also tells rank 0 that every shard is written and fsynced
     shards = _all_gather_json(world, {"file": name, "sha256": digest, "bytes": size,
-                                      "pieces": index, "scalars": scalars})
+                                      "pieces": index, "scalars": scalars,
+                                      "tensors": _logical_shapes(trainer)})
     if world.rank == 0:
         manifest = {"format": FORMAT, "step": step, "byteorder": sys.byteorder,
                     "config": dataclasses.asdict(trainer.model.config),
                     "data": _data_settings(trainer),
-                    "layout": {"world": world.size, "dp": trainer.mesh.size("dp"),
-                               "tp": trainer.mesh.size("tp"),
+                    "layout": {"world": world.size, **trainer.mesh.sizes,
                                "zero": trainer.zero.stage if trainer.zero else 0},
                     "optimizer": type(trainer.optimizer).__name__,
-                    "tensors": _logical_shapes(trainer),
+                    # every rank's: a stage or an expert-parallel rank holds some
+                    "tensors": {k: v for s in shards for k, v in s["tensors"].items()},
                     "scalars": _merge([s["scalars"] for s in shards]),
                     "files": {s["file"]: {"sha256": s["sha256"], "bytes": s["bytes"]}
                               for s in shards},
@@ -127,7 +131,7 @@ def load_checkpoint(path, trainer) -> int:
             optimizer.state[p] = {**scalars(), **state} if state else {}
         return manifest["step"]
     # ZeRO: each unit's flat vector, built from the logical tensors; this rank keeps its shard
-    names = {p: name for name, p in trainer.model.named_parameters()}
+    names = {p: name for name, p in _named_parameters(trainer)}
     master = {k: torch.zeros_like(zero.master.data) for k in ["param"] + kinds}
     whole = []  # (parameter, value): stages 1 and 2 hold every parameter whole
     for u in zero.units:
@@ -154,7 +158,31 @@ def _local_params(trainer) -> list:
     """(name, parameter, shape on this rank): ZeRO-3 frees parameters, its units know."""
     shapes = {p: s for u in trainer.zero.units for p, s in zip(u.params, u.shapes)} \
         if trainer.zero else {}
-    return [(n, p, shapes.get(p, p.shape)) for n, p in trainer.model.named_parameters()]
+    return [(n, p, shapes.get(p, p.shape)) for n, p in _named_parameters(trainer)]
+
+
+def _named_parameters(trainer):
+    """(the reference model's name, parameter) of what this rank holds."""
+    named = getattr(trainer, "named_parameters", None)
+    return named() if named is not None else trainer.model.named_parameters()
+
+
+def _experts(trainer) -> set:
+    from strategies.moe import expert_parameters  # (moe imports torch's heavier parts)
+    return expert_parameters(trainer.model)
+
+
+def _replicas(trainer, p, experts: set, over=("dp", "cp", "ep", "tp")) -> tuple:
+    """(this rank's index among the ranks holding the same copy of ``p``, their count),
+    along the dimensions ``over``: the dp and cp ranks, the tp ranks unless tp splits it,
+    the ep ranks unless it is an expert."""
+    mesh = trainer.mesh
+    dims = [d for d in over if not (d == "ep" and id(p) in experts
+                                    or d == "tp" and hasattr(p, "tp_split_dim"))]
+    index, count = 0, 1
+    for dim in dims:
+        index, count = index * mesh.size(dim) + mesh.rank(dim), count * mesh.size(dim)
+    return index, count
 
 
 def _logical_shapes(trainer) -> dict:
@@ -176,7 +204,7 @@ def _part(lo: int, hi: int, index: int, count: int) -> tuple:
 def _pieces(trainer) -> tuple:
     """([(description, 1-D data)] this rank writes, its optimizer's scalars such as step)."""
     mesh, zero, state = trainer.mesh, trainer.zero, trainer.optimizer.state
-    tp, tp_rank, dp, dp_rank = mesh.size("tp"), mesh.rank("tp"), mesh.size("dp"), mesh.rank("dp")
+    tp_rank = mesh.rank("tp")
     out = []
 
     def add(name, p, shape, lo, hi, sources, at):
@@ -192,15 +220,14 @@ def _pieces(trainer) -> tuple:
                              "dtype": str(data.dtype)[len("torch."):]}, data))
 
     if zero is None:
+        experts = _experts(trainer)
         for name, p, shape in _local_params(trainer):
-            # replicas: the dp ranks, and the tp ranks too unless tp splits the parameter
-            index, count = ((dp_rank, dp) if hasattr(p, "tp_split_dim")
-                            else (dp_rank * tp + tp_rank, dp * tp))
+            index, count = _replicas(trainer, p, experts)
             sources = {"param": p.reshape(-1)}
             sources.update({k: v.reshape(-1) for k, v in state.get(p, {}).items()
                             if torch.is_tensor(v) and v.shape == p.shape})
             add(name, p, shape, *_part(0, p.numel(), index, count), sources, 0)
-        return out, _merge([_scalars(state.get(p, {})) for p in trainer.model.parameters()])
+        return out, _merge([_scalars(state.get(p, {})) for _, p in _named_parameters(trainer)])
     master_state = state.get(zero.master, {})
     sources = {"param": zero.master}
     sources.update({k: v for k, v in master_state.items()
@@ -211,8 +238,7 @@ def _pieces(trainer) -> tuple:
         offset = 0
         for p, shape in zip(u.params, u.shapes):
             lo, hi = max(offset, first), min(offset + shape.numel(), first + u.shard_numel)
-            if not hasattr(p, "tp_split_dim"):  # replicated over tp
-                lo, hi = _part(lo, hi, tp_rank, tp)
+            lo, hi = _part(lo, hi, *_replicas(trainer, p, set(), over=("cp", "tp")))
             add(names[p], p, shape, lo - offset, hi - offset, sources,
                 u.master_offset + offset - first)
             offset += shape.numel()
@@ -297,7 +323,8 @@ def _fsync_dir(path: Path) -> None:
 def _data_settings(trainer) -> dict:
     """What fixes the data stream besides the step (batches are a function of these)."""
     args = getattr(trainer, "args", None)
-    return {k: getattr(args, k) for k in ("seed", "batch")} if args is not None else {}
+    return {k: getattr(args, k) for k in ("seed", "batch", "experts", "topk")
+            if hasattr(args, k)} if args is not None else {}
 
 
 # ------------------------------------------------------------------------------ loading
@@ -340,8 +367,10 @@ def _read_manifest(path: Path, trainer) -> dict:
         raise ValueError(f"{path} was saved with {', '.join(mismatch)}; resume with the "
                          "checkpoint's settings")
     tensors = _logical_shapes(trainer)
-    differ = sorted(n for n in tensors.keys() | manifest["tensors"].keys()
-                    if tensors.get(n) != manifest["tensors"].get(n))
+    held = tensors.keys()  # a pipeline stage or an expert-parallel rank: some of them
+    if getattr(trainer, "pipeline", None) is None and not _experts(trainer):
+        held = held | manifest["tensors"].keys()
+    differ = sorted(n for n in held if tensors.get(n) != manifest["tensors"].get(n))
     if differ:
         raise ValueError(f"{path} holds other parameters than this model (names or shapes "
                          f"differ: {differ[:3]})")

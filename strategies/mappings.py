@@ -11,8 +11,11 @@ Each op's backward is the op that maps the gradients the same way back:
     split_along          replicated -> split                  bwd: all-gather
     reduce_scatter_along partial -> split                     bwd: all-gather
     all_to_all           split on one dim -> split on another bwd: the reverse all-to-all
+    all_to_all_uneven    rows to each rank, in given counts   bwd: the reverse (counts swapped)
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -44,6 +47,15 @@ def all_to_all(x: torch.Tensor, group: commlib.Communicator, scatter_dim: int,
     """Split ``x`` along ``scatter_dim`` into one chunk per rank, send chunk j to rank j, and
     concatenate what arrives along ``gather_dim`` (in rank order)."""
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def all_to_all_uneven(x: torch.Tensor, group: commlib.Communicator, send_rows: list,
+                      recv_rows: list) -> torch.Tensor:
+    """Send rows of ``x`` (dim 0) to each rank in turn, ``send_rows[j]`` of them to rank j,
+    and concatenate the rows that arrive in rank order, ``recv_rows[j]`` of them from rank j.
+    The counts must agree across ranks (what rank i sends to j is what j receives from i);
+    the caller exchanges them first."""
+    return _AllToAllUneven.apply(x, group, tuple(send_rows), tuple(recv_rows))
 
 
 # ------------------------------------------------------------------------ the primitives
@@ -87,6 +99,18 @@ def _all_to_all(x, group, scatter_dim, gather_dim):
     received = torch.empty_like(send)
     group.all_to_all(received, send)
     return torch.cat(received.unbind(0), gather_dim)
+
+
+def _all_to_all_uneven(x, group, send_rows, recv_rows):
+    if sum(send_rows) != x.shape[0]:
+        raise ValueError(f"all_to_all_uneven: send_rows sum to {sum(send_rows)}, but the "
+                         f"tensor has {x.shape[0]} rows")
+    row = math.prod(x.shape[1:])  # commlib's splits count elements, not rows
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_rows),) + x.shape[1:])
+    group.all_to_all(out, x, output_splits=[r * row for r in recv_rows],
+                     input_splits=[r * row for r in send_rows])
+    return out
 
 
 # ------------------------------------------------------------------------ autograd
@@ -155,3 +179,15 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
         return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send_rows, recv_rows):
+        ctx.group, ctx.rows = group, (send_rows, recv_rows)
+        return _all_to_all_uneven(x, group, send_rows, recv_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_rows, recv_rows = ctx.rows
+        return _all_to_all_uneven(grad, ctx.group, recv_rows, send_rows), None, None, None

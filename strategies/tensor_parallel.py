@@ -173,10 +173,14 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _mark(nn.Parameter(_shard(padded, group, 0)), 0, self.num_embeddings)
 
     def forward(self, idx):
+        return reduce_from_group(self.partial_lookup(idx), self.group)
+
+    def partial_lookup(self, idx):
+        """This rank's part of the lookup (partial over the group): its rows, zeros elsewhere."""
         local = idx - self.start
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self):
         return (f"{self.num_embeddings} (rows {self.start}..{self.start + self.rows - 1} here), "

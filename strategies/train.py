@@ -1,9 +1,15 @@
 """Train the reference GPT on the embedded addition data, in any layout:
 
     mpiexec -n 4 python -m strategies.train --dp 2 --tp 2 --zero 1 --steps 50
+    mpiexec -n 4 python -m strategies.train --pp 2 --schedule zb-h1 --micro-batches 4
+    mpiexec -n 4 python -m strategies.train --cp 2 --sp ring
+    mpiexec -n 4 python -m strategies.train --ep 2 --experts 4 --topk 2
 
 Every layout builds the same model from --seed and reads the same global batches, so the
-losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3, ...
+losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
+--pp 2, --cp 2 --sp ulysses, ... (with --experts: the same MoE model in every layout; each
+sequence is its own routing group, so routing does not depend on the layout either).
+Which dimensions compose is in strategies/layout.py.
 With --save-dir the run saves sharded checkpoints (strategies/checkpoint.py), which
 --resume continues from, in this layout or any other; in the same layout the resumed
 losses are bit-identical to an uninterrupted run's.
@@ -25,8 +31,13 @@ from strategies import accounting
 from strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
+from strategies.layout import SEQUENCE_KINDS, Layout, check
 from strategies.mesh import DIMS, Mesh
 from strategies.model import GPT, GPTConfig
+from strategies.moe import data_shard, expert_parallel_gpt, moe_gpt, reduce_gradients
+from strategies.pipeline import Pipeline, PipelineStage
+from strategies.pipeline_schedules import SCHEDULES
+from strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt, sequence_shard
 from strategies.tensor_parallel import tensor_parallel_gpt
 from strategies.zero import ZeRO
 
@@ -38,16 +49,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     layout.add_argument("--dp", type=int, default=None,
                         help="data-parallel ranks (default: the ranks tp leaves)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    layout.add_argument("--cp", type=int, default=1,
+                        help="context-parallel ranks sharing each sequence (default 1; needs "
+                             "--sp ulysses or ring)")
+    layout.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks (default 1; needs --experts)")
     layout.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                         help="ZeRO stage over the dp ranks; 0: plain data parallelism "
                              "with bucketed all-reduce (default)")
     layout.add_argument("--bucket-mb", type=float, default=25.0,
                         help="gradient bucket size of plain data parallelism, MB (default 25)")
+    layout.add_argument("--sp", choices=SEQUENCE_KINDS,
+                        help="sequence parallelism: megatron (on the tp ranks), ulysses or "
+                             "ring attention (on the cp ranks)")
+    layout.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                        help="pipeline schedule (default 1f1b)")
+    layout.add_argument("--micro-batches", type=int, default=None,
+                        help="micro-batches per pipeline step (default: --pp)")
+    layout.add_argument("--virtual", type=int, default=None,
+                        help="model chunks per stage (default 1; 2 for interleaved-1f1b)")
     model = p.add_argument_group("model")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     model.add_argument("--seq-len", type=int, default=32, help="context length (default 32)")
+    model.add_argument("--experts", type=int, default=0,
+                       help="mixture-of-experts layers with this many experts in every block's "
+                            "MLP slot (default 0: dense)")
+    model.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
     model.add_argument("--bf16", action="store_true",
                        help="bf16 parameters and gradients with fp32 master weights and "
                             "Adam states (needs --zero 1, 2 or 3)")
@@ -80,55 +110,103 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def layout_of(args, world_size: int) -> Layout:
+    """The validated layout the arguments ask for (dp defaults to the ranks the rest leave)."""
+    others = {d: getattr(args, d) for d in ("tp", "pp", "cp", "ep")}
+    dp = args.dp
+    if dp is None:
+        rest = 1
+        for size in others.values():
+            rest *= max(size, 1)
+        if world_size % rest:
+            shown = " x ".join(f"--{d} {s}" for d, s in others.items() if s != 1)
+            raise ValueError(f"{shown} does not divide the {world_size} ranks; choose a divisor "
+                             f"of {world_size} (or give --dp too)")
+        dp = world_size // rest
+    virtual = args.virtual or (2 if args.schedule == "interleaved-1f1b" else 1)
+    layout = Layout(dp=dp, **others, zero=args.zero, sp=args.sp, schedule=args.schedule,
+                    microbatches=args.micro_batches or args.pp, virtual=virtual,
+                    experts=args.experts, topk=args.topk)
+    return check(layout, world_size, args.batch, args.seq_len, args.heads, args.layers)
+
+
 class Trainer:
     """The model in the requested layout, and one optimizer step of it."""
 
     def __init__(self, args, world: commlib.Communicator):
-        tp = args.tp
-        if args.dp is None and (tp < 1 or world.size % tp):
-            raise ValueError(f"--tp {tp} does not divide the {world.size} ranks; choose a "
-                             f"divisor of {world.size} (or give --dp too)")
-        dp = args.dp if args.dp is not None else world.size // tp
-        self.mesh = Mesh(world, dp=dp, tp=tp)
+        self.layout = layout = layout_of(args, world.size)
+        self.mesh = mesh = Mesh(world, **layout.sizes)
         config = GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len, d_model=args.d_model,
                            n_heads=args.heads, n_layers=args.layers)
-        if args.batch % dp:
-            raise ValueError(f"--batch {args.batch} does not divide by dp={dp}; "
-                             f"use a multiple of {dp}")
         model = GPT(config, args.seed)
+        if layout.experts:
+            # one routing group per sequence: routing is the same in every layout
+            model = moe_gpt(model, experts=layout.experts, topk=layout.topk, group_rows=1,
+                            seed=args.seed)
         self.numel = model.count_parameters()
-        if tp > 1:
-            model = tensor_parallel_gpt(model, self.mesh.group("tp"))
+        self.pipeline = None
+        if layout.experts:
+            model = expert_parallel_gpt(model, mesh)
+        elif layout.cp > 1:
+            model = context_parallel_gpt(model, mesh.group("cp"), layout.sp)
+        elif layout.sp == "megatron":
+            model = megatron_sp_gpt(model, mesh.group("tp"))
+        elif layout.tp > 1:
+            model = tensor_parallel_gpt(model, mesh.group("tp"))
+        if layout.pp > 1:
+            model = PipelineStage(model, mesh.group("pp"), layout.virtual)
+            self.pipeline = Pipeline(model, layout.schedule, layout.microbatches,
+                                     dp_group=mesh.group("dp"), measure=False)
         if args.bf16:
             model = model.to(torch.bfloat16)
         self.model = model
 
         def adamw(params):
             return torch.optim.AdamW(params, lr=args.lr)
-        dp_group = self.mesh.group("dp")
-        if args.zero:
-            self.zero = ZeRO(model, dp_group, args.zero, adamw)
+        self.zero = None
+        if layout.zero:
+            self.zero = ZeRO(model, mesh.group("dp"), layout.zero, adamw)
             self.optimizer = self.zero.optimizer
         else:
-            self.zero = None
-            # its hooks average the gradients during backward
-            self.data_parallel = DataParallel(model, dp_group,
-                                              bucket_bytes=int(args.bucket_mb * 2**20))
+            if self.pipeline is None and not layout.experts:
+                # its hooks average the gradients during backward
+                self.data_parallel = DataParallel(model, mesh.group("dp"),
+                                                  bucket_bytes=int(args.bucket_mb * 2**20))
             self.optimizer = adamw(model.parameters())
         self.args = args
         self.data = AdditionDataset(args.seed)
 
+    def named_parameters(self):
+        """(the reference model's name, parameter) of every parameter this rank holds."""
+        if self.pipeline is not None:
+            return self.model.named_reference_parameters()
+        return self.model.named_parameters()
+
     def bytes_sent(self) -> int:
         return sum(self.mesh.group(d).bytes_sent for d in DIMS)
+
+    def _local_batch(self, step: int):
+        x, y = self.data.batch(step, self.args.batch, self.args.seq_len)
+        mesh = self.mesh
+        if self.layout.experts:
+            return data_shard(x, mesh), data_shard(y, mesh)
+        x, y = (shard(t, mesh.rank("dp"), mesh.size("dp")) for t in (x, y))
+        if self.layout.cp > 1:
+            x, y = (sequence_shard(t, mesh.group("cp")) for t in (x, y))
+        return x, y
 
     def step(self, step: int) -> tuple[float, dict]:
         """One optimizer step on global batch ``step``: (mean loss over the batch, bytes this
         rank held after backward, and sent during the step)."""
         before = self.bytes_sent()
-        x, y = self.data.batch(step, self.args.batch, self.args.seq_len)
-        dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
-        loss = self.model.loss(shard(x, rank, dp), shard(y, rank, dp))
-        loss.backward()
+        x, y = self._local_batch(step)
+        if self.pipeline is not None:
+            loss = torch.tensor(self.pipeline.step(x, y))  # gradients averaged over dp
+        else:
+            loss = self.model.loss(x, y)
+            loss.backward()
+            if self.layout.experts:
+                reduce_gradients(self.model, self.mesh)
         held = accounting.measured(self.model, self.optimizer, self.zero)
         if self.zero:
             self.zero.step()
@@ -138,7 +216,8 @@ class Trainer:
             self.optimizer.zero_grad()
         held["sent"] = self.bytes_sent() - before
         total = loss.detach().double().reshape(1)
-        self.mesh.group("dp").all_reduce(total, op="avg")
+        for dim in ("dp", "ep"):  # the ranks that saw different data
+            self.mesh.group(dim).all_reduce(total, op="avg")
         return float(total), held
 
 
@@ -162,12 +241,10 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     lead = world.rank == 0
-    mesh = trainer.mesh
     if lead:
         print(f"# GPT {trainer.numel:,} parameters; {world.size} ranks as "
-              f"dp={mesh.size('dp')} tp={mesh.size('tp')}, zero={args.zero}"
-              f"{', bf16 + fp32 master' if args.bf16 else ''}; global batch {args.batch} x "
-              f"{args.seq_len} tokens", flush=True)
+              f"{trainer.layout.describe()}{', bf16 + fp32 master' if args.bf16 else ''}; "
+              f"global batch {args.batch} x {args.seq_len} tokens", flush=True)
     if lead and first:
         print(f"# resumed at step {first}", flush=True)
     records, tokens = [], args.batch * args.seq_len
@@ -231,9 +308,13 @@ def _summary(args, trainer, records) -> None:
     want["sent"] = accounting.traffic_theory(trainer.numel, dtype, dp, args.zero)
     print("# per-rank MB, measured vs the seeds' figures (Φ/tp parameters per rank; "
           "sent: gradient and parameter traffic of data parallelism, without tp's):")
+    layout = trainer.layout
+    # the figures are data parallelism's (with ZeRO) over tp slices; other dimensions
+    # place parameters and traffic differently
+    dp_tp_only = layout.pp == layout.cp == layout.ep == 1 and not layout.experts
     for k in HELD:
-        theory = _mb(want[k]) if k != "sent" or trainer.mesh.size("tp") == 1 else "-"
-        print(f"#   {k:10s} {_mb(got[k]):>10s} {theory:>10s}")
+        shown = dp_tp_only and (k != "sent" or layout.tp == 1)
+        print(f"#   {k:10s} {_mb(got[k]):>10s} {_mb(want[k]) if shown else '-':>10s}")
 
 
 def _plot(records, path: str) -> None:

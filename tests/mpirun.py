@@ -63,7 +63,8 @@ def torchrun(n: int, script: str, timeout: float = 300, env: dict | None = None)
 
 def _launch(cmd: list, timeout: float, env: dict | None):
     shm_before = _mpich_segments()
-    full_env = {**os.environ, **(env or {})}
+    # this checkout's code, whatever the environment has installed
+    full_env = {**os.environ, **checkout_env(), **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=full_env, cwd=ROOT)
     try:

@@ -36,11 +36,28 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
     want = [r["loss"] for r in _train(1, tmp_path)[0]]
     assert want[-1] < want[0]
     for n, layout in [(2, ["--dp", "2"]), (2, ["--tp", "2"]), (2, ["--zero", "3"]),
-                      (4, ["--dp", "2", "--tp", "2", "--zero", "1"])]:
+                      (4, ["--dp", "2", "--tp", "2", "--zero", "1"]),
+                      (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
+                      (2, ["--tp", "2", "--sp", "megatron"]),
+                      (4, ["--dp", "2", "--pp", "2"]),
+                      (4, ["--pp", "2", "--tp", "2", "--schedule", "gpipe"]),
+                      (4, ["--dp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"]),
+                      (4, ["--dp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"]),
+                      # 8 ranks on 2 cores: slow, but the one way to see all three at once
+                      (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zb-h1",
+                           "--micro-batches", "4"])]:
         got = [r["loss"] for r in _train(n, tmp_path, *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
     mixed = [r["loss"] for r in _train(2, tmp_path, "--zero", "2", "--bf16")[0]]
     assert mixed[-1] < mixed[0] and mixed == pytest.approx(want, rel=0.02), (mixed, want)
+
+
+def test_training_cli_mixture_of_experts_in_every_layout(tmp_path):
+    want = [r["loss"] for r in _train(1, tmp_path, "--experts", "4")[0]]
+    assert want[-1] < want[0]
+    for n, layout in [(2, ["--ep", "2"]), (4, ["--dp", "2", "--ep", "2"])]:
+        got = [r["loss"] for r in _train(n, tmp_path, "--experts", "4", *layout)[0]]
+        assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -66,6 +83,27 @@ def test_training_cli_errors():
     assert code != 0 and "dp=3 makes 3 ranks, but the world has 2" in out, out[-2000:]
     code, out = mpirun(1, "-m", "strategies.train", "--bf16", env=ENV)
     assert code != 0 and "--zero 1, 2 or 3" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("ranks,flags,message", [
+    (2, ["--sp", "megatron"], "add --tp 2 or more"),
+    (2, ["--cp", "2"], "add --sp ulysses or --sp ring"),
+    (4, ["--cp", "2", "--sp", "ring", "--tp", "2"], "--cp 2 composes with dp only"),
+    (2, ["--ep", "2"], "add --experts N"),
+    (2, ["--experts", "3", "--ep", "2"], "--experts 3 does not divide over --ep 2"),
+    (2, ["--experts", "2", "--zero", "1"], "use --zero 0"),
+    (2, ["--pp", "2", "--zero", "2"], "the pipeline averages its gradients over dp itself"),
+    (4, ["--pp", "4"], "needs at least 4 layers"),
+    (2, ["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 does not divide"),
+    (2, ["--cp", "2", "--sp", "ring", "--seq-len", "7"], "--seq-len 7 does not divide"),
+    (2, ["--tp", "2", "--heads", "3", "--d-model", "66"], "--heads 3 must be a multiple of 2"),
+    (3, ["--pp", "2"], "--pp 2 does not divide the 3 ranks"),
+])
+def test_training_cli_refuses_layouts_that_do_not_compose(ranks, flags, message):
+    """Checked before any communicator is built, alike on every rank: one process shows it."""
+    from strategies.train import layout_of, parse_args
+    with pytest.raises(ValueError, match=re.escape(message)):
+        layout_of(parse_args(flags), ranks)
 
 
 def test_training_benchmark_runs():

@@ -63,6 +63,19 @@ def to_f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
+def leaf(t):
+    """A detached copy of tensor ``t`` that requires grad."""
+    return t.detach().clone().requires_grad_(True)
+
+
+def close(got, want, rtol=1e-12, atol=1e-12) -> None:
+    """Tensors of the same shape, equal within tolerances; the message gives the largest
+    difference."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert torch.allclose(got, want, rtol=rtol, atol=atol), \
+        f"max diff {(got - want).abs().max():.3g}"
+
+
 def raises(exc, match: str, fn) -> None:
     """``fn()`` must raise ``exc`` with ``match`` in its message."""
     try:

@@ -1,8 +1,9 @@
 """The last rank is SIGKILLed while its peers wait for it in a collective: each survivor
 must raise (at once on shared memory, which sees the process gone; within the timeout
-over MPI), and the job must end non-zero leaving nothing behind. Launched with
-mpiexec -disable-auto-cleanup so that the survivors live long enough to be seen raising
-(by default mpiexec kills them as soon as one rank dies).
+over MPI), and the job must end non-zero leaving nothing behind. Each survivor
+reports to a file in $REPORT_DIR as well as to stdout: mpiexec kills the survivors soon
+after the death (even with -disable-auto-cleanup), and what they printed can be lost with
+them; the file is written the moment they raise.
 
 Usage: mpiexec -disable-auto-cleanup -n N python tests/mpi/kill_rank.py   (N >= 2)
 """
@@ -24,8 +25,12 @@ start = time.monotonic()
 try:
     comm.all_reduce(np.ones(100_000))
 except commlib.CommError as e:
-    print(f"SURVIVOR rank {world.rank} raised after {time.monotonic() - start:.3f} s: "
-          f"{type(e).__name__}: {e}", flush=True)
-    time.sleep(float(os.environ.get("GRACE", 1)))  # let every survivor report before the first one's abort ends the job
+    report = (f"SURVIVOR rank {world.rank} raised after {time.monotonic() - start:.3f} s: "
+              f"{type(e).__name__}: {e}")
+    with open(os.path.join(os.environ.get("REPORT_DIR", "."), f"rank-{world.rank}.txt"),
+              "w") as f:
+        f.write(report + "\n")
+    print(report, flush=True)
+    time.sleep(1)  # let every survivor report before the first one's abort ends the job
     raise
 print(f"rank {world.rank} RETURNED from a collective with a dead peer", flush=True)

@@ -16,8 +16,13 @@ BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 DTYPES = ALL_DTYPES if BACKEND == "torch" else NUMPY_DTYPES
-COUNTS = sorted({0, 1, max(n - 1, 0), 13} | ({(1 << 20) + 7} if "large" in sys.argv else set()))
 OPS = ["sum", "prod", "min", "max", "avg"]
+# (count, dtypes, ops): small counts (empty, one, fewer than the ranks, odd); with "large",
+# past the slot, segment and staging sizes in every dtype, and past csrc/shm.h's
+# kStreamingBytes (8 MB) in one dtype and op
+SIZES = [(count, DTYPES, OPS) for count in sorted({0, 1, max(n - 1, 0), 13})]
+if "large" in sys.argv:
+    SIZES += [((1 << 18) + 7, DTYPES, OPS), ((1 << 21) + 3, ["float32"], ["sum"])]
 REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "avg": np.add}
 check = Checker()
@@ -134,9 +139,9 @@ def on_expected_transport():
 
 check.check(f"transport {expected_transport()}", on_expected_transport)
 # count and data outermost, so the cached inputs and references are reused by every algorithm
-for count in COUNTS:
-    for dtype in DTYPES:
-        for op in OPS + [None]:
+for count, dtypes, ops in SIZES:
+    for dtype in dtypes:
+        for op in ops + [None]:
             for collective in ("all_reduce", "reduce_scatter", "reduce", "all_gather",
                                "all_to_all", "broadcast"):
                 if (op is None) == (collective in ("all_reduce", "reduce_scatter", "reduce")):

@@ -1,6 +1,8 @@
 """Ranks that disagree about a collective: every rank raises CollectiveMismatchError naming
 what differs and which ranks called what, within seconds, on whatever transport this
-launch uses (COMMLIB_TRANSPORT / COMMLIB_RANKS_PER_HOST). The last rank disagrees.
+launch uses (COMMLIB_TRANSPORT / COMMLIB_RANKS_PER_HOST). The last rank disagrees: in
+CASES by a valid call of its own, in INVALID_CASES by arguments that only it gets wrong
+(it raises ValueError/TypeError, its peers CollectiveMismatchError naming it).
 
 Usage: mpiexec -n N python tests/mpi/mismatch.py   (N >= 2; prints the figures on rank 0)
 """
@@ -61,8 +63,20 @@ CASES = {  # name: (what the message must name, the call each rank makes)
                                  if odd else c.all_gather(ones(2 * n), ones(2))),
 }
 
+INVALID_CASES = {  # arguments valid on every rank but the last
+    "all_reduce of a list": lambda c: c.all_reduce([1.0] * 8 if odd else ones(8)),
+    "reduce_scatter in place on the wrong block": lambda c: (
+        lambda x: c.reduce_scatter(x[:4] if odd else np.empty(4), x))(ones(4 * n)),
+    "all_gather output of the wrong size": lambda c: c.all_gather(ones(3 * n + odd), ones(3)),
+    "all_to_all with overlapping buffers": lambda c: (
+        lambda x: c.all_to_all(x if odd else np.empty(2 * n), x))(ones(2 * n)),
+    "broadcast root outside": lambda c: c.broadcast(ones(6), root=n if odd else 0),
+    "reduce op unknown": lambda c: c.reduce(ones(6), op="bogus" if odd else "sum"),
+    "barrier timeout negative": lambda c: c.barrier(timeout=-1 if odd else None),
+}
 
-def case(name, field, call):
+
+def case(name, field, call, invalid=False):
     def run():
         global detected, tried
         comm = world.dup()
@@ -73,17 +87,22 @@ def case(name, field, call):
             outcome = "returned"
         except commlib.CollectiveMismatchError as e:
             outcome = str(e)
-        except commlib.CommError as e:
+        except (commlib.CommError, ValueError, TypeError) as e:
             outcome = f"{type(e).__name__}: {e}"
         took = time.monotonic() - start
         outcomes = world.mpi.allgather(outcome)
         tried += 1
         seconds.append(max(world.mpi.allgather(took)))
-        fine = all(o.startswith("collective #") and "match" in o for o in outcomes)
+        valid = outcomes[:-1] if invalid else outcomes
+        fine = all(o.startswith("collective #") and "match" in o for o in valid)
+        if invalid:
+            fine = fine and outcomes[-1].startswith(("ValueError", "TypeError"))
         detected += fine
-        assert fine, f"not every rank raised CollectiveMismatchError: {outcomes}"
-        mine = outcomes[rank]
-        assert field in mine and f"rank {n - 1}" in mine, f"{field!r} or rank {n - 1} not named: {mine}"
+        assert fine, f"not every rank raised CollectiveMismatchError (or its own error): {outcomes}"
+        if not (invalid and odd):
+            mine = outcomes[rank]
+            assert field in mine and f"rank {n - 1}" in mine, \
+                f"{field!r} or rank {n - 1} not named: {mine}"
         comm.free()
     return run
 
@@ -92,8 +111,11 @@ if n >= 2:
     transport = world.dup().transport
     for name, (field, call) in CASES.items():
         check.check(name, case(name, field, call))
+    for name, call in INVALID_CASES.items():
+        check.check(name, case(name, "invalid", call, invalid=True))
     if rank == 0:
         print(f"mismatch figures ({transport}, {n} ranks): {tried} cases, {detected} raised "
-              f"CollectiveMismatchError on every rank; time to detection median "
-              f"{np.median(seconds) * 1e3:.1f} ms, max {max(seconds) * 1e3:.1f} ms", flush=True)
+              f"on every rank (CollectiveMismatchError, or an invalid rank's own error); time "
+              f"to detection median {np.median(seconds) * 1e3:.1f} ms, max "
+              f"{max(seconds) * 1e3:.1f} ms", flush=True)
 check.finish()

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from harness import Checker, raises
+from harness import Checker, close, leaf, raises
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
 from strategies.mappings import gather_along
@@ -32,16 +32,6 @@ BATCH, STEPS, SEED = 12, 5, 1
 def data(salt, shape, dtype=torch.float64):
     g = torch.Generator().manual_seed(salt)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
-def close(got, want, rtol=1e-12, atol=1e-12):
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert torch.allclose(got, want, rtol=rtol, atol=atol), \
-        f"max diff {(got - want).abs().max():.3g}"
 
 
 def linear(d_in, d_out, salt, bias=True):

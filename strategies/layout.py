@@ -1,0 +1,128 @@
+"""Which parallel layout a training run uses, validated before anything is built.
+
+A layout is the mesh's sizes (dp, tp, pp, cp, ep) plus how each dimension is used: ZeRO's
+stage on dp, Megatron sequence parallelism on tp (``sp="megatron"``), Ulysses or ring
+attention on cp (``sp="ulysses"|"ring"``), a pipeline schedule on pp, mixture-of-experts
+layers on ep. ``check`` refuses the combinations the strategies do not compose, naming the
+dimension at fault and what to change; everything it accepts trains like the single-process
+reference. The ones that compose:
+
+    dp x tp             with ZeRO 0-3 on dp, and Megatron SP on tp
+    dp x cp             Ulysses or ring attention, ZeRO 0-3 on dp
+    dp x tp x pp        any schedule; ZeRO 0 (the pipeline averages gradients over dp)
+    dp x ep             mixture of experts (E+D); ZeRO 0
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.pipeline_schedules import SCHEDULES
+
+SEQUENCE_KINDS = ("megatron", "ulysses", "ring")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: str | None = None
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual: int = 1
+    experts: int = 0  # 0: dense MLPs
+    topk: int = 2
+
+    @property
+    def sizes(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+
+    def describe(self) -> str:
+        used = [f"{d}={s}" for d, s in self.sizes.items() if s > 1 or d == "dp"]
+        if self.zero:
+            used.append(f"zero={self.zero}")
+        if self.sp:
+            used.append(f"sp={self.sp}")
+        if self.pp > 1:
+            used.append(f"{self.schedule} x{self.microbatches} microbatches"
+                        + (f", {self.virtual} chunks per stage" if self.virtual > 1 else ""))
+        if self.experts:
+            used.append(f"{self.experts} experts, top-{self.topk}")
+        return " ".join(used)
+
+
+def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
+          layers: int) -> Layout:
+    """``layout`` if it composes and fits the world and the model; else ValueError."""
+    sizes = layout.sizes
+    for name, size in sizes.items():
+        if size < 1:
+            raise ValueError(f"--{name} {size}: a mesh dimension has at least 1 rank")
+    total = 1
+    for size in sizes.values():
+        total *= size
+    if total != world_size:
+        shown = " x ".join(f"{d}={s}" for d, s in sizes.items() if s > 1) or "1"
+        raise ValueError(f"{shown} makes {total} ranks, but the world has {world_size}; "
+                         f"choose sizes whose product is {world_size}")
+    tp, pp, cp, ep, sp = layout.tp, layout.pp, layout.cp, layout.ep, layout.sp
+    if sp is not None and sp not in SEQUENCE_KINDS:
+        raise ValueError(f"--sp {sp!r}: choose one of {', '.join(SEQUENCE_KINDS)}")
+    if sp == "megatron" and tp == 1:
+        raise ValueError("--sp megatron shards tensor parallelism's activations along the "
+                         "sequence: add --tp 2 or more")
+    if sp in ("ulysses", "ring") and cp == 1:
+        raise ValueError(f"--sp {sp} splits each sequence over the cp ranks: add --cp 2 or more")
+    if cp > 1:
+        if sp not in ("ulysses", "ring"):
+            raise ValueError(f"--cp {cp} needs the attention that works on sequence shards: "
+                             "add --sp ulysses or --sp ring")
+        if tp > 1 or pp > 1:
+            raise ValueError(f"--cp {cp} composes with dp only; drop --tp/--pp (or --cp)")
+        if seq_len % cp:
+            raise ValueError(f"--seq-len {seq_len} does not divide into --cp {cp} shards; "
+                             f"use a multiple of {cp}")
+    if sp == "megatron" and seq_len % tp:
+        raise ValueError(f"--sp megatron: --seq-len {seq_len} does not divide into --tp {tp} "
+                         f"shards; use a multiple of {tp}")
+    if layout.experts or ep > 1:
+        if layout.experts < 1:
+            raise ValueError(f"--ep {ep} splits the experts of mixture-of-experts layers: add "
+                             "--experts N (a multiple of --ep)")
+        if layout.experts % ep:
+            raise ValueError(f"--experts {layout.experts} does not divide over --ep {ep}; use "
+                             f"a multiple of {ep}")
+        if not 1 <= layout.topk <= layout.experts:
+            raise ValueError(f"--topk {layout.topk}: choose 1 to --experts ({layout.experts})")
+        if tp > 1 or pp > 1 or cp > 1 or sp:
+            raise ValueError("--experts composes with dp and ep only; drop --tp/--pp/--cp/--sp")
+        if layout.zero:
+            raise ValueError("--experts: expert gradients reduce over their own replicas, "
+                             "which ZeRO does not know; use --zero 0")
+    if pp > 1:
+        if layout.zero:
+            raise ValueError("--pp: the pipeline averages its gradients over dp itself; "
+                             "use --zero 0")
+        if sp:
+            raise ValueError("--pp composes with dp and tp; drop --sp")
+        if layout.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {layout.schedule!r}: choose one of "
+                             f"{', '.join(SCHEDULES)}")
+        if layers < pp * layout.virtual:
+            raise ValueError(f"--pp {pp} x {layout.virtual} chunks per stage needs at least "
+                             f"{pp * layout.virtual} layers, the model has --layers {layers}")
+        per_replica = batch // layout.dp
+        if per_replica % layout.microbatches:
+            raise ValueError(f"--micro-batches {layout.microbatches} does not divide the "
+                             f"{per_replica} sequences each pipeline gets; choose a divisor")
+    shards = layout.dp * ep
+    if batch % shards:
+        raise ValueError(f"--batch {batch} does not divide over the {shards} data-parallel "
+                         f"ranks (dp{' x ep' if ep > 1 else ''}); use a multiple of {shards}")
+    if tp > 1 and heads % tp:
+        raise ValueError(f"--tp {tp} splits the attention heads: --heads {heads} must be a "
+                         f"multiple of {tp}")
+    return layout

@@ -1,0 +1,345 @@
+"""Mixture of experts (MoE) in the GPT's MLP slot, and expert parallelism (EP, and E+D).
+
+Vocabulary:
+
+    expert          an MLP (``model.MLP``); a layer holds ``experts`` of them and a *router*,
+                    a bias-free linear d_model -> experts followed by a softmax
+    assignment      token t's c-th choice (c < topk) of an expert: the top-k of its router
+                    probabilities. Its *gate* (weight) is that probability, renormalised over
+                    the k choices when k > 1 (with k = 1 the raw probability, so that the LM
+                    loss still trains the router)
+    routing group   the tokens that compete for an expert's capacity: ``group_rows``
+                    consecutive rows (sequences) of the batch the layer is given; the whole
+                    batch when ``group_rows`` is None
+    capacity        how many assignments an expert accepts from one routing group:
+                    ceil(capacity_factor * topk * tokens_in_group / experts). Every token's
+                    first choice queues before any second choice, in token order (GShard)
+    dropped         an assignment past its expert's capacity: it contributes zero, so a token
+                    whose choices are all dropped leaves the layer as zero and goes on through
+                    the block's residual unchanged
+    aux loss        per routing group, experts * sum_e f_e * P_e (Switch Transformer): f_e the
+                    fraction of the group's assignments that chose e (before dropping), P_e
+                    the mean router probability of e. 1 when routing is uniform; the layer's
+                    is the mean over its groups, the model's the sum over layers
+
+Expert parallelism: rank s of the expert-parallel group ``ep`` holds experts
+[s*E/ep, (s+1)*E/ep). Each rank routes its own tokens exactly as the single-process layer
+would (same groups, same capacity), sends every kept assignment's token to the rank holding
+its expert (an all-to-all of the per-expert counts, then one of the tokens in uneven
+splits), runs its experts on what arrives and sends the outputs back the same way; the
+backward is the reverse all-to-all. Routing never depends on the layout: a rank's routing
+groups are the reference's groups of the same rows, so a single-process run of the global
+batch with the same ``group_rows`` routes every token the same way. Choose ``group_rows``
+dividing each rank's micro-batch (with it equal to the micro-batch, the usual choice, the
+groups are the data-parallel ranks' micro-batches).
+
+E+D, on a mesh of dp x ep: every rank of the grid sees different data (``data_shard``: shard
+dp_rank * ep + ep_rank of dp * ep). ``reduce_gradients`` then averages the dense (non-expert)
+parameters' gradients over all dp * ep ranks, and each expert's over the ranks holding a
+replica of it (its dp group): the expert's local gradient already sums what the tokens of
+every ep rank contributed (they came back through the all-to-all), so it is summed over dp
+and divided by dp * ep. Expert parameters carry ``expert_parallel = True``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import commlib
+from strategies.data import shard
+from strategies.mappings import all_to_all_uneven
+from strategies.mesh import Mesh
+from strategies.model import GPT, MLP, cross_entropy
+
+
+@dataclass
+class Routing:
+    """The kept assignments of one forward, sorted by expert (token order within one)."""
+    token: torch.Tensor   # (kept,) index of the assignment's token among the flattened tokens
+    gate: torch.Tensor    # (kept,) its weight
+    counts: list          # kept assignments per expert
+    aux_loss: torch.Tensor
+    dropped: int          # assignments past capacity
+
+
+class MoE(nn.Module):
+    """A drop-in for ``model.MLP``: (..., d_model) -> (..., d_model), routing each token to its
+    top-k experts. After a forward, ``aux_loss`` holds its load-balancing loss and
+    ``dropped`` how many assignments capacity refused."""
+
+    def __init__(self, d_model: int, hidden: int, experts: int, topk: int = 2,
+                 capacity_factor: float = 1.25, group_rows: int | None = None):
+        super().__init__()
+        sizes = {"d_model": d_model, "hidden": hidden, "experts": experts, "topk": topk}
+        if group_rows is not None:
+            sizes["group_rows"] = group_rows
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
+        if topk > experts:
+            raise ValueError(f"MoE: topk={topk} exceeds experts={experts}; a token chooses "
+                             f"topk different experts, so choose topk <= experts")
+        if not capacity_factor > 0:  # also refuses NaN
+            raise ValueError(f"MoE: capacity_factor must be positive, got {capacity_factor!r}")
+        self.d_model, self.num_experts, self.topk = d_model, experts, topk
+        self.capacity_factor, self.group_rows = capacity_factor, group_rows
+        self.router = nn.Linear(d_model, experts, bias=False)
+        # keyed by the expert's global index, so an expert-parallel rank's names are a
+        # subset of the single-process layer's
+        self.experts = nn.ModuleDict({str(e): MLP(d_model, hidden) for e in range(experts)})
+        self._mark_experts()
+        self.aux_loss, self.dropped = None, 0
+
+    def _mark_experts(self):
+        # for code outside this module; a deepcopy of a parameter drops its attributes, so
+        # this module itself tells experts apart by where they live (expert_parameters)
+        for p in self.experts.parameters():
+            p.expert_parallel = True
+
+    def __getstate__(self):
+        # the last aux loss belongs to that forward's graph, which deepcopy cannot copy
+        return {**self.__dict__, "aux_loss": None}
+
+    def forward(self, x):
+        if x.dim() < 2 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: expected input (rows, ..., {self.d_model}), got "
+                             f"{tuple(x.shape)}")
+        routing = self.route(x)
+        self.aux_loss, self.dropped = routing.aux_loss, routing.dropped
+        tokens = x.reshape(-1, self.d_model)
+        out = self._run_experts(tokens[routing.token], routing.counts)
+        weighted = out * routing.gate.to(out.dtype).unsqueeze(-1)
+        return tokens.new_zeros(tokens.shape).index_add(0, routing.token, weighted).view(x.shape)
+
+    def capacity(self, tokens_in_group: int) -> int:
+        return math.ceil(self.capacity_factor * self.topk * tokens_in_group / self.num_experts)
+
+    def route(self, x) -> Routing:
+        rows, experts, k = x.shape[0], self.num_experts, self.topk
+        group_rows = rows if self.group_rows is None else self.group_rows
+        if rows % group_rows:
+            raise ValueError(f"MoE: a batch of {rows} rows does not split into routing groups "
+                             f"of group_rows={group_rows}; use a batch (per rank) that is a "
+                             f"multiple of group_rows")
+        groups = rows // group_rows
+        logits = self.router(x)
+        # routing in at least fp32: bf16 probabilities would tie and reorder choices
+        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        probs = probs.reshape(groups, -1, experts)
+        per_group = probs.shape[1]
+        top_p, top_e = probs.topk(k, dim=-1)                               # (G, n, k)
+        gate = top_p / top_p.sum(-1, keepdim=True) if k > 1 else top_p
+        chosen = F.one_hot(top_e, experts)                                 # (G, n, k, E)
+        # each assignment's place in its expert's queue: all first choices, then all second
+        queue = chosen.transpose(1, 2).reshape(groups, k * per_group, experts)
+        place = ((queue.cumsum(1) - 1) * queue).sum(-1)
+        place = place.view(groups, k, per_group).transpose(1, 2)            # (G, n, k)
+        kept = (place < self.capacity(per_group)).flatten()
+        fraction = chosen.sum((1, 2)).to(probs.dtype) / (per_group * k)    # (G, E)
+        aux_loss = experts * (fraction * probs.mean(1)).sum(-1).mean()
+        # flattened assignments are (token, choice) in token order; keep, then sort by expert
+        index = kept.nonzero().squeeze(-1)
+        expert = top_e.flatten()[index]
+        order = torch.argsort(expert, stable=True)
+        index = index[order]
+        return Routing(token=index // k, gate=gate.flatten()[index],
+                       counts=torch.bincount(expert, minlength=experts).tolist(),
+                       aux_loss=aux_loss, dropped=int(kept.numel() - index.numel()))
+
+    def _run_experts(self, inputs, counts):
+        """Rows sorted by expert, ``counts[j]`` of them for the j-th expert held here ->
+        each row through its expert, in the same order."""
+        chunks = inputs.split(counts)
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
+
+    def extra_repr(self):
+        return (f"experts={self.num_experts}, topk={self.topk}, "
+                f"capacity_factor={self.capacity_factor}, group_rows={self.group_rows}")
+
+
+class ExpertParallelMoE(MoE):
+    """A MoE layer holding experts/ep of the experts; tokens travel to their experts and back
+    by all-to-all over ``group`` (the ep group). Made from a single-process ``MoE``."""
+
+    def __init__(self, moe: MoE, group: commlib.Communicator):
+        nn.Module.__init__(self)
+        if moe.num_experts % group.size:
+            raise ValueError(f"expert parallel: experts={moe.num_experts} is not divisible by "
+                             f"ep={group.size}; choose a multiple of {group.size} experts")
+        for name in ("d_model", "num_experts", "topk", "capacity_factor", "group_rows"):
+            setattr(self, name, getattr(moe, name))
+        self.group = group
+        self.local = moe.num_experts // group.size
+        first = group.rank * self.local
+        self.router = copy.deepcopy(moe.router)
+        self.experts = nn.ModuleDict({str(e): copy.deepcopy(moe.experts[str(e)])
+                                      for e in range(first, first + self.local)})
+        self._mark_experts()
+        self.aux_loss, self.dropped = None, 0
+
+    def _run_experts(self, inputs, counts):
+        ranks, local = self.group.size, self.local
+        send = torch.tensor(counts, dtype=torch.int64).view(ranks, local)
+        recv = torch.empty_like(send)   # recv[s, j]: rows rank s sends to my j-th expert
+        self.group.all_to_all(recv, send)
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        arrived = all_to_all_uneven(inputs, self.group, send_rows, recv_rows)
+        # rows arrive by source rank, then expert; the experts want them by expert, then source
+        place = torch.arange(ranks * local).view(local, ranks).t()  # of segment (s, j), by expert
+        order = torch.argsort(place.flatten().repeat_interleave(recv.flatten()), stable=True)
+        out = MoE._run_experts(self, arrived[order], recv.sum(0).tolist())
+        return all_to_all_uneven(out[torch.argsort(order)], self.group, recv_rows, send_rows)
+
+    def extra_repr(self):
+        first = int(next(iter(self.experts)))
+        return (super().extra_repr() + f", holding experts {first}..{first + self.local - 1} "
+                f"of ep={self.group.size}")
+
+
+# ------------------------------------------------------------------------------ the GPT
+
+class MoEGPT(nn.Module):
+    """The reference GPT with a MoE layer in every block's MLP slot. ``loss`` is the LM
+    cross-entropy plus ``aux_weight`` times the sum of the layers' aux losses."""
+
+    def __init__(self, reference: GPT, *, experts: int, topk: int = 2,
+                 capacity_factor: float = 1.25, group_rows: int | None = None,
+                 aux_weight: float = 0.01, seed: int = 0):
+        super().__init__()
+        if not aux_weight >= 0:
+            raise ValueError(f"MoEGPT: aux_weight must be non-negative, got {aux_weight!r}")
+        config = reference.config
+        self.config, self.aux_weight = config, aux_weight
+        for name, child in reference.named_children():
+            setattr(self, name, copy.deepcopy(child))
+        with torch.random.fork_rng(devices=[]):  # building draws nothing from the global RNG
+            for block in self.blocks:
+                block.mlp = MoE(config.d_model, config.mlp_ratio * config.d_model, experts, topk,
+                                capacity_factor, group_rows)
+        self._init_moe(seed)
+
+    @torch.no_grad()
+    def _init_moe(self, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for block in self.blocks:  # in a fixed order: each weight gets the same draws every time
+            for module in block.mlp.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, 0.02, generator=generator)
+                    if module.bias is not None:
+                        module.bias.zero_()
+
+    def moe_layers(self) -> list:
+        return [block.mlp for block in self.blocks]
+
+    def forward(self, idx):
+        return GPT.forward(self, idx)
+
+    def aux_loss(self):
+        """Sum of the layers' aux losses of the last forward."""
+        return sum(layer.aux_loss for layer in self.moe_layers())
+
+    def loss(self, idx, targets):
+        logits = self(idx)
+        return cross_entropy(logits, targets) + self.aux_weight * self.aux_loss()
+
+    def count_parameters(self):
+        return sum(p.numel() for p in self.parameters())
+
+
+def moe_gpt(reference: GPT, *, experts: int, topk: int = 2, capacity_factor: float = 1.25,
+            group_rows: int | None = None, aux_weight: float = 0.01, seed: int = 0) -> MoEGPT:
+    """A copy of ``reference`` whose blocks' MLPs are MoE layers drawn from ``seed``: the same
+    arguments give the same model in every process."""
+    return MoEGPT(reference, experts=experts, topk=topk, capacity_factor=capacity_factor,
+                  group_rows=group_rows, aux_weight=aux_weight, seed=seed)
+
+
+def expert_parallel_gpt(model: MoEGPT, mesh: Mesh) -> MoEGPT:
+    """A copy of ``model`` whose MoE layers hold this rank's experts of the mesh's ep group.
+    Every rank must build it from the same model (``moe_gpt`` with the same arguments)."""
+    others = {d: s for d, s in mesh.sizes.items() if d not in ("dp", "ep") and s > 1}
+    if others:
+        raise ValueError(f"expert parallel: the mesh may only have dp and ep dimensions, got "
+                         f"{others}; build the mesh as Mesh(world, dp=..., ep=...)")
+    group = mesh.group("ep")
+    # deepcopy, with each MoE layer replaced by its parallel version (which copies only the
+    # experts it holds)
+    memo = {id(layer): ExpertParallelMoE(layer, group) for layer in model.moe_layers()}
+    return copy.deepcopy(model, memo)
+
+
+# ------------------------------------------------------------------------------ training
+
+def data_shard(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's rows of a global batch: shard dp_rank * ep + ep_rank of dp * ep."""
+    ep = mesh.size("ep")
+    return shard(tensor, mesh.rank("dp") * ep + mesh.rank("ep"), mesh.size("dp") * ep)
+
+
+def expert_parameters(model: nn.Module) -> set:
+    """ids of the parameters of every MoE layer's experts in ``model``."""
+    return {id(p) for layer in model.modules() if isinstance(layer, MoE)
+            for p in layer.experts.parameters()}
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module, mesh: Mesh) -> None:
+    """After backward on each rank's ``data_shard``: make every gradient the gradient of the
+    mean loss over the global batch. Dense ones: averaged over the dp x ep ranks; expert
+    ones: summed over dp, divided by dp * ep. Collective over the mesh."""
+    experts = expert_parameters(model)
+    dense, expert = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # every rank must contribute to the same reductions
+                p.grad = torch.zeros_like(p)
+            (expert if id(p) in experts else dense).append(p)
+    ranks = mesh.size("dp") * mesh.size("ep")
+    _sum_flat(dense, [mesh.group("ep"), mesh.group("dp")], ranks)
+    _sum_flat(expert, [mesh.group("dp")], ranks)
+
+
+def _sum_flat(params, groups, divisor):
+    """Sum the gradients of ``params`` over each group in turn (one flat buffer per dtype),
+    then divide by ``divisor``."""
+    by_dtype = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for same in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in same])
+        for group in groups:
+            if group.size > 1:
+                group.all_reduce(flat)
+        flat /= divisor
+        for p, g in zip(same, flat.split([p.numel() for p in same])):
+            p.grad.copy_(g.view_as(p))
+
+
+@torch.no_grad()
+def gathered_state(model: nn.Module, group: commlib.Communicator, *, grads: bool = False) -> dict:
+    """name -> parameter (or gradient, with ``grads``) under the single-process model's names,
+    every expert of every layer gathered over ``group`` (the ep group), on every rank.
+    Collective over the group."""
+    held = {id(p) for layer in model.modules() if isinstance(layer, ExpertParallelMoE)
+            for p in layer.experts.parameters()}
+    out = {}
+    for name, p in model.named_parameters():
+        if id(p) not in held:
+            out[name] = (p.grad if grads else p).detach().clone()
+    for prefix, layer in model.named_modules():
+        if isinstance(layer, ExpertParallelMoE):
+            for j, expert in enumerate(layer.experts.values()):
+                for name, p in expert.named_parameters():
+                    t = (p.grad if grads else p).detach().contiguous()
+                    everyone = t.new_empty((group.size,) + t.shape)
+                    group.all_gather(everyone, t)
+                    for rank in range(group.size):
+                        index = rank * layer.local + j
+                        out[".".join(filter(None, [prefix, "experts", str(index), name]))] = \
+                            everyone[rank]
+    return out

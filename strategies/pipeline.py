@@ -1,0 +1,439 @@
+"""Pipeline parallelism: the GPT cut into pieces over the stages of a pipeline group (the
+mesh's "pp" group), and a runtime that executes a schedule on them.
+
+Vocabulary and schedules as in ``strategies.pipeline_schedules``: p stages, v chunks per
+stage, p * v *pieces* (chunk c of stage s is piece c * p + s), m microbatches, and the
+actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
+
+    PipelineStage(model, group, virtual=1)
+        this stage's pieces, copied out of a reference GPT (or a tensor-parallel one): piece
+        0 holds the embeddings, the last piece ln_f, the head and the loss, and each piece a
+        contiguous run of blocks; nothing else is kept. Parameter names are the reference's.
+    Pipeline(stage, schedule, microbatches, dp_group=None)
+        ``step(inputs, targets)`` runs one forward and backward of the batch through the
+        schedule and leaves the batch's gradients in the stage's parameters, as
+        ``model.loss(inputs, targets).backward()`` would: every microbatch's loss is scaled
+        by 1/m, so the accumulated gradients are the whole batch's mean. It returns the
+        batch's loss on every stage.
+
+Communication is asynchronous: sends are isends, the receives a compute action needs are
+posted (irecv) before the compute action ahead of it starts, and a stage waits only where its
+schedule receives, so it computes while its neighbours' tensors are in flight, and holds
+receive buffers for about one action ahead. Each message is tagged with its direction,
+piece and microbatch. With ``dp_group`` a piece's gradients are averaged over the
+data-parallel ranks (async) as soon as its last backward action has run, overlapping the
+rest of the schedule.
+
+The split backward (zero-bubble's I and W): I asks autograd for the gradients of the piece's
+input and of the output of every module that holds parameters (keeping the graph); W then
+runs, for each such module, backward from its output's gradient to its own parameters only,
+which touches just that module's operations. Neither recomputes what the other did.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import commlib
+from strategies.model import GPT, cross_entropy
+from strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
+                                           simulate)
+from strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
+
+_TAG_LIMIT = 32767  # commlib's largest tag
+
+
+# ------------------------------------------------------------------------------ the model
+
+def partition(n_layers: int, pieces: int) -> list[range]:
+    """The blocks of each piece: contiguous, in order, as even as possible."""
+    if n_layers < pieces:
+        raise ValueError(f"pipeline: {pieces} pieces need at least {pieces} blocks, the model "
+                         f"has {n_layers}; use fewer stages or virtual chunks, or more layers")
+    return [range(i * n_layers // pieces, (i + 1) * n_layers // pieces) for i in range(pieces)]
+
+
+class Piece(nn.Module):
+    """A contiguous slice of the GPT; ``forward`` takes token ids (first piece) or hidden
+    states, and gives hidden states, or (last piece, with targets) the mean loss."""
+
+    def __init__(self, model: nn.Module, index: int, count: int, blocks: range, loss_fn):
+        super().__init__()
+        self.index, self.first, self.last = index, index == 0, index == count - 1
+        if self.first:
+            self.tok_emb, self.pos_emb = _copy(model.tok_emb), _copy(model.pos_emb)
+        self.blocks = nn.ModuleDict({str(i): _copy(model.blocks[i]) for i in blocks})
+        if self.last:
+            self.ln_f, self.head = _copy(model.ln_f), _copy(model.head)
+            self.loss_fn = loss_fn
+
+    def forward(self, x, targets=None):
+        """``targets`` is used by the last piece only."""
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            return self.loss_fn(self.head(self.ln_f(x)), targets)
+        return x
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    """A deep copy that shares the communicators the modules hold (tensor-parallel layers'
+    groups) and keeps the attributes parameters carry (``tp_split_dim``), which copying a
+    Parameter drops."""
+    shared = {id(value): value for m in module.modules() for value in vars(m).values()
+              if isinstance(value, commlib.Communicator)}
+    new = copy.deepcopy(module, shared)
+    for p, q in zip(module.parameters(), new.parameters()):
+        q.__dict__.update(p.__dict__)
+    return new
+
+
+class PipelineStage(nn.Module):
+    """This rank's pieces of ``model`` (a ``GPT`` or a ``TensorParallelGPT``) for a pipeline
+    of ``group.size`` stages with ``virtual`` chunks each. ``pieces[c]`` is chunk c."""
+
+    def __init__(self, model: nn.Module, group: commlib.Communicator, virtual: int = 1):
+        super().__init__()
+        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+            raise ValueError(f"pipeline: virtual must be a positive int, got {virtual!r}")
+        if isinstance(model, TensorParallelGPT):
+            loss_fn = functools.partial(_vocab_parallel_loss, group=model.group,
+                                        vocab_size=model.config.vocab_size)
+        elif isinstance(model, GPT):
+            loss_fn = cross_entropy
+        else:
+            raise ValueError(f"pipeline: expected a GPT or TensorParallelGPT, got "
+                             f"{type(model).__name__}")
+        self.config, self.group = model.config, group
+        self.stages, self.virtual, self.stage = group.size, virtual, group.rank
+        count = self.stages * virtual
+        blocks = partition(model.config.n_layers, count)
+        self.pieces = nn.ModuleList(Piece(model, c * self.stages + self.stage, count,
+                                          blocks[c * self.stages + self.stage], loss_fn)
+                                    for c in range(virtual))
+        # every stage's parameter names and (local) shapes, for gathered_state
+        pieces_of = [[c * self.stages + s for c in range(virtual)] for s in range(self.stages)]
+        self.layout = [[(name, p.shape) for i in mine
+                        for name, p in _piece_parameters(model, i, count, blocks[i])]
+                       for mine in pieces_of]
+        self.dtype = next(model.parameters()).dtype
+        self._captured = None  # while run_piece captures: [(module, output)]
+        for module in self.modules():
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                module.register_forward_hook(self._on_module_output)
+
+    def _on_module_output(self, module, args, output):
+        if self._captured is not None:
+            self._captured.append((module, output))
+
+    def run_piece(self, chunk: int, x, targets=None, capture: bool = False):
+        """(chunk's output, and with ``capture`` the (module, output) of each of its modules
+        that holds parameters, in call order; else None)."""
+        self._captured = [] if capture else None
+        try:
+            return self.pieces[chunk](x, targets), self._captured
+        finally:
+            self._captured = None
+
+    def named_reference_parameters(self):
+        """(the reference GPT's name, parameter) for every parameter this stage holds."""
+        for piece in self.pieces:
+            yield from piece.named_parameters()
+
+
+def _vocab_parallel_loss(logits, targets, group, vocab_size):
+    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size)
+
+
+def _piece_parameters(model, index, count, blocks):
+    """(name, parameter) of ``model`` that piece ``index`` holds, in the piece's order."""
+    names = (["tok_emb.", "pos_emb."] if index == 0 else []) + \
+        [f"blocks.{i}." for i in blocks] + (["ln_f.", "head."] if index == count - 1 else [])
+    named = dict(model.named_parameters())
+    return [(n, named[n]) for prefix in names for n in named if n.startswith(prefix)]
+
+
+@torch.no_grad()
+def gathered_state(stage: PipelineStage, *, grads: bool = False) -> dict:
+    """Reference name -> parameter (or its gradient, with ``grads``) of the whole model, on
+    every stage; tensor-parallel parameters stay this tp rank's slices. Collective over the
+    pipeline group."""
+    mine = dict(stage.named_reference_parameters())
+    out = {}
+    for s, names in enumerate(stage.layout):
+        if s == stage.stage:
+            flat = torch.cat([(mine[n].grad if grads else mine[n]).detach().reshape(-1)
+                              for n, _ in names])
+        else:
+            flat = torch.empty(sum(shape.numel() for _, shape in names), dtype=stage.dtype)
+        stage.group.broadcast(flat, root=s)
+        for (name, shape), t in zip(names, flat.split([sh.numel() for _, sh in names])):
+            out[name] = t.view(shape).clone()
+    return out
+
+
+# ------------------------------------------------------------------------------ the runtime
+
+@dataclass
+class StepReport:
+    """The last step's timing. ``idle[s]``: the fraction of the step (from the stages'
+    common start to the last stage's end) that stage s did not compute; ``costs``: each
+    (stage, chunk, kind)'s mean seconds; ``simulated_idle``: ``idle`` as ``simulate`` finds
+    it with those costs (and free communication)."""
+    seconds: float
+    idle: list
+    simulated_idle: list
+    costs: dict
+
+    @property
+    def bubble(self) -> float:
+        return sum(self.idle) / len(self.idle)
+
+    @property
+    def simulated_bubble(self) -> float:
+        return sum(self.simulated_idle) / len(self.simulated_idle)
+
+
+class Pipeline:
+    """Runs ``schedule`` (a name from ``pipeline_schedules.SCHEDULES``, or a schedule built
+    for this stage count, chunk count and microbatch count) on ``stage``. Every stage of the
+    group calls ``step`` with the same batch. With ``measure``, each step starts with a
+    barrier over the pipeline group, and ``report`` holds its measured and simulated idle
+    fractions (one small all-gather)."""
+
+    def __init__(self, stage: PipelineStage, schedule, microbatches: int, *,
+                 dp_group: commlib.Communicator | None = None, measure: bool = True):
+        p, v = stage.stages, stage.virtual
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+        if isinstance(schedule, str):
+            self.name = schedule
+            schedule = build_schedule(schedule, p, microbatches, v)
+        else:
+            self.name = "custom"
+        self.simulation = simulate(schedule)  # proves it complete and free of deadlock
+        if len(schedule) != p or {a.chunk for a in schedule[0]} != set(range(v)) or \
+                {a.microbatch for a in schedule[0]} != set(range(microbatches)):
+            raise ValueError(f"pipeline: the schedule is not one for {p} stages, {v} chunks "
+                             f"and {microbatches} microbatches")
+        if 2 * p * v * microbatches > _TAG_LIMIT:
+            raise ValueError(f"pipeline: {p * v} pieces x {microbatches} microbatches need more "
+                             f"message tags than the {_TAG_LIMIT} commlib has; use fewer")
+        self.stage, self.schedule, self.microbatches = stage, schedule, microbatches
+        self.actions = schedule[stage.stage]
+        self.dp_group = dp_group if dp_group is not None and dp_group.size > 1 else None
+        self.measure, self.report = measure, None
+        self._post_before = _posting_plan(self.actions)
+        self.split = {(a.microbatch, a.chunk) for a in self.actions if a.kind == "W"}
+        # the last backward action of each chunk: its gradients are final after it
+        self._final = {a.chunk: a for a in self.actions if a.kind in ("B", "W")}
+
+    # ------------------------------------------------------------------ one step
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of the batch (token ids and targets, (B, T) each, the same on
+        every stage); gradients accumulate into the parameters. Returns the batch's mean loss."""
+        m = self.microbatches
+        if inputs.dim() != 2 or inputs.shape != targets.shape:
+            raise ValueError(f"pipeline: inputs and targets must both be (batch, time), got "
+                             f"{tuple(inputs.shape)} and {tuple(targets.shape)}")
+        if inputs.shape[0] % m:
+            raise ValueError(f"pipeline: batch {inputs.shape[0]} does not divide into {m} "
+                             f"microbatches; use a multiple of {m}")
+        group = self.stage.group
+        self._run = _StepState(inputs.chunk(m), targets.chunk(m),
+                               (inputs.shape[0] // m, inputs.shape[1], self.stage.config.d_model))
+        run = self._run
+        if self.measure:
+            group.barrier()
+        start = time.perf_counter()
+        for i, a in enumerate(self.actions):
+            for r in self._post_before[i]:
+                run.posted[(r.kind, r.microbatch, r.chunk)] = self._post_recv(r)
+            began = time.perf_counter()
+            getattr(self, f"_{a.kind.lower()}")(a)
+            if a.kind in COMPUTE:
+                run.costs.setdefault((a.kind, a.chunk), []).append(time.perf_counter() - began)
+        finished = time.perf_counter() - start
+        for work in run.sends:
+            work.wait()
+        self._finish_dp()
+        loss = torch.tensor([run.loss], dtype=torch.float64)
+        group.broadcast(loss, root=self.stage.stages - 1)
+        if self.measure:
+            self.report = self._measure(finished)
+        self._run = None
+        return float(loss)
+
+    # ------------------------------------------------------------------ the actions
+    def _f(self, a: Action):
+        run, piece = self._run, self.stage.pieces[a.chunk]
+        if piece.first:
+            x = run.inputs[a.microbatch]
+        else:
+            x = run.inbox.pop(("F", a.microbatch, a.chunk)).requires_grad_(True)
+        out, modules = self.stage.run_piece(a.chunk, x, run.targets[a.microbatch],
+                                            capture=(a.microbatch, a.chunk) in self.split)
+        if piece.last:
+            out = out / self.microbatches
+            run.loss += float(out.detach())
+        run.held[(a.microbatch, a.chunk)] = _Held(x, out, modules)
+        if not piece.last:
+            self._deliver("F", piece.index + 1, a.microbatch, out.detach())
+
+    def _b(self, a: Action):
+        held, grad = self._held_and_output_grad(a)
+        torch.autograd.backward(held.output, grad)
+        if not self.stage.pieces[a.chunk].first:
+            self._deliver("B", self._piece(a) - 1, a.microbatch, held.input.grad)
+        del self._run.held[(a.microbatch, a.chunk)]
+        self._after_weights(a)
+
+    def _i(self, a: Action):
+        held, grad = self._held_and_output_grad(a)
+        first = self.stage.pieces[a.chunk].first
+        wanted = ([] if first else [held.input]) + [out for _, out in held.modules]
+        grads = torch.autograd.grad(held.output, wanted, grad, retain_graph=True)
+        if not first:
+            self._deliver("B", self._piece(a) - 1, a.microbatch, grads[0])
+            grads = grads[1:]
+        held.module_grads = grads
+
+    def _w(self, a: Action):
+        held = self._run.held.pop((a.microbatch, a.chunk))
+        # per module: from its output to its own parameters only (one call over all modules
+        # would also run back through the residual stream into earlier modules' weights)
+        for (module, out), grad in zip(held.modules, held.module_grads):
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            torch.autograd.backward(out, grad, inputs=params)
+        self._after_weights(a)
+
+    def _send_f(self, a: Action):
+        self._send("F", self._piece(a) + 1, a)
+
+    def _send_b(self, a: Action):
+        self._send("B", self._piece(a) - 1, a)
+
+    def _recv_f(self, a: Action):
+        self._receive(a, "F")
+
+    def _recv_b(self, a: Action):
+        self._receive(a, "B")
+
+    # ------------------------------------------------------------------ helpers
+    def _piece(self, a: Action) -> int:
+        return a.chunk * self.stage.stages + self.stage.stage
+
+    def _held_and_output_grad(self, a: Action):
+        held = self._run.held[(a.microbatch, a.chunk)]
+        grad = None if self.stage.pieces[a.chunk].last else \
+            self._run.inbox.pop(("B", a.microbatch, a.chunk))
+        return held, grad
+
+    def _tag(self, direction: str, piece: int, microbatch: int) -> int:
+        """The tag of the message to ``piece`` (its input, or the gradient of its output)."""
+        return 2 * (piece * self.microbatches + microbatch) + (direction == "B")
+
+    def _deliver(self, direction: str, piece: int, microbatch: int, tensor):
+        """Hand a tensor to ``piece``: kept for this stage's own next action if the piece is
+        here (a one-stage pipeline), else for the SEND action that follows."""
+        p = self.stage.stages
+        key = (direction, microbatch, piece // p)
+        if piece % p == self.stage.stage:
+            self._run.inbox[key] = tensor.detach()
+        else:
+            self._run.outbox[key] = tensor.detach().contiguous()
+
+    def _send(self, direction: str, piece: int, a: Action):
+        p = self.stage.stages
+        tensor = self._run.outbox.pop((direction, a.microbatch, piece // p))
+        self._run.sends.append(self.stage.group.send(
+            tensor, piece % p, tag=self._tag(direction, piece, a.microbatch), async_op=True))
+
+    def _post_recv(self, a: Action):
+        direction = a.kind[-1]
+        piece = self._piece(a)
+        source = (piece - 1 if direction == "F" else piece + 1) % self.stage.stages
+        buffer = torch.empty(self._run.shape, dtype=self.stage.dtype)
+        work = self.stage.group.recv(buffer, source, tag=self._tag(direction, piece, a.microbatch),
+                                     async_op=True)
+        return work, buffer
+
+    def _receive(self, a: Action, direction: str):
+        work, buffer = self._run.posted.pop((a.kind, a.microbatch, a.chunk))
+        work.wait()
+        self._run.inbox[(direction, a.microbatch, a.chunk)] = buffer
+
+    def _after_weights(self, a: Action):
+        """After a chunk's last backward action its gradients are final: start averaging
+        them over the data-parallel group."""
+        if self.dp_group is None or self._final[a.chunk] != a:
+            return
+        params = [p for p in self.stage.pieces[a.chunk].parameters() if p.requires_grad]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        work = self.dp_group.all_reduce(flat, op="avg", async_op=True)
+        self._run.dp.append((work, flat, params))
+
+    def _finish_dp(self):
+        for work, flat, params in self._run.dp:
+            work.wait()
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+
+    def _measure(self, finished: float) -> StepReport:
+        """Gather every stage's busy time, end time and mean cost per (kind, chunk)."""
+        run, v, p = self._run, self.stage.virtual, self.stage.stages
+        kinds = list(COMPUTE)
+        mine = torch.zeros(2 + v * len(kinds), dtype=torch.float64)
+        mine[0] = sum(sum(t) for t in run.costs.values())
+        mine[1] = finished
+        for (kind, chunk), times in run.costs.items():
+            mine[2 + chunk * len(kinds) + kinds.index(kind)] = sum(times) / len(times)
+        everyone = torch.empty((p,) + mine.shape, dtype=torch.float64)
+        self.stage.group.all_gather(everyone, mine)
+        busy, end, costs = everyone[:, 0], everyone[:, 1], everyone[:, 2:].view(p, v, len(kinds))
+        makespan = float(end.max())
+        table = {(s, c, kind): float(costs[s, c, k]) for s in range(p) for c in range(v)
+                 for k, kind in enumerate(kinds) if costs[s, c, k] > 0}
+        sim = simulate(self.schedule, lambda a: table.get((a.stage, a.chunk, a.kind), 0.0))
+        return StepReport(makespan, [1.0 - float(b) / makespan for b in busy], sim.idle, table)
+
+
+def _posting_plan(actions: list[Action]) -> list[list[Action]]:
+    """The receives to post before each action: those the next compute action needs are
+    posted before the current one starts, so their messages land while it computes."""
+    plan = [[] for _ in actions]
+    computes = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
+    for i, a in enumerate(actions):
+        if a.kind.startswith("RECV"):
+            before = [c for c in computes if c < i]
+            plan[before[-1] if before else 0].append(a)
+    return plan
+
+
+@dataclass
+class _Held:
+    """What a forward leaves for its backward."""
+    input: torch.Tensor
+    output: torch.Tensor
+    modules: list  # (module, output) of each module with parameters (split backward only)
+    module_grads: tuple = ()
+
+
+class _StepState:
+    def __init__(self, inputs, targets, shape):
+        self.inputs, self.targets, self.shape = inputs, targets, shape
+        self.posted = {}   # (RECV kind, microbatch, chunk) -> (work, buffer)
+        self.inbox = {}    # (direction, microbatch, chunk) -> tensor arrived for this chunk
+        self.outbox = {}   # (direction, microbatch, chunk of the receiver) -> tensor to send
+        self.held = {}     # (microbatch, chunk) -> _Held
+        self.sends = []
+        self.dp = []       # (work, flat gradients, parameters) of a dp average in flight
+        self.costs = {}    # (kind, chunk) -> seconds of each action
+        self.loss = 0.0

@@ -1,0 +1,220 @@
+"""strategies.moe under mpiexec (2 or 4 ranks): the uneven all-to-all mapping, the
+expert-parallel MoE layer against the single-process layer on the global batch (outputs,
+routing, aux loss, gradients), and the MoE GPT trained at EP = n, at DP = n (EP 1) and, at 4
+ranks, at EP 2 (each half of the ranks on its own) and EP x DP = 2 x 2, against the
+single-process MoE GPT on the same global batch with the same routing groups: the same
+assignments dropped at every step, and losses and gathered parameters after 5 steps within
+1e-4 relative (fp32), top-1 and top-2."""
+import torch
+
+import commlib
+from harness import Checker, raises
+from strategies.data import AdditionDataset, shard, vocab_size
+from strategies.mappings import all_to_all_uneven
+from strategies.mesh import Mesh
+from strategies.model import GPT, GPTConfig
+from strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
+                            gathered_state, moe_gpt, reduce_gradients)
+
+torch.set_num_threads(1)
+world = commlib.init()
+n, rank = world.size, world.rank
+check = Checker()
+
+CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
+DATA = AdditionDataset(seed=0)
+BATCH, GROUP_ROWS, STEPS, EXPERTS = 8, 2, 5, 4  # every rank's shard: whole routing groups
+
+
+def data(salt, shape):
+    g = torch.Generator().manual_seed(salt)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def close(got, want, rtol=1e-12, atol=1e-12):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert torch.allclose(got, want, rtol=rtol, atol=atol), \
+        f"max diff {(got - want).abs().max():.3g}"
+
+
+def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6):
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name, p in got.items():
+        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
+            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
+
+
+# ------------------------------------------------------------------------------ the mapping
+
+def all_to_all_uneven_mapping():
+    def rows(src, dst):  # some counts are zero
+        return (src + 2 * dst) % 3
+
+    def block(src, dst):
+        return data(100 * src + dst, (rows(src, dst), 2, 3))
+
+    send = [rows(rank, j) for j in range(n)]
+    recv = [rows(j, rank) for j in range(n)]
+    x = torch.cat([block(rank, j) for j in range(n)]).requires_grad_(True)
+    y = all_to_all_uneven(x, world, send, recv)
+    close(y.detach(), torch.cat([block(j, rank) for j in range(n)]))
+    # loss: sum over ranks of <y_r, w_r>; x's gradient is w of the rows' destinations
+    (y * torch.cat([data(7 + rank, (rows(j, rank), 2, 3)) for j in range(n)])).sum().backward()
+    close(x.grad, torch.cat([data(7 + j, (rows(rank, j), 2, 3)) for j in range(n)]))
+    raises(ValueError, f"send_rows sum to {sum(send)}, but the tensor has {sum(send) + 1} rows",
+           lambda: all_to_all_uneven(torch.zeros(sum(send) + 1, 2), world, send, recv))
+
+
+# ------------------------------------------------------------------------------ the layer
+
+def ep_layer_matches_one_process():
+    """ep = n, fp64: each rank's output rows, the routing (dropped count), the aux loss and
+    every gradient equal the single-process layer's on the global batch."""
+    for topk in (1, 2):
+        torch.manual_seed(3)
+        # two experts per rank: rows arrive by source and are regrouped by expert
+        ref = MoE(8, 12, 2 * n, topk, capacity_factor=1.0, group_rows=GROUP_ROWS).double()
+        layer = ExpertParallelMoE(ref, world)
+        assert list(layer.experts) == [str(2 * rank), str(2 * rank + 1)]
+        x, w = data(1, (GROUP_ROWS * n, 5, 8)), data(2, (GROUP_ROWS * n, 5, 8))
+        xr, xl = x.clone().requires_grad_(True), shard(x, rank, n).clone().requires_grad_(True)
+        want = ref(xr)
+        got = layer(xl)
+        close(got.detach(), shard(want.detach(), rank, n))
+        assert ref.dropped > 0  # capacity does refuse some assignments here
+        dropped = torch.tensor([layer.dropped])
+        world.all_reduce(dropped)
+        assert dropped.item() == ref.dropped
+        # losses: the reference's is the sum over ranks' (the aux loss a mean over groups)
+        ((want * w).sum() + ref.aux_loss).backward()
+        ((got * shard(w, rank, n)).sum() + layer.aux_loss / n).backward()
+        aux = layer.aux_loss.detach().clone()
+        world.all_reduce(aux, op="avg")
+        close(aux, ref.aux_loss.detach())
+        close(xl.grad, shard(xr.grad, rank, n))
+        for p in layer.parameters():
+            if not getattr(p, "expert_parallel", False):  # the router: partial on each rank
+                world.all_reduce(p.grad)
+        same_as(gathered_state(layer, world, grads=True),
+                {k: p.grad for k, p in ref.named_parameters()}, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ training
+
+class _SGD:
+    """SGD with momentum 0.9, as torch.optim.SGD computes it (whose first use imports
+    torch._dynamo: seconds per rank on a loaded machine)."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.velocity = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        for p, v in zip(self.params, self.velocity):
+            v.mul_(self.momentum).add_(p.grad)
+            p.sub_(self.lr * v)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def batches():
+    return [DATA.batch(step, BATCH, CONFIG.seq_len) for step in range(STEPS)]
+
+
+def moe_model(topk):
+    return moe_gpt(GPT(CONFIG, seed=1), experts=EXPERTS, topk=topk, capacity_factor=1.0,
+                   group_rows=GROUP_ROWS, aux_weight=0.1, seed=2)
+
+
+def _dropped(model):
+    return [layer.dropped for layer in model.moe_layers()]
+
+
+def _reference(topk):
+    """Losses, assignments dropped per step and layer, and parameters after STEPS steps."""
+    model = moe_model(topk)
+    opt = _SGD(model.parameters())
+    losses, dropped = [], []
+    for x, y in batches():
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        dropped.append(_dropped(model))
+    assert sum(map(sum, dropped)) > 0, "nothing was dropped: the test would not cover capacity"
+    return losses, dropped, {k: v.detach() for k, v in model.named_parameters()}
+
+
+REFERENCE = {topk: _reference(topk) for topk in (1, 2)}
+
+
+def _train_parallel(mesh):
+    """Train on ``mesh`` (dp x ep over mesh.world); compare with the reference."""
+    ranks = mesh.world
+    for topk in (1, 2):
+        model = expert_parallel_gpt(moe_model(topk), mesh)
+        opt = _SGD(model.parameters())
+        losses, dropped = [], []
+        for x, y in batches():
+            loss = model.loss(data_shard(x, mesh), data_shard(y, mesh))
+            loss.backward()
+            reduce_gradients(model, mesh)
+            opt.step()
+            opt.zero_grad()
+            mean, drops = loss.detach().clone(), torch.tensor(_dropped(model))
+            ranks.all_reduce(mean, op="avg")
+            ranks.all_reduce(drops)
+            losses.append(mean.item())
+            dropped.append(drops.tolist())
+        want_losses, want_dropped, want_params = REFERENCE[topk]
+        assert dropped == want_dropped, (dropped, want_dropped)  # the same routing
+        close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
+        same_as(gathered_state(model, mesh.group("ep")), want_params)
+        # every replica identical: dense parameters on all ranks, experts over dp
+        for name, p in model.named_parameters():
+            group = mesh.group("dp") if getattr(p, "expert_parallel", False) else ranks
+            everyone = torch.empty((group.size,) + p.shape)
+            group.all_gather(everyone, p.detach().contiguous())
+            assert all(torch.equal(everyone[0], e) for e in everyone), f"{name} differs"
+    mesh.free()
+
+
+def ep_trains_like_one_process():
+    _train_parallel(Mesh(world, ep=n))
+
+
+def ep2_trains_like_one_process_on_each_half():
+    """At 4 ranks: two independent EP-2 jobs, ranks {0, 1} and {2, 3}."""
+    if n == 4:
+        half = world.split(rank // 2)
+        _train_parallel(Mesh(half, ep=2))
+        half.free()
+
+
+def ep_x_dp_trains_like_one_process():
+    if n == 4:
+        _train_parallel(Mesh(world, dp=2, ep=2))
+
+
+def dp_alone_trains_like_one_process():
+    """ep = 1: every rank holds every expert; experts and dense parameters averaged over dp."""
+    _train_parallel(Mesh(world, dp=n))
+
+
+def errors():
+    raises(ValueError, f"experts=3 is not divisible by ep={n}",
+           lambda: ExpertParallelMoE(MoE(8, 8, 3, 1), world))
+    mesh = Mesh(world, tp=n)
+    raises(ValueError, "the mesh may only have dp and ep dimensions",
+           lambda: expert_parallel_gpt(moe_model(1), mesh))
+    mesh.free()
+    layer = ExpertParallelMoE(MoE(8, 8, 2 * n, 1, group_rows=2), world)
+    raises(ValueError, "a batch of 3 rows does not split into routing groups of group_rows=2",
+           lambda: layer(torch.zeros(3, 4, 8)))
+
+
+check.run_cases(globals())

@@ -1,0 +1,284 @@
+"""strategies.sequence_parallel under mpiexec at 2 and 4 ranks: ring and Ulysses attention
+against plain causal attention over the world (forward and backward, float64); the
+Megatron-SP, Ulysses and ring GPTs against the single-process reference on the same global
+batches (first step's logits and gradients, every step's loss, parameters after 5 steps
+within 1e-4 relative, fp32): at 2 ranks each over the world (tp 2, cp 2); at 4 ranks ring
+over cp 4, and each beside dp 2 (tp 2 x dp 2 through DataParallel and through ZeRO-3,
+cp 2 x dp 2 through DataParallel for Ulysses and an explicit all-reduce for ring); and the
+activation bytes each layout saves per layer against their accounting (bench.activations,
+whose table rank 0 prints)."""
+import torch
+import torch.nn.functional as F
+
+import commlib
+from bench.activations import LAYOUTS, accounted_bytes, format_table, table
+from harness import Checker, leaf, raises
+from harness import close as harness_close
+from strategies.data import AdditionDataset, shard, vocab_size
+from strategies.data_parallel import DataParallel
+from strategies.mappings import gather_along
+from strategies.mesh import Mesh
+from strategies.model import GPT, GPTConfig
+from strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt, ring_attention,
+                                          sequence_shard, ulysses_attention)
+from strategies.tensor_parallel import gathered_state
+from strategies.zero import ZeRO
+
+torch.set_num_threads(1)
+world = commlib.init()
+n, rank = world.size, world.rank
+check = Checker()
+
+CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
+DATA = AdditionDataset(seed=0)
+BATCH, STEPS, SEED = 4, 5, 1
+
+
+def data(salt, shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(salt), dtype=torch.float64)
+
+
+def close(got, want, rtol=1e-10, atol=1e-12):
+    harness_close(got, want, rtol, atol)
+
+
+# ------------------------------------------------------------------------------ attention
+
+def attention_cores_match_causal_attention():
+    """Each rank's queries attend to the whole sequence's earlier keys; gradients of q, k and
+    v shards are the shards of the full gradients (float64)."""
+    heads, time = 2 * n, 3 * n  # 3 tokens per rank: the causal mask cuts inside blocks
+    q, k, v, w = (data(salt, (2, heads, time, 8)) for salt in (1, 2, 3, 4))
+    full = [leaf(t) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*full, is_causal=True)
+    (want * w).sum().backward()
+
+    def mine(t):
+        return t.chunk(n, 2)[rank]
+    for core in (ring_attention, ulysses_attention):
+        local = [leaf(mine(t)) for t in (q, k, v)]
+        got = core(*local, group=world)
+        close(got.detach(), mine(want.detach()))
+        (got * mine(w)).sum().backward()
+        for got_grad, want_grad in zip(local, full):
+            close(got_grad.grad, mine(want_grad.grad))
+
+
+def ring_attention_float32_and_bfloat16():
+    q, k, v = (data(salt, (1, 2, 4 * n, 8)) for salt in (5, 6, 7))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True).chunk(n, 2)[rank]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        local = [leaf(t.chunk(n, 2)[rank].to(dtype)) for t in (q, k, v)]
+        got = ring_attention(*local, group=world)
+        assert got.dtype == dtype
+        close(got.detach().double(), want, rtol=tol, atol=tol)
+        got.sum().backward()
+        assert all(t.grad.dtype == dtype for t in local)
+
+
+# ------------------------------------------------------------------------------ the GPTs
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def batches(steps=STEPS):
+    return [DATA.batch(step, BATCH, CONFIG.seq_len) for step in range(steps)]
+
+
+def state(model, grads=False) -> dict:
+    """name -> a copy of the parameter (or its gradient) this rank holds."""
+    return {k: (p.grad if grads else p).detach().clone() for k, p in model.named_parameters()}
+
+
+def _reference() -> dict:
+    """The single-process run every layout must reproduce: its losses, the logits and
+    gradients of the first step, and the parameters after the last."""
+    model = GPT(CONFIG, SEED)
+    opt = optimizer(model.parameters())
+    run = {"losses": []}
+    for step, (x, y) in enumerate(batches()):
+        loss = model.loss(x, y)
+        loss.backward()
+        if step == 0:
+            run["logits"], run["grads"] = model(x).detach(), state(model, grads=True)
+        run["losses"].append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    run["params"] = state(model)
+    return run
+
+
+REFERENCE = _reference()
+
+
+def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6):
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name, p in got.items():
+        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
+            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
+
+
+def identical_over(group, tensors: dict):
+    """Every rank of ``group`` holds bitwise the same tensors."""
+    for name, t in tensors.items():
+        everyone = torch.empty((group.size,) + t.shape, dtype=t.dtype)
+        group.all_gather(everyone, t.contiguous())
+        assert all(torch.equal(everyone[0], e) for e in everyone), f"{name} differs"
+
+
+def trains_like_one_process(model, part, full_state=state, after_backward=lambda: None,
+                            batch_loss=lambda loss: loss.item()):
+    """Five steps of ``model`` against the reference. ``part(t)``: this rank's part of a
+    global batch tensor (ids, targets, the reference's logits); ``full_state(model,
+    grads=)``: whole tensors; ``batch_loss``: the global batch's loss from this rank's.
+    Checked: the first step's logits and gradients, every step's loss, the parameters
+    after the last step."""
+    opt = optimizer(model.parameters())
+    for step, (x, y) in enumerate(batches()):
+        if step == 0:
+            with torch.no_grad():
+                close(model(part(x)), part(REFERENCE["logits"]), rtol=1e-5, atol=1e-6)
+        loss = model.loss(part(x), part(y))
+        loss.backward()
+        after_backward()
+        got, want = batch_loss(loss.detach()), REFERENCE["losses"][step]
+        assert abs(got - want) <= 1e-5 * want, f"step {step}: loss {got} != {want}"
+        if step == 0:
+            same_as(full_state(model, grads=True), REFERENCE["grads"], rtol=1e-4, atol=1e-7)
+        opt.step()
+        opt.zero_grad()
+    same_as(full_state(model), REFERENCE["params"])
+
+
+def train(model, dp, part, full_state=state, wrap_dp=False):
+    """``trains_like_one_process`` for ``model`` alone, or beside data parallelism over
+    ``dp``: each dp rank takes its rows of the batch (then ``part``), and the gradients are
+    averaged over dp by the DataParallel wrapper (``wrap_dp``), else after backward."""
+    if dp is None:
+        return trains_like_one_process(model, part, full_state)
+
+    def average():
+        for p in model.parameters():
+            dp.all_reduce(p.grad, op="avg")
+
+    def dp_mean(loss):
+        total = loss.reshape(1).clone()
+        dp.all_reduce(total, op="avg")
+        return total.item()
+    if wrap_dp:
+        DataParallel(model, dp)  # it lives on in the parameters' hooks
+    trains_like_one_process(model, lambda t: part(shard(t, dp.rank, dp.size)), full_state,
+                            after_backward=(lambda: None) if wrap_dp else average,
+                            batch_loss=dp_mean)
+
+
+def layouts(group_dim):
+    """[(group, dp group or None, mesh or None)]: the world; at 4 ranks also 2 x dp 2 (the
+    last). The caller frees the mesh."""
+    if n != 4:
+        return [(world, None, None)]
+    mesh = Mesh(world, dp=2, **{group_dim: 2})
+    return [(world, None, None), (mesh.group(group_dim), mesh.group("dp"), mesh)]
+
+
+def megatron_sp_trains_like_one_process():
+    """tp = 2, and at 4 ranks tp = 2 x dp = 2 through DataParallel (the tp hooks then the dp
+    buckets)."""
+    for tp, dp, mesh in layouts("tp")[-1:]:
+        model = megatron_sp_gpt(GPT(CONFIG, SEED), tp)
+        train(model, dp, part=lambda t: t, wrap_dp=True,
+              full_state=lambda m, grads=False: gathered_state(m, tp, grads=grads))
+        identical_over(tp, {k: p.detach() for k, p in model.named_parameters()
+                            if getattr(p, "tp_split_dim", None) is None})  # held whole
+        if mesh:
+            mesh.free()
+
+
+def megatron_sp_under_zero3():
+    """tp = 2 x ZeRO-3 over dp = 2 (4 ranks): ZeRO gathers each module before its forward, so
+    the model must call its modules rather than use their parameters directly."""
+    if n != 4:
+        return
+    mesh = Mesh(world, dp=2, tp=2)
+    tp, dp = mesh.group("tp"), mesh.group("dp")
+    model = ZeRO(megatron_sp_gpt(GPT(CONFIG, SEED), tp), dp, 3, optimizer)
+    for step, (x, y) in enumerate(batches()):
+        loss = model.module.loss(shard(x, dp.rank, dp.size), shard(y, dp.rank, dp.size))
+        loss.backward()
+        model.step()
+        model.zero_grad()
+        mean = loss.detach().reshape(1)
+        dp.all_reduce(mean, op="avg")
+        want = REFERENCE["losses"][step]
+        assert abs(mean.item() - want) <= 1e-5 * want, f"step {step}: {mean.item()} != {want}"
+    local, full = model.full_parameters(), {}
+    for name, p in model.module.named_parameters():
+        dim = getattr(p, "tp_split_dim", None)
+        full[name] = local[name] if dim is None else gather_along(
+            local[name].contiguous(), tp, dim).narrow(dim, 0, p.tp_full_size)
+    same_as(full, REFERENCE["params"])
+    mesh.free()
+
+
+def ulysses_trains_like_one_process():
+    """cp = 2, and at 4 ranks cp = 2 x dp = 2 through DataParallel."""
+    for cp, dp, mesh in layouts("cp")[-1:]:
+        model = context_parallel_gpt(GPT(CONFIG, SEED), cp, "ulysses")
+        train(model, dp, part=lambda t: sequence_shard(t, cp), wrap_dp=True)
+        identical_over(world, state(model))
+        if mesh:
+            mesh.free()
+
+
+def ring_trains_like_one_process():
+    """cp = the world (2 or 4: blocks travel several hops), and at 4 ranks cp = 2 x dp = 2
+    with gradients averaged over dp after backward."""
+    for cp, dp, mesh in layouts("cp"):
+        model = context_parallel_gpt(GPT(CONFIG, SEED), cp, "ring")
+        train(model, dp, part=lambda t: sequence_shard(t, cp))
+        identical_over(world, state(model))
+        if mesh:
+            mesh.free()
+
+
+# ------------------------------------------------------------------------------ memory
+
+def activation_bytes_match_their_accounting():
+    """Bytes saved per layer in every layout equal the accounting in bench.activations (the
+    seed's formula without dropout, plus LayerNorm statistics), at t = cp = n."""
+    config = GPTConfig(vocab_size=vocab_size(), seq_len=8 * n, d_model=32, n_heads=4, n_layers=1)
+    rows = table(config, 2, world)
+    assert [r["layout"] for r in rows] == list(LAYOUTS)
+    for r in rows:
+        want = accounted_bytes(r["layout"], config.seq_len, 2, config.d_model, config.n_heads, n)
+        assert r["measured"] == want, f"{r['layout']}: measured {r['measured']}, accounted {want}"
+    by = {r["layout"]: r["measured"] for r in rows}
+    assert by["tp+sp"] * n == by["none"]  # sequence parallelism shards every activation
+    if rank == 0:
+        print(format_table(rows, config, 2, n), flush=True)
+
+
+# ------------------------------------------------------------------------------ errors
+
+def errors():
+    ref = GPT(CONFIG, SEED)
+    model, cp = megatron_sp_gpt(ref, world), context_parallel_gpt(ref, world, "ring")
+    x = torch.zeros(2, 4 * n + 1, dtype=torch.long)
+    if n > 1:
+        raises(ValueError, f"sequence length {4 * n + 1} is not divisible by the tp size {n}",
+               lambda: model(x))
+        raises(ValueError, f"sequence length {4 * n + 1} is not divisible by the group size {n}",
+               lambda: sequence_shard(x, world))
+        bad = GPTConfig(vocab_size=vocab_size(), seq_len=8, d_model=24, n_heads=3, n_layers=1)
+        raises(ValueError, f"n_heads=3 is not divisible by cp={n}",
+               lambda: context_parallel_gpt(GPT(bad, 0), world, "ulysses"))
+    raises(ValueError, "exceeds the model's seq_len 16",
+           lambda: cp(torch.zeros(2, 32 // n, dtype=torch.long)))
+    raises(ValueError, "unknown attention 'flash'",
+           lambda: context_parallel_gpt(ref, world, "flash"))
+    raises(ValueError, "expected token ids of shape (batch, time)",
+           lambda: cp(torch.zeros(4, dtype=torch.long)))
+
+
+check.run_cases(globals())
