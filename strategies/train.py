@@ -201,7 +201,7 @@ class Trainer:
         before = self.bytes_sent()
         x, y = self._local_batch(step)
         if self.pipeline is not None:
-            loss = torch.tensor(self.pipeline.step(x, y))  # gradients averaged over dp
+            loss = torch.tensor(self.pipeline.step(x, y), dtype=torch.float64)  # dp-averaged grads
         else:
             loss = self.model.loss(x, y)
             loss.backward()
