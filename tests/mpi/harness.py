@@ -76,6 +76,15 @@ def close(got, want, rtol=1e-12, atol=1e-12) -> None:
         f"max diff {(got - want).abs().max():.3g}"
 
 
+def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6) -> None:
+    """Two name -> tensor dicts (parameters, gradients) with the same names, every tensor
+    within tolerances; the message names the first that is not."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name, p in got.items():
+        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
+            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
+
+
 def raises(exc, match: str, fn) -> None:
     """``fn()`` must raise ``exc`` with ``match`` in its message."""
     try:

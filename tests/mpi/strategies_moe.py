@@ -8,7 +8,7 @@ assignments dropped at every step, and losses and gathered parameters after 5 st
 import torch
 
 import commlib
-from harness import Checker, raises
+from harness import Checker, close, raises, same_as
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.mappings import all_to_all_uneven
 from strategies.mesh import Mesh
@@ -29,19 +29,6 @@ BATCH, GROUP_ROWS, STEPS, EXPERTS = 8, 2, 5, 4  # every rank's shard: whole rout
 def data(salt, shape):
     g = torch.Generator().manual_seed(salt)
     return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def close(got, want, rtol=1e-12, atol=1e-12):
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert torch.allclose(got, want, rtol=rtol, atol=atol), \
-        f"max diff {(got - want).abs().max():.3g}"
-
-
-def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6):
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for name, p in got.items():
-        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
-            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
 
 
 # ------------------------------------------------------------------------------ the mapping

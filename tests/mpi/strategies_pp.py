@@ -8,6 +8,7 @@ import torch
 
 import commlib
 from harness import Checker, raises
+from harness import same_as as harness_same_as
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.mappings import gather_along
 from strategies.mesh import Mesh
@@ -75,11 +76,8 @@ def _reference():
 REFERENCE_LOSSES, REFERENCE = _reference()
 
 
-def same_as(got: dict, want: dict = REFERENCE, rtol=1e-4, atol=1e-6):
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for name, p in got.items():
-        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
-            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
+def same_as(got: dict, want: dict = REFERENCE, **tolerances):
+    harness_same_as(got, want, **tolerances)
 
 
 def same_losses(got, want=REFERENCE_LOSSES):

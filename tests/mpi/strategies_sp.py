@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import commlib
 from bench.activations import LAYOUTS, accounted_bytes, format_table, table
-from harness import Checker, leaf, raises
+from harness import Checker, leaf, raises, same_as
 from harness import close as harness_close
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
@@ -110,13 +110,6 @@ def _reference() -> dict:
 
 
 REFERENCE = _reference()
-
-
-def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6):
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for name, p in got.items():
-        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
-            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
 
 
 def identical_over(group, tensors: dict):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from harness import Checker, close, leaf, raises
+from harness import Checker, close, leaf, raises, same_as
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
 from strategies.mappings import gather_along
@@ -178,13 +178,6 @@ def _reference() -> dict:
 
 
 REFERENCE = _reference()
-
-
-def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6):
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for name, p in got.items():
-        assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
-            f"{name}: max diff {(p - want[name]).abs().max():.3g}"
 
 
 def replicated_params_identical(model, group):
