@@ -15,6 +15,9 @@ import torch.distributed as dist
 import commlib
 
 rank, size, store_file, report_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+# each rank is an MPI singleton here, with an MPICH segment of its own that the killed one
+# would leave behind: unlinked now, as commlib.init() does for a world
+commlib.abort.unlink_mpich_segments()
 comm = commlib.Communicator.from_store(dist.FileStore(store_file, size), rank, size)
 comm.timeout = 10
 try:
