@@ -78,10 +78,7 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
                           for k in ("input_splits", "output_splits")]
             desc = descriptor(collective, algo.name, count, dtype.code, op_code,
                               params.get("root", NONE))
-            if comm.transport == "shm":
-                executor.transport.agree(desc, *(splits or ([], [])), dtype.itemsize)
-            else:
-                comm._agreement.check(desc, dtype.itemsize, splits, seconds)
+            _agree(comm, desc, dtype.itemsize, splits, seconds)
         if plan is None:
             if comm._layout is not None:  # hier runs collectives of its own
                 comm._layout.bound(seconds)
@@ -96,6 +93,16 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
         comm._run_recorded(record, what, body)
 
     return call
+
+
+def _agree(comm, desc: list, itemsize: int, splits, seconds) -> None:
+    """Raise CollectiveMismatchError on every rank unless all made the call ``desc``
+    describes (with these all_to_all ``splits``): shared memory compares what the ranks
+    publish, other transports exchange it."""
+    if comm.transport == "shm":
+        comm._executor.transport.agree(desc, *(splits or ([], [])), itemsize)
+    else:
+        comm._agreement.check(desc, itemsize, splits, seconds)
 
 
 def _tell_peers(comm, collective: str, error: Exception) -> None:
@@ -118,11 +125,8 @@ def _announce_invalid(comm, collective: str) -> str | None:
     desc = invalid_descriptor(collective)
 
     def body():
-        if comm.transport == "shm":
-            comm._executor.set_timeout(comm.timeout)
-            comm._executor.transport.agree(desc, [], [], 1)
-        else:
-            comm._agreement.check(desc, 1, None, comm.timeout)
+        comm._executor.set_timeout(comm.timeout)
+        _agree(comm, desc, 1, None, comm.timeout)
 
     try:
         comm._engine.run(collective, lambda: comm._run_recorded(record, collective, body),

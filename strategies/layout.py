@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strategies.mesh import check_sizes
 from strategies.pipeline_schedules import SCHEDULES
 
 SEQUENCE_KINDS = ("megatron", "ulysses", "ring")
@@ -57,17 +58,7 @@ class Layout:
 def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
           layers: int) -> Layout:
     """``layout`` if it composes and fits the world and the model; else ValueError."""
-    sizes = layout.sizes
-    for name, size in sizes.items():
-        if size < 1:
-            raise ValueError(f"--{name} {size}: a mesh dimension has at least 1 rank")
-    total = 1
-    for size in sizes.values():
-        total *= size
-    if total != world_size:
-        shown = " x ".join(f"{d}={s}" for d, s in sizes.items() if s > 1) or "1"
-        raise ValueError(f"{shown} makes {total} ranks, but the world has {world_size}; "
-                         f"choose sizes whose product is {world_size}")
+    check_sizes(layout.sizes, world_size)
     tp, pp, cp, ep, sp = layout.tp, layout.pp, layout.cp, layout.ep, layout.sp
     if sp is not None and sp not in SEQUENCE_KINDS:
         raise ValueError(f"--sp {sp!r}: choose one of {', '.join(SEQUENCE_KINDS)}")

@@ -20,15 +20,7 @@ DIMS = ("pp", "dp", "ep", "cp", "tp")
 class Mesh:
     def __init__(self, world: commlib.Communicator, *, dp: int = 1, tp: int = 1, pp: int = 1,
                  cp: int = 1, ep: int = 1):
-        sizes = {"pp": pp, "dp": dp, "ep": ep, "cp": cp, "tp": tp}
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mesh: {name} must be a positive int, got {value!r}")
-        total = math.prod(sizes.values())
-        if total != world.size:
-            layout = " x ".join(f"{d}={s}" for d, s in sizes.items() if s > 1) or "1"
-            raise ValueError(f"mesh: {layout} makes {total} ranks, but the world has "
-                             f"{world.size}; choose sizes whose product is {world.size}")
+        sizes = check_sizes({"pp": pp, "dp": dp, "ep": ep, "cp": cp, "tp": tp}, world.size)
         self.world = world
         self.sizes = sizes
         self.coords = _unravel(world.rank, [sizes[d] for d in DIMS])
@@ -56,6 +48,20 @@ class Mesh:
     def free(self) -> None:
         for g in self._groups.values():
             g.free()
+
+
+def check_sizes(sizes: dict, world_size: int) -> dict:
+    """``sizes`` (dimension -> ranks) if each is a positive int and they multiply to the
+    world's size; else ValueError saying which."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mesh: {name} must be a positive int, got {value!r}")
+    total = math.prod(sizes.values())
+    if total != world_size:
+        layout = " x ".join(f"{d}={s}" for d, s in sizes.items() if s > 1) or "1"
+        raise ValueError(f"mesh: {layout} makes {total} ranks, but the world has "
+                         f"{world_size}; choose sizes whose product is {world_size}")
+    return sizes
 
 
 def _check_dim(dim: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -115,9 +116,7 @@ def layout_of(args, world_size: int) -> Layout:
     others = {d: getattr(args, d) for d in ("tp", "pp", "cp", "ep")}
     dp = args.dp
     if dp is None:
-        rest = 1
-        for size in others.values():
-            rest *= max(size, 1)
+        rest = math.prod(max(size, 1) for size in others.values())
         if world_size % rest:
             shown = " x ".join(f"--{d} {s}" for d, s in others.items() if s != 1)
             raise ValueError(f"{shown} does not divide the {world_size} ranks; choose a divisor "
