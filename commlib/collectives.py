@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from . import _C
 from .buffers import Buffer, as_buffer
-from .calls import (NONE, REDUCING, FlightRecorder, check_timeout,
+from .calls import (NONE, REDUCING, check_timeout,
                     descriptor, invalid_descriptor)
 from .errors import CollectiveMismatchError, CommError
 from .ops import ReduceOp
@@ -148,20 +148,9 @@ def execute(comm, collective, bufs, count, dtype, op=ReduceOp.SUM, algorithm=Non
 def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
     """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
     comm = _comm(comm)
-    # Small sums of numpy arrays on one host skip the general path (its Python costs more
-    # than the collective); they run exactly what it would choose, the direct algorithm.
-    if (comm._fast_sum_bytes and op == "sum" and algorithm is None and not async_op
-            and timeout is None and comm._engine.idle()):
-        record = comm._recorder.issue("all_reduce", "direct", None, None, "sum")
-        try:
-            done = comm._executor.transport.all_reduce_sum_array(t, comm._fast_sum_bytes)
-        except CommError as e:
-            raise comm._finish(record, e)
-        if done:
-            record[3], record[4] = t.size, t.dtype
-            FlightRecorder.finish(record)
-            return t
-        comm._recorder.retract(record)
+    if (comm._fast and algorithm is None and not async_op and timeout is None
+            and comm._fast.run("all_reduce", t, None, op)):
+        return t
     try:
         buf = as_buffer(t, "t")
         call = _prepare(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
@@ -190,6 +179,9 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
                    timeout=None):
     """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
     comm = _comm(comm)
+    if (comm._fast and algorithm is None and not async_op and timeout is None
+            and comm._fast.run("reduce_scatter", output, input, op)):
+        return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
@@ -204,6 +196,9 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
 def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout=None):
     """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
     comm = _comm(comm)
+    if (comm._fast and algorithm is None and not async_op and timeout is None
+            and comm._fast.run("all_gather", output, input)):
+        return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
@@ -245,6 +240,9 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
     Splits count elements per peer (like torch's all_to_all_single); None means equal parts.
     """
     comm = _comm(comm)
+    if (comm._fast and output_splits is None and input_splits is None and algorithm is None
+            and not async_op and timeout is None and comm._fast.run("all_to_all", output, input)):
+        return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _same_dtype(out, inp, "output and input")
@@ -263,6 +261,9 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
 def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None):
     """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
     comm = _comm(comm)
+    if (comm._fast and algorithm is None and not async_op and timeout is None
+            and comm._fast.run("broadcast", t, None, None, root)):
+        return t
     try:
         buf = as_buffer(t, "t")
         call = _prepare(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype,
@@ -276,6 +277,9 @@ def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None
 def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
     """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is unchanged."""
     comm = _comm(comm)
+    if (comm._fast and algorithm is None and not async_op and timeout is None
+            and comm._fast.run("reduce", t, None, op, root)):
+        return t
     try:
         buf = as_buffer(t, "t")
         call = _prepare(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,

@@ -14,6 +14,8 @@ from .errors import CollectiveMismatchError, CommError, CommTimeoutError  # noqa
 from .exchange import MpiGroup  # noqa: E402
 from .executors.python import PythonExecutor  # noqa: E402
 from .executors.shm import ShmExecutor  # noqa: E402
+from .fast_path import FastPath  # noqa: E402
+from .fast_path import enabled as fast_path_enabled  # noqa: E402
 from .select import algorithm_overrides, choose  # noqa: E402
 from .algorithms import OFFERS  # noqa: E402
 from .hosts import HostLayout, count_hosts, crowded_host, requested_transport  # noqa: E402
@@ -81,7 +83,7 @@ class Communicator:
         self._failure: str | None = None  # why this communicator can no longer be used
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
-        self._fast_sum_bytes = self._fast_all_reduce_limit()
+        self._fast = FastPath(self) if fast_path_enabled(self.transport) else None
         name = f"r{self.rank}of{self.size}"
         self._engine = ProgressEngine(name)
         self._poller = RequestPoller(name)
@@ -145,19 +147,6 @@ class Communicator:
                              "use auto or mpi")
         return "hosts" if even else "mpi"
 
-    def _fast_all_reduce_limit(self) -> int:
-        """Bytes up to which all_reduce may take the fast path (collectives.all_reduce):
-        sizes where the cost model picks direct anyway; 0 when it never does."""
-        if self.transport != "shm" or "all_reduce" in self._overrides:
-            return 0
-        limit = 0
-        for nbytes in (1 << k for k in range(17)):  # up to 64 KiB
-            if choose("all_reduce", "auto", self.size, nbytes, transport="shm",
-                      offers=self.offers).name != "direct":
-                break
-            limit = nbytes
-        return limit
-
     def _plan(self, collective: str, requested, count: int, itemsize: int, params: tuple):
         """(algorithm, plan or None for runners) of a call, cached on this communicator."""
         key = (collective, requested, count, itemsize, params)
@@ -172,6 +161,8 @@ class Communicator:
             if len(self._plans) >= 4096:
                 self._plans.clear()
             hit = self._plans[key] = (algo, plan)
+            if self._fast is not None and requested is None:
+                self._fast.learn(collective, algo, plan, count, itemsize, dict(params))
         return hit
 
     @property
@@ -225,7 +216,7 @@ class Communicator:
         self._poller.close()
         if self._layout is not None:
             self._layout.free()
-        self._executor = None  # unmaps shared memory
+        self._executor = self._fast = None  # unmaps shared memory
         if self._agreement is not None:
             self._agreement.free()
         for c in (self._coll, self._p2p):

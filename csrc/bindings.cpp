@@ -18,20 +18,11 @@ namespace {
 void* ptr(uintptr_t addr) { return reinterpret_cast<void*>(addr); }
 
 constexpr int NPY_ARRAY_WRITEABLE_ = 0x0400;  // numpy's flag bit (pybind11 does not name it)
-
-// numpy dtype -> commlib dtype code, -1 if unsupported (numpy has no bfloat16).
-int numpy_dtype_code(const py::dtype& dt) {
-  if (dt.byteorder() == '>') return -1;
-  switch (dt.kind()) {
-    case 'f': return dt.itemsize() == 2 ? commlib::F16 : dt.itemsize() == 4 ? commlib::F32
-                   : dt.itemsize() == 8 ? commlib::F64 : -1;
-    case 'i': return dt.itemsize() == 1 ? commlib::I8 : dt.itemsize() == 4 ? commlib::I32
-                   : dt.itemsize() == 8 ? commlib::I64 : -1;
-    case 'u': return dt.itemsize() == 1 ? commlib::U8 : -1;
-    default: return -1;
-  }
-}
 }  // namespace
+
+namespace commlib {
+void bind_fast_path(py::module_& m);  // fast_path.cpp
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "commlib native kernels: elementwise reductions, scaling and copies on raw buffers";
@@ -188,25 +179,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property("cma", &ShmComm::cma, &ShmComm::set_cma)
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
-                    "seconds a call may wait for its peers before CommTimeoutError (0: none)")
-      .def(
-          "all_reduce_sum_array",
-          [](ShmComm& c, py::handle obj, int64_t max_bytes) {
-            // The small-message fast path: a writable C-contiguous numpy array of a
-            // supported dtype, summed by the direct algorithm. False: take the general path.
-            if (!py::array::check_(obj)) return false;
-            auto arr = py::reinterpret_borrow<py::array>(obj);
-            constexpr int kNeeded = py::array::c_style | NPY_ARRAY_WRITEABLE_;
-            if ((arr.flags() & kNeeded) != kNeeded || arr.nbytes() > max_bytes) return false;
-            int dtype = numpy_dtype_code(arr.dtype());
-            if (dtype < 0) return false;
-            uintptr_t ptr = reinterpret_cast<uintptr_t>(arr.mutable_data());
-            int64_t count = arr.size();
-            py::gil_scoped_release release;
-            c.all_reduce(ptr, count, dtype, commlib::SUM, 3);
-            return true;
-          },
-          py::arg("array"), py::arg("max_bytes"));
+                    "seconds a call may wait for its peers before CommTimeoutError (0: none)");
+  commlib::bind_fast_path(m);
 
   m.def(
       "array_info",

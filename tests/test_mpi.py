@@ -44,6 +44,12 @@ def test_collectives_torch(n):
     run_checked(n, "tests/mpi/matrix.py", "torch", *(["large"] if n == 3 else []))
 
 
+@pytest.mark.parametrize("n,env", [(1, {}), (2, {}), (3, {}), (4, {}),
+                                   (3, {"COMMLIB_SHM_CMA": "0"})], ids=lambda v: str(v))
+def test_fast_path(n, env):
+    run_checked(n, "tests/mpi/fast_path.py", env=env)
+
+
 @pytest.mark.parametrize("n", RANKS)
 def test_communicators_p2p_selection_errors(n):
     run_checked(n, "tests/mpi/misc.py")

@@ -1,0 +1,86 @@
+"""The fast path: a whole collective on numpy arrays in one C++ call (csrc/fast_path.cpp).
+
+The general path (collectives.py) validates, plans and records a call in Python, which
+costs a few microseconds: more than a small collective on shared memory takes. The fast
+path runs only what the general path already decided: each time the general path plans a
+call (``Communicator._plan``, no algorithm named), it teaches the fast path that call's
+plan or direct collective. A later call with the same (collective, count, itemsize,
+root) on numpy arrays runs in one C++ call, checked there; anything it does not check
+itself goes to the general path, which raises the usual errors. Calls are recorded in
+the flight recorder either way.
+
+Only on the shared-memory transport; ``COMMLIB_FAST_PATH=0`` turns it off.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from . import _C
+from .calls import NONE
+from .errors import CommError
+from .ops import ReduceOp
+
+# what each op may be given as (None: the collective does not reduce)
+_OP_CODES = {None: _C.OPS["sum"], **{o.value: _C.OPS[o.value] for o in ReduceOp},
+             **{o: _C.OPS[o.value] for o in ReduceOp}}
+_now = time.monotonic
+
+
+def enabled(transport: str) -> bool:
+    return transport == "shm" and os.environ.get("COMMLIB_FAST_PATH", "1") != "0"
+
+
+class FastPath:
+    def __init__(self, comm):
+        self.comm = comm
+        self.native = _C.FastPath(comm._executor.transport)
+        self.entries: list[tuple] = []  # entry id -> (algorithm name, count) for the record
+
+    @property
+    def taken(self) -> int:
+        """Calls run on this path so far."""
+        return self.native.taken
+
+    def learn(self, collective: str, algo, plan, count: int, itemsize: int,
+              params: dict) -> None:
+        """The general path runs ``algo`` (``plan``, or a runner when None) for this call."""
+        comm = self.comm
+        if collective == "all_to_all":  # the fast path knows equal parts only
+            if count % comm.size or any(
+                    s != count // comm.size for k in ("input_splits", "output_splits")
+                    for s in params[k]):
+                return
+            if plan is None and algo.name == "direct" and not comm._executor.transport.cma:
+                from .algorithms import get  # direct all_to_all falls back to pairwise
+                plan = comm._executor.plan(get("all_to_all", "pairwise"), comm.size,
+                                           comm.rank, count, itemsize, tuple(params.items()))
+        if plan is None and algo.name != "direct":
+            return  # other runners (MPI's own, hier) stay on the general path
+        steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if plan is not None else ([], 0)
+        self.native.learn(_C.COLLECTIVES[collective], count, itemsize,
+                          params.get("root", NONE), steps, tmp, len(self.entries))
+        self.entries.append((algo.name if plan is None or algo.run is None else "pairwise",
+                             count))
+
+    def run(self, collective: str, a, b=None, op=None, root=None) -> bool:
+        """Run ``collective`` on ``a`` (output, or the only buffer) and ``b`` (input) if
+        this path can; False: the caller takes the general path. ``op``: reducing
+        collectives' only; ``root``: rooted ones' only."""
+        comm = self.comm
+        code = _OP_CODES.get(op)
+        if (code is None or comm._failure is not None or not comm._engine.idle()
+                or (root is not None and type(root) is not int)):
+            return False
+        issued = _now()
+        try:
+            entry = self.native.call(_C.COLLECTIVES[collective], a, b, code,
+                                     NONE if root is None else root, comm._timeout)
+        except CommError as e:
+            record = comm._recorder.issue(collective, None, None, None, op, root)
+            record[8] = issued
+            raise comm._finish(record, e)
+        if entry < 0:
+            return False
+        comm._recorder.ran(collective, self.entries[entry], a.dtype, op, root, issued)
+        return True

@@ -1,0 +1,160 @@
+"""The fast path (commlib/fast_path.py): numpy calls after the first of their kind run in
+one C++ call; results, declines, mixed paths across ranks, errors and the flight record."""
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+from commlib.errors import CollectiveMismatchError
+from harness import Checker, assert_equal, raises, torch
+
+comm = commlib.init()
+n, rank = comm.size, comm.rank
+check = Checker()
+fast = comm._fast
+
+
+def _twice(call) -> None:
+    """``call()`` (which checks its own result) twice: the first call of its kind may take
+    the general path (unless an earlier call with another op or dtype of the same size
+    taught the fast path), the second must take the fast one, unless it runs MPI's own
+    collective (as all_to_all does on one rank)."""
+    call()
+    before = fast.taken
+    call()
+    algorithm = comm.flight_record()[-1]["algorithm"]
+    assert fast.taken == before + (algorithm != "native"), f"{algorithm}: the general path"
+
+
+def _cases():
+    for count in (1, 5, 1000, 40_003):
+        for dtype in ("float32", "float16", "int8", "int64"):
+            yield count, dtype
+
+
+def results_match_the_general_path():
+    assert fast is not None, "shared memory, COMMLIB_FAST_PATH unset: the fast path is on"
+    for count, dt in _cases():
+        ranks = np.arange(n)
+
+        def all_reduce(op, want):
+            t = np.full(count, rank + 1, dt)
+            comm.all_reduce(t, op=op)
+            assert_equal(t, np.full(count, want, dt))
+        _twice(lambda: all_reduce("sum", n * (n + 1) // 2))
+        _twice(lambda: all_reduce("max", n))
+        if dt.startswith("float"):
+            _twice(lambda: all_reduce("avg", (n + 1) / 2))
+
+        def all_gather():
+            out = np.zeros(count * n, dt)
+            comm.all_gather(out, np.full(count, rank, dt))
+            assert_equal(out, np.repeat(ranks, count).astype(dt))
+        _twice(all_gather)
+
+        def reduce_scatter():
+            out = np.zeros(count, dt)
+            comm.reduce_scatter(out, np.repeat(ranks + rank, count).astype(dt))
+            assert_equal(out, np.full(count, n * rank + n * (n - 1) // 2, dt))
+        _twice(reduce_scatter)
+
+        def all_to_all():
+            out = np.zeros(count * n, dt)
+            comm.all_to_all(out, np.repeat(ranks * 0 + rank, count).astype(dt))
+            assert_equal(out, np.repeat(ranks, count).astype(dt))
+        _twice(all_to_all)
+
+        def broadcast():
+            t = np.full(count, rank, dt)
+            comm.broadcast(t, root=n - 1)
+            assert_equal(t, np.full(count, n - 1, dt))
+        _twice(broadcast)
+
+        def reduce():
+            t = np.full(count, rank + 1, dt)
+            comm.reduce(t, root=n - 1)
+            assert_equal(t, np.full(count, n * (n + 1) // 2 if rank == n - 1 else rank + 1, dt))
+        _twice(reduce)
+
+
+def in_place_forms():
+    def all_gather():
+        whole = np.zeros(6 * n, np.float32)
+        whole[6 * rank:6 * rank + 6] = rank
+        comm.all_gather(whole, whole[6 * rank:6 * rank + 6])
+        assert_equal(whole, np.repeat(np.arange(n), 6).astype(np.float32))
+    _twice(all_gather)
+
+    def reduce_scatter():
+        data = np.ones(6 * n, np.float32)
+        comm.reduce_scatter(data[6 * rank:6 * rank + 6], data)
+        assert_equal(data[6 * rank:6 * rank + 6], np.full(6, n, np.float32))
+    _twice(reduce_scatter)
+
+
+def ranks_may_take_different_paths():
+    """A torch tensor (general path) on one rank meets numpy arrays (fast path) elsewhere."""
+    want = np.full(33, n * (n - 1) // 2, np.float32)
+    for _ in range(2):
+        t = np.full(33, rank, np.float32)
+        if rank == 0 and torch is not None:
+            t = torch.from_numpy(t)
+        comm.all_reduce(t)
+        assert_equal(np.asarray(t), want)
+    before = fast.taken
+    t = np.full(33, rank, np.float32)
+    comm.all_reduce(t, timeout=30)  # a per-call timeout takes the general path
+    assert fast.taken == before
+    comm.all_reduce(t)  # ... which leaves the transport on its own; the next call resets it
+    comm.all_reduce(t)
+    assert comm._executor.transport.timeout == comm.timeout
+    assert fast.taken >= before + 1
+    assert_equal(t, want * n ** 2)
+
+
+def declined_calls_raise_the_general_paths_errors():
+    t = np.full(8, 1.0, np.float32)
+    comm.all_reduce(t)
+    comm.all_reduce(t)  # known now
+    frozen = t.copy()
+    frozen.flags.writeable = False
+    raises(ValueError, "read-only", lambda: comm.all_reduce(frozen))
+    raises(ValueError, "not contiguous", lambda: comm.all_reduce(np.ones(16, np.float32)[::2]))
+    raises(ValueError, "outside the communicator", lambda: comm.broadcast(t, root=n))
+    raises(ValueError, "needs a floating dtype", lambda: comm.all_reduce(np.ones(8, np.int32),
+                                                                         op="avg"))
+    raises(ValueError, "expected size * input.numel",
+           lambda: comm.all_gather(np.zeros(8 * n + 1, np.float32), t))
+    assert_equal(t, np.full(8, float(n * n), np.float32))  # nothing ran
+
+
+def async_work_keeps_its_order():
+    a, b = np.full(100, 1.0), np.full(100, 2.0)
+    comm.all_reduce(b)
+    comm.all_reduce(b)  # now known to the fast path
+    work = comm.all_reduce(a, async_op=True)
+    comm.all_reduce(b)  # behind the async call: the general path, in order
+    work.wait()
+    assert_equal(a, np.full(100, float(n)))
+    assert_equal(b, np.full(100, 2.0 * n ** 3))
+
+
+def disagreement_on_the_fast_path_fails_every_rank():
+    if n == 1:
+        return
+    c = commlib.Communicator(MPI.COMM_WORLD)
+
+    def calls():
+        for count in (4, 5):  # both known to every rank
+            for _ in range(2):
+                c.all_reduce(np.ones(count, np.float32))
+        c.all_reduce(np.ones(4 if rank == 0 else 5, np.float32))  # on the fast path
+    try:
+        # a rank still finishing the call before may see the verdict there
+        raises(CollectiveMismatchError, "count differs", calls)
+        last = c.flight_record()[-1]
+        assert last["state"] == "failed" and last["algorithm"] is None, last
+    finally:
+        c.free()
+
+
+check.run_cases(globals())
