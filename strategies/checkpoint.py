@@ -140,7 +140,7 @@ def load_checkpoint(path, trainer) -> int:
             for view, p, shape in zip(u.views(flat), u.params, u.shapes):
                 view.copy_(local(names[p], p, shape, kind))
             out[u.master_offset:u.master_offset + u.shard_numel] = \
-                flat.chunk(zero.group.size)[zero.group.rank]
+                flat.chunk(u.group.size)[u.group.rank]
             if kind == "param" and zero.stage < 3:
                 whole += zip(u.params, u.views(flat))
     for p, value in whole:
@@ -232,9 +232,9 @@ def _pieces(trainer) -> tuple:
     sources = {"param": zero.master}
     sources.update({k: v for k, v in master_state.items()
                     if torch.is_tensor(v) and v.shape == zero.master.shape})
-    names = {p: name for name, p in trainer.model.named_parameters()}
+    names = {p: name for name, p in _named_parameters(trainer)}  # the reference's names
     for u in zero.units:
-        first = zero.group.rank * u.shard_numel  # this rank holds the unit's flat [first, ...)
+        first = u.group.rank * u.shard_numel  # this rank holds the unit's flat [first, ...)
         offset = 0
         for p, shape in zip(u.params, u.shapes):
             lo, hi = max(offset, first), min(offset + shape.numel(), first + u.shard_numel)

@@ -8,9 +8,14 @@ dimension at fault and what to change; everything it accepts trains like the sin
 reference. The ones that compose:
 
     dp x tp             with ZeRO 0-3 on dp, and Megatron SP on tp
-    dp x cp             Ulysses or ring attention, ZeRO 0-3 on dp
-    dp x tp x pp        any schedule; ZeRO 0 (the pipeline averages gradients over dp)
-    dp x ep             mixture of experts (E+D); ZeRO 0
+    dp x tp x cp        Ulysses or ring attention on cp (under tp: of each tp rank's heads),
+                        ZeRO 0-3 on dp
+    dp x tp x pp        any schedule, ZeRO 0-3 on each stage's dp group (0: the pipeline
+                        averages the gradients; 1: ZeRO reduce-scatters them in its step;
+                        2, 3: as each chunk's are final, during the schedule); Megatron SP
+                        on tp with the schedules that do not split backward (all but zb-h1)
+    dp x ep             mixture of experts (E+D); ZeRO 0-2 (dense parameters sharded over
+                        dp x ep, each expert over its replicas, the dp ranks)
 """
 from __future__ import annotations
 
@@ -71,8 +76,12 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
         if sp not in ("ulysses", "ring"):
             raise ValueError(f"--cp {cp} needs the attention that works on sequence shards: "
                              "add --sp ulysses or --sp ring")
-        if tp > 1 or pp > 1:
-            raise ValueError(f"--cp {cp} composes with dp only; drop --tp/--pp (or --cp)")
+        if pp > 1:
+            raise ValueError(f"--cp {cp} composes with dp and tp; drop --pp (or --cp)")
+        if sp == "ulysses" and heads % tp == 0 and (heads // tp) % cp:
+            raise ValueError(f"--sp ulysses: each of the --cp {cp} ranks attends whole heads of "
+                             f"the {heads // tp} that --heads {heads} over --tp {tp} leaves a "
+                             f"rank; choose --cp dividing {heads // tp}, or --sp ring")
         if seq_len % cp:
             raise ValueError(f"--seq-len {seq_len} does not divide into --cp {cp} shards; "
                              f"use a multiple of {cp}")
@@ -90,18 +99,17 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
             raise ValueError(f"--topk {layout.topk}: choose 1 to --experts ({layout.experts})")
         if tp > 1 or pp > 1 or cp > 1 or sp:
             raise ValueError("--experts composes with dp and ep only; drop --tp/--pp/--cp/--sp")
-        if layout.zero:
-            raise ValueError("--experts: expert gradients reduce over their own replicas, "
-                             "which ZeRO does not know; use --zero 0")
+        if layout.zero == 3:
+            raise ValueError("--experts: ZeRO 3 would gather an expert's parameters only on "
+                             "the ranks that route tokens to it; use --zero 0, 1 or 2")
     if pp > 1:
-        if layout.zero:
-            raise ValueError("--pp: the pipeline averages its gradients over dp itself; "
-                             "use --zero 0")
-        if sp:
-            raise ValueError("--pp composes with dp and tp; drop --sp")
         if layout.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {layout.schedule!r}: choose one of "
                              f"{', '.join(SCHEDULES)}")
+        if sp == "megatron" and layout.schedule == "zb-h1":
+            raise ValueError("--schedule zb-h1 splits backward at modules' outputs, which "
+                             "--sp megatron's fused layers do not have; choose gpipe, 1f1b "
+                             "or interleaved-1f1b (or drop --sp)")
         if layers < pp * layout.virtual:
             raise ValueError(f"--pp {pp} x {layout.virtual} chunks per stage needs at least "
                              f"{pp * layout.virtual} layers, the model has --layers {layers}")

@@ -55,6 +55,7 @@ from strategies.data import shard
 from strategies.mappings import all_to_all_uneven
 from strategies.mesh import Mesh
 from strategies.model import GPT, MLP, cross_entropy
+from strategies.zero import default_units
 
 
 @dataclass
@@ -274,6 +275,28 @@ def expert_parallel_gpt(model: MoEGPT, mesh: Mesh) -> MoEGPT:
 
 
 # ------------------------------------------------------------------------------ training
+
+def zero_arguments(model: MoEGPT, mesh: Mesh) -> dict:
+    """ZeRO's ``group``, ``units`` and ``unit_groups`` for an expert-parallel GPT on a dp x ep
+    mesh (stages 1 and 2; stage 3 would gather an expert only on the ranks that route
+    tokens to it). Dense parameters are sharded over every rank, which all hold them and
+    saw different data; each MoE layer's experts form a unit of their own, sharded over
+    their replicas (the dp group). The gradients are then the ones ``reduce_gradients``
+    makes."""
+    units, unit_groups = [], {}
+    for unit in default_units(model):  # a block: its modules, with the experts apart
+        if not any(isinstance(m, MoE) for m in unit.modules()):
+            units.append(unit)
+            continue
+        for child in unit.children():
+            if isinstance(child, MoE):
+                units += [child.router, child.experts]
+                unit_groups[child.experts] = mesh.group("dp")
+            elif any(True for _ in child.parameters()):
+                units.append(child)
+    # expert_parallel_gpt made sure the mesh is dp x ep: the world is every data rank
+    return {"group": mesh.world, "units": units, "unit_groups": unit_groups}
+
 
 def data_shard(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """This rank's rows of a global batch: shard dp_rank * ep + ep_rank of dp * ep."""

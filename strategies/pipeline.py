@@ -6,10 +6,12 @@ stage, p * v *pieces* (chunk c of stage s is piece c * p + s), m microbatches, a
 actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
 
     PipelineStage(model, group, virtual=1)
-        this stage's pieces, copied out of a reference GPT (or a tensor-parallel one): piece
-        0 holds the embeddings, the last piece ln_f, the head and the loss, and each piece a
-        contiguous run of blocks; nothing else is kept. Parameter names are the reference's.
-    Pipeline(stage, schedule, microbatches, dp_group=None)
+        this stage's pieces, copied out of a reference GPT (or a tensor-parallel one, or one
+        with Megatron sequence parallelism, whose stages then pass each other sequence
+        shards): piece 0 holds the embeddings, the last piece ln_f, the head and the loss,
+        and each piece a contiguous run of blocks; nothing else is kept. Parameter names are
+        the reference's.
+    Pipeline(stage, schedule, microbatches, dp_group=None, gradients=None)
         ``step(inputs, targets)`` runs one forward and backward of the batch through the
         schedule and leaves the batch's gradients in the stage's parameters, as
         ``model.loss(inputs, targets).backward()`` would: every microbatch's loss is scaled
@@ -20,14 +22,17 @@ Communication is asynchronous: sends are isends, the receives a compute action n
 posted (irecv) before the compute action ahead of it starts, and a stage waits only where its
 schedule receives, so it computes while its neighbours' tensors are in flight, and holds
 receive buffers for about one action ahead. Each message is tagged with its direction,
-piece and microbatch. With ``dp_group`` a piece's gradients are averaged over the
-data-parallel ranks (async) as soon as its last backward action has run, overlapping the
-rest of the schedule.
+piece and microbatch. A piece's gradients are final as soon as its last backward action has
+run; then they are reduced over the data-parallel ranks (async, overlapping the rest of the
+schedule): averaged over ``dp_group``, or reduce-scattered to their owners by ``gradients``,
+a ``ZeRO`` of the stage built with ``reduce_in_backward=False`` (stages 2 and 3).
 
 The split backward (zero-bubble's I and W): I asks autograd for the gradients of the piece's
 input and of the output of every module that holds parameters (keeping the graph); W then
 runs, for each such module, backward from its output's gradient to its own parameters only,
-which touches just that module's operations. Neither recomputes what the other did.
+which touches just that module's operations. Neither recomputes what the other did. (Megatron
+SP applies its weights inside fused gather-and-multiply functions, not as modules' outputs:
+its stages take the schedules without W.)
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ import commlib
 from strategies.model import GPT, cross_entropy
 from strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
                                            simulate)
+from strategies.sequence_parallel import (MegatronSequenceParallelGPT, shard_positions,
+                                          sum_replicated_gradients)
 from strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
 
 _TAG_LIMIT = 32767  # commlib's largest tag
@@ -60,13 +67,16 @@ def partition(n_layers: int, pieces: int) -> list[range]:
 
 class Piece(nn.Module):
     """A contiguous slice of the GPT; ``forward`` takes token ids (first piece) or hidden
-    states, and gives hidden states, or (last piece, with targets) the mean loss."""
+    states, and gives hidden states, or (last piece, with targets) the mean loss.
+    ``positions(time)``: what the position embedding looks up for sequences of ``time``."""
 
-    def __init__(self, model: nn.Module, index: int, count: int, blocks: range, loss_fn):
+    def __init__(self, model: nn.Module, index: int, count: int, blocks: range, loss_fn,
+                 positions=torch.arange):
         super().__init__()
         self.index, self.first, self.last = index, index == 0, index == count - 1
         if self.first:
             self.tok_emb, self.pos_emb = _copy(model.tok_emb), _copy(model.pos_emb)
+            self.positions = positions
         self.blocks = nn.ModuleDict({str(i): _copy(model.blocks[i]) for i in blocks})
         if self.last:
             self.ln_f, self.head = _copy(model.ln_f), _copy(model.head)
@@ -75,7 +85,7 @@ class Piece(nn.Module):
     def forward(self, x, targets=None):
         """``targets`` is used by the last piece only."""
         if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1]))
         for block in self.blocks.values():
             x = block(x)
         if self.last:
@@ -96,13 +106,19 @@ def _copy(module: nn.Module) -> nn.Module:
 
 
 class PipelineStage(nn.Module):
-    """This rank's pieces of ``model`` (a ``GPT`` or a ``TensorParallelGPT``) for a pipeline
-    of ``group.size`` stages with ``virtual`` chunks each. ``pieces[c]`` is chunk c."""
+    """This rank's pieces of ``model`` (a ``GPT``, ``TensorParallelGPT`` or
+    ``MegatronSequenceParallelGPT``) for a pipeline of ``group.size`` stages with ``virtual``
+    chunks each. ``pieces[c]`` is chunk c. ``sequence_shards``: into how many shards the
+    activations passed between stages are cut along time (the tp size under Megatron SP)."""
 
     def __init__(self, model: nn.Module, group: commlib.Communicator, virtual: int = 1):
         super().__init__()
         if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
             raise ValueError(f"pipeline: virtual must be a positive int, got {virtual!r}")
+        positions, self.sequence_shards = torch.arange, 1
+        if isinstance(model, MegatronSequenceParallelGPT):
+            positions = functools.partial(shard_positions, group=model.group, config=model.config)
+            self.sequence_shards = model.group.size
         if isinstance(model, TensorParallelGPT):
             loss_fn = functools.partial(_vocab_parallel_loss, group=model.group,
                                         vocab_size=model.config.vocab_size)
@@ -116,18 +132,25 @@ class PipelineStage(nn.Module):
         count = self.stages * virtual
         blocks = partition(model.config.n_layers, count)
         self.pieces = nn.ModuleList(Piece(model, c * self.stages + self.stage, count,
-                                          blocks[c * self.stages + self.stage], loss_fn)
+                                          blocks[c * self.stages + self.stage], loss_fn,
+                                          positions)
                                     for c in range(virtual))
+        if self.sequence_shards > 1:  # the copies lost the model's gradient hooks
+            sum_replicated_gradients(self.pieces, model.group)
         # every stage's parameter names and (local) shapes, for gathered_state
         pieces_of = [[c * self.stages + s for c in range(virtual)] for s in range(self.stages)]
         self.layout = [[(name, p.shape) for i in mine
                         for name, p in _piece_parameters(model, i, count, blocks[i])]
                        for mine in pieces_of]
-        self.dtype = next(model.parameters()).dtype
         self._captured = None  # while run_piece captures: [(module, output)]
         for module in self.modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
                 module.register_forward_hook(self._on_module_output)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype: what travels between stages."""
+        return next(self.parameters()).dtype
 
     def _on_module_output(self, module, args, output):
         if self._captured is not None:
@@ -209,7 +232,8 @@ class Pipeline:
     fractions (one small all-gather)."""
 
     def __init__(self, stage: PipelineStage, schedule, microbatches: int, *,
-                 dp_group: commlib.Communicator | None = None, measure: bool = True):
+                 dp_group: commlib.Communicator | None = None, gradients=None,
+                 measure: bool = True):
         p, v = stage.stages, stage.virtual
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
@@ -228,10 +252,19 @@ class Pipeline:
                              f"message tags than the {_TAG_LIMIT} commlib has; use fewer")
         self.stage, self.schedule, self.microbatches = stage, schedule, microbatches
         self.actions = schedule[stage.stage]
-        self.dp_group = dp_group if dp_group is not None and dp_group.size > 1 else None
+        if dp_group is not None and gradients is not None:
+            raise ValueError("pipeline: give dp_group (average the gradients over it) or "
+                             "gradients (a ZeRO that reduce-scatters them), not both")
+        if dp_group is not None and dp_group.size > 1:
+            gradients = GroupAverage(dp_group)
+        self.gradients = gradients  # reduce(params), wait(): over the data-parallel ranks
         self.measure, self.report = measure, None
         self._post_before = _posting_plan(self.actions)
         self.split = {(a.microbatch, a.chunk) for a in self.actions if a.kind == "W"}
+        if self.split and stage.sequence_shards > 1:
+            raise ValueError(f"pipeline: schedule {self.name!r} splits backward into I and W, "
+                             "which Megatron SP's fused layers do not support; use a schedule "
+                             "without W (gpipe, 1f1b, interleaved-1f1b)")
         # the last backward action of each chunk: its gradients are final after it
         self._final = {a.chunk: a for a in self.actions if a.kind in ("B", "W")}
 
@@ -246,9 +279,14 @@ class Pipeline:
         if inputs.shape[0] % m:
             raise ValueError(f"pipeline: batch {inputs.shape[0]} does not divide into {m} "
                              f"microbatches; use a multiple of {m}")
+        if inputs.shape[1] % self.stage.sequence_shards:
+            raise ValueError(f"pipeline: sequence length {inputs.shape[1]} does not divide into "
+                             f"{self.stage.sequence_shards} sequence shards; use a multiple")
         group = self.stage.group
+        # what travels between stages: a microbatch's hidden states (its shard along time)
         self._run = _StepState(inputs.chunk(m), targets.chunk(m),
-                               (inputs.shape[0] // m, inputs.shape[1], self.stage.config.d_model))
+                               (inputs.shape[0] // m, inputs.shape[1] // self.stage.sequence_shards,
+                                self.stage.config.d_model))
         run = self._run
         if self.measure:
             group.barrier()
@@ -263,7 +301,8 @@ class Pipeline:
         finished = time.perf_counter() - start
         for work in run.sends:
             work.wait()
-        self._finish_dp()
+        if self.gradients is not None:
+            self.gradients.wait()
         loss = torch.tensor([run.loss], dtype=torch.float64)
         group.broadcast(loss, root=self.stage.stages - 1)
         if self.measure:
@@ -371,20 +410,11 @@ class Pipeline:
         self._run.inbox[(direction, a.microbatch, a.chunk)] = buffer
 
     def _after_weights(self, a: Action):
-        """After a chunk's last backward action its gradients are final: start averaging
-        them over the data-parallel group."""
-        if self.dp_group is None or self._final[a.chunk] != a:
-            return
-        params = [p for p in self.stage.pieces[a.chunk].parameters() if p.requires_grad]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        work = self.dp_group.all_reduce(flat, op="avg", async_op=True)
-        self._run.dp.append((work, flat, params))
-
-    def _finish_dp(self):
-        for work, flat, params in self._run.dp:
-            work.wait()
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        """After a chunk's last backward action its gradients are final: start reducing
+        them over the data-parallel ranks."""
+        if self.gradients is not None and self._final[a.chunk] == a:
+            self.gradients.reduce([p for p in self.stage.pieces[a.chunk].parameters()
+                                   if p.requires_grad])
 
     def _measure(self, finished: float) -> StepReport:
         """Gather every stage's busy time, end time and mean cost per (kind, chunk)."""
@@ -403,6 +433,26 @@ class Pipeline:
                  for k, kind in enumerate(kinds) if costs[s, c, k] > 0}
         sim = simulate(self.schedule, lambda a: table.get((a.stage, a.chunk, a.kind), 0.0))
         return StepReport(makespan, [1.0 - float(b) / makespan for b in busy], sim.idle, table)
+
+
+class GroupAverage:
+    """A pipeline's plain data parallelism: ``reduce(params)`` starts averaging their
+    gradients over ``group`` (one flat async all-reduce), ``wait()`` writes the averages
+    back to ``.grad``."""
+
+    def __init__(self, group: commlib.Communicator):
+        self.group, self.pending = group, []
+
+    def reduce(self, params) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.pending.append((self.group.all_reduce(flat, op="avg", async_op=True), flat, params))
+
+    def wait(self) -> None:
+        for work, flat, params in self.pending:
+            work.wait()
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+        self.pending = []
 
 
 def _posting_plan(actions: list[Action]) -> list[list[Action]]:
@@ -434,6 +484,5 @@ class _StepState:
         self.outbox = {}   # (direction, microbatch, chunk of the receiver) -> tensor to send
         self.held = {}     # (microbatch, chunk) -> _Held
         self.sends = []
-        self.dp = []       # (work, flat gradients, parameters) of a dp average in flight
         self.costs = {}    # (kind, chunk) -> seconds of each action
         self.loss = 0.0

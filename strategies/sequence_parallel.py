@@ -21,6 +21,9 @@ needs all earlier tokens:
     ring     K/V blocks travel around the ring while each rank attends its queries to the
              block in hand, merging blocks with an online softmax (``ring_attention``)
 
+With a tp group as well (``context_parallel_gpt(..., tp=)``) the model is the tensor-parallel
+GPT on sequence shards: each tp rank's heads/tp heads attend across the cp group as above.
+
 Gradients. A parameter applied to a shard gets only that shard's part of its gradient. Such
 parameters (under cp all of them; under Megatron SP those TP does not split: LayerNorms, the
 position embedding, row-parallel biases) carry a hook that sums their gradient over the group
@@ -39,9 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from strategies.mappings import all_to_all, reduce_from_group, reduce_scatter_along
+from strategies.mappings import all_to_all, gather_along, reduce_from_group, reduce_scatter_along
 from strategies.model import GPT
-from strategies.tensor_parallel import TensorParallelGPT, VocabParallelEmbedding
+from strategies.tensor_parallel import (TensorParallelGPT, VocabParallelEmbedding,
+                                        vocab_parallel_cross_entropy)
 
 _KV_TAG, _GRAD_TAG = 1, 2  # ring messages: K/V blocks, and their dK/dV accumulators
 
@@ -58,6 +62,13 @@ def _check_time(time: int, group: commlib.Communicator, name: str = "group") -> 
                          f"{group.size}; use a sequence length that is a multiple of {group.size}")
 
 
+def shard_positions(time: int, group: commlib.Communicator, config) -> torch.Tensor:
+    """Positions of this rank's shard of sequences of ``time`` tokens, sequence-sharded over
+    ``group``: what its position embedding looks up."""
+    _check_time(time, group, "tp")
+    return _shard_positions(time // group.size, group, config)
+
+
 def _shard_positions(local_time: int, group, config) -> torch.Tensor:
     """Positions of this rank's tokens, for the position embedding."""
     if local_time * group.size > config.seq_len:  # judged alike on every rank
@@ -65,6 +76,15 @@ def _shard_positions(local_time: int, group, config) -> torch.Tensor:
                          f"{config.seq_len}; use shorter inputs or a larger seq_len")
     start = group.rank * local_time
     return torch.arange(start, start + local_time)
+
+
+def sum_replicated_gradients(module: nn.Module, group: commlib.Communicator) -> None:
+    """Hook every parameter of ``module`` that tensor parallelism does not split (held whole,
+    used on a sequence shard under Megatron SP) to sum its gradient over ``group``. Hooks do
+    not survive copying a parameter: whoever copies such modules calls this on the copy."""
+    for p in module.parameters():
+        if getattr(p, "tp_split_dim", None) is None:
+            _sum_gradient_over(p, group)
 
 
 def _sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None:
@@ -334,15 +354,12 @@ class MegatronSequenceParallelGPT(TensorParallelGPT):
         for block in self.blocks:
             block.attn = _Attention(block.attn, causal_attention, tp=group)
             block.mlp = _SequenceParallelMLP(block.mlp, group)
-        for p in self.parameters():
-            if getattr(p, "tp_split_dim", None) is None:  # held whole, used on a shard
-                _sum_gradient_over(p, group)
+        sum_replicated_gradients(self, group)
 
     def local_logits(self, idx):
         """Token ids (B, T) -> this rank's vocab slice of the logits of every token."""
         _check_ids(idx)
-        _check_time(idx.shape[1], self.group, "tp")
-        positions = _shard_positions(idx.shape[1] // self.group.size, self.group, self.config)
+        positions = shard_positions(idx.shape[1], self.group, self.config)  # checks T first
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
@@ -350,39 +367,45 @@ class MegatronSequenceParallelGPT(TensorParallelGPT):
 
 
 class ContextParallelGPT(nn.Module):
-    """The reference GPT, whole on every rank of ``group``, run on sequence shards.
+    """The reference GPT, whole on every rank of ``group`` (or, with ``tp``, the
+    tensor-parallel GPT over that group), run on sequence shards.
 
     ``forward`` and ``loss`` take this rank's shard (B, T/cp) of the token ids (and targets),
-    see ``sequence_shard``; ``forward`` returns the shard's logits, ``loss`` the mean over
-    every token of the batch (replicated). Parameter names match the reference's.
+    see ``sequence_shard``; ``forward`` returns the shard's logits (gathered over tp),
+    ``loss`` the mean over every token of the batch (replicated). Parameter names match the
+    reference's.
     """
 
     ATTENTION = {"ulysses": ulysses_attention, "ring": ring_attention}
 
-    def __init__(self, reference: GPT, group: commlib.Communicator, attention: str):
+    def __init__(self, reference: GPT, group: commlib.Communicator, attention: str,
+                 tp: commlib.Communicator | None = None):
         super().__init__()
         if attention not in self.ATTENTION:
             raise ValueError(f"context parallel: unknown attention {attention!r}; choose one of "
                              f"{', '.join(self.ATTENTION)}")
         config = reference.config
-        if attention == "ulysses" and config.n_heads % group.size:
-            raise ValueError(f"ulysses: n_heads={config.n_heads} is not divisible by "
-                             f"cp={group.size}; each rank attends whole heads, so choose cp "
-                             f"dividing {config.n_heads} (or use ring attention)")
-        self.config, self.group, self.attention = config, group, attention
-        self.tok_emb = copy.deepcopy(reference.tok_emb)
-        self.pos_emb = copy.deepcopy(reference.pos_emb)
-        self.blocks = copy.deepcopy(reference.blocks)
+        heads = config.n_heads // (tp.size if tp is not None else 1)  # the heads a rank holds
+        if attention == "ulysses" and heads % group.size:
+            held = f"n_heads={heads}" if tp is None else \
+                f"n_heads/tp={config.n_heads}/{tp.size}={heads}"
+            raise ValueError(f"ulysses: {held} is not divisible by cp={group.size}; each rank "
+                             f"attends whole heads, so choose cp dividing {heads} (or use ring "
+                             "attention)")
+        self.config, self.group, self.attention, self.tp = config, group, attention, tp
+        # a tensor-parallel model is built fresh: its modules are this model's
+        base = TensorParallelGPT(reference, tp) if tp is not None else copy.deepcopy(reference)
+        self.tok_emb, self.pos_emb, self.blocks = base.tok_emb, base.pos_emb, base.blocks
         attend = partial(self.ATTENTION[attention], group=group)
         for block in self.blocks:
-            block.attn = _Attention(block.attn, attend)
-        self.ln_f = copy.deepcopy(reference.ln_f)
-        self.head = copy.deepcopy(reference.head)
+            block.attn = _Attention(block.attn, attend)  # q/k/v/proj: tp's slices, if any
+        self.ln_f, self.head = base.ln_f, base.head
         for p in self.parameters():
             _sum_gradient_over(p, group)
 
-    def forward(self, idx):
-        """This rank's shard of token ids (B, T/cp) -> its logits (B, T/cp, vocab_size)."""
+    def local_logits(self, idx):
+        """This rank's shard of token ids (B, T/cp) -> its logits (B, T/cp, V), or under tp
+        this rank's slice of the (padded) vocab."""
         _check_ids(idx)
         x = self.tok_emb(idx) + self.pos_emb(_shard_positions(idx.shape[1], self.group,
                                                               self.config))
@@ -390,8 +413,20 @@ class ContextParallelGPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def forward(self, idx):
+        """This rank's shard of token ids (B, T/cp) -> its logits (B, T/cp, vocab_size)."""
+        logits = self.local_logits(idx)
+        if self.tp is None:
+            return logits
+        return gather_along(logits, self.tp, -1)[..., :self.config.vocab_size]
+
     def loss(self, idx, targets):
-        return sequence_sharded_cross_entropy(self(idx), targets, self.group)
+        if self.tp is None:
+            return sequence_sharded_cross_entropy(self(idx), targets, self.group)
+        # the shard's mean, then the mean of the (equal) shards' means
+        local = vocab_parallel_cross_entropy(self.local_logits(idx), targets, self.tp,
+                                             self.config.vocab_size)
+        return reduce_from_group(local.reshape(1) / self.group.size, self.group)[0]
 
 
 def _check_ids(idx):
@@ -404,5 +439,6 @@ def megatron_sp_gpt(reference: GPT, group: commlib.Communicator) -> MegatronSequ
 
 
 def context_parallel_gpt(reference: GPT, group: commlib.Communicator,
-                         attention: str = "ring") -> ContextParallelGPT:
-    return ContextParallelGPT(reference, group, attention)
+                         attention: str = "ring",
+                         tp: commlib.Communicator | None = None) -> ContextParallelGPT:
+    return ContextParallelGPT(reference, group, attention, tp)

@@ -3,6 +3,8 @@
     mpiexec -n 4 python -m strategies.train --dp 2 --tp 2 --zero 1 --steps 50
     mpiexec -n 4 python -m strategies.train --pp 2 --schedule zb-h1 --micro-batches 4
     mpiexec -n 4 python -m strategies.train --cp 2 --sp ring
+    mpiexec -n 4 python -m strategies.train --tp 2 --pp 2 --sp megatron
+    mpiexec -n 4 python -m strategies.train --cp 2 --tp 2 --sp ulysses
     mpiexec -n 4 python -m strategies.train --ep 2 --experts 4 --topk 2
 
 Every layout builds the same model from --seed and reads the same global batches, so the
@@ -35,7 +37,8 @@ from strategies.data_parallel import DataParallel
 from strategies.layout import SEQUENCE_KINDS, Layout, check
 from strategies.mesh import DIMS, Mesh
 from strategies.model import GPT, GPTConfig
-from strategies.moe import data_shard, expert_parallel_gpt, moe_gpt, reduce_gradients
+from strategies.moe import (data_shard, expert_parallel_gpt, moe_gpt, reduce_gradients,
+                            zero_arguments)
 from strategies.pipeline import Pipeline, PipelineStage
 from strategies.pipeline_schedules import SCHEDULES
 from strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt, sequence_shard
@@ -147,15 +150,14 @@ class Trainer:
         if layout.experts:
             model = expert_parallel_gpt(model, mesh)
         elif layout.cp > 1:
-            model = context_parallel_gpt(model, mesh.group("cp"), layout.sp)
+            model = context_parallel_gpt(model, mesh.group("cp"), layout.sp,
+                                         tp=mesh.group("tp") if layout.tp > 1 else None)
         elif layout.sp == "megatron":
             model = megatron_sp_gpt(model, mesh.group("tp"))
         elif layout.tp > 1:
             model = tensor_parallel_gpt(model, mesh.group("tp"))
         if layout.pp > 1:
             model = PipelineStage(model, mesh.group("pp"), layout.virtual)
-            self.pipeline = Pipeline(model, layout.schedule, layout.microbatches,
-                                     dp_group=mesh.group("dp"), measure=False)
         if args.bf16:
             model = model.to(torch.bfloat16)
         self.model = model
@@ -164,14 +166,26 @@ class Trainer:
             return torch.optim.AdamW(params, lr=args.lr)
         self.zero = None
         if layout.zero:
-            self.zero = ZeRO(model, mesh.group("dp"), layout.zero, adamw)
+            # experts: dense parameters over dp x ep, experts over their replicas
+            groups = zero_arguments(model, mesh) if layout.experts else \
+                {"group": mesh.group("dp")}
+            # a pipeline's microbatches accumulate: it says when a chunk's gradients are final
+            self.zero = ZeRO(model, stage=layout.zero, optimizer=adamw,
+                             reduce_in_backward=layout.pp == 1, **groups)
             self.optimizer = self.zero.optimizer
         else:
-            if self.pipeline is None and not layout.experts:
+            if layout.pp == 1 and not layout.experts:
                 # its hooks average the gradients during backward
                 self.data_parallel = DataParallel(model, mesh.group("dp"),
                                                   bucket_bytes=int(args.bucket_mb * 2**20))
             self.optimizer = adamw(model.parameters())
+        if layout.pp > 1:
+            # gradients over dp: averaged by the pipeline, or reduce-scattered by ZeRO (2 and
+            # 3 as each chunk's are final, overlapping the schedule; 1 in its step)
+            reduce = {"dp_group": mesh.group("dp")} if not layout.zero else \
+                {"gradients": self.zero} if layout.zero >= 2 else {}
+            self.pipeline = Pipeline(model, layout.schedule, layout.microbatches,
+                                     measure=False, **reduce)
         self.args = args
         self.data = AdditionDataset(args.seed)
 
@@ -200,11 +214,11 @@ class Trainer:
         before = self.bytes_sent()
         x, y = self._local_batch(step)
         if self.pipeline is not None:
-            loss = torch.tensor(self.pipeline.step(x, y), dtype=torch.float64)  # dp-averaged grads
+            loss = torch.tensor(self.pipeline.step(x, y), dtype=torch.float64)
         else:
             loss = self.model.loss(x, y)
             loss.backward()
-            if self.layout.experts:
+            if self.layout.experts and not self.zero:
                 reduce_gradients(self.model, self.mesh)
         held = accounting.measured(self.model, self.optimizer, self.zero)
         if self.zero:

@@ -4,7 +4,8 @@ are sharded over the data-parallel group instead of replicated.
 Vocabulary: the model is cut into *units* (by default each child module, with the items of
 a ModuleList or Sequential as units of their own): a unit is what stage 3 gathers at once.
 A unit's parameters, flattened in order and padded to a multiple of the group size, form
-its *flat* vector; rank r owns the r-th of its ``group.size`` equal *shards*. This rank's
+its *flat* vector; rank r owns the r-th of its ``group.size`` equal *shards*. (A unit may be
+sharded over a group of its own: expert-parallel experts, replicated over dp only.) This rank's
 shards of every unit, concatenated, are the *master* vector: the only parameters the
 optimizer sees (any torch optimizer), so its state exists for 1/n of the model.
 
@@ -18,8 +19,16 @@ optimizer sees (any torch optimizer), so its state exists for 1/n of the model.
 
 Traffic per step: stages 1 and 2 reduce-scatter and all-gather the model once each (2x its
 size), stage 3 all-gathers it twice and reduce-scatters it once (3x).
+
+Where several backward passes accumulate into one step's gradients and only the caller knows
+when a unit's are final (a pipeline: every microbatch runs its own backward, split into
+pieces), ``reduce_in_backward=False`` turns the hooks of stages 2 and 3 off: the caller
+launches each unit's reduce-scatter with ``reduce(params)`` once the gradients of ``params``
+(whole units) are final, and ``wait()`` collects them (reducing any unit not yet launched).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -42,7 +51,7 @@ def default_units(model: nn.Module) -> list:
 class _Unit:
     def __init__(self, module: nn.Module, params: list, group: commlib.Communicator,
                  master_offset: int):
-        self.module = module
+        self.module, self.group = module, group
         self.params = [p for p in params if p.requires_grad]
         self.shapes = [p.shape for p in self.params]
         self.numel = sum(p.numel() for p in self.params)
@@ -77,23 +86,37 @@ class _Unit:
 class ZeRO(nn.Module):
     """``ZeRO(model, group, stage, optimizer)``: ``optimizer(params)`` builds any torch
     optimizer over the list it is given (this rank's master shard). Train with
-    ``loss.backward(); zero.step(); zero.zero_grad()``."""
+    ``loss.backward(); zero.step(); zero.zero_grad()``.
+
+    ``unit_groups``: {unit module: group} for units whose parameters are replicated over a
+    smaller group than ``group`` (each ep rank holds other experts: they are replicated over
+    dp only). Such a unit is sharded over its own group, and its gradient summed over it and
+    divided by ``group.size``, as every unit's: the mean over the ranks that saw different
+    data, when each of its replicas already sums what the others contributed (an expert's
+    gradient holds every ep rank's tokens)."""
 
     def __init__(self, module: nn.Module, group: commlib.Communicator, stage: int, optimizer,
-                 units: list | None = None):
+                 units: list | None = None, reduce_in_backward: bool = True,
+                 unit_groups: dict | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         self.module, self.group, self.stage = module, group, stage
-        with torch.no_grad():  # every rank starts from rank 0's weights
-            for t in list(module.parameters()) + list(module.buffers()):
-                group.broadcast(t.data, root=0)
+        unit_groups = unit_groups or {}
         self.units, offset = [], 0
         for m in units if units is not None else default_units(module):
             # the model itself as a unit holds only the parameters registered on it
             params = list(m.parameters(recurse=m is not module))
-            self.units.append(_Unit(m, params, group, offset))
+            self.units.append(_Unit(m, params, unit_groups.get(m, group), offset))
             offset += self.units[-1].shard_numel
+        unknown = set(unit_groups) - {u.module for u in self.units}
+        if unknown:
+            raise ValueError(f"ZeRO: unit_groups names modules that are no unit "
+                             f"({sorted(type(m).__name__ for m in unknown)}); key it by units")
+        with torch.no_grad():  # every rank starts from its group's rank 0's weights
+            group_of = {p: u.group for u in self.units for p in u.params}
+            for t in list(module.parameters()) + list(module.buffers()):
+                group_of.get(t, group).broadcast(t.data, root=0)
         covered = {p for u in self.units for p in u.params}
         missing = [name for name, p in module.named_parameters() if p.requires_grad and p not in covered]
         if missing:
@@ -109,7 +132,7 @@ class ZeRO(nn.Module):
         self.grad_shard = None  # this rank's reduced gradients, in the model's dtype
         with torch.no_grad():
             for u in self.units:
-                self._master_of(u).copy_(u.flatten(u.params).chunk(group.size)[group.rank])
+                self._master_of(u).copy_(u.flatten(u.params).chunk(u.group.size)[u.group.rank])
         # stage 3 gathers from a shard in the model's dtype (the master itself in fp32)
         self.param_shard = self.master.data.to(self.dtype) if stage == 3 else None
         self.optimizer = optimizer([self.master])
@@ -119,7 +142,7 @@ class ZeRO(nn.Module):
         # evidence of overlap: gathers already in flight when needed, reduce-scatters
         # launched while backward was still running
         self.prefetched = self.reduced_during_backward = 0
-        if stage >= 2:
+        if stage >= 2 and reduce_in_backward:
             for p in self._unit_of:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         if stage == 3:
@@ -139,7 +162,7 @@ class ZeRO(nn.Module):
         if u.gather_work is None and not u.gathered:
             flat = torch.empty(u.padded, dtype=u.dtype)
             src = self.param_shard[u.master_offset:u.master_offset + u.shard_numel]
-            u.gather_work = (self.group.all_gather(flat, src, async_op=True), flat)
+            u.gather_work = (u.group.all_gather(flat, src, async_op=True), flat)
 
     def _gather(self, u: _Unit) -> None:
         if u.gathered:
@@ -187,6 +210,7 @@ class ZeRO(nn.Module):
             if len(next_unit.ready) < len(next_unit.params):
                 return
             self._reduce_scatter(next_unit)
+            self._next_launch += 1
             self.reduced_during_backward += 1
 
     def _reduce_scatter(self, u: _Unit) -> None:
@@ -194,20 +218,43 @@ class ZeRO(nn.Module):
         unit's parameters)."""
         flat = u.flatten([p.grad for p in u.params])
         shard = torch.empty(u.shard_numel, dtype=u.dtype)
-        u.grad_work = (self.group.reduce_scatter(shard, flat, op="avg", async_op=True), shard)
+        u.grad_work = (u.group.reduce_scatter(shard, flat, op="avg", async_op=True), shard)
         for p in u.params:
             p.grad = None
         if self.stage == 3:
             self._free(u)
         u.ready.clear()
-        self._next_launch += 1
 
     def _finish_backward(self) -> None:
         while self._next_launch < len(self.units):  # units without gradients send zeros
             self._reduce_scatter(self.units[len(self.units) - 1 - self._next_launch])
+            self._next_launch += 1
         self._collect_gradients()
         self._next_launch = 0
         self._pending = False
+
+    def reduce(self, params) -> None:
+        """Launch the reduce-scatter of the units ``params`` make up, whose gradients are
+        final (with ``reduce_in_backward=False``); ``wait`` collects it. Every rank of the
+        group must reduce the same units in the same order."""
+        given = set(params)
+        units = [u for u in self.units if u.params and set(u.params) <= given]
+        if {p for u in units for p in u.params} != given:
+            raise ValueError("ZeRO.reduce: the parameters given are not a set of whole units; "
+                             "pass every trainable parameter of each unit (e.g. a module's)")
+        for u in units:
+            if u.grad_work is not None:
+                raise RuntimeError("ZeRO.reduce: a unit was reduced twice in one step; reduce "
+                                   "each unit once, when its gradients are final")
+            self._reduce_scatter(u)
+
+    def wait(self) -> None:
+        """Collect the reduce-scatters ``reduce`` launched; units it did not reach are
+        reduced now (zeros for those without gradients)."""
+        for u in reversed(self.units):
+            if u.grad_work is None:
+                self._reduce_scatter(u)
+        self._collect_gradients()
 
     def _collect_gradients(self) -> None:
         """Wait for the reduce-scatters; add each shard into this rank's gradient shard (so
@@ -219,6 +266,8 @@ class ZeRO(nn.Module):
             work, shard = u.grad_work
             work.wait()
             u.grad_work = None
+            if u.group is not self.group:  # averaged over u.group: the mean over group's
+                shard *= u.group.size / self.group.size
             self.grad_shard[u.master_offset:u.master_offset + u.shard_numel] += shard
 
     # ------------------------------------------------------------------ the step
@@ -227,10 +276,15 @@ class ZeRO(nn.Module):
         if self.stage == 1:
             for u in reversed(self.units):
                 self._reduce_scatter(u)
-            self._next_launch = 0
             self._collect_gradients()
         if self.grad_shard is None:
             raise RuntimeError("ZeRO.step() without gradients: call loss.backward() first")
+        if self.stage == 3:  # nothing gathered outlives the step: it would be stale after it
+            for u in self.units:
+                if u.gather_work is not None:  # a prefetch nothing used
+                    u.gather_work[0].wait()
+                    u.gather_work = None
+                self._free(u)
         self.master.grad = self.grad_shard.to(self.master.dtype)
         self.optimizer.step()
         self.master.grad = None
@@ -240,7 +294,7 @@ class ZeRO(nn.Module):
             gathers = []
             for u in self.units:
                 flat = torch.empty(u.padded, dtype=u.dtype)
-                gathers.append((self.group.all_gather(flat, self._master_of(u).to(u.dtype),
+                gathers.append((u.group.all_gather(flat, self._master_of(u).to(u.dtype),
                                                       async_op=True), u, flat))
             for work, u, flat in gathers:
                 work.wait()
@@ -252,14 +306,22 @@ class ZeRO(nn.Module):
         for p in self._unit_of:
             p.grad = None
 
-    @torch.no_grad()
-    def full_parameters(self) -> dict:
-        """Every parameter, whole, by name (stage 3 gathers them: collective)."""
+    @contextmanager
+    def gathered(self):
+        """Inside, every parameter holds its whole value: stage 3 gathers them all (collective)
+        and frees them on the way out; stages 1 and 2 hold them anyway."""
         if self.stage == 3:
             for u in self.units:
                 self._gather(u)
-        out = {name: p.detach().clone() for name, p in self.module.named_parameters()}
-        if self.stage == 3:
-            for u in self.units:
-                self._free(u)
-        return out
+        try:
+            yield
+        finally:
+            if self.stage == 3:
+                for u in self.units:
+                    self._free(u)
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict:
+        """Every parameter, whole, by name (stage 3 gathers them: collective)."""
+        with self.gathered():
+            return {name: p.detach().clone() for name, p in self.module.named_parameters()}

@@ -1,6 +1,7 @@
 """strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
 parallel layout training like the single-process reference."""
 import json
+import math
 import re
 
 import pytest
@@ -39,9 +40,11 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
                       (4, ["--dp", "2", "--tp", "2", "--zero", "1"]),
                       (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
                       (2, ["--tp", "2", "--sp", "megatron"]),
-                      (4, ["--dp", "2", "--pp", "2"]),
+                      (4, ["--dp", "2", "--pp", "2", "--zero", "2"]),
                       (4, ["--pp", "2", "--tp", "2", "--schedule", "gpipe"]),
+                      (4, ["--pp", "2", "--tp", "2", "--sp", "megatron"]),
                       (4, ["--dp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"]),
+                      (4, ["--cp", "2", "--tp", "2", "--sp", "ulysses"]),
                       (4, ["--dp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"]),
                       # 8 ranks on 2 cores: slow, but the one way to see all three at once
                       (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zb-h1",
@@ -55,7 +58,8 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
 def test_training_cli_mixture_of_experts_in_every_layout(tmp_path):
     want = [r["loss"] for r in _train(1, tmp_path, "--experts", "4")[0]]
     assert want[-1] < want[0]
-    for n, layout in [(2, ["--ep", "2"]), (4, ["--dp", "2", "--ep", "2"])]:
+    for n, layout in [(2, ["--ep", "2"]), (4, ["--dp", "2", "--ep", "2"]),
+                      (4, ["--dp", "2", "--ep", "2", "--zero", "2"])]:
         got = [r["loss"] for r in _train(n, tmp_path, "--experts", "4", *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
 
@@ -88,11 +92,14 @@ def test_training_cli_errors():
 @pytest.mark.parametrize("ranks,flags,message", [
     (2, ["--sp", "megatron"], "add --tp 2 or more"),
     (2, ["--cp", "2"], "add --sp ulysses or --sp ring"),
-    (4, ["--cp", "2", "--sp", "ring", "--tp", "2"], "--cp 2 composes with dp only"),
+    (4, ["--cp", "2", "--sp", "ulysses", "--tp", "2", "--heads", "2", "--d-model", "32"],
+     "choose --cp dividing 1, or --sp ring"),
     (2, ["--ep", "2"], "add --experts N"),
     (2, ["--experts", "3", "--ep", "2"], "--experts 3 does not divide over --ep 2"),
-    (2, ["--experts", "2", "--zero", "1"], "use --zero 0"),
-    (2, ["--pp", "2", "--zero", "2"], "the pipeline averages its gradients over dp itself"),
+    (2, ["--experts", "2", "--zero", "3"], "use --zero 0, 1 or 2"),
+    (4, ["--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule", "zb-h1"],
+     "--schedule zb-h1 splits backward"),
+    (4, ["--pp", "2", "--cp", "2", "--sp", "ring"], "--cp 2 composes with dp and tp; drop --pp"),
     (4, ["--pp", "4"], "needs at least 4 layers"),
     (2, ["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 does not divide"),
     (2, ["--cp", "2", "--sp", "ring", "--seq-len", "7"], "--seq-len 7 does not divide"),
@@ -104,6 +111,20 @@ def test_training_cli_refuses_layouts_that_do_not_compose(ranks, flags, message)
     from strategies.train import layout_of, parse_args
     with pytest.raises(ValueError, match=re.escape(message)):
         layout_of(parse_args(flags), ranks)
+
+
+@pytest.mark.parametrize("ranks,flags", [
+    (4, ["--dp", "2", "--pp", "2", "--zero", "1"]),
+    (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "3", "--schedule", "zb-h1"]),
+    (4, ["--tp", "2", "--pp", "2", "--sp", "megatron", "--schedule", "interleaved-1f1b",
+         "--layers", "4", "--micro-batches", "4"]),
+    (4, ["--dp", "2", "--ep", "2", "--experts", "4", "--zero", "2"]),
+    (4, ["--cp", "2", "--tp", "2", "--sp", "ring", "--zero", "3"]),
+])
+def test_training_cli_accepts_the_layouts_that_compose(ranks, flags):
+    from strategies.train import layout_of, parse_args
+    layout = layout_of(parse_args(flags), ranks)
+    assert math.prod(layout.sizes.values()) == ranks and max(layout.sizes.values()) == 2, layout
 
 
 def test_training_benchmark_runs():

@@ -57,25 +57,26 @@ def full_state(trainer) -> dict:
     """(name, kind) -> the whole tensor; ("step", kind) -> the optimizer's step. Collective."""
     zero, opt, tp = trainer.zero, trainer.optimizer, trainer.mesh.group("tp")
     local = {}
+    named = list(trainer.named_parameters())  # the reference's names (a stage: its own)
     if zero:  # each unit's flat vector, all-gathered from the master shards
         state = opt.state[zero.master]
-        names = {p: name for name, p in trainer.model.named_parameters()}
+        names = {p: name for name, p in named}
         flat_kinds = {"param": zero.master.data,
                       **{k: v for k, v in state.items() if v.dim() == 1}}
         for kind, master in flat_kinds.items():
             for u in zero.units:
                 flat = torch.empty(u.padded)
-                zero.group.all_gather(flat, master[u.master_offset:][:u.shard_numel].clone())
+                u.group.all_gather(flat, master[u.master_offset:][:u.shard_numel].clone())
                 for p, view in zip(u.params, u.views(flat)):
                     local[names[p], kind] = (p, view)
         steps = [state["step"]]
     else:
-        for name, p in trainer.model.named_parameters():
+        for name, p in named:
             local[name, "param"] = (p, p.detach())
             for kind, v in opt.state[p].items():
                 if v.dim():
                     local[name, kind] = (p, v)
-        steps = [opt.state[p]["step"] for p in trainer.model.parameters()]
+        steps = [opt.state[p]["step"] for _, p in named]
     assert len({float(s) for s in steps}) == 1, steps
     out = {("step", "step"): steps[0].clone()}
     for key, (p, t) in local.items():
@@ -83,6 +84,9 @@ def full_state(trainer) -> dict:
         if dim is not None:
             t = gather_along(t.contiguous(), tp, dim).narrow(dim, 0, p.tp_full_size)
         out[key] = t.clone()
+    if trainer.pipeline is not None or trainer.layout.experts:  # a stage's, a rank's experts
+        for held in world.mpi.allgather(out):
+            out.update(held)
     return out
 
 
@@ -136,14 +140,16 @@ def reshard_case(saved: str, loaded: str, base: Path):
 
 LAYOUTS = {1: ["--zero 0", "--zero 3"],
            2: ["--zero 0", "--zero 1", "--zero 2", "--zero 3", "--tp 2", "--tp 2 --zero 2",
-               "--zero 3 --bf16"],
+               "--zero 3 --bf16", "--ep 2 --experts 4 --zero 2"],
            3: ["--zero 0", "--zero 3", "--tp 3"],
-           4: ["--dp 2 --tp 2 --zero 1"]}
+           4: ["--dp 2 --tp 2 --zero 1", "--dp 2 --pp 2 --zero 2 --layers 2"]}
 RESHARD = {1: [("--zero 2", "--zero 0")],
            2: [("--zero 2", "--zero 3"), ("--zero 3", "--zero 0"), ("--zero 0", "--tp 2"),
-               ("--tp 2", "--zero 1")],
+               ("--tp 2", "--zero 1"), ("--ep 2 --experts 4 --zero 1", "--experts 4 --zero 2")],
            3: [("--zero 2", "--tp 3"), ("--tp 3", "--zero 1")],
-           4: [("--dp 2 --tp 2 --zero 1", "--zero 3"), ("--zero 2", "--tp 4")]}
+           4: [("--dp 2 --tp 2 --zero 1", "--zero 3"), ("--zero 2", "--tp 4"),
+               ("--dp 2 --pp 2 --zero 3 --layers 2", "--tp 2 --pp 2 --sp megatron --layers 2"),
+               ("--cp 2 --tp 2 --sp ring", "--dp 2 --tp 2 --zero 2")]}
 
 
 def errors_case(base: Path):

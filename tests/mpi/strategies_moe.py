@@ -1,7 +1,8 @@
 """strategies.moe under mpiexec (2 or 4 ranks): the uneven all-to-all mapping, the
 expert-parallel MoE layer against the single-process layer on the global batch (outputs,
 routing, aux loss, gradients), and the MoE GPT trained at EP = n, at DP = n (EP 1) and, at 4
-ranks, at EP 2 (each half of the ranks on its own) and EP x DP = 2 x 2, against the
+ranks, at EP 2 (each half of the ranks on its own) and EP x DP = 2 x 2 (also with ZeRO 1
+and 2: dense parameters sharded over all 4 ranks, experts over dp), against the
 single-process MoE GPT on the same global batch with the same routing groups: the same
 assignments dropped at every step, and losses and gathered parameters after 5 steps within
 1e-4 relative (fp32), top-1 and top-2."""
@@ -14,7 +15,8 @@ from strategies.mappings import all_to_all_uneven
 from strategies.mesh import Mesh
 from strategies.model import GPT, GPTConfig
 from strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
-                            gathered_state, moe_gpt, reduce_gradients)
+                            gathered_state, moe_gpt, reduce_gradients, zero_arguments)
+from strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -139,17 +141,26 @@ def _reference(topk):
 REFERENCE = {topk: _reference(topk) for topk in (1, 2)}
 
 
-def _train_parallel(mesh):
-    """Train on ``mesh`` (dp x ep over mesh.world); compare with the reference."""
+def _train_parallel(mesh, zero=0, topks=(1, 2)):
+    """Train on ``mesh`` (dp x ep over mesh.world), with ZeRO ``zero`` or ``reduce_gradients``;
+    compare with the reference."""
     ranks = mesh.world
-    for topk in (1, 2):
+    for topk in topks:
         model = expert_parallel_gpt(moe_model(topk), mesh)
-        opt = _SGD(model.parameters())
+        opt = ZeRO(model, stage=zero, optimizer=_SGD, **zero_arguments(model, mesh)) if zero \
+            else _SGD(model.parameters())
+        if zero:  # dense parameters sharded over every rank, this rank's experts over dp
+            held = {False: 0, True: 0}
+            for p in model.parameters():
+                held[getattr(p, "expert_parallel", False)] += p.numel()
+            most = held[False] // ranks.size + held[True] // mesh.size("dp") + len(opt.units)
+            assert opt.master.numel() <= most, (opt.master.numel(), most)
         losses, dropped = [], []
         for x, y in batches():
             loss = model.loss(data_shard(x, mesh), data_shard(y, mesh))
             loss.backward()
-            reduce_gradients(model, mesh)
+            if not zero:
+                reduce_gradients(model, mesh)
             opt.step()
             opt.zero_grad()
             mean, drops = loss.detach().clone(), torch.tensor(_dropped(model))
@@ -185,6 +196,12 @@ def ep2_trains_like_one_process_on_each_half():
 def ep_x_dp_trains_like_one_process():
     if n == 4:
         _train_parallel(Mesh(world, dp=2, ep=2))
+
+
+def ep_x_dp_with_zero_trains_like_one_process():
+    if n == 4:
+        _train_parallel(Mesh(world, dp=2, ep=2), zero=1, topks=(2,))
+        _train_parallel(Mesh(world, dp=2, ep=2), zero=2, topks=(1,))
 
 
 def dp_alone_trains_like_one_process():

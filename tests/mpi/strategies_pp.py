@@ -1,7 +1,8 @@
-"""strategies.pipeline under mpiexec, with pp = the world's size (2 or 4), and pp=2 x dp=2,
-pp=2 x tp=2 at 4 ranks: every schedule trains the GPT like the single-process reference on
-the same global batches (losses and gathered parameters after 5 steps, 1e-4 relative,
-fp32). Rank 0 prints each schedule's measured idle fraction next to the simulated one."""
+"""strategies.pipeline under mpiexec, with pp = the world's size (2 or 4), and pp=2 x dp=2
+(plain, and ZeRO 1-3 on dp), pp=2 x tp=2 (plain, and Megatron SP) at 4 ranks: every schedule
+trains the GPT like the single-process reference on the same global batches (losses and
+gathered parameters after 5 steps, 1e-4 relative, fp32). Rank 0 prints each schedule's
+measured idle fraction next to the simulated one."""
 import sys
 
 import torch
@@ -15,7 +16,9 @@ from strategies.mesh import Mesh
 from strategies.model import GPT, GPTConfig
 from strategies.pipeline import Pipeline, PipelineStage, gathered_state
 from strategies.pipeline_schedules import Action, schedule
+from strategies.sequence_parallel import megatron_sp_gpt
 from strategies.tensor_parallel import tensor_parallel_gpt
+from strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -207,6 +210,67 @@ def pp_x_dp_trains_like_one_process():
     mesh.free()
 
 
+def pp_x_dp_with_zero_trains_like_one_process():
+    """pp=2 x dp=2 with ZeRO on each stage's dp group: stage 1 reduce-scatters in its step,
+    2 and 3 as the pipeline finds each chunk's gradients final (no full gradient is left
+    after the schedule); stage 3 keeps only shards between steps."""
+    mesh = Mesh(world, pp=2, dp=2)
+    dp = mesh.group("dp")
+
+    def half(t):
+        return shard(t, mesh.rank("dp"), 2)
+    for zero_stage, name, virtual in [(1, "1f1b", 1), (2, "zb-h1", 1), (3, "zb-h1", 1),
+                                      (3, "interleaved-1f1b", 2)]:
+        stage = PipelineStage(GPT(CONFIG, SEED), mesh.group("pp"), virtual)
+        zero = ZeRO(stage, dp, zero_stage, optimizer, reduce_in_backward=False)
+        pipe = Pipeline(stage, name, MICRO // 2, gradients=zero if zero_stage > 1 else None,
+                        measure=False)
+        losses = []
+        for x, y in batches():
+            losses.append(pipe.step(half(x), half(y)))
+            grads = [p.grad for p in stage.parameters()]
+            assert all(g is None for g in grads) == (zero_stage > 1), zero_stage
+            zero.step()
+            zero.zero_grad()
+            if zero_stage == 3:
+                assert all(p.numel() == 0 for p in stage.parameters())
+        mean = torch.tensor(losses, dtype=torch.float64)
+        dp.all_reduce(mean, op="avg")
+        same_losses(mean.tolist())
+        held = sum(p.numel() for p in stage.parameters()) if zero_stage < 3 else \
+            sum(u.numel for u in zero.units)
+        assert zero.master.numel() <= held // 2 + len(zero.units), (zero.master.numel(), held)
+        with zero.gathered():
+            same_as(gathered_state(stage))
+    mesh.free()
+
+
+def pp_x_tp_with_megatron_sp_trains_like_one_process():
+    """pp=2 x tp=2 with Megatron SP: stages pass each other sequence shards (half of every
+    microbatch's hidden states, by the bytes the pp group sends), and the split-backward
+    schedule is refused."""
+    mesh = Mesh(world, pp=2, tp=2)
+    tp, pp = mesh.group("tp"), mesh.group("pp")
+    split = {k: (getattr(p, "tp_split_dim", None), getattr(p, "tp_full_size", None))
+             for k, p in tensor_parallel_gpt(GPT(CONFIG, SEED), tp).named_parameters()}
+    stage = PipelineStage(megatron_sp_gpt(GPT(CONFIG, SEED), tp), pp)
+    raises(ValueError, "splits backward into I and W", lambda: Pipeline(stage, "zb-h1", MICRO))
+    pipe = Pipeline(stage, "1f1b", MICRO, measure=False)
+    before = pp.bytes_sent
+    same_losses(train(pipe, stage))
+    # each microbatch: its hidden states forward, their gradient backward, T/tp tokens
+    # each; besides, the last stage broadcasts each step's loss (a float64)
+    shard_bytes = (BATCH // MICRO) * (CONFIG.seq_len // 2) * CONFIG.d_model * 4
+    extra = pp.bytes_sent - before - STEPS * MICRO * shard_bytes
+    assert 0 <= extra <= 8 * STEPS, extra
+    full = {}
+    for k, t in gathered_state(stage).items():
+        dim, size = split[k]
+        full[k] = t if dim is None else gather_along(t.contiguous(), tp, dim).narrow(dim, 0, size)
+    same_as(full)
+    mesh.free()
+
+
 def pp_x_tp_trains_like_one_process():
     """pp=2 x tp=2: the pipeline's stages are tensor-parallel GPT pieces, under the split
     backward (the weight-gradient pass must not communicate: the input-gradient pass did)."""
@@ -235,7 +299,9 @@ def pp_x_tp_trains_like_one_process():
 
 CASES = [stage_holds_only_its_pieces, *(trains_like_one_process(*s) for s in SCHEDULES)]
 # the suite's time is short: at 2 ranks the single-pipeline extras, at 4 the 2 x 2 meshes
-CASES += [pp_x_dp_trains_like_one_process, pp_x_tp_trains_like_one_process] if n == 4 else \
+CASES += [pp_x_dp_trains_like_one_process, pp_x_tp_trains_like_one_process,
+          pp_x_dp_with_zero_trains_like_one_process,
+          pp_x_tp_with_megatron_sp_trains_like_one_process] if n == 4 else \
     [gradients_accumulate_like_one_backward, one_stage_pipeline_runs_locally, custom_schedule,
      errors]
 for fn in CASES:

@@ -4,7 +4,8 @@ Megatron-SP, Ulysses and ring GPTs against the single-process reference on the s
 batches (first step's logits and gradients, every step's loss, parameters after 5 steps
 within 1e-4 relative, fp32): at 2 ranks each over the world (tp 2, cp 2); at 4 ranks ring
 over cp 4, and each beside dp 2 (tp 2 x dp 2 through DataParallel and through ZeRO-3,
-cp 2 x dp 2 through DataParallel for Ulysses and an explicit all-reduce for ring); and the
+cp 2 x dp 2 through DataParallel for Ulysses and an explicit all-reduce for ring, and
+cp 2 x tp 2 for both: each tp rank's heads attend across the cp shards); and the
 activation bytes each layout saves per layer against their accounting (bench.activations,
 whose table rank 0 prints)."""
 import torch
@@ -222,6 +223,22 @@ def ulysses_trains_like_one_process():
         identical_over(world, state(model))
         if mesh:
             mesh.free()
+
+
+def cp_x_tp_trains_like_one_process():
+    """cp = 2 x tp = 2 (4 ranks): each tp rank's heads attend across the cp group's sequence
+    shards, by Ulysses and by ring attention."""
+    if n != 4:
+        return
+    mesh = Mesh(world, cp=2, tp=2)
+    cp, tp = mesh.group("cp"), mesh.group("tp")
+    for attention in ("ulysses", "ring"):
+        model = context_parallel_gpt(GPT(CONFIG, SEED), cp, attention, tp=tp)
+        trains_like_one_process(model, part=lambda t: sequence_shard(t, cp),
+                                full_state=lambda m, grads=False: gathered_state(m, tp,
+                                                                                 grads=grads))
+        identical_over(cp, state(model))
+    mesh.free()
 
 
 def ring_trains_like_one_process():
