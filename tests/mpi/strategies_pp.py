@@ -245,14 +245,23 @@ def pp_x_dp_with_zero_trains_like_one_process():
     mesh.free()
 
 
+def _whole_state(stage, tp) -> dict:
+    """The stage's gathered parameters with their tensor-parallel shards joined."""
+    split = {k: (getattr(p, "tp_split_dim", None), getattr(p, "tp_full_size", None))
+             for k, p in tensor_parallel_gpt(GPT(CONFIG, SEED), tp).named_parameters()}
+    full = {}
+    for k, t in gathered_state(stage).items():
+        dim, size = split[k]
+        full[k] = t if dim is None else gather_along(t.contiguous(), tp, dim).narrow(dim, 0, size)
+    return full
+
+
 def pp_x_tp_with_megatron_sp_trains_like_one_process():
     """pp=2 x tp=2 with Megatron SP: stages pass each other sequence shards (half of every
     microbatch's hidden states, by the bytes the pp group sends), and the split-backward
     schedule is refused."""
     mesh = Mesh(world, pp=2, tp=2)
     tp, pp = mesh.group("tp"), mesh.group("pp")
-    split = {k: (getattr(p, "tp_split_dim", None), getattr(p, "tp_full_size", None))
-             for k, p in tensor_parallel_gpt(GPT(CONFIG, SEED), tp).named_parameters()}
     stage = PipelineStage(megatron_sp_gpt(GPT(CONFIG, SEED), tp), pp)
     raises(ValueError, "splits backward into I and W", lambda: Pipeline(stage, "zb-h1", MICRO))
     pipe = Pipeline(stage, "1f1b", MICRO, measure=False)
@@ -263,11 +272,7 @@ def pp_x_tp_with_megatron_sp_trains_like_one_process():
     shard_bytes = (BATCH // MICRO) * (CONFIG.seq_len // 2) * CONFIG.d_model * 4
     extra = pp.bytes_sent - before - STEPS * MICRO * shard_bytes
     assert 0 <= extra <= 8 * STEPS, extra
-    full = {}
-    for k, t in gathered_state(stage).items():
-        dim, size = split[k]
-        full[k] = t if dim is None else gather_along(t.contiguous(), tp, dim).narrow(dim, 0, size)
-    same_as(full)
+    same_as(_whole_state(stage, tp))
     mesh.free()
 
 
@@ -276,8 +281,6 @@ def pp_x_tp_trains_like_one_process():
     backward (the weight-gradient pass must not communicate: the input-gradient pass did)."""
     mesh = Mesh(world, pp=2, tp=2)
     tp = mesh.group("tp")
-    split = {k: (getattr(p, "tp_split_dim", None), getattr(p, "tp_full_size", None))
-             for k, p in tensor_parallel_gpt(GPT(CONFIG, SEED), tp).named_parameters()}
     stage = PipelineStage(tensor_parallel_gpt(GPT(CONFIG, SEED), tp), mesh.group("pp"))
     pipe = Pipeline(stage, "zb-h1", MICRO, measure=False)
     sent, weights = [], pipe._w
@@ -289,11 +292,7 @@ def pp_x_tp_trains_like_one_process():
     pipe._w = counted
     same_losses(train(pipe, stage))
     assert len(sent) == STEPS * MICRO and not any(sent), sent
-    full = {}
-    for k, t in gathered_state(stage).items():
-        dim, size = split[k]
-        full[k] = t if dim is None else gather_along(t.contiguous(), tp, dim).narrow(dim, 0, size)
-    same_as(full)
+    same_as(_whole_state(stage, tp))
     mesh.free()
 
 
