@@ -48,7 +48,7 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
                       (4, ["--dp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"]),
                       # 8 ranks on 2 cores: slow, but the one way to see all three at once
                       (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zb-h1",
-                           "--micro-batches", "4"])]:
+                           "--micro-batches", "4", "--zero", "2"])]:
         got = [r["loss"] for r in _train(n, tmp_path, *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
     mixed = [r["loss"] for r in _train(2, tmp_path, "--zero", "2", "--bf16")[0]]
