@@ -8,14 +8,18 @@ dimension at fault and what to change; everything it accepts trains like the sin
 reference. The ones that compose:
 
     dp x tp             with ZeRO 0-3 on dp, and Megatron SP on tp
-    dp x tp x cp        Ulysses or ring attention on cp (under tp: of each tp rank's heads),
-                        ZeRO 0-3 on dp
+    dp x tp x cp x pp   Ulysses or ring attention on cp (under tp: of each tp rank's heads),
+                        ZeRO 0-3 on dp; pipeline stages (any schedule) of the
+                        context-parallel GPT pass each cp rank's sequence shard
     dp x tp x pp        any schedule, ZeRO 0-3 on each stage's dp group (0: the pipeline
                         averages the gradients; 1: ZeRO reduce-scatters them in its step;
                         2, 3: as each chunk's are final, during the schedule); Megatron SP
                         on tp with the schedules that do not split backward (all but zb-h1)
-    dp x ep             mixture of experts (E+D); ZeRO 0-2 (dense parameters sharded over
-                        dp x ep, each expert over its replicas, the dp ranks)
+    dp x ep x pp        mixture of experts (E+D); ZeRO 0-2 (dense parameters sharded over
+                        dp x ep, each expert over its replicas, the dp ranks); pipeline
+                        stages (any schedule) whose blocks hold the expert-parallel layers,
+                        the ep group within a stage, each stage adding its layers' aux
+                        losses to the loss
 """
 from __future__ import annotations
 
@@ -76,8 +80,6 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
         if sp not in ("ulysses", "ring"):
             raise ValueError(f"--cp {cp} needs the attention that works on sequence shards: "
                              "add --sp ulysses or --sp ring")
-        if pp > 1:
-            raise ValueError(f"--cp {cp} composes with dp and tp; drop --pp (or --cp)")
         if sp == "ulysses" and heads % tp == 0 and (heads // tp) % cp:
             raise ValueError(f"--sp ulysses: each of the --cp {cp} ranks attends whole heads of "
                              f"the {heads // tp} that --heads {heads} over --tp {tp} leaves a "
@@ -97,8 +99,13 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
                              f"a multiple of {ep}")
         if not 1 <= layout.topk <= layout.experts:
             raise ValueError(f"--topk {layout.topk}: choose 1 to --experts ({layout.experts})")
-        if tp > 1 or pp > 1 or cp > 1 or sp:
-            raise ValueError("--experts composes with dp and ep only; drop --tp/--pp/--cp/--sp")
+        for flag, value in (("--tp", tp), ("--cp", cp)):
+            if value > 1:
+                raise ValueError(f"--experts composes with dp, ep and pp; drop {flag} {value} "
+                                 f"(or --experts)")
+        if sp:
+            raise ValueError(f"--experts composes with dp, ep and pp; drop --sp {sp} "
+                             f"(or --experts)")
         if layout.zero == 3:
             raise ValueError("--experts: ZeRO 3 would gather an expert's parameters only on "
                              "the ranks that route tokens to it; use --zero 0, 1 or 2")
@@ -113,7 +120,7 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
         if layers < pp * layout.virtual:
             raise ValueError(f"--pp {pp} x {layout.virtual} chunks per stage needs at least "
                              f"{pp * layout.virtual} layers, the model has --layers {layers}")
-        per_replica = batch // layout.dp
+        per_replica = batch // (layout.dp * ep)
         if per_replica % layout.microbatches:
             raise ValueError(f"--micro-batches {layout.microbatches} does not divide the "
                              f"{per_replica} sequences each pipeline gets; choose a divisor")

@@ -6,7 +6,9 @@ mpiexec does) and pipeline stages are the farthest apart. ``group(dim)`` holds t
 that differ only in that coordinate: the ones a tp collective, a dp gradient reduction
 or a pp send talks to. Every group is created when the mesh is, by every rank in the
 same order (creating communicators is collective); pass the mesh explicitly to whatever
-needs it.
+needs it. ``joint_group(*dims)`` holds the ranks that differ only in several coordinates
+(dp and ep: a pipeline stage's ranks that see different data); it is made the first time
+it is asked for, so every rank must ask for it at the same point.
 """
 from __future__ import annotations
 
@@ -33,6 +35,23 @@ class Mesh:
 
     def group(self, dim: str) -> commlib.Communicator:
         return self._groups[_check_dim(dim)]
+
+    def joint_group(self, *dims: str) -> commlib.Communicator:
+        """The ranks that differ only in the coordinates ``dims``. Collective over the world
+        the first time these dimensions are asked for (the world itself when they span it)."""
+        if not dims:
+            raise ValueError("mesh: joint_group needs at least one dimension, e.g. 'dp', 'ep'")
+        key = tuple(d for d in DIMS if d in {_check_dim(d) for d in dims})
+        if len(key) == 1:
+            return self._groups[key[0]]
+        if math.prod(self.sizes[d] for d in key) == self.world.size:
+            return self.world
+        if key not in self._groups:
+            shape = [self.sizes[d] for d in DIMS]
+            others = tuple(0 if d in key else c for d, c in zip(DIMS, self.coords))
+            inside = tuple(c if d in key else 0 for d, c in zip(DIMS, self.coords))
+            self._groups[key] = self.world.split(_ravel(others, shape), key=_ravel(inside, shape))
+        return self._groups[key]
 
     def size(self, dim: str) -> int:
         return self.sizes[_check_dim(dim)]

@@ -39,6 +39,11 @@ parameters' gradients over all dp * ep ranks, and each expert's over the ranks h
 replica of it (its dp group): the expert's local gradient already sums what the tokens of
 every ep rank contributed (they came back through the all-to-all), so it is summed over dp
 and divided by dp * ep. Expert parameters carry ``expert_parallel = True``.
+
+With pipeline parallelism (a mesh of pp x dp x ep) the ep and dp groups are ranks of one
+stage: ``pipeline.PipelineStage`` cuts the expert-parallel GPT into stages, every stage's
+ranks all-to-all among themselves, and the reductions above run within each stage (ZeRO's
+dense group is the stage's dp x ep, ``Mesh.joint_group("dp", "ep")``).
 """
 from __future__ import annotations
 
@@ -262,11 +267,13 @@ def moe_gpt(reference: GPT, *, experts: int, topk: int = 2, capacity_factor: flo
 
 def expert_parallel_gpt(model: MoEGPT, mesh: Mesh) -> MoEGPT:
     """A copy of ``model`` whose MoE layers hold this rank's experts of the mesh's ep group.
-    Every rank must build it from the same model (``moe_gpt`` with the same arguments)."""
-    others = {d: s for d, s in mesh.sizes.items() if d not in ("dp", "ep") and s > 1}
+    Every rank must build it from the same model (``moe_gpt`` with the same arguments). On a
+    mesh with pp, the ep group is the ranks of one stage: cut the copy into stages with
+    ``pipeline.PipelineStage``."""
+    others = {d: s for d, s in mesh.sizes.items() if d not in ("dp", "ep", "pp") and s > 1}
     if others:
-        raise ValueError(f"expert parallel: the mesh may only have dp and ep dimensions, got "
-                         f"{others}; build the mesh as Mesh(world, dp=..., ep=...)")
+        raise ValueError(f"expert parallel: the mesh may only have dp, ep and pp dimensions, "
+                         f"got {others}; build the mesh as Mesh(world, dp=..., ep=..., pp=...)")
     group = mesh.group("ep")
     # deepcopy, with each MoE layer replaced by its parallel version (which copies only the
     # experts it holds)
@@ -276,26 +283,30 @@ def expert_parallel_gpt(model: MoEGPT, mesh: Mesh) -> MoEGPT:
 
 # ------------------------------------------------------------------------------ training
 
-def zero_arguments(model: MoEGPT, mesh: Mesh) -> dict:
-    """ZeRO's ``group``, ``units`` and ``unit_groups`` for an expert-parallel GPT on a dp x ep
-    mesh (stages 1 and 2; stage 3 would gather an expert only on the ranks that route
-    tokens to it). Dense parameters are sharded over every rank, which all hold them and
-    saw different data; each MoE layer's experts form a unit of their own, sharded over
-    their replicas (the dp group). The gradients are then the ones ``reduce_gradients``
-    makes."""
+def zero_arguments(model: nn.Module, mesh: Mesh) -> dict:
+    """ZeRO's ``group``, ``units`` and ``unit_groups`` for an expert-parallel GPT (or a
+    pipeline stage of one) on a mesh of dp x ep (x pp) (stages 1 and 2; stage 3 would
+    gather an expert only on the ranks that route tokens to it). Dense parameters are
+    sharded over the dp x ep ranks (of the stage), which all hold them and saw different
+    data; each MoE layer's experts form a unit of their own, sharded over their replicas
+    (the dp group). Units never span two blocks, so a pipeline can reduce each piece's
+    units on their own. The gradients are then the ones ``reduce_gradients`` makes."""
     units, unit_groups = [], {}
-    for unit in default_units(model):  # a block: its modules, with the experts apart
-        if not any(isinstance(m, MoE) for m in unit.modules()):
+
+    def split(unit):  # a unit holding MoE layers: its children, with the experts apart
+        if isinstance(unit, MoE):
+            units.extend([unit.router, unit.experts])
+            unit_groups[unit.experts] = mesh.group("dp")
+        elif not any(isinstance(m, MoE) for m in unit.modules()):
             units.append(unit)
-            continue
-        for child in unit.children():
-            if isinstance(child, MoE):
-                units += [child.router, child.experts]
-                unit_groups[child.experts] = mesh.group("dp")
-            elif any(True for _ in child.parameters()):
-                units.append(child)
-    # expert_parallel_gpt made sure the mesh is dp x ep: the world is every data rank
-    return {"group": mesh.world, "units": units, "unit_groups": unit_groups}
+        else:
+            for child in unit.children():
+                if any(True for _ in child.parameters()):
+                    split(child)
+
+    for unit in default_units(model):
+        split(unit)
+    return {"group": mesh.joint_group("dp", "ep"), "units": units, "unit_groups": unit_groups}
 
 
 def data_shard(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:

@@ -8,15 +8,23 @@ actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
     PipelineStage(model, group, virtual=1)
         this stage's pieces, copied out of a reference GPT (or a tensor-parallel one, or one
         with Megatron sequence parallelism, whose stages then pass each other sequence
-        shards): piece 0 holds the embeddings, the last piece ln_f, the head and the loss,
-        and each piece a contiguous run of blocks; nothing else is kept. Parameter names are
-        the reference's.
+        shards, or a context-parallel one, whose stages take and pass each cp rank's
+        sequence shard, or a mixture-of-experts one, expert-parallel or not): piece 0 holds the
+        embeddings, the last piece ln_f, the head and the loss, and each piece a contiguous
+        run of blocks; nothing else is kept. Parameter names are the reference's.
     Pipeline(stage, schedule, microbatches, dp_group=None, gradients=None)
         ``step(inputs, targets)`` runs one forward and backward of the batch through the
         schedule and leaves the batch's gradients in the stage's parameters, as
         ``model.loss(inputs, targets).backward()`` would: every microbatch's loss is scaled
         by 1/m, so the accumulated gradients are the whole batch's mean. It returns the
         batch's loss on every stage.
+
+Mixture of experts: a piece whose blocks hold MoE layers adds their weighted aux losses
+(``aux_weight`` times their sum, as ``MoEGPT.loss``) to the loss: each microbatch's, scaled
+by 1/m, is a second root of the piece's backward, and the batch's loss sums every stage's
+part. That is the reference's loss when each microbatch is whole routing groups (the
+layers' ``group_rows`` divides the microbatch; with ``group_rows`` None a microbatch is
+one group, unlike the reference's batch).
 
 Communication is asynchronous: sends are isends, the receives a compute action needs are
 posted (irecv) before the compute action ahead of it starts, and a stage waits only where its
@@ -46,9 +54,12 @@ from torch import nn
 
 import commlib
 from strategies.model import GPT, cross_entropy
+from strategies.moe import MoE, MoEGPT
 from strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
                                            simulate)
-from strategies.sequence_parallel import (MegatronSequenceParallelGPT, shard_positions,
+from strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
+                                          context_parallel_cross_entropy, positions_of_shard,
+                                          shard_positions, sum_gradients,
                                           sum_replicated_gradients)
 from strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
 
@@ -81,6 +92,13 @@ class Piece(nn.Module):
         if self.last:
             self.ln_f, self.head = _copy(model.ln_f), _copy(model.head)
             self.loss_fn = loss_fn
+        self.aux_weight = getattr(model, "aux_weight", 0.0)
+
+    def aux_loss(self):
+        """The weighted sum of the aux losses of this piece's MoE layers in its last forward
+        (None without MoE layers)."""
+        layers = [m for m in self.blocks.modules() if isinstance(m, MoE)]
+        return self.aux_weight * sum(m.aux_loss for m in layers) if layers else None
 
     def forward(self, x, targets=None):
         """``targets`` is used by the last piece only."""
@@ -97,19 +115,30 @@ def _copy(module: nn.Module) -> nn.Module:
     """A deep copy that shares the communicators the modules hold (tensor-parallel layers'
     groups) and keeps the attributes parameters carry (``tp_split_dim``), which copying a
     Parameter drops."""
-    shared = {id(value): value for m in module.modules() for value in vars(m).values()
-              if isinstance(value, commlib.Communicator)}
+    shared = {id(c): c for m in module.modules() for value in vars(m).values()
+              for c in _communicators(value)}
     new = copy.deepcopy(module, shared)
     for p, q in zip(module.parameters(), new.parameters()):
         q.__dict__.update(p.__dict__)
     return new
 
 
+def _communicators(value):
+    """The communicators ``value`` is or holds as a partial's argument (an attention core's
+    group)."""
+    if isinstance(value, commlib.Communicator):
+        yield value
+    elif isinstance(value, functools.partial):
+        yield from (v for v in value.keywords.values() if isinstance(v, commlib.Communicator))
+
+
 class PipelineStage(nn.Module):
-    """This rank's pieces of ``model`` (a ``GPT``, ``TensorParallelGPT`` or
-    ``MegatronSequenceParallelGPT``) for a pipeline of ``group.size`` stages with ``virtual``
-    chunks each. ``pieces[c]`` is chunk c. ``sequence_shards``: into how many shards the
-    activations passed between stages are cut along time (the tp size under Megatron SP)."""
+    """This rank's pieces of ``model`` (a ``GPT``, ``TensorParallelGPT``,
+    ``MegatronSequenceParallelGPT``, ``ContextParallelGPT`` or ``MoEGPT``) for a pipeline
+    of ``group.size`` stages with ``virtual`` chunks each. ``pieces[c]`` is chunk c.
+    ``sequence_shards``: into how many shards the activations passed between stages are cut
+    along time (the tp size under Megatron SP; under context parallelism the pipeline is
+    given shards already)."""
 
     def __init__(self, model: nn.Module, group: commlib.Communicator, virtual: int = 1):
         super().__init__()
@@ -119,14 +148,19 @@ class PipelineStage(nn.Module):
         if isinstance(model, MegatronSequenceParallelGPT):
             positions = functools.partial(shard_positions, group=model.group, config=model.config)
             self.sequence_shards = model.group.size
-        if isinstance(model, TensorParallelGPT):
+        if isinstance(model, ContextParallelGPT):
+            positions = functools.partial(positions_of_shard, group=model.group,
+                                          config=model.config)
+            loss_fn = functools.partial(context_parallel_cross_entropy, group=model.group,
+                                        tp=model.tp, vocab_size=model.config.vocab_size)
+        elif isinstance(model, TensorParallelGPT):
             loss_fn = functools.partial(_vocab_parallel_loss, group=model.group,
                                         vocab_size=model.config.vocab_size)
-        elif isinstance(model, GPT):
+        elif isinstance(model, (GPT, MoEGPT)):
             loss_fn = cross_entropy
         else:
-            raise ValueError(f"pipeline: expected a GPT or TensorParallelGPT, got "
-                             f"{type(model).__name__}")
+            raise ValueError(f"pipeline: expected a GPT, TensorParallelGPT, "
+                             f"ContextParallelGPT or MoEGPT, got {type(model).__name__}")
         self.config, self.group = model.config, group
         self.stages, self.virtual, self.stage = group.size, virtual, group.rank
         count = self.stages * virtual
@@ -135,8 +169,11 @@ class PipelineStage(nn.Module):
                                           blocks[c * self.stages + self.stage], loss_fn,
                                           positions)
                                     for c in range(virtual))
-        if self.sequence_shards > 1:  # the copies lost the model's gradient hooks
+        # the copies lost the model's gradient hooks
+        if self.sequence_shards > 1:
             sum_replicated_gradients(self.pieces, model.group)
+        if isinstance(model, ContextParallelGPT):
+            sum_gradients(self.pieces, model.group)
         # every stage's parameter names and (local) shapes, for gathered_state
         pieces_of = [[c * self.stages + s for c in range(virtual)] for s in range(self.stages)]
         self.layout = [[(name, p.shape) for i in mine
@@ -303,8 +340,9 @@ class Pipeline:
             work.wait()
         if self.gradients is not None:
             self.gradients.wait()
+        # the last stage holds the cross-entropy; with MoE layers every stage adds aux losses
         loss = torch.tensor([run.loss], dtype=torch.float64)
-        group.broadcast(loss, root=self.stage.stages - 1)
+        group.all_reduce(loss)
         if self.measure:
             self.report = self._measure(finished)
         self._run = None
@@ -322,13 +360,18 @@ class Pipeline:
         if piece.last:
             out = out / self.microbatches
             run.loss += float(out.detach())
-        run.held[(a.microbatch, a.chunk)] = _Held(x, out, modules)
+        aux = piece.aux_loss()
+        if aux is not None:
+            aux = aux / self.microbatches
+            run.loss += float(aux.detach())
+        run.held[(a.microbatch, a.chunk)] = _Held(x, out, modules, aux)
         if not piece.last:
             self._deliver("F", piece.index + 1, a.microbatch, out.detach())
 
     def _b(self, a: Action):
         held, grad = self._held_and_output_grad(a)
-        torch.autograd.backward(held.output, grad)
+        roots, root_grads = held.roots(grad)
+        torch.autograd.backward(roots, root_grads)
         if not self.stage.pieces[a.chunk].first:
             self._deliver("B", self._piece(a) - 1, a.microbatch, held.input.grad)
         del self._run.held[(a.microbatch, a.chunk)]
@@ -338,7 +381,8 @@ class Pipeline:
         held, grad = self._held_and_output_grad(a)
         first = self.stage.pieces[a.chunk].first
         wanted = ([] if first else [held.input]) + [out for _, out in held.modules]
-        grads = torch.autograd.grad(held.output, wanted, grad, retain_graph=True)
+        roots, root_grads = held.roots(grad)
+        grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True)
         if not first:
             self._deliver("B", self._piece(a) - 1, a.microbatch, grads[0])
             grads = grads[1:]
@@ -473,7 +517,15 @@ class _Held:
     input: torch.Tensor
     output: torch.Tensor
     modules: list  # (module, output) of each module with parameters (split backward only)
+    aux: torch.Tensor | None = None  # the piece's share of the MoE aux losses
     module_grads: tuple = ()
+
+    def roots(self, grad) -> tuple:
+        """(tensors, their gradients) that backward starts from: the output, given the
+        gradient that came back for it (None: the loss), and the aux loss."""
+        if self.aux is None:
+            return [self.output], [grad]
+        return [self.output, self.aux], [grad, None]
 
 
 class _StepState:

@@ -66,11 +66,12 @@ def shard_positions(time: int, group: commlib.Communicator, config) -> torch.Ten
     """Positions of this rank's shard of sequences of ``time`` tokens, sequence-sharded over
     ``group``: what its position embedding looks up."""
     _check_time(time, group, "tp")
-    return _shard_positions(time // group.size, group, config)
+    return positions_of_shard(time // group.size, group, config)
 
 
-def _shard_positions(local_time: int, group, config) -> torch.Tensor:
-    """Positions of this rank's tokens, for the position embedding."""
+def positions_of_shard(local_time: int, group, config) -> torch.Tensor:
+    """Positions of this rank's ``local_time`` tokens (its shard), for the position
+    embedding."""
     if local_time * group.size > config.seq_len:  # judged alike on every rank
         raise ValueError(f"sequence length {local_time * group.size} exceeds the model's seq_len "
                          f"{config.seq_len}; use shorter inputs or a larger seq_len")
@@ -87,6 +88,14 @@ def sum_replicated_gradients(module: nn.Module, group: commlib.Communicator) -> 
             _sum_gradient_over(p, group)
 
 
+def sum_gradients(module: nn.Module, group: commlib.Communicator) -> None:
+    """Hook every parameter of ``module`` (a context-parallel model's: all are used on
+    sequence shards) to sum its gradient over ``group``. As for
+    ``sum_replicated_gradients``, whoever copies such modules calls this on the copy."""
+    for p in module.parameters():
+        _sum_gradient_over(p, group)
+
+
 def _sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None:
     """Make ``param``'s incoming gradient the sum over ``group`` (see the module docstring)."""
     def summed(grad):
@@ -95,6 +104,19 @@ def _sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None
         return total
     if group.size > 1:
         param.register_hook(summed)
+
+
+def context_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
+                                   group: commlib.Communicator,
+                                   tp: commlib.Communicator | None = None,
+                                   vocab_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy over every token of the batch from this rank's logits of its shard
+    (B, T/cp, V), or under ``tp`` its slice of the (padded) vocab of ``vocab_size``."""
+    if tp is None:
+        return sequence_sharded_cross_entropy(local_logits, targets, group)
+    # the shard's mean, then the mean of the (equal) shards' means
+    local = vocab_parallel_cross_entropy(local_logits, targets, tp, vocab_size)
+    return reduce_from_group(local.reshape(1) / group.size, group)[0]
 
 
 def sequence_sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
@@ -400,15 +422,14 @@ class ContextParallelGPT(nn.Module):
         for block in self.blocks:
             block.attn = _Attention(block.attn, attend)  # q/k/v/proj: tp's slices, if any
         self.ln_f, self.head = base.ln_f, base.head
-        for p in self.parameters():
-            _sum_gradient_over(p, group)
+        sum_gradients(self, group)
 
     def local_logits(self, idx):
         """This rank's shard of token ids (B, T/cp) -> its logits (B, T/cp, V), or under tp
         this rank's slice of the (padded) vocab."""
         _check_ids(idx)
-        x = self.tok_emb(idx) + self.pos_emb(_shard_positions(idx.shape[1], self.group,
-                                                              self.config))
+        x = self.tok_emb(idx) + self.pos_emb(positions_of_shard(idx.shape[1], self.group,
+                                                             self.config))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -421,12 +442,8 @@ class ContextParallelGPT(nn.Module):
         return gather_along(logits, self.tp, -1)[..., :self.config.vocab_size]
 
     def loss(self, idx, targets):
-        if self.tp is None:
-            return sequence_sharded_cross_entropy(self(idx), targets, self.group)
-        # the shard's mean, then the mean of the (equal) shards' means
-        local = vocab_parallel_cross_entropy(self.local_logits(idx), targets, self.tp,
-                                             self.config.vocab_size)
-        return reduce_from_group(local.reshape(1) / self.group.size, self.group)[0]
+        return context_parallel_cross_entropy(self.local_logits(idx), targets, self.group,
+                                              self.tp, self.config.vocab_size)
 
 
 def _check_ids(idx):

@@ -6,6 +6,7 @@
     mpiexec -n 4 python -m strategies.train --tp 2 --pp 2 --sp megatron
     mpiexec -n 4 python -m strategies.train --cp 2 --tp 2 --sp ulysses
     mpiexec -n 4 python -m strategies.train --ep 2 --experts 4 --topk 2
+    mpiexec -n 4 python -m strategies.train --pp 2 --ep 2 --experts 4 --zero 2
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -181,9 +182,10 @@ class Trainer:
             self.optimizer = adamw(model.parameters())
         if layout.pp > 1:
             # gradients over dp: averaged by the pipeline, or reduce-scattered by ZeRO (2 and
-            # 3 as each chunk's are final, overlapping the schedule; 1 in its step)
-            reduce = {"dp_group": mesh.group("dp")} if not layout.zero else \
-                {"gradients": self.zero} if layout.zero >= 2 else {}
+            # 3 as each chunk's are final, overlapping the schedule; 1 in its step); with
+            # experts and no ZeRO, reduce_gradients after the schedule
+            reduce = {"gradients": self.zero} if layout.zero >= 2 else \
+                {"dp_group": mesh.group("dp")} if not layout.zero and not layout.experts else {}
             self.pipeline = Pipeline(model, layout.schedule, layout.microbatches,
                                      measure=False, **reduce)
         self.args = args
@@ -218,8 +220,8 @@ class Trainer:
         else:
             loss = self.model.loss(x, y)
             loss.backward()
-            if self.layout.experts and not self.zero:
-                reduce_gradients(self.model, self.mesh)
+        if self.layout.experts and not self.zero:
+            reduce_gradients(self.model, self.mesh)
         held = accounting.measured(self.model, self.optimizer, self.zero)
         if self.zero:
             self.zero.step()

@@ -45,6 +45,7 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
                       (4, ["--pp", "2", "--tp", "2", "--sp", "megatron"]),
                       (4, ["--dp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"]),
                       (4, ["--cp", "2", "--tp", "2", "--sp", "ulysses"]),
+                      (4, ["--pp", "2", "--cp", "2", "--sp", "ring"]),
                       (4, ["--dp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"]),
                       # 8 ranks on 2 cores: slow, but the one way to see all three at once
                       (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zb-h1",
@@ -58,7 +59,7 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
 def test_training_cli_mixture_of_experts_in_every_layout(tmp_path):
     want = [r["loss"] for r in _train(1, tmp_path, "--experts", "4")[0]]
     assert want[-1] < want[0]
-    for n, layout in [(2, ["--ep", "2"]), (4, ["--dp", "2", "--ep", "2"]),
+    for n, layout in [(2, ["--ep", "2"]), (4, ["--pp", "2", "--ep", "2"]),
                       (4, ["--dp", "2", "--ep", "2", "--zero", "2"])]:
         got = [r["loss"] for r in _train(n, tmp_path, "--experts", "4", *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
@@ -99,7 +100,12 @@ def test_training_cli_errors():
     (2, ["--experts", "2", "--zero", "3"], "use --zero 0, 1 or 2"),
     (4, ["--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule", "zb-h1"],
      "--schedule zb-h1 splits backward"),
-    (4, ["--pp", "2", "--cp", "2", "--sp", "ring"], "--cp 2 composes with dp and tp; drop --pp"),
+    (4, ["--tp", "2", "--experts", "4"], "--experts composes with dp, ep and pp; drop --tp 2"),
+    (4, ["--cp", "2", "--sp", "ring", "--experts", "4", "--pp", "2"],
+     "--experts composes with dp, ep and pp; drop --cp 2"),
+    (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--zero", "3"], "use --zero 0, 1 or 2"),
+    (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--micro-batches", "16"],
+     "--micro-batches 16 does not divide the 8 sequences"),
     (4, ["--pp", "4"], "needs at least 4 layers"),
     (2, ["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 does not divide"),
     (2, ["--cp", "2", "--sp", "ring", "--seq-len", "7"], "--seq-len 7 does not divide"),
@@ -120,6 +126,9 @@ def test_training_cli_refuses_layouts_that_do_not_compose(ranks, flags, message)
          "--layers", "4", "--micro-batches", "4"]),
     (4, ["--dp", "2", "--ep", "2", "--experts", "4", "--zero", "2"]),
     (4, ["--cp", "2", "--tp", "2", "--sp", "ring", "--zero", "3"]),
+    (8, ["--dp", "2", "--pp", "2", "--ep", "2", "--experts", "4", "--zero", "2",
+         "--schedule", "zb-h1"]),
+    (8, ["--pp", "2", "--cp", "2", "--tp", "2", "--sp", "ulysses", "--zero", "3"]),
 ])
 def test_training_cli_accepts_the_layouts_that_compose(ranks, flags):
     from strategies.train import layout_of, parse_args

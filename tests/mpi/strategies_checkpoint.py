@@ -142,14 +142,18 @@ LAYOUTS = {1: ["--zero 0", "--zero 3"],
            2: ["--zero 0", "--zero 1", "--zero 2", "--zero 3", "--tp 2", "--tp 2 --zero 2",
                "--zero 3 --bf16", "--ep 2 --experts 4 --zero 2"],
            3: ["--zero 0", "--zero 3", "--tp 3"],
-           4: ["--dp 2 --tp 2 --zero 1", "--dp 2 --pp 2 --zero 2 --layers 2"]}
+           4: ["--dp 2 --tp 2 --zero 1", "--dp 2 --pp 2 --zero 2 --layers 2",
+               "--pp 2 --ep 2 --experts 4 --layers 2"]}
 RESHARD = {1: [("--zero 2", "--zero 0")],
            2: [("--zero 2", "--zero 3"), ("--zero 3", "--zero 0"), ("--zero 0", "--tp 2"),
                ("--tp 2", "--zero 1"), ("--ep 2 --experts 4 --zero 1", "--experts 4 --zero 2")],
            3: [("--zero 2", "--tp 3"), ("--tp 3", "--zero 1")],
            4: [("--dp 2 --tp 2 --zero 1", "--zero 3"), ("--zero 2", "--tp 4"),
                ("--dp 2 --pp 2 --zero 3 --layers 2", "--tp 2 --pp 2 --sp megatron --layers 2"),
-               ("--cp 2 --tp 2 --sp ring", "--dp 2 --tp 2 --zero 2")]}
+               ("--cp 2 --tp 2 --sp ring", "--dp 2 --tp 2 --zero 2"),
+               ("--pp 2 --ep 2 --experts 4 --zero 2 --layers 2",
+                "--dp 2 --ep 2 --experts 4 --zero 1 --layers 2"),
+               ("--pp 2 --cp 2 --sp ulysses --zero 1 --layers 2", "--zero 2 --layers 2")]}
 
 
 def errors_case(base: Path):

@@ -5,7 +5,9 @@ ranks, at EP 2 (each half of the ranks on its own) and EP x DP = 2 x 2 (also wit
 and 2: dense parameters sharded over all 4 ranks, experts over dp), against the
 single-process MoE GPT on the same global batch with the same routing groups: the same
 assignments dropped at every step, and losses and gathered parameters after 5 steps within
-1e-4 relative (fp32), top-1 and top-2."""
+1e-4 relative (fp32), top-1 and top-2. At 4 ranks also pipelines of MoE blocks: PP 2 x EP 2
+(1f1b, zb-h1's split backward, ZeRO 2 reducing during the schedule) and PP 2 x DP 2 (ZeRO
+1), each microbatch a routing group, every stage's aux losses in the loss."""
 import torch
 
 import commlib
@@ -16,6 +18,7 @@ from strategies.mesh import Mesh
 from strategies.model import GPT, GPTConfig
 from strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
                             gathered_state, moe_gpt, reduce_gradients, zero_arguments)
+from strategies.pipeline import Pipeline, PipelineStage
 from strategies.zero import ZeRO
 
 torch.set_num_threads(1)
@@ -204,6 +207,63 @@ def ep_x_dp_with_zero_trains_like_one_process():
         _train_parallel(Mesh(world, dp=2, ep=2), zero=2, topks=(1,))
 
 
+def _whole_pipeline_state(stage, mesh) -> dict:
+    """Every parameter of the reference, by name, from a pipeline stage of an expert-parallel
+    GPT: experts gathered over ep, then the stages' parts summed over pp (each name is held
+    by one stage; the others add zeros)."""
+    mine = {}
+    for piece in stage.pieces:
+        mine.update(gathered_state(piece, mesh.group("ep")))
+    shapes = {k: v.shape for k, v in REFERENCE[1][2].items()}
+    flat = torch.cat([mine[k].reshape(-1) if k in mine else torch.zeros(s.numel())
+                      for k, s in shapes.items()])
+    mesh.group("pp").all_reduce(flat)
+    return dict(zip(shapes, (t.view(s) for t, s in
+                             zip(flat.split([s.numel() for s in shapes.values()]),
+                                 shapes.values()))))
+
+
+def _train_pipeline(mesh, topk, schedule, zero=0):
+    """Pipeline stages of the expert-parallel GPT on ``mesh`` (pp x dp x ep), each rank's data
+    shard in two microbatches (a routing group each); compare with the reference."""
+    stage = PipelineStage(expert_parallel_gpt(moe_model(topk), mesh), mesh.group("pp"))
+    data_ranks = mesh.joint_group("dp", "ep")
+    if zero:
+        opt = ZeRO(stage, stage=zero, optimizer=_SGD, reduce_in_backward=False,
+                   **zero_arguments(stage, mesh))
+        assert opt.group is data_ranks and data_ranks.size == 2
+    else:
+        opt = _SGD(stage.parameters())
+    microbatches = BATCH // (GROUP_ROWS * data_ranks.size)
+    pipe = Pipeline(stage, schedule, microbatches, measure=False,
+                    **({"gradients": opt} if zero >= 2 else {}))
+    losses = []
+    for x, y in batches():
+        loss = torch.tensor([pipe.step(data_shard(x, mesh), data_shard(y, mesh))])
+        if not zero:
+            reduce_gradients(stage, mesh)
+        opt.step()
+        opt.zero_grad()
+        data_ranks.all_reduce(loss, op="avg")
+        losses.append(loss.item())
+    want_losses, _, want_params = REFERENCE[topk]
+    close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    same_as(_whole_pipeline_state(stage, mesh), want_params)
+    mesh.free()
+
+
+def pp_x_ep_trains_like_one_process():
+    if n == 4:
+        _train_pipeline(Mesh(world, pp=2, ep=2), topk=2, schedule="1f1b")
+        _train_pipeline(Mesh(world, pp=2, ep=2), topk=1, schedule="zb-h1")
+        _train_pipeline(Mesh(world, pp=2, ep=2), topk=2, schedule="gpipe", zero=2)
+
+
+def pp_x_dp_with_experts_and_zero_trains_like_one_process():
+    if n == 4:
+        _train_pipeline(Mesh(world, pp=2, dp=2), topk=1, schedule="1f1b", zero=1)
+
+
 def dp_alone_trains_like_one_process():
     """ep = 1: every rank holds every expert; experts and dense parameters averaged over dp."""
     _train_parallel(Mesh(world, dp=n))
@@ -213,7 +273,7 @@ def errors():
     raises(ValueError, f"experts=3 is not divisible by ep={n}",
            lambda: ExpertParallelMoE(MoE(8, 8, 3, 1), world))
     mesh = Mesh(world, tp=n)
-    raises(ValueError, "the mesh may only have dp and ep dimensions",
+    raises(ValueError, "the mesh may only have dp, ep and pp dimensions",
            lambda: expert_parallel_gpt(moe_model(1), mesh))
     mesh.free()
     layer = ExpertParallelMoE(MoE(8, 8, 2 * n, 1, group_rows=2), world)

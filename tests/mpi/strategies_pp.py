@@ -1,5 +1,6 @@
 """strategies.pipeline under mpiexec, with pp = the world's size (2 or 4), and pp=2 x dp=2
-(plain, and ZeRO 1-3 on dp), pp=2 x tp=2 (plain, and Megatron SP) at 4 ranks: every schedule
+(plain, and ZeRO 1-3 on dp), pp=2 x tp=2 (plain, and Megatron SP), pp=2 x cp=2 (Ulysses
+attention) at 4 ranks: every schedule
 trains the GPT like the single-process reference on the same global batches (losses and
 gathered parameters after 5 steps, 1e-4 relative, fp32). Rank 0 prints each schedule's
 measured idle fraction next to the simulated one."""
@@ -16,7 +17,7 @@ from strategies.mesh import Mesh
 from strategies.model import GPT, GPTConfig
 from strategies.pipeline import Pipeline, PipelineStage, gathered_state
 from strategies.pipeline_schedules import Action, schedule
-from strategies.sequence_parallel import megatron_sp_gpt
+from strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt, sequence_shard
 from strategies.tensor_parallel import tensor_parallel_gpt
 from strategies.zero import ZeRO
 
@@ -267,12 +268,31 @@ def pp_x_tp_with_megatron_sp_trains_like_one_process():
     pipe = Pipeline(stage, "1f1b", MICRO, measure=False)
     before = pp.bytes_sent
     same_losses(train(pipe, stage))
-    # each microbatch: its hidden states forward, their gradient backward, T/tp tokens
-    # each; besides, the last stage broadcasts each step's loss (a float64)
+    _sent_sequence_shards(pp, before)
+    same_as(_whole_state(stage, tp))
+    mesh.free()
+
+
+def _sent_sequence_shards(pp, before):
+    """Each microbatch sent its hidden states forward, their gradient backward, T/2 tokens
+    each; besides, the stages all-reduce each step's loss (a float64)."""
     shard_bytes = (BATCH // MICRO) * (CONFIG.seq_len // 2) * CONFIG.d_model * 4
     extra = pp.bytes_sent - before - STEPS * MICRO * shard_bytes
     assert 0 <= extra <= 8 * STEPS, extra
-    same_as(_whole_state(stage, tp))
+
+
+def pp_x_cp_trains_like_one_process():
+    """pp=2 x cp=2: stages of the context-parallel GPT take and pass each cp rank's sequence
+    shard, here Ulysses attention under zb-h1's split backward (ring attention under 1f1b:
+    the training CLI's test)."""
+    mesh = Mesh(world, pp=2, cp=2)
+    cp, pp = mesh.group("cp"), mesh.group("pp")
+    stage = PipelineStage(context_parallel_gpt(GPT(CONFIG, SEED), cp, "ulysses"), pp)
+    pipe = Pipeline(stage, "zb-h1", MICRO, measure=False)
+    before = pp.bytes_sent
+    same_losses(train(pipe, stage, lambda t: sequence_shard(t, cp)))
+    _sent_sequence_shards(pp, before)
+    same_as(gathered_state(stage))
     mesh.free()
 
 
@@ -300,7 +320,8 @@ CASES = [stage_holds_only_its_pieces, *(trains_like_one_process(*s) for s in SCH
 # the suite's time is short: at 2 ranks the single-pipeline extras, at 4 the 2 x 2 meshes
 CASES += [pp_x_dp_trains_like_one_process, pp_x_tp_trains_like_one_process,
           pp_x_dp_with_zero_trains_like_one_process,
-          pp_x_tp_with_megatron_sp_trains_like_one_process] if n == 4 else \
+          pp_x_tp_with_megatron_sp_trains_like_one_process,
+          pp_x_cp_trains_like_one_process] if n == 4 else \
     [gradients_accumulate_like_one_backward, one_stage_pipeline_runs_locally, custom_schedule,
      errors]
 for fn in CASES:
