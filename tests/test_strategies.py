@@ -36,12 +36,11 @@ def _train(n, tmp_path, *args):
 def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
     want = [r["loss"] for r in _train(1, tmp_path)[0]]
     assert want[-1] < want[0]
-    for n, layout in [(2, ["--dp", "2"]), (2, ["--tp", "2"]), (2, ["--zero", "3"]),
+    # one launch per composition the trainer wires up (each schedule, and each pair on its
+    # own, is checked against the reference by the library tests: test_pipeline.py, ...)
+    for n, layout in [(2, ["--dp", "2"]), (2, ["--zero", "3"]),
                       (4, ["--dp", "2", "--tp", "2", "--zero", "1"]),
-                      (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
-                      (2, ["--tp", "2", "--sp", "megatron"]),
                       (4, ["--dp", "2", "--pp", "2", "--zero", "2"]),
-                      (4, ["--pp", "2", "--tp", "2", "--schedule", "gpipe"]),
                       (4, ["--pp", "2", "--tp", "2", "--sp", "megatron"]),
                       (4, ["--dp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"]),
                       (4, ["--cp", "2", "--tp", "2", "--sp", "ulysses"]),
