@@ -45,23 +45,22 @@ class FastPath:
     def learn(self, collective: str, algo, plan, count: int, itemsize: int,
               params: dict) -> None:
         """The general path runs ``algo`` (``plan``, or a runner when None) for this call."""
-        comm = self.comm
+        comm, name = self.comm, algo.name
         if collective == "all_to_all":  # the fast path knows equal parts only
             if count % comm.size or any(
                     s != count // comm.size for k in ("input_splits", "output_splits")
                     for s in params[k]):
                 return
-            if plan is None and algo.name == "direct" and not comm._executor.transport.cma:
-                from .algorithms import get  # direct all_to_all falls back to pairwise
-                plan = comm._executor.plan(get("all_to_all", "pairwise"), comm.size,
-                                           comm.rank, count, itemsize, tuple(params.items()))
-        if plan is None and algo.name != "direct":
+            if plan is None and name == "direct":
+                from .algorithms.direct import all_to_all_fallback
+                plan = all_to_all_fallback(comm, count, itemsize, tuple(params.items()))
+                name = "direct" if plan is None else "pairwise"
+        if plan is None and name != "direct":
             return  # other runners (MPI's own, hier) stay on the general path
         steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if plan is not None else ([], 0)
         self.native.learn(_C.COLLECTIVES[collective], count, itemsize,
                           params.get("root", NONE), steps, tmp, len(self.entries))
-        self.entries.append((algo.name if plan is None or algo.run is None else "pairwise",
-                             count))
+        self.entries.append((name, count))
 
     def run(self, collective: str, a, b=None, op=None, root=None) -> bool:
         """Run ``collective`` on ``a`` (output, or the only buffer) and ``b`` (input) if

@@ -35,12 +35,21 @@ def broadcast(comm, bufs, dtype, op, root=0):
     comm._executor.transport.broadcast(b.ptr, b.numel, dtype.code, root)
 
 
+def all_to_all_fallback(comm, count: int, itemsize: int, params: tuple):
+    """The pairwise plan that all_to_all runs where the host forbids single copy; None
+    where it allows it."""
+    executor = comm._executor
+    if executor.transport.cma:
+        return None
+    return executor.plan(get("all_to_all", "pairwise"), comm.size, comm.rank, count,
+                         itemsize, params)
+
+
 def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
     executor, size = comm._executor, dtype.itemsize
-    if not executor.transport.cma:
-        params = (("input_splits", input_splits), ("output_splits", output_splits))
-        plan = executor.plan(get("all_to_all", "pairwise"), comm.size, comm.rank,
-                             bufs["in"].numel, size, params)
+    plan = all_to_all_fallback(comm, bufs["in"].numel, size, (
+        ("input_splits", input_splits), ("output_splits", output_splits)))
+    if plan is not None:
         executor.run(plan, bufs, dtype.code, _C.OPS["sum"])
         return
     offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
