@@ -126,21 +126,14 @@ class FlightRecorder:
         self.calls: deque = deque(maxlen=int(_env_number("COMMLIB_FLIGHT_RECORDER", 64, int))
                                   if size is None else size)
         self.seq = 0
+        self.fast = None  # the communicator's FastPath: it numbers every call, keeps its rows
 
     def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> list:
-        self.seq += 1
+        self.seq = self.fast.native.next_seq() if self.fast is not None else self.seq + 1
         record = [self.seq, collective, algorithm, count, dtype, op, root, "issued",
                   _now(), None, None, None]
         self.calls.append(record)
         return record
-
-    def ran(self, collective, algorithm_count: tuple, dtype, op, root, issued: float) -> None:
-        """Record a call that has already run, from ``issued`` until now (the fast path:
-        recording it once costs less than issuing and finishing it)."""
-        self.seq += 1
-        algorithm, count = algorithm_count
-        self.calls.append([self.seq, collective, algorithm, count, dtype, op, root, "done",
-                           issued, issued, _now(), None])
 
     @staticmethod
     def start(record) -> None:
@@ -156,9 +149,16 @@ class FlightRecorder:
         else:
             record[7], record[11] = "failed", f"{type(error).__name__}: {error}"
 
+    def rows(self) -> list[list]:
+        """Both paths' calls, oldest first, at most as many as the recorder keeps."""
+        rows = list(self.calls)
+        if self.fast is not None and self.calls.maxlen:
+            rows = sorted(rows + self.fast.records(), key=lambda r: r[0])[-self.calls.maxlen:]
+        return rows
+
     def records(self) -> list[dict]:
         out = []
-        for r in list(self.calls):
+        for r in self.rows():
             d = dict(zip(self.FIELDS, r))
             d["dtype"] = str(d["dtype"]) if d["dtype"] is not None else None
             out.append(d)
@@ -169,13 +169,14 @@ class FlightRecorder:
         if not self.calls.maxlen:
             return ""
         now = time.monotonic()
-        lines = [f"commlib flight recorder: {self.owner}, last {len(self.calls)} calls "
+        records = self.records()
+        lines = [f"commlib flight recorder: {self.owner}, last {len(records)} calls "
                  f"(times in ms before now)"]
         lines.append(f"{'seq':>6} {'state':8} {'collective':15} {'algorithm':9} {'count':>10} "
                      f"{'dtype':9} {'op':5} {'root':>4} {'issued':>9} {'started':>9} "
                      f"{'took':>9}  error")
         ms = lambda t: f"{(now - t) * 1e3:9.1f}" if t is not None else f"{'-':>9}"  # noqa: E731
-        for d in self.records():
+        for d in records:
             took = (f"{(d['finished'] - d['started']) * 1e3:9.3f}"
                     if d["finished"] is not None and d["started"] is not None else f"{'-':>9}")
             shown = {k: "-" if v is None else v for k, v in d.items()}

@@ -83,9 +83,12 @@ class Communicator:
         self._failure: str | None = None  # why this communicator can no longer be used
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
-        self._fast = FastPath(self) if fast_path_enabled(self.transport) else None
+        self._fast = None
+        if fast_path_enabled(self.transport):
+            self._fast = self._recorder.fast = FastPath(self, self._recorder.calls.maxlen)
         name = f"r{self.rank}of{self.size}"
-        self._engine = ProgressEngine(name)
+        # the fast path must not overtake the engine's work
+        self._engine = ProgressEngine(name, self._fast.native.hold if self._fast else None)
         self._poller = RequestPoller(name)
 
     def __repr__(self):
@@ -100,6 +103,8 @@ class Communicator:
     @timeout.setter
     def timeout(self, seconds: float) -> None:
         self._timeout = check_timeout(seconds)
+        if getattr(self, "_fast", None) is not None:
+            self._fast.native.timeout = self._timeout
 
     def flight_record(self) -> list[dict]:
         """The last calls on this communicator, oldest first (calls.FlightRecorder)."""
@@ -129,6 +134,8 @@ class Communicator:
                           f"{error}",)
             if isinstance(error, CommTimeoutError) and self._failure is None:
                 self._failure = str(error)  # (shared memory also poisons it for the peers)
+                if self._fast is not None:
+                    self._fast.native.hold(1)  # for good
         FlightRecorder.finish(record, error)
         if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
             self._recorder.dump()

@@ -7,14 +7,18 @@ call (``Communicator._plan``, no algorithm named), it teaches the fast path that
 plan or direct collective. A later call with the same (collective, count, itemsize,
 root) on numpy arrays runs in one C++ call, checked there; anything it does not check
 itself goes to the general path, which raises the usual errors. Calls are recorded in
-the flight recorder either way.
+the flight recorder either way (the fast path keeps its rows in C++; calls.FlightRecorder
+merges them).
+
+The C++ call checks everything itself, including whether the general path owns the
+communicator (a *hold*: its progress engine has work, or the communicator failed), so that
+a small collective costs one Python frame and one C++ call.
 
 Only on the shared-memory transport; ``COMMLIB_FAST_PATH=0`` turns it off.
 """
 from __future__ import annotations
 
 import os
-import time
 
 from . import _C
 from .calls import NONE
@@ -24,7 +28,9 @@ from .ops import ReduceOp
 # what each op may be given as (None: the collective does not reduce)
 _OP_CODES = {None: _C.OPS["sum"], **{o.value: _C.OPS[o.value] for o in ReduceOp},
              **{o: _C.OPS[o.value] for o in ReduceOp}}
-_now = time.monotonic
+_OP_NAMES = {code: name for name, code in _C.OPS.items()}
+_COLLECTIVE_NAMES = {code: name for name, code in _C.COLLECTIVES.items()}
+_DTYPE_NAMES = {code: name for name, code in _C.DTYPES.items()}
 
 
 def enabled(transport: str) -> bool:
@@ -32,9 +38,10 @@ def enabled(transport: str) -> bool:
 
 
 class FastPath:
-    def __init__(self, comm):
+    def __init__(self, comm, records: int):
         self.comm = comm
-        self.native = _C.FastPath(comm._executor.transport)
+        self.native = _C.FastPath(comm._executor.transport, _OP_CODES, comm.timeout, records)
+        self._call = self.native.call
         self.entries: list[tuple] = []  # entry id -> (algorithm name, count) for the record
 
     @property
@@ -66,20 +73,20 @@ class FastPath:
         """Run ``collective`` on ``a`` (output, or the only buffer) and ``b`` (input) if
         this path can; False: the caller takes the general path. ``op``: reducing
         collectives' only; ``root``: rooted ones' only."""
-        comm = self.comm
-        code = _OP_CODES.get(op)
-        if (code is None or comm._failure is not None or not comm._engine.idle()
-                or (root is not None and type(root) is not int)):
-            return False
-        issued = _now()
         try:
-            entry = self.native.call(_C.COLLECTIVES[collective], a, b, code,
-                                     NONE if root is None else root, comm._timeout)
+            return self._call(_C.COLLECTIVES[collective], a, b, op, root)
         except CommError as e:
+            comm = self.comm
             record = comm._recorder.issue(collective, None, None, None, op, root)
-            record[8] = issued
+            record[8] = self.native.issued
             raise comm._finish(record, e)
-        if entry < 0:
-            return False
-        comm._recorder.ran(collective, self.entries[entry], a.dtype, op, root, issued)
-        return True
+
+    def records(self) -> list[list]:
+        """The flight recorder's rows for the calls run here (calls.FlightRecorder)."""
+        rows = []
+        for seq, collective, entry, dtype, op, root, issued, finished in self.native.records():
+            algorithm, count = self.entries[entry]
+            rows.append([seq, _COLLECTIVE_NAMES[collective], algorithm, count,
+                         _DTYPE_NAMES[dtype], _OP_NAMES.get(op), None if root == NONE else root,
+                         "done", issued, issued, finished, None])
+        return rows

@@ -221,14 +221,17 @@ class _Background:
 class ProgressEngine(_Background):
     """Runs one communicator's collectives in issue order."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_busy=None):
         super().__init__(f"coll-{name}")
         self._queue: deque = deque()
         self._busy = False  # a task is running, on the engine thread or inline
+        self._tasks = 0  # queued or running
+        self._on_busy = on_busy  # on_busy(1) when work arrives at an idle engine, (-1) at idle
 
-    def idle(self) -> bool:
-        """Nothing queued or running (a hint: another thread may issue at any time)."""
-        return not self._busy and not self._queue
+    def _count(self, delta: int) -> None:  # with the lock held
+        self._tasks += delta
+        if self._on_busy is not None and self._tasks == (delta > 0):
+            self._on_busy(delta)
 
     def run(self, what: str, task, async_op: bool, result=None):
         """Run ``task()`` after everything issued before it; then return ``result`` (a Work
@@ -237,6 +240,7 @@ class ProgressEngine(_Background):
             if self._closed:
                 raise CommError(f"{what} issued on a freed communicator")
             inline = not async_op and not self._busy and not self._queue
+            self._count(1)
             if inline:
                 self._busy = True
             else:
@@ -252,6 +256,7 @@ class ProgressEngine(_Background):
             finally:
                 with self._lock:
                     self._busy = False
+                    self._count(-1)
                     if self._queue:  # async work queued meanwhile: wake the engine thread
                         self._cv.notify_all()
         if async_op:
@@ -275,6 +280,7 @@ class ProgressEngine(_Background):
                 error = e
             with self._cv:
                 self._busy = False
+                self._count(-1)
                 self._cv.notify_all()
             work._finish(work.result, error)
 

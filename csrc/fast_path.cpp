@@ -10,14 +10,22 @@
 //           The fast path runs only calls it has an entry for, so it always runs exactly
 //           what the general path would.
 //   decline anything this path does not check itself (not numpy, not contiguous, sizes
-//           that do not fit, a root outside the communicator, avg on integers, another
-//           timeout, an unknown call) returns -1 and the general path takes the call,
-//           raising its usual errors. Ranks may take different paths for one collective:
-//           both run the same entry, which agrees with itself on the wire.
+//           that do not fit, a root outside the communicator, an op it does not know, avg
+//           on integers, another timeout, an unknown call, a hold) returns False and the
+//           general path takes the call, raising its usual errors. Ranks may take
+//           different paths for one collective: both run the same entry, which agrees
+//           with itself on the wire.
+//   hold    the general path owns the communicator: work of its progress engine is queued
+//           or running (a call here would overtake it), or the communicator failed.
+//   record  the flight recorder's row for a call run here, kept in a ring as big as the
+//           recorder (commlib/calls.py); calls are numbered by one counter for both paths.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -67,6 +75,11 @@ bool view(py::handle obj, bool write, Array& out) {
   return out.dtype >= 0;
 }
 
+double now() {  // seconds on CLOCK_MONOTONIC, Python's time.monotonic()
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 bool overlap(const Array& a, const Array& b) {
   return a.nbytes() > 0 && b.nbytes() > 0 && a.data < b.data + b.nbytes() &&
          b.data < a.data + a.nbytes();
@@ -76,7 +89,9 @@ bool overlap(const Array& a, const Array& b) {
 
 class FastPath {
  public:
-  explicit FastPath(shm::ShmComm& comm) : comm_(comm) {}
+  // `op_codes`: what callers pass as an op -> its code; `records`: the ring's size.
+  FastPath(shm::ShmComm& comm, py::dict op_codes, double timeout, size_t records)
+      : timeout(timeout), comm_(comm), op_codes_(std::move(op_codes)), ring_(records) {}
 
   // What the general path runs for this call: `plan` (with its scratch bytes), or the
   // direct collective when `plan` is empty. `id` names the entry to the caller.
@@ -88,53 +103,90 @@ class FastPath {
   }
 
   int64_t taken() const { return taken_; }  // calls run here so far
+  int64_t next_seq() { return ++seq_; }      // the general path numbers its calls here too
+  void hold(int delta) { holds_ += delta; }  // +1 / -1 around the general path's work
+  double issued() const { return issued_; }  // when the last call here began
+  double timeout = 0;  // the communicator's (Communicator.timeout): others go general
 
-  // Runs the collective and returns its entry's id, or -1: the general path's call.
-  // `a` is the output (or the only buffer), `b` the input.
-  int call(int collective, py::handle a, py::handle b, int op, int64_t root, double timeout) {
+  // Runs the collective and returns True, or False: the general path's call. `a` is the
+  // output (or the only buffer), `b` the input; `op` as the caller gave it (None where the
+  // collective does not reduce), `root` too (None where it has none).
+  bool call(int collective, py::handle a, py::handle b, py::handle op_given, py::handle root_given) {
+    if (holds_.load(std::memory_order_acquire) != 0) return false;
+    PyObject* code = PyDict_GetItemWithError(op_codes_.ptr(), op_given.ptr());
+    if (code == nullptr) {  // (unhashable ops leave a TypeError: the general path's to raise)
+      PyErr_Clear();
+      return false;
+    }
+    const int op = int(PyLong_AsLong(code));
+    int64_t root = kNone;
+    if (!root_given.is_none()) {
+      if (!PyLong_CheckExact(root_given.ptr())) return false;  // (bool is not a root)
+      int overflow = 0;
+      root = PyLong_AsLongLongAndOverflow(root_given.ptr(), &overflow);
+      if (overflow) return false;
+    }
     Array out, in;
     const int n = comm_.size();
     const bool two = collective == ALL_GATHER || collective == REDUCE_SCATTER ||
                      collective == ALL_TO_ALL;
-    if (!view(a, true, out) || (two && !view(b, false, in))) return -1;
-    if (timeout != comm_.timeout() || op < SUM || op > AVG) return -1;
-    if (op == AVG && !floating(out.dtype)) return -1;
+    if (!view(a, true, out) || (two && !view(b, false, in))) return false;
+    if (timeout != comm_.timeout() || op < SUM || op > AVG) return false;
+    if (op == AVG && !floating(out.dtype)) return false;
     int64_t count = out.size;  // the per-rank count the general path plans with
     switch (collective) {
       case ALL_REDUCE: root = kNone; break;
       case BROADCAST: case REDUCE:
-        if (root < 0 || root >= n) return -1;
+        if (root < 0 || root >= n) return false;
         break;
       case ALL_GATHER:  // out = n blocks of in; in may be out's own block
-        if (in.dtype != out.dtype || out.size != n * in.size) return -1;
-        if (overlap(in, out) && in.data != out.data + comm_.rank() * in.nbytes()) return -1;
+        if (in.dtype != out.dtype || out.size != n * in.size) return false;
+        if (overlap(in, out) && in.data != out.data + comm_.rank() * in.nbytes()) return false;
         count = in.size, root = kNone;
         break;
       case REDUCE_SCATTER:  // in = n blocks of out; out may be in's own block
-        if (in.dtype != out.dtype || in.size != n * out.size) return -1;
-        if (overlap(in, out) && out.data != in.data + comm_.rank() * out.nbytes()) return -1;
+        if (in.dtype != out.dtype || in.size != n * out.size) return false;
+        if (overlap(in, out) && out.data != in.data + comm_.rank() * out.nbytes()) return false;
         root = kNone;
         break;
       case ALL_TO_ALL:  // equal parts
         if (in.dtype != out.dtype || in.size != out.size || in.size % n || overlap(in, out))
-          return -1;
+          return false;
         root = kNone;
         break;
-      default: return -1;
+      default: return false;
     }
     const Key key{collective, count, itemsize(out.dtype), root};
     if (key != last_key_) {  // loops repeat one call: skip the lookup
       auto found = entries_.find(key);
-      if (found == entries_.end()) return -1;
+      if (found == entries_.end()) return false;
       last_key_ = key, last_ = found->second.get();  // entries are never removed
     }
     const Entry* entry = last_;
+    issued_ = now();
     {
       py::gil_scoped_release nogil;
       run(*entry, collective, out, in, count, op, root);
     }
     ++taken_;
-    return entry->id;
+    const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
+                         collective == REDUCE_SCATTER;
+    record({++seq_, collective, entry->id, out.dtype, reduces ? op : kNone, root, issued_, now()});
+    return true;
+  }
+
+  // The recorded calls, oldest first: (seq, collective, entry id, dtype, op, root,
+  // issued, finished); op and root are NONE where they do not apply.
+  py::list records() const {
+    py::list out;
+    std::vector<const Record*> kept;
+    for (const Record& r : ring_)
+      if (r.seq > 0) kept.push_back(&r);
+    std::sort(kept.begin(), kept.end(), [](auto x, auto y) { return x->seq < y->seq; });
+    for (const Record* r : kept)
+      out.append(py::make_tuple(r->seq, r->collective, r->entry, r->dtype, r->op, r->root,
+                                r->issued, r->finished));
+    return out;
   }
 
  private:
@@ -143,8 +195,18 @@ class FastPath {
     int64_t tmp_bytes;
     int id;
   };
+  struct Record {
+    int64_t seq = 0;  // 0: an empty slot
+    int collective, entry, dtype;
+    int64_t op, root;
+    double issued, finished;
+  };
   using Key = std::tuple<int, int64_t, int64_t, int64_t>;
   static constexpr size_t kMaxEntries = 4096;
+
+  void record(const Record& r) {
+    if (!ring_.empty()) ring_[slot_++ % ring_.size()] = r;
+  }
 
   void run(const Entry& e, int collective, const Array& out, const Array& in, int64_t count,
            int op, int64_t root) {
@@ -173,7 +235,12 @@ class FastPath {
   }
 
   shm::ShmComm& comm_;
-  int64_t taken_ = 0;
+  py::dict op_codes_;
+  std::atomic<int> holds_{0};
+  int64_t taken_ = 0, seq_ = 0;
+  size_t slot_ = 0;  // where the next record goes
+  double issued_ = 0;
+  std::vector<Record> ring_;
   std::map<Key, std::unique_ptr<const Entry>> entries_;
   Key last_key_{-1, -1, -1, -1};
   const Entry* last_ = nullptr;
@@ -182,12 +249,18 @@ class FastPath {
 void bind_fast_path(py::module_& m) {
   py::class_<FastPath>(m, "FastPath",
                        "Whole collectives on numpy arrays in one call (csrc/fast_path.cpp).")
-      .def(py::init<shm::ShmComm&>(), py::arg("transport"), py::keep_alive<1, 2>())
+      .def(py::init<shm::ShmComm&, py::dict, double, size_t>(), py::arg("transport"),
+           py::arg("op_codes"), py::arg("timeout"), py::arg("records"), py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("count"), py::arg("itemsize"),
            py::arg("root"), py::arg("plan"), py::arg("tmp_bytes"), py::arg("id"))
       .def("call", &FastPath::call, py::arg("collective"), py::arg("a"), py::arg("b"),
-           py::arg("op"), py::arg("root"), py::arg("timeout"))
-      .def_property_readonly("taken", &FastPath::taken);
+           py::arg("op"), py::arg("root"))
+      .def("next_seq", &FastPath::next_seq)
+      .def("hold", &FastPath::hold, py::arg("delta"))
+      .def("records", &FastPath::records)
+      .def_property_readonly("taken", &FastPath::taken)
+      .def_property_readonly("issued", &FastPath::issued)
+      .def_readwrite("timeout", &FastPath::timeout);
 }
 
 }  // namespace commlib

@@ -1,5 +1,7 @@
 """The fast path (commlib/fast_path.py): numpy calls after the first of their kind run in
 one C++ call; results, declines, mixed paths across ranks, errors and the flight record."""
+import os
+
 import numpy as np
 from mpi4py import MPI
 
@@ -136,6 +138,37 @@ def async_work_keeps_its_order():
     work.wait()
     assert_equal(a, np.full(100, float(n)))
     assert_equal(b, np.full(100, 2.0 * n ** 3))
+
+
+def flight_record_numbers_both_paths_in_order():
+    os.environ["COMMLIB_FLIGHT_RECORDER"] = "5"
+    try:
+        c = commlib.Communicator(MPI.COMM_WORLD)
+    finally:
+        del os.environ["COMMLIB_FLIGHT_RECORDER"]
+    try:
+        t, out = np.ones(6, np.int32), np.zeros(6 * n, np.int32)
+        for _ in range(2):  # the second of each runs on the fast path
+            c.all_reduce(t, op="max")
+            c.all_gather(out, t)
+        c.all_reduce(t, timeout=30)  # general
+        c.broadcast(t, 0)  # general, then fast
+        c.broadcast(t, 0)
+        taken = c._fast.taken
+        rows = c.flight_record()
+        assert [r["seq"] for r in rows] == list(range(3, 8)), rows  # the last 5 of 7
+        assert [r["collective"] for r in rows] == ["all_reduce", "all_gather", "all_reduce",
+                                                   "broadcast", "broadcast"], rows
+        fast_gather, general, fast_broadcast = rows[1], rows[2], rows[4]
+        assert taken == 3
+        assert fast_gather["op"] is None and fast_gather["root"] is None
+        assert fast_gather["count"] == 6 and fast_gather["dtype"] == "int32"
+        assert fast_broadcast["root"] == 0 and fast_broadcast["algorithm"] is not None
+        assert rows[0]["op"] == "max" and general["op"] == "sum"
+        for r in rows:
+            assert r["state"] == "done" and r["issued"] <= r["started"] <= r["finished"], r
+    finally:
+        c.free()
 
 
 def disagreement_on_the_fast_path_fails_every_rank():
