@@ -10,10 +10,19 @@ from functools import lru_cache
 import numpy as np
 from mpi4py import MPI
 
-try:
-    import torch
-except ImportError:
-    torch = None
+
+
+def __getattr__(name):
+    """``harness.torch`` (None without torch), imported on first use: importing torch
+    costs seconds per rank, which scripts on numpy arrays need not pay."""
+    if name != "torch":
+        raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    globals()["torch"] = torch
+    return torch
 
 NUMPY_DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 ALL_DTYPES = ["float16", "bfloat16"] + NUMPY_DTYPES[1:]
@@ -27,8 +36,11 @@ def values(count: int, rank: int, op: str, dtype: str, salt: int = 0) -> np.ndar
 
 @lru_cache(maxsize=64)
 def _values(count, rank, prod, unsigned, salt):
-    i = np.arange(count, dtype=np.int64) * 7 + rank * 5 + salt * 11
-    x = _pattern(i, prod, unsigned)
+    # element k is pattern(7k + c), periodic in k with the pattern's period (3 or 9, which
+    # divide 7 * period): tile one period rather than compute every element
+    period = 3 if prod else 9
+    first = np.arange(period, dtype=np.int64) * 7 + rank * 5 + salt * 11
+    x = np.tile(_pattern(first, prod, unsigned), -(-count // period))[:count]
     x.flags.writeable = False
     return x
 
@@ -43,6 +55,7 @@ def _pattern(i, prod, unsigned):
 def make(x: np.ndarray, dtype: str, backend: str):
     """float64 values -> array of ``dtype`` in ``backend`` ('numpy' or 'torch')."""
     if backend == "torch":
+        import torch
         return torch.tensor(x, dtype=getattr(torch, dtype))  # always a copy
     return x.astype(dtype)
 
@@ -58,6 +71,7 @@ def assert_equal(got, want) -> None:
 
 
 def to_f64(a) -> np.ndarray:
+    torch = sys.modules.get("torch")  # (not a tensor if torch was never imported)
     if torch is not None and isinstance(a, torch.Tensor):
         return a.to(torch.float64).numpy()
     return np.asarray(a, dtype=np.float64)
@@ -71,6 +85,7 @@ def leaf(t):
 def close(got, want, rtol=1e-12, atol=1e-12) -> None:
     """Tensors of the same shape, equal within tolerances; the message gives the largest
     difference."""
+    import torch
     assert got.shape == want.shape, (got.shape, want.shape)
     assert torch.allclose(got, want, rtol=rtol, atol=atol), \
         f"max diff {(got - want).abs().max():.3g}"
@@ -79,6 +94,7 @@ def close(got, want, rtol=1e-12, atol=1e-12) -> None:
 def same_as(got: dict, want: dict, rtol=1e-4, atol=1e-6) -> None:
     """Two name -> tensor dicts (parameters, gradients) with the same names, every tensor
     within tolerances; the message names the first that is not."""
+    import torch
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     for name, p in got.items():
         assert torch.allclose(p, want[name], rtol=rtol, atol=atol), \
