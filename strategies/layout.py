@@ -15,11 +15,17 @@ reference. The ones that compose:
                         averages the gradients; 1: ZeRO reduce-scatters them in its step;
                         2, 3: as each chunk's are final, during the schedule); Megatron SP
                         on tp with the schedules that do not split backward (all but zb-h1)
-    dp x ep x pp        mixture of experts (E+D); ZeRO 0-2 (dense parameters sharded over
+    dp x ep x pp        mixture of experts (E+D); ZeRO 0-3 (dense parameters sharded over
                         dp x ep, each expert over its replicas, the dp ranks); pipeline
                         stages (any schedule) whose blocks hold the expert-parallel layers,
                         the ep group within a stage, each stage adding its layers' aux
                         losses to the loss
+    dp x ep x tp        experts split over tp like the dense MLP (expert tensor
+                        parallelism: the ep all-to-all among the ranks of one tp index,
+                        the layer's output summed over tp once), Megatron SP on tp, ZeRO 0-3
+    dp x ep x cp        Ulysses or ring attention on cp; a routing group spans the cp ranks,
+                        which all route it whole (the probabilities gathered over cp) and
+                        dispatch their own tokens; ZeRO 0-3
 """
 from __future__ import annotations
 
@@ -99,16 +105,13 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
                              f"a multiple of {ep}")
         if not 1 <= layout.topk <= layout.experts:
             raise ValueError(f"--topk {layout.topk}: choose 1 to --experts ({layout.experts})")
+        if tp > 1 and cp > 1:
+            raise ValueError(f"--experts: experts split over --tp {tp} do not take --cp {cp}'s "
+                             f"sequence shards; drop --tp {tp} or --cp {cp}")
         for flag, value in (("--tp", tp), ("--cp", cp)):
-            if value > 1:
-                raise ValueError(f"--experts composes with dp, ep and pp; drop {flag} {value} "
-                                 f"(or --experts)")
-        if sp:
-            raise ValueError(f"--experts composes with dp, ep and pp; drop --sp {sp} "
-                             f"(or --experts)")
-        if layout.zero == 3:
-            raise ValueError("--experts: ZeRO 3 would gather an expert's parameters only on "
-                             "the ranks that route tokens to it; use --zero 0, 1 or 2")
+            if value > 1 and pp > 1:
+                raise ValueError(f"--experts: experts under {flag} {value} do not compose with "
+                                 f"pipeline stages; drop --pp {pp} or {flag} {value}")
     if pp > 1:
         if layout.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {layout.schedule!r}: choose one of "

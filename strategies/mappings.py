@@ -10,6 +10,8 @@ Each op's backward is the op that maps the gradients the same way back:
     gather_along         split -> replicated (all-gather)     bwd: split
     split_along          replicated -> split                  bwd: all-gather
     reduce_scatter_along partial -> split                     bwd: all-gather
+    gather_for_partial   split -> replicated, used by each    bwd: reduce-scatter
+                         rank for its partial result
     all_to_all           split on one dim -> split on another bwd: the reverse all-to-all
     all_to_all_uneven    rows to each rank, in given counts   bwd: the reverse (counts swapped)
 """
@@ -32,6 +34,13 @@ def reduce_from_group(x: torch.Tensor, group: commlib.Communicator) -> torch.Ten
 
 def gather_along(x: torch.Tensor, group: commlib.Communicator, dim: int) -> torch.Tensor:
     return _GatherAlong.apply(x, group, dim)
+
+
+def gather_for_partial(x: torch.Tensor, group: commlib.Communicator, dim: int) -> torch.Tensor:
+    """All-gather along ``dim``, for a computation whose result is partial over the group
+    (column-parallel slices): the gradients that come back are partial too, so backward
+    reduce-scatters them."""
+    return _GatherForPartial.apply(x, group, dim)
 
 
 def split_along(x: torch.Tensor, group: commlib.Communicator, dim: int) -> torch.Tensor:
@@ -145,6 +154,17 @@ class _GatherAlong(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _split(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherForPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 class _SplitAlong(torch.autograd.Function):

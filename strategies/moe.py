@@ -40,6 +40,20 @@ replica of it (its dp group): the expert's local gradient already sums what the 
 every ep rank contributed (they came back through the all-to-all), so it is summed over dp
 and divided by dp * ep. Expert parameters carry ``expert_parallel = True``.
 
+Expert tensor parallelism, on a mesh of dp x ep x tp (``ExpertParallelMoE`` with ``tp``):
+the tp ranks of one ep rank hold the same tokens and route them alike; each expert is split
+over tp as the dense tensor-parallel MLP (``TensorParallelExpert``), the all-to-all runs
+among the ranks of one tp index, and the layer's output is summed over tp once at its end
+(with Megatron SP: the sequence shards are all-gathered before routing, the output
+reduce-scattered). The rest of the model is ``TensorParallelGPT`` (or
+``MegatronSequenceParallelGPT``), and the gradients are reduced as above.
+
+With context parallelism (dp x ep x cp, ``ExpertParallelMoE`` with ``cp``) each rank holds
+sequence shards, and a routing group's sequences span the cp ranks: the router's
+probabilities are all-gathered over cp, so that every token is kept or dropped as in the
+reference (capacity and aux loss are the whole group's), and each rank dispatches only the
+assignments of its own tokens. The rest of the model is ``ContextParallelGPT``.
+
 With pipeline parallelism (a mesh of pp x dp x ep) the ep and dp groups are ranks of one
 stage: ``pipeline.PipelineStage`` cuts the expert-parallel GPT into stages, every stage's
 ranks all-to-all among themselves, and the reductions above run within each stage (ZeRO's
@@ -57,9 +71,13 @@ from torch import nn
 
 import commlib
 from strategies.data import shard
-from strategies.mappings import all_to_all_uneven
+from strategies.mappings import (all_to_all_uneven, copy_to_group, gather_along,
+                                 gather_for_partial, reduce_from_group, reduce_scatter_along)
 from strategies.mesh import Mesh
 from strategies.model import GPT, MLP, cross_entropy
+from strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
+                                          sum_gradients, sum_replicated_gradients)
+from strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelGPT
 from strategies.zero import default_units
 
 
@@ -71,6 +89,17 @@ class Routing:
     counts: list          # kept assignments per expert
     aux_loss: torch.Tensor
     dropped: int          # assignments past capacity
+
+
+class Experts(nn.ModuleDict):
+    """A layer's experts (held here), by global index. Called once per forward on every
+    rank, whatever arrives (ZeRO 3 gathers them when they are called)."""
+
+    def forward(self, inputs, counts):
+        """Rows sorted by expert, ``counts[j]`` of them for the j-th expert held here ->
+        each row through its expert, in the same order."""
+        chunks = inputs.split(counts)
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.values(), chunks)])
 
 
 class MoE(nn.Module):
@@ -97,7 +126,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, experts, bias=False)
         # keyed by the expert's global index, so an expert-parallel rank's names are a
         # subset of the single-process layer's
-        self.experts = nn.ModuleDict({str(e): MLP(d_model, hidden) for e in range(experts)})
+        self.experts = Experts({str(e): MLP(d_model, hidden) for e in range(experts)})
         self._mark_experts()
         self.aux_loss, self.dropped = None, 0
 
@@ -112,30 +141,45 @@ class MoE(nn.Module):
         return {**self.__dict__, "aux_loss": None}
 
     def forward(self, x):
-        if x.dim() < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoE: expected input (rows, ..., {self.d_model}), got "
-                             f"{tuple(x.shape)}")
-        routing = self.route(x)
+        self._check_input(x)
+        return self._mix(x, self.route(x))
+
+    def _mix(self, x, routing: Routing):
+        """Every kept assignment's token of ``x`` through its expert, weighted by its gate,
+        summed per token (x's shape); records the routing's aux loss and drops."""
         self.aux_loss, self.dropped = routing.aux_loss, routing.dropped
         tokens = x.reshape(-1, self.d_model)
         out = self._run_experts(tokens[routing.token], routing.counts)
         weighted = out * routing.gate.to(out.dtype).unsqueeze(-1)
         return tokens.new_zeros(tokens.shape).index_add(0, routing.token, weighted).view(x.shape)
 
+    def _check_input(self, x):
+        if x.dim() < 2 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: expected input (rows, ..., {self.d_model}), got "
+                             f"{tuple(x.shape)}")
+
     def capacity(self, tokens_in_group: int) -> int:
         return math.ceil(self.capacity_factor * self.topk * tokens_in_group / self.num_experts)
 
     def route(self, x) -> Routing:
-        rows, experts, k = x.shape[0], self.num_experts, self.topk
+        return self.assign(self.probabilities(x))
+
+    def probabilities(self, x):
+        """The router's probabilities (..., experts) of tokens ``x`` (..., d_model)."""
+        logits = self.router(x)
+        # routing in at least fp32: bf16 probabilities would tie and reorder choices
+        return F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+    def assign(self, probs) -> Routing:
+        """The routing of tokens whose router probabilities are ``probs`` (rows, ...,
+        experts): top-k, capacity within each routing group, the aux loss."""
+        rows, experts, k = probs.shape[0], self.num_experts, self.topk
         group_rows = rows if self.group_rows is None else self.group_rows
         if rows % group_rows:
             raise ValueError(f"MoE: a batch of {rows} rows does not split into routing groups "
                              f"of group_rows={group_rows}; use a batch (per rank) that is a "
                              f"multiple of group_rows")
         groups = rows // group_rows
-        logits = self.router(x)
-        # routing in at least fp32: bf16 probabilities would tie and reorder choices
-        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         probs = probs.reshape(groups, -1, experts)
         per_group = probs.shape[1]
         top_p, top_e = probs.topk(k, dim=-1)                               # (G, n, k)
@@ -158,35 +202,114 @@ class MoE(nn.Module):
                        aux_loss=aux_loss, dropped=int(kept.numel() - index.numel()))
 
     def _run_experts(self, inputs, counts):
-        """Rows sorted by expert, ``counts[j]`` of them for the j-th expert held here ->
-        each row through its expert, in the same order."""
-        chunks = inputs.split(counts)
-        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
+        return self.experts(inputs, counts)
 
     def extra_repr(self):
         return (f"experts={self.num_experts}, topk={self.topk}, "
                 f"capacity_factor={self.capacity_factor}, group_rows={self.group_rows}")
 
 
+class TensorParallelExpert(nn.Module):
+    """An expert MLP split over ``tp`` as the dense tensor-parallel MLP is: fc1
+    column-parallel, fc2 row-parallel. Takes rows replicated over tp and gives their outputs
+    partial over tp: the MoE layer sums the combined outputs once."""
+
+    def __init__(self, mlp: MLP, tp: commlib.Communicator):
+        super().__init__()
+        self.tp = tp
+        self.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, tp)
+        self.fc2 = RowParallelLinear.from_linear(mlp.fc2, tp, input_is_parallel=True)
+
+    def forward(self, x):
+        hidden = F.gelu(F.linear(x, self.fc1.weight, self.fc1.bias))
+        # each rank adds 1/tp of the bias, so the layer's sum over tp adds it once;
+        # copy_to_group makes the bias's gradient the sum of the ranks' shares
+        bias = copy_to_group(self.fc2.bias, self.tp) / self.tp.size
+        return F.linear(hidden, self.fc2.weight) + bias
+
+
 class ExpertParallelMoE(MoE):
     """A MoE layer holding experts/ep of the experts; tokens travel to their experts and back
-    by all-to-all over ``group`` (the ep group). Made from a single-process ``MoE``."""
+    by all-to-all over ``group`` (the ep group). Made from a single-process ``MoE``.
 
-    def __init__(self, moe: MoE, group: commlib.Communicator):
+    With ``tp`` (expert tensor parallelism): the tp ranks hold the same tokens and route them
+    alike (the router replicated), each expert is a ``TensorParallelExpert``, the
+    all-to-all runs among the ranks of one tp index, and the layer's output is summed over
+    tp once at the end, where the dense tensor-parallel MLP sums its own. With
+    ``sequence_parallel`` (Megatron SP on tp) the layer takes and gives sequence shards
+    (rows, time/tp, d_model): the router runs on the shard (its gradient summed over tp by a
+    hook, as LayerNorm's), the probabilities and the tokens are all-gathered along time
+    before routing, and the output is reduce-scattered along time.
+
+    With ``cp`` (context parallelism) the layer takes this rank's sequence shards (rows,
+    time/cp, d_model) and a routing group spans the cp ranks: the router's probabilities
+    (small) are all-gathered along time, every cp rank routes the whole groups as the
+    single-process layer does (capacity, aux loss), and keeps the assignments of its own
+    tokens, which alone it dispatches. Every parameter is then used on a shard: the model
+    sums their gradients over cp (``sequence_parallel.sum_gradients``)."""
+
+    def __init__(self, moe: MoE, group: commlib.Communicator,
+                 tp: commlib.Communicator | None = None, sequence_parallel: bool = False,
+                 cp: commlib.Communicator | None = None):
         nn.Module.__init__(self)
         if moe.num_experts % group.size:
             raise ValueError(f"expert parallel: experts={moe.num_experts} is not divisible by "
                              f"ep={group.size}; choose a multiple of {group.size} experts")
+        if sequence_parallel and tp is None:
+            raise ValueError("expert parallel: sequence_parallel shards the sequences over "
+                             "the tp group; pass tp")
+        if tp is not None and cp is not None:
+            raise ValueError("expert parallel: experts split over tp do not take cp's "
+                             "sequence shards; pass tp or cp, not both")
         for name in ("d_model", "num_experts", "topk", "capacity_factor", "group_rows"):
             setattr(self, name, getattr(moe, name))
-        self.group = group
+        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        self.cp = cp
         self.local = moe.num_experts // group.size
         first = group.rank * self.local
         self.router = copy.deepcopy(moe.router)
-        self.experts = nn.ModuleDict({str(e): copy.deepcopy(moe.experts[str(e)])
-                                      for e in range(first, first + self.local)})
+
+        def held(expert):
+            return copy.deepcopy(expert) if tp is None else TensorParallelExpert(expert, tp)
+        self.experts = Experts({str(e): held(moe.experts[str(e)])
+                                for e in range(first, first + self.local)})
         self._mark_experts()
+        if sequence_parallel:
+            sum_replicated_gradients(self.router, tp)
         self.aux_loss, self.dropped = None, 0
+
+    def forward(self, x):
+        if self.cp is not None:
+            self._check_input(x)
+            probs = gather_along(self.probabilities(x), self.cp, 1)
+            return self._mix(x, self._own_tokens(self.assign(probs), x.shape[1]))
+        if self.tp is None:
+            return super().forward(x)
+        self._check_input(x)
+        tp = self.tp
+        if self.sequence_parallel:
+            probs = gather_along(self.probabilities(x), tp, 1)
+            x = gather_for_partial(x, tp, 1)
+        else:
+            probs = self.probabilities(x)
+            x = copy_to_group(x, tp)  # the experts' outputs are partial: so are x's gradients
+        routing = self.assign(probs)
+        # the gates scale partial outputs: their gradients are partial too
+        routing.gate = copy_to_group(routing.gate, tp)
+        y = self._mix(x, routing)
+        return reduce_scatter_along(y, tp, 1) if self.sequence_parallel else \
+            reduce_from_group(y, tp)
+
+    def _own_tokens(self, routing: Routing, shard: int) -> Routing:
+        """The assignments of ``routing`` (of whole sequences, gathered over cp) whose tokens
+        are this rank's: time [cp_rank * shard, (cp_rank + 1) * shard) of each sequence,
+        indexed among this rank's tokens. The aux loss and drops stay the groups'."""
+        start, time = self.cp.rank * shard, shard * self.cp.size
+        row, t = routing.token // time, routing.token % time
+        mine = (t >= start) & (t < start + shard)
+        return Routing(token=(row * shard + t - start)[mine], gate=routing.gate[mine],
+                       counts=[int(m.sum()) for m in mine.split(routing.counts)],
+                       aux_loss=routing.aux_loss, dropped=routing.dropped)
 
     def _run_experts(self, inputs, counts):
         ranks, local = self.group.size, self.local
@@ -204,7 +327,10 @@ class ExpertParallelMoE(MoE):
     def extra_repr(self):
         first = int(next(iter(self.experts)))
         return (super().extra_repr() + f", holding experts {first}..{first + self.local - 1} "
-                f"of ep={self.group.size}")
+                f"of ep={self.group.size}"
+                + (f", split over tp={self.tp.size}" if self.tp is not None else "")
+                + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", sequence shards of cp={self.cp.size}" if self.cp is not None else ""))
 
 
 # ------------------------------------------------------------------------------ the GPT
@@ -265,15 +391,82 @@ def moe_gpt(reference: GPT, *, experts: int, topk: int = 2, capacity_factor: flo
                   group_rows=group_rows, aux_weight=aux_weight, seed=seed)
 
 
-def expert_parallel_gpt(model: MoEGPT, mesh: Mesh) -> MoEGPT:
+class _MixtureOfExpertsLoss:
+    """Mixed into a parallel GPT whose blocks' MLP slots hold MoE layers: its loss plus
+    ``aux_weight`` times the sum of the layers' aux losses, as ``MoEGPT.loss``."""
+
+    def _hold_experts(self, model: MoEGPT, mesh: Mesh, **parallel):
+        self.aux_weight = model.aux_weight
+        for block, layer in zip(self.blocks, model.moe_layers()):
+            block.mlp = ExpertParallelMoE(layer, mesh.group("ep"), **parallel)
+
+    def moe_layers(self) -> list:
+        return [block.mlp for block in self.blocks]
+
+    def aux_loss(self):
+        return sum(layer.aux_loss for layer in self.moe_layers())
+
+    def loss(self, idx, targets):
+        return super().loss(idx, targets) + self.aux_weight * self.aux_loss()
+
+
+class TensorParallelMoEGPT(_MixtureOfExpertsLoss, TensorParallelGPT):
+    """The tensor-parallel GPT (over the mesh's tp group) of a ``MoEGPT``, its MoE layers
+    expert-parallel over ep and tensor-parallel over tp."""
+
+    def __init__(self, model: MoEGPT, mesh: Mesh):
+        super().__init__(model, mesh.group("tp"))
+        self._hold_experts(model, mesh, tp=mesh.group("tp"))
+
+
+class MegatronSequenceParallelMoEGPT(_MixtureOfExpertsLoss, MegatronSequenceParallelGPT):
+    """As ``TensorParallelMoEGPT``, with Megatron sequence parallelism on tp."""
+
+    def __init__(self, model: MoEGPT, mesh: Mesh):
+        super().__init__(model, mesh.group("tp"))  # its MoE layers are replaced: not hooked
+        self._hold_experts(model, mesh, tp=mesh.group("tp"), sequence_parallel=True)
+
+
+class ContextParallelMoEGPT(_MixtureOfExpertsLoss, ContextParallelGPT):
+    """The context-parallel GPT (over the mesh's cp group, with Ulysses or ring
+    ``attention``) of a ``MoEGPT``, its MoE layers expert-parallel over ep and routing the
+    whole sequences' groups."""
+
+    def __init__(self, model: MoEGPT, mesh: Mesh, attention: str):
+        super().__init__(model, mesh.group("cp"), attention)
+        self._hold_experts(model, mesh, cp=mesh.group("cp"))
+        for layer in self.moe_layers():  # the layers the base class hooked are replaced
+            sum_gradients(layer, mesh.group("cp"))
+
+
+def expert_parallel_gpt(model: MoEGPT, mesh: Mesh, sp: str | None = None) -> nn.Module:
     """A copy of ``model`` whose MoE layers hold this rank's experts of the mesh's ep group.
     Every rank must build it from the same model (``moe_gpt`` with the same arguments). On a
     mesh with pp, the ep group is the ranks of one stage: cut the copy into stages with
-    ``pipeline.PipelineStage``."""
-    others = {d: s for d, s in mesh.sizes.items() if d not in ("dp", "ep", "pp") and s > 1}
-    if others:
-        raise ValueError(f"expert parallel: the mesh may only have dp, ep and pp dimensions, "
-                         f"got {others}; build the mesh as Mesh(world, dp=..., ep=..., pp=...)")
+    ``pipeline.PipelineStage``. On a mesh with tp: a ``TensorParallelMoEGPT`` (or with
+    ``sp="megatron"`` a ``MegatronSequenceParallelMoEGPT``), which takes the same batch on
+    the tp ranks of one ep rank; with cp (``sp="ulysses"`` or ``"ring"``): a
+    ``ContextParallelMoEGPT``, which takes each cp rank's sequence shards."""
+    tp, cp, pp = mesh.size("tp"), mesh.size("cp"), mesh.size("pp")
+    if sp not in (None, "megatron", "ulysses", "ring"):
+        raise ValueError(f"expert parallel: sp={sp!r}; choose None, 'megatron', 'ulysses' "
+                         f"or 'ring'")
+    over_cp = sp in ("ulysses", "ring")
+    if sp == "megatron" and tp == 1 or over_cp and cp == 1 or cp > 1 and not over_cp:
+        raise ValueError(f"expert parallel: sp={sp!r} does not fit the mesh's tp={tp}, "
+                         f"cp={cp}: 'megatron' shards the sequences over tp >= 2, 'ulysses' "
+                         f"and 'ring' over cp >= 2 (which needs one of them)")
+    if tp > 1 and cp > 1:
+        raise ValueError(f"expert parallel: the mesh may not have both tp={tp} and cp={cp}; "
+                         f"build it with tp=1 or cp=1")
+    for dim, size in (("tp", tp), ("cp", cp)):
+        if size > 1 and pp > 1:
+            raise ValueError(f"expert parallel: experts under {dim}={size} do not compose with "
+                             f"pipeline stages (pp={pp}); build the mesh with pp=1 or {dim}=1")
+    if cp > 1:
+        return ContextParallelMoEGPT(model, mesh, sp)
+    if tp > 1:
+        return (MegatronSequenceParallelMoEGPT if sp else TensorParallelMoEGPT)(model, mesh)
     group = mesh.group("ep")
     # deepcopy, with each MoE layer replaced by its parallel version (which copies only the
     # experts it holds)
@@ -285,12 +478,13 @@ def expert_parallel_gpt(model: MoEGPT, mesh: Mesh) -> MoEGPT:
 
 def zero_arguments(model: nn.Module, mesh: Mesh) -> dict:
     """ZeRO's ``group``, ``units`` and ``unit_groups`` for an expert-parallel GPT (or a
-    pipeline stage of one) on a mesh of dp x ep (x pp) (stages 1 and 2; stage 3 would
-    gather an expert only on the ranks that route tokens to it). Dense parameters are
-    sharded over the dp x ep ranks (of the stage), which all hold them and saw different
-    data; each MoE layer's experts form a unit of their own, sharded over their replicas
-    (the dp group). Units never span two blocks, so a pipeline can reduce each piece's
-    units on their own. The gradients are then the ones ``reduce_gradients`` makes."""
+    pipeline stage of one) on a mesh of dp x ep (x pp, or x tp: each tp rank's ZeRO holds
+    its slices). Dense parameters are sharded over the dp x ep ranks (of the stage), which
+    all hold them and saw different data; each MoE layer's experts form a unit of their
+    own, sharded over their replicas (the dp group); stage 3 gathers it when the layer
+    calls its ``Experts``, which every rank does in every forward. Units never span two
+    blocks, so a pipeline can reduce each piece's units on their own. The gradients are
+    then the ones ``reduce_gradients`` makes."""
     units, unit_groups = [], {}
 
     def split(unit):  # a unit holding MoE layers: its children, with the experts apart
@@ -355,21 +549,29 @@ def _sum_flat(params, groups, divisor):
 
 
 @torch.no_grad()
-def gathered_state(model: nn.Module, group: commlib.Communicator, *, grads: bool = False) -> dict:
+def gathered_state(model: nn.Module, group: commlib.Communicator, *, grads: bool = False,
+                   tp: commlib.Communicator | None = None) -> dict:
     """name -> parameter (or gradient, with ``grads``) under the single-process model's names,
-    every expert of every layer gathered over ``group`` (the ep group), on every rank.
-    Collective over the group."""
+    every expert of every layer gathered over ``group`` (the ep group), and with ``tp`` every
+    tensor-parallel slice joined over it, on every rank. Collective over the groups."""
+    def whole(p):
+        t = (p.grad if grads else p).detach()
+        dim = getattr(p, "tp_split_dim", None)
+        if tp is not None and dim is not None:
+            t = gather_along(t, tp, dim).narrow(dim, 0, p.tp_full_size)
+        return t
+
     held = {id(p) for layer in model.modules() if isinstance(layer, ExpertParallelMoE)
             for p in layer.experts.parameters()}
     out = {}
     for name, p in model.named_parameters():
         if id(p) not in held:
-            out[name] = (p.grad if grads else p).detach().clone()
+            out[name] = whole(p).clone()
     for prefix, layer in model.named_modules():
         if isinstance(layer, ExpertParallelMoE):
             for j, expert in enumerate(layer.experts.values()):
                 for name, p in expert.named_parameters():
-                    t = (p.grad if grads else p).detach().contiguous()
+                    t = whole(p).contiguous()
                     everyone = t.new_empty((group.size,) + t.shape)
                     group.all_gather(everyone, t)
                     for rank in range(group.size):

@@ -43,7 +43,7 @@ from torch import nn
 
 import commlib
 from strategies.mappings import all_to_all, gather_along, reduce_from_group, reduce_scatter_along
-from strategies.model import GPT
+from strategies.model import GPT, MLP
 from strategies.tensor_parallel import (TensorParallelGPT, VocabParallelEmbedding,
                                         vocab_parallel_cross_entropy)
 
@@ -375,7 +375,8 @@ class MegatronSequenceParallelGPT(TensorParallelGPT):
         self.head = _GatheredHead(self.head)
         for block in self.blocks:
             block.attn = _Attention(block.attn, causal_attention, tp=group)
-            block.mlp = _SequenceParallelMLP(block.mlp, group)
+            if isinstance(block.mlp, MLP):  # a MoE layer is made parallel by moe.py
+                block.mlp = _SequenceParallelMLP(block.mlp, group)
         sum_replicated_gradients(self, group)
 
     def local_logits(self, idx):

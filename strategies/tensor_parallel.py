@@ -33,7 +33,7 @@ from torch import nn
 
 import commlib
 from strategies.mappings import copy_to_group, gather_along, reduce_from_group, split_along
-from strategies.model import GPT
+from strategies.model import GPT, MLP
 
 
 def _check_divides(total: int, group: commlib.Communicator, what: str) -> None:
@@ -301,8 +301,9 @@ def _parallel_block(block: nn.Module, group: commlib.Communicator) -> nn.Module:
         setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group))
     attn.proj = RowParallelLinear.from_linear(attn.proj, group, input_is_parallel=True)
     attn.n_heads //= group.size
-    mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group)
-    mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, input_is_parallel=True)
+    if isinstance(mlp, MLP):  # another MLP slot (a MoE layer) is split by its own module
+        mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group)
+        mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, input_is_parallel=True)
     return block
 
 

@@ -6,7 +6,9 @@
     mpiexec -n 4 python -m strategies.train --tp 2 --pp 2 --sp megatron
     mpiexec -n 4 python -m strategies.train --cp 2 --tp 2 --sp ulysses
     mpiexec -n 4 python -m strategies.train --ep 2 --experts 4 --topk 2
-    mpiexec -n 4 python -m strategies.train --pp 2 --ep 2 --experts 4 --zero 2
+    mpiexec -n 4 python -m strategies.train --pp 2 --ep 2 --experts 4 --zero 3
+    mpiexec -n 4 python -m strategies.train --tp 2 --ep 2 --experts 4 --sp megatron
+    mpiexec -n 4 python -m strategies.train --cp 2 --ep 2 --experts 4 --sp ring
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -149,7 +151,7 @@ class Trainer:
         self.numel = model.count_parameters()
         self.pipeline = None
         if layout.experts:
-            model = expert_parallel_gpt(model, mesh)
+            model = expert_parallel_gpt(model, mesh, layout.sp)
         elif layout.cp > 1:
             model = context_parallel_gpt(model, mesh.group("cp"), layout.sp,
                                          tp=mesh.group("tp") if layout.tp > 1 else None)
@@ -204,8 +206,9 @@ class Trainer:
         x, y = self.data.batch(step, self.args.batch, self.args.seq_len)
         mesh = self.mesh
         if self.layout.experts:
-            return data_shard(x, mesh), data_shard(y, mesh)
-        x, y = (shard(t, mesh.rank("dp"), mesh.size("dp")) for t in (x, y))
+            x, y = data_shard(x, mesh), data_shard(y, mesh)
+        else:
+            x, y = (shard(t, mesh.rank("dp"), mesh.size("dp")) for t in (x, y))
         if self.layout.cp > 1:
             x, y = (sequence_shard(t, mesh.group("cp")) for t in (x, y))
         return x, y

@@ -57,9 +57,9 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
 def test_training_cli_mixture_of_experts_in_every_layout(tmp_path):
     want = [r["loss"] for r in _train(1, tmp_path, "--experts", "4")[0]]
     assert want[-1] < want[0]
-    # ep alone is part of both (tests/mpi/strategies_moe.py checks it on its own)
+    # ep alone is part of both; dp x ep (ZeRO 0-3) is checked by tests/mpi/strategies_moe.py
     for n, layout in [(4, ["--pp", "2", "--ep", "2"]),
-                      (4, ["--dp", "2", "--ep", "2", "--zero", "2"])]:
+                      (4, ["--tp", "2", "--ep", "2", "--sp", "megatron", "--zero", "3"])]:
         got = [r["loss"] for r in _train(n, tmp_path, "--experts", "4", *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
 
@@ -96,13 +96,14 @@ def test_training_cli_errors():
      "choose --cp dividing 1, or --sp ring"),
     (2, ["--ep", "2"], "add --experts N"),
     (2, ["--experts", "3", "--ep", "2"], "--experts 3 does not divide over --ep 2"),
-    (2, ["--experts", "2", "--zero", "3"], "use --zero 0, 1 or 2"),
     (4, ["--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule", "zb-h1"],
      "--schedule zb-h1 splits backward"),
-    (4, ["--tp", "2", "--experts", "4"], "--experts composes with dp, ep and pp; drop --tp 2"),
+    (4, ["--tp", "2", "--pp", "2", "--experts", "4"],
+     "experts under --tp 2 do not compose with pipeline stages; drop --pp 2 or --tp 2"),
     (4, ["--cp", "2", "--sp", "ring", "--experts", "4", "--pp", "2"],
-     "--experts composes with dp, ep and pp; drop --cp 2"),
-    (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--zero", "3"], "use --zero 0, 1 or 2"),
+     "experts under --cp 2 do not compose with pipeline stages; drop --pp 2 or --cp 2"),
+    (4, ["--cp", "2", "--sp", "ring", "--experts", "4", "--tp", "2"],
+     "do not take --cp 2's sequence shards; drop --tp 2 or --cp 2"),
     (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--micro-batches", "16"],
      "--micro-batches 16 does not divide the 8 sequences"),
     (4, ["--pp", "4"], "needs at least 4 layers"),
@@ -124,6 +125,9 @@ def test_training_cli_refuses_layouts_that_do_not_compose(ranks, flags, message)
     (4, ["--tp", "2", "--pp", "2", "--sp", "megatron", "--schedule", "interleaved-1f1b",
          "--layers", "4", "--micro-batches", "4"]),
     (4, ["--dp", "2", "--ep", "2", "--experts", "4", "--zero", "2"]),
+    (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--zero", "3"]),
+    (4, ["--tp", "2", "--ep", "2", "--experts", "4", "--sp", "megatron", "--zero", "3"]),
+    (4, ["--cp", "2", "--ep", "2", "--experts", "4", "--sp", "ulysses", "--zero", "3"]),
     (4, ["--cp", "2", "--tp", "2", "--sp", "ring", "--zero", "3"]),
     (8, ["--dp", "2", "--pp", "2", "--ep", "2", "--experts", "4", "--zero", "2",
          "--schedule", "zb-h1"]),

@@ -1,13 +1,16 @@
 """strategies.moe under mpiexec (2 or 4 ranks): the uneven all-to-all mapping, the
 expert-parallel MoE layer against the single-process layer on the global batch (outputs,
-routing, aux loss, gradients), and the MoE GPT trained at EP = n, at DP = n (EP 1) and, at 4
-ranks, at EP 2 (each half of the ranks on its own) and EP x DP = 2 x 2 (also with ZeRO 1
-and 2: dense parameters sharded over all 4 ranks, experts over dp), against the
-single-process MoE GPT on the same global batch with the same routing groups: the same
-assignments dropped at every step, and losses and gathered parameters after 5 steps within
-1e-4 relative (fp32), top-1 and top-2. At 4 ranks also pipelines of MoE blocks: PP 2 x EP 2
-(1f1b, zb-h1's split backward, ZeRO 2 reducing during the schedule) and PP 2 x DP 2 (ZeRO
-1), each microbatch a routing group, every stage's aux losses in the loss."""
+routing, aux loss, gradients; at 4 ranks also EP 2 x TP 2, expert tensor parallelism, with
+and without Megatron SP), and the MoE GPT trained at EP = n, at DP = n (EP 1) and, at 4
+ranks, at EP 2 (each half of the ranks on its own), EP x DP = 2 x 2 (also with ZeRO 1, 2
+and 3: dense parameters sharded over all 4 ranks, experts over dp), EP x TP = 2 x 2 (also
+with Megatron SP and ZeRO 3) and EP x CP = 2 x 2 (ring; Ulysses with ZeRO 2: routing groups
+spanning the cp ranks), against the single-process MoE GPT on the same global
+batch with the same routing groups: the same assignments dropped at every step, and losses
+and gathered parameters after 5 steps within 1e-4 relative (fp32), top-1 and top-2. At 4
+ranks also pipelines of MoE blocks: PP 2 x EP 2 (1f1b, zb-h1's split backward, ZeRO 3
+reducing during the schedule) and PP 2 x DP 2 (ZeRO 1), each microbatch a routing group,
+every stage's aux losses in the loss."""
 import torch
 
 import commlib
@@ -19,6 +22,7 @@ from strategies.model import GPT, GPTConfig
 from strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
                             gathered_state, moe_gpt, reduce_gradients, zero_arguments)
 from strategies.pipeline import Pipeline, PipelineStage
+from strategies.sequence_parallel import sequence_shard
 from strategies.zero import ZeRO
 
 torch.set_num_threads(1)
@@ -91,6 +95,40 @@ def ep_layer_matches_one_process():
                 {k: p.grad for k, p in ref.named_parameters()}, rtol=1e-10, atol=1e-12)
 
 
+def ep_x_tp_layer_matches_one_process():
+    """At 4 ranks, tp 2 x ep 2, fp64: expert tensor parallelism (and with Megatron SP,
+    sequence shards in and out) gives the single-process layer's outputs, routing, aux loss
+    and gradients."""
+    if n != 4:
+        return
+    mesh = Mesh(world, ep=2, tp=2)
+    ep, tp = mesh.group("ep"), mesh.group("tp")
+    for topk, sp in ((1, True), (2, False)):
+        torch.manual_seed(4)
+        ref = MoE(8, 12, 4, topk, capacity_factor=1.0, group_rows=GROUP_ROWS).double()
+        layer = ExpertParallelMoE(ref, ep, tp=tp, sequence_parallel=sp)
+        x, w = data(3, (GROUP_ROWS * 2, 6, 8)), data(4, (GROUP_ROWS * 2, 6, 8))
+
+        def mine(t):  # this rank's rows (its ep rank's), and under SP its tp shard of time
+            t = shard(t, ep.rank, 2)
+            return t.chunk(2, 1)[tp.rank] if sp else t
+        xr, xl = x.clone().requires_grad_(True), mine(x).clone().requires_grad_(True)
+        want, got = ref(xr), layer(xl)
+        close(got.detach(), mine(want.detach()))
+        dropped = torch.tensor([layer.dropped])
+        ep.all_reduce(dropped)
+        assert ref.dropped > 0 and dropped.item() == ref.dropped
+        # the reference's loss is the ep ranks' sum; under SP each tp rank adds its shard's
+        # outputs, and every tp rank the (replicated) aux loss
+        ((want * w).sum() + ref.aux_loss).backward()
+        ((got * mine(w)).sum() + layer.aux_loss / 2).backward()
+        close(xl.grad, mine(xr.grad))
+        ep.all_reduce(layer.router.weight.grad)  # each ep rank's tokens' part
+        same_as(gathered_state(layer, ep, grads=True, tp=tp),
+                {k: p.grad for k, p in ref.named_parameters()}, rtol=1e-10, atol=1e-12)
+    mesh.free()
+
+
 # ------------------------------------------------------------------------------ training
 
 class _SGD:
@@ -144,23 +182,35 @@ def _reference(topk):
 REFERENCE = {topk: _reference(topk) for topk in (1, 2)}
 
 
-def _train_parallel(mesh, zero=0, topks=(1, 2)):
-    """Train on ``mesh`` (dp x ep over mesh.world), with ZeRO ``zero`` or ``reduce_gradients``;
-    compare with the reference."""
-    ranks = mesh.world
+def _hold_gathered(model, zero):
+    """After ZeRO 3's last step: every parameter of ``model`` holds its whole value again
+    (for the comparisons; ZeRO is done with the model)."""
+    whole = zero.full_parameters()
+    for name, p in model.named_parameters():
+        p.data = whole[name]
+
+
+def _train_parallel(mesh, zero=0, topks=(1, 2), sp=None):
+    """Train on ``mesh`` (dp x ep, x tp or x cp, over mesh.world), with ZeRO ``zero`` or
+    ``reduce_gradients``; compare with the reference."""
+    ranks = mesh.joint_group("dp", "ep")  # the ranks that see different data
+    tp = mesh.group("tp") if mesh.size("tp") > 1 else None
     for topk in topks:
-        model = expert_parallel_gpt(moe_model(topk), mesh)
+        model = expert_parallel_gpt(moe_model(topk), mesh, sp)
+        held = {False: 0, True: 0}  # this rank's (tp slices of) dense and expert parameters
+        for p in model.parameters():
+            held[getattr(p, "expert_parallel", False)] += p.numel()
         opt = ZeRO(model, stage=zero, optimizer=_SGD, **zero_arguments(model, mesh)) if zero \
             else _SGD(model.parameters())
-        if zero:  # dense parameters sharded over every rank, this rank's experts over dp
-            held = {False: 0, True: 0}
-            for p in model.parameters():
-                held[getattr(p, "expert_parallel", False)] += p.numel()
+        if zero:  # dense parameters sharded over the dp x ep ranks, experts over dp
             most = held[False] // ranks.size + held[True] // mesh.size("dp") + len(opt.units)
             assert opt.master.numel() <= most, (opt.master.numel(), most)
         losses, dropped = [], []
         for x, y in batches():
-            loss = model.loss(data_shard(x, mesh), data_shard(y, mesh))
+            x, y = data_shard(x, mesh), data_shard(y, mesh)
+            if mesh.size("cp") > 1:
+                x, y = sequence_shard(x, mesh.group("cp")), sequence_shard(y, mesh.group("cp"))
+            loss = model.loss(x, y)
             loss.backward()
             if not zero:
                 reduce_gradients(model, mesh)
@@ -174,8 +224,11 @@ def _train_parallel(mesh, zero=0, topks=(1, 2)):
         want_losses, want_dropped, want_params = REFERENCE[topk]
         assert dropped == want_dropped, (dropped, want_dropped)  # the same routing
         close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
-        same_as(gathered_state(model, mesh.group("ep")), want_params)
-        # every replica identical: dense parameters on all ranks, experts over dp
+        if zero == 3:
+            _hold_gathered(model, opt)
+        same_as(gathered_state(model, mesh.group("ep"), tp=tp), want_params)
+        # every replica identical: dense parameters on the dp x ep ranks, experts over dp
+        # (tp ranks hold their own slices of the split ones)
         for name, p in model.named_parameters():
             group = mesh.group("dp") if getattr(p, "expert_parallel", False) else ranks
             everyone = torch.empty((group.size,) + p.shape)
@@ -205,6 +258,7 @@ def ep_x_dp_with_zero_trains_like_one_process():
     if n == 4:
         _train_parallel(Mesh(world, dp=2, ep=2), zero=1, topks=(2,))
         _train_parallel(Mesh(world, dp=2, ep=2), zero=2, topks=(1,))
+        _train_parallel(Mesh(world, dp=2, ep=2), zero=3, topks=(2,))
 
 
 def _whole_pipeline_state(stage, mesh) -> dict:
@@ -246,17 +300,34 @@ def _train_pipeline(mesh, topk, schedule, zero=0):
         opt.zero_grad()
         data_ranks.all_reduce(loss, op="avg")
         losses.append(loss.item())
+    if zero == 3:
+        _hold_gathered(stage, opt)
     want_losses, _, want_params = REFERENCE[topk]
     close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
     same_as(_whole_pipeline_state(stage, mesh), want_params)
     mesh.free()
 
 
+def ep_x_tp_trains_like_one_process():
+    """At 4 ranks: expert tensor parallelism, tp 2 x ep 2, without and with Megatron SP."""
+    if n == 4:
+        _train_parallel(Mesh(world, ep=2, tp=2), topks=(2,))
+        _train_parallel(Mesh(world, ep=2, tp=2), topks=(1,), sp="megatron", zero=3)
+
+
+def ep_x_cp_trains_like_one_process():
+    """At 4 ranks: cp 2 x ep 2, routing groups spanning the cp ranks (ring, Ulysses)."""
+    if n == 4:
+        _train_parallel(Mesh(world, ep=2, cp=2), topks=(2,), sp="ring")
+        _train_parallel(Mesh(world, ep=2, cp=2), topks=(1,), sp="ulysses", zero=2)
+
+
 def pp_x_ep_trains_like_one_process():
     if n == 4:
         _train_pipeline(Mesh(world, pp=2, ep=2), topk=2, schedule="1f1b")
         _train_pipeline(Mesh(world, pp=2, ep=2), topk=1, schedule="zb-h1")
-        _train_pipeline(Mesh(world, pp=2, ep=2), topk=2, schedule="gpipe", zero=2)
+        # ZeRO 3 reduces during the schedule as 2 does, and gathers each piece's units
+        _train_pipeline(Mesh(world, pp=2, ep=2), topk=2, schedule="gpipe", zero=3)
 
 
 def pp_x_dp_with_experts_and_zero_trains_like_one_process():
@@ -272,10 +343,19 @@ def dp_alone_trains_like_one_process():
 def errors():
     raises(ValueError, f"experts=3 is not divisible by ep={n}",
            lambda: ExpertParallelMoE(MoE(8, 8, 3, 1), world))
-    mesh = Mesh(world, tp=n)
-    raises(ValueError, "the mesh may only have dp, ep and pp dimensions",
+    mesh = Mesh(world, cp=n)
+    raises(ValueError, f"sp=None does not fit the mesh's tp=1, cp={n}",
            lambda: expert_parallel_gpt(moe_model(1), mesh))
     mesh.free()
+    mesh = Mesh(world, ep=n)
+    raises(ValueError, "sp='megatron' does not fit the mesh's tp=1, cp=1",
+           lambda: expert_parallel_gpt(moe_model(1), mesh, sp="megatron"))
+    mesh.free()
+    if n == 4:
+        mesh = Mesh(world, pp=2, tp=2)
+        raises(ValueError, "experts under tp=2 do not compose with pipeline stages",
+               lambda: expert_parallel_gpt(moe_model(1), mesh))
+        mesh.free()
     layer = ExpertParallelMoE(MoE(8, 8, 2 * n, 1, group_rows=2), world)
     raises(ValueError, "a batch of 3 rows does not split into routing groups of group_rows=2",
            lambda: layer(torch.zeros(3, 4, 8)))
