@@ -19,6 +19,11 @@ from .errors import CollectiveMismatchError, CommError
 from .ops import ReduceOp
 from .work import Deadline, finished, in_thread, wait_request
 
+# the codes the fast path (comm._fast.call) takes
+(ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL, BROADCAST, REDUCE) = (
+    _C.COLLECTIVES[c] for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                                "broadcast", "reduce"))
+
 
 def _comm(comm):
     if comm is None:
@@ -149,7 +154,7 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
     """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
     comm = _comm(comm)
     if (comm._fast and algorithm is None and not async_op and timeout is None
-            and comm._fast.run("all_reduce", t, None, op)):
+            and comm._fast.call(ALL_REDUCE, t, None, op, None)):
         return t
     try:
         buf = as_buffer(t, "t")
@@ -180,7 +185,7 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
     """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps block r."""
     comm = _comm(comm)
     if (comm._fast and algorithm is None and not async_op and timeout is None
-            and comm._fast.run("reduce_scatter", output, input, op)):
+            and comm._fast.call(REDUCE_SCATTER, output, input, op, None)):
         return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
@@ -197,7 +202,7 @@ def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout
     """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
     comm = _comm(comm)
     if (comm._fast and algorithm is None and not async_op and timeout is None
-            and comm._fast.run("all_gather", output, input)):
+            and comm._fast.call(ALL_GATHER, output, input, None, None)):
         return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
@@ -241,7 +246,7 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
     """
     comm = _comm(comm)
     if (comm._fast and output_splits is None and input_splits is None and algorithm is None
-            and not async_op and timeout is None and comm._fast.run("all_to_all", output, input)):
+            and not async_op and timeout is None and comm._fast.call(ALL_TO_ALL, output, input, None, None)):
         return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
@@ -262,7 +267,7 @@ def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None
     """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
     comm = _comm(comm)
     if (comm._fast and algorithm is None and not async_op and timeout is None
-            and comm._fast.run("broadcast", t, None, None, root)):
+            and comm._fast.call(BROADCAST, t, None, None, root)):
         return t
     try:
         buf = as_buffer(t, "t")
@@ -278,7 +283,7 @@ def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeo
     """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is unchanged."""
     comm = _comm(comm)
     if (comm._fast and algorithm is None and not async_op and timeout is None
-            and comm._fast.run("reduce", t, None, op, root)):
+            and comm._fast.call(REDUCE, t, None, op, root)):
         return t
     try:
         buf = as_buffer(t, "t")

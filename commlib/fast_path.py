@@ -22,7 +22,6 @@ import os
 
 from . import _C
 from .calls import NONE
-from .errors import CommError
 from .ops import ReduceOp
 
 # what each op may be given as (None: the collective does not reduce)
@@ -40,8 +39,12 @@ def enabled(transport: str) -> bool:
 class FastPath:
     def __init__(self, comm, records: int):
         self.comm = comm
-        self.native = _C.FastPath(comm._executor.transport, _OP_CODES, comm.timeout, records)
-        self._call = self.native.call
+        self.native = _C.FastPath(comm._executor.transport, _OP_CODES, comm.timeout, records,
+                                  self._failed)
+        # call(collective code, a, b, op, root) -> True, or False: the general path's call.
+        # ``a`` is the output (or the only buffer), ``b`` the input; ``op`` reducing
+        # collectives' only, ``root`` rooted ones' only (None elsewhere)
+        self.call = self.native.call
         self.entries: list[tuple] = []  # entry id -> (algorithm name, count) for the record
 
     @property
@@ -69,17 +72,14 @@ class FastPath:
                           params.get("root", NONE), steps, tmp, len(self.entries))
         self.entries.append((name, count))
 
-    def run(self, collective: str, a, b=None, op=None, root=None) -> bool:
-        """Run ``collective`` on ``a`` (output, or the only buffer) and ``b`` (input) if
-        this path can; False: the caller takes the general path. ``op``: reducing
-        collectives' only; ``root``: rooted ones' only."""
-        try:
-            return self._call(_C.COLLECTIVES[collective], a, b, op, root)
-        except CommError as e:
-            comm = self.comm
-            record = comm._recorder.issue(collective, None, None, None, op, root)
-            record[8] = self.native.issued
-            raise comm._finish(record, e)
+    def _failed(self, collective: int, op: int, root: int, issued: float, kind: str,
+                message: str) -> Exception:
+        """A call here failed: record it as the general path would; the error to raise."""
+        comm = self.comm
+        record = comm._recorder.issue(_COLLECTIVE_NAMES[collective], None, None, None,
+                                      _OP_NAMES.get(op), None if root == NONE else root)
+        record[8] = issued
+        return comm._finish(record, getattr(_C, kind)(message))
 
     def records(self) -> list[list]:
         """The flight recorder's rows for the calls run here (calls.FlightRecorder)."""

@@ -19,17 +19,21 @@
 //           or running (a call here would overtake it), or the communicator failed.
 //   record  the flight recorder's row for a call run here, kept in a ring as big as the
 //           recorder (commlib/calls.py); calls are numbered by one counter for both paths.
+//   failure a call that fails here (timeout, disagreement, a dead peer) is handed to
+//           Python's `on_failure(collective, op, root, issued, kind, message)`, which records it
+//           as the general path would and returns the exception to raise.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <algorithm>
 #include <map>
 #include <memory>
 #include <tuple>
 
+#include "agreement.h"
 #include "kernels.h"
 #include "shm.h"
 
@@ -90,8 +94,10 @@ bool overlap(const Array& a, const Array& b) {
 class FastPath {
  public:
   // `op_codes`: what callers pass as an op -> its code; `records`: the ring's size.
-  FastPath(shm::ShmComm& comm, py::dict op_codes, double timeout, size_t records)
-      : timeout(timeout), comm_(comm), op_codes_(std::move(op_codes)), ring_(records) {}
+  FastPath(shm::ShmComm& comm, py::dict op_codes, double timeout, size_t records,
+           py::function on_failure)
+      : timeout(timeout), comm_(comm), op_codes_(std::move(op_codes)),
+        on_failure_(std::move(on_failure)), ring_(records) {}
 
   // What the general path runs for this call: `plan` (with its scratch bytes), or the
   // direct collective when `plan` is empty. `id` names the entry to the caller.
@@ -105,7 +111,6 @@ class FastPath {
   int64_t taken() const { return taken_; }  // calls run here so far
   int64_t next_seq() { return ++seq_; }      // the general path numbers its calls here too
   void hold(int delta) { holds_ += delta; }  // +1 / -1 around the general path's work
-  double issued() const { return issued_; }  // when the last call here began
   double timeout = 0;  // the communicator's (Communicator.timeout): others go general
 
   // Runs the collective and returns True, or False: the general path's call. `a` is the
@@ -163,15 +168,28 @@ class FastPath {
       last_key_ = key, last_ = found->second.get();  // entries are never removed
     }
     const Entry* entry = last_;
-    issued_ = now();
-    {
-      py::gil_scoped_release nogil;
-      run(*entry, collective, out, in, count, op, root);
-    }
-    ++taken_;
     const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
                          collective == REDUCE_SCATTER;
-    record({++seq_, collective, entry->id, out.dtype, reduces ? op : kNone, root, issued_, now()});
+    const double issued = now();
+    const char* failed = nullptr;  // the kind of error, named as in commlib/errors.py
+    std::string why;
+    try {
+      py::gil_scoped_release nogil;
+      run(*entry, collective, out, in, count, op, root);
+    } catch (const TimeoutError& e) {
+      failed = "CommTimeoutError", why = e.what();
+    } catch (const MismatchError& e) {
+      failed = "CollectiveMismatchError", why = e.what();
+    } catch (const shm::PeerError& e) {
+      failed = "CommError", why = e.what();
+    }
+    if (failed) {
+      py::object error = on_failure_(collective, reduces ? op : kNone, root, issued, failed, why);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+      throw py::error_already_set();
+    }
+    ++taken_;
+    record({++seq_, collective, entry->id, out.dtype, reduces ? op : kNone, root, issued, now()});
     return true;
   }
 
@@ -236,10 +254,10 @@ class FastPath {
 
   shm::ShmComm& comm_;
   py::dict op_codes_;
+  py::function on_failure_;
   std::atomic<int> holds_{0};
   int64_t taken_ = 0, seq_ = 0;
   size_t slot_ = 0;  // where the next record goes
-  double issued_ = 0;
   std::vector<Record> ring_;
   std::map<Key, std::unique_ptr<const Entry>> entries_;
   Key last_key_{-1, -1, -1, -1};
@@ -249,8 +267,9 @@ class FastPath {
 void bind_fast_path(py::module_& m) {
   py::class_<FastPath>(m, "FastPath",
                        "Whole collectives on numpy arrays in one call (csrc/fast_path.cpp).")
-      .def(py::init<shm::ShmComm&, py::dict, double, size_t>(), py::arg("transport"),
-           py::arg("op_codes"), py::arg("timeout"), py::arg("records"), py::keep_alive<1, 2>())
+      .def(py::init<shm::ShmComm&, py::dict, double, size_t, py::function>(),
+           py::arg("transport"), py::arg("op_codes"), py::arg("timeout"), py::arg("records"),
+           py::arg("on_failure"), py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("count"), py::arg("itemsize"),
            py::arg("root"), py::arg("plan"), py::arg("tmp_bytes"), py::arg("id"))
       .def("call", &FastPath::call, py::arg("collective"), py::arg("a"), py::arg("b"),
@@ -259,7 +278,6 @@ void bind_fast_path(py::module_& m) {
       .def("hold", &FastPath::hold, py::arg("delta"))
       .def("records", &FastPath::records)
       .def_property_readonly("taken", &FastPath::taken)
-      .def_property_readonly("issued", &FastPath::issued)
       .def_readwrite("timeout", &FastPath::timeout);
 }
 

@@ -6,7 +6,7 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib.errors import CollectiveMismatchError
+from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from harness import Checker, assert_equal, raises, torch
 
 comm = commlib.init()
@@ -169,6 +169,29 @@ def flight_record_numbers_both_paths_in_order():
             assert r["state"] == "done" and r["issued"] <= r["started"] <= r["finished"], r
     finally:
         c.free()
+
+
+def timeout_on_the_fast_path_ends_the_communicator():
+    if n == 1:
+        return
+    c = comm.dup()
+    c.timeout = 0.5
+    t = np.ones(7)
+    for _ in range(2):  # the second on the fast path
+        c.all_reduce(t)
+    try:
+        if rank == 0:  # its peers never join
+            taken = c._fast.taken
+            raises(CommTimeoutError, "collective #3 on rank 0 (all_reduce)",
+                   lambda: c.all_reduce(t))
+            assert c._fast.taken == taken
+            last, before = c.flight_record()[-2:][::-1]
+            assert (last["seq"], last["state"], last["op"]) == (3, "failed", "sum"), last
+            assert "CommTimeoutError" in last["error"] and before["state"] == "done"
+            # held for good: the general path refuses the next call
+            raises(CommError, "unusable after an earlier failure", lambda: c.all_reduce(t))
+    finally:
+        comm.mpi.Barrier()
 
 
 def disagreement_on_the_fast_path_fails_every_rank():
