@@ -41,9 +41,7 @@ class FastPath:
         self.comm = comm
         self.native = _C.FastPath(comm._executor.transport, _OP_CODES, comm.timeout, records,
                                   self._failed)
-        # call(collective code, a, b, op, root) -> True, or False: the general path's call.
-        # ``a`` is the output (or the only buffer), ``b`` the input; ``op`` reducing
-        # collectives' only, ``root`` rooted ones' only (None elsewhere)
+        # call(collective code, a, b, op, root) -> True, or False: the general path's call
         self.call = self.native.call
         self.entries: list[tuple] = []  # entry id -> (algorithm name, count) for the record
 

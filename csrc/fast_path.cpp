@@ -264,6 +264,38 @@ class FastPath {
   const Entry* last_ = nullptr;
 };
 
+namespace {
+
+// `FastPath.call` without pybind11's argument dispatch, which costs about as much as a
+// Python frame: a plain C function (vectorcall) whose self is (the FastPath's Python
+// object, which it keeps alive; a capsule of its pointer).
+PyObject* call_without_dispatch(PyObject* bound, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "call(collective, a, b, op, root) takes 5 arguments");
+    return nullptr;
+  }
+  auto* path = static_cast<FastPath*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(bound, 1), nullptr));
+  const long collective = PyLong_AsLong(args[0]);
+  if (collective == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    return PyBool_FromLong(path->call(int(collective), args[1], args[2], args[3], args[4]));
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef call_def = {
+    "call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call_without_dispatch)),
+    METH_FASTCALL,
+    "call(collective, a, b, op, root) -> True, or False: the general path's call. `a` is the "
+    "output (or the only buffer), `b` the input (or None); `op` reducing collectives' only, "
+    "`root` rooted ones' only (None elsewhere)."};
+
+}  // namespace
+
 void bind_fast_path(py::module_& m) {
   py::class_<FastPath>(m, "FastPath",
                        "Whole collectives on numpy arrays in one call (csrc/fast_path.cpp).")
@@ -272,8 +304,10 @@ void bind_fast_path(py::module_& m) {
            py::arg("on_failure"), py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("count"), py::arg("itemsize"),
            py::arg("root"), py::arg("plan"), py::arg("tmp_bytes"), py::arg("id"))
-      .def("call", &FastPath::call, py::arg("collective"), py::arg("a"), py::arg("b"),
-           py::arg("op"), py::arg("root"))
+      .def_property_readonly("call", [](py::object self) {
+        auto bound = py::make_tuple(self, py::capsule(self.cast<FastPath*>()));
+        return py::reinterpret_steal<py::object>(PyCFunction_New(&call_def, bound.ptr()));
+      })
       .def("next_seq", &FastPath::next_seq)
       .def("hold", &FastPath::hold, py::arg("delta"))
       .def("records", &FastPath::records)
