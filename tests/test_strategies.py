@@ -37,17 +37,16 @@ def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
     want = [r["loss"] for r in _train(1, tmp_path)[0]]
     assert want[-1] < want[0]
     # one launch per composition the trainer wires up (each schedule, and each pair on its
-    # own, is checked against the reference by the library tests: test_pipeline.py, ...)
-    for n, layout in [(2, ["--dp", "2"]), (2, ["--zero", "3"]),
+    # own, is checked against the reference by the library tests: test_pipeline.py, ...);
+    # plain dp is part of ZeRO's launch. Three dimensions at once need 8 ranks, which 2
+    # cores run too slowly for the suite: see the README for that launch.
+    for n, layout in [(2, ["--zero", "3"]),
                       (4, ["--dp", "2", "--pp", "2", "--zero", "2"]),
                       (4, ["--pp", "2", "--tp", "2", "--sp", "megatron"]),
                       (4, ["--dp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"]),
                       (4, ["--cp", "2", "--tp", "2", "--sp", "ulysses"]),
                       (4, ["--pp", "2", "--cp", "2", "--sp", "ring"]),
-                      (4, ["--dp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"]),
-                      # 8 ranks on 2 cores: slow, but the one way to see all three at once
-                      (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zb-h1",
-                           "--micro-batches", "4", "--zero", "2"])]:
+                      (4, ["--dp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"])]:
         got = [r["loss"] for r in _train(n, tmp_path, *layout)[0]]
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
     mixed = [r["loss"] for r in _train(2, tmp_path, "--zero", "2", "--bf16")[0]]
