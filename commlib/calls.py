@@ -149,6 +149,16 @@ class FlightRecorder:
         else:
             record[7], record[11] = "failed", f"{type(error).__name__}: {error}"
 
+    def detach(self) -> None:
+        """Keep the fast path's rows but not the fast path (it holds the transport's
+        memory): for a communicator being freed."""
+        if self.fast is not None:
+            rows = self.rows()
+            self.seq = self.fast.native.next_seq() - 1
+            self.fast = None
+            self.calls.clear()
+            self.calls.extend(rows)
+
     def rows(self) -> list[list]:
         """Both paths' calls, oldest first, at most as many as the recorder keeps."""
         rows = list(self.calls)

@@ -223,6 +223,7 @@ class Communicator:
         self._poller.close()
         if self._layout is not None:
             self._layout.free()
+        self._recorder.detach()
         self._executor = self._fast = None  # unmaps shared memory
         if self._agreement is not None:
             self._agreement.free()

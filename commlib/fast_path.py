@@ -19,6 +19,7 @@ Only on the shared-memory transport; ``COMMLIB_FAST_PATH=0`` turns it off.
 from __future__ import annotations
 
 import os
+import weakref
 
 from . import _C
 from .calls import NONE
@@ -39,8 +40,11 @@ def enabled(transport: str) -> bool:
 class FastPath:
     def __init__(self, comm, records: int):
         self.comm = comm
+        # (through a weak reference: the collector cannot see what C++ holds, so a bound
+        # method there would keep this object, and the transport, alive for good)
+        me = weakref.ref(self)
         self.native = _C.FastPath(comm._executor.transport, _OP_CODES, comm.timeout, records,
-                                  self._failed)
+                                  lambda *failure: me()._failed(*failure))
         # call(collective code, a, b, op, root) -> True, or False: the general path's call
         self.call = self.native.call
         self.entries: list[tuple] = []  # entry id -> (algorithm name, count) for the record

@@ -1,6 +1,8 @@
 """The fast path (commlib/fast_path.py): numpy calls after the first of their kind run in
 one C++ call; results, declines, mixed paths across ranks, errors and the flight record."""
+import gc
 import os
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -169,6 +171,20 @@ def flight_record_numbers_both_paths_in_order():
             assert r["state"] == "done" and r["issued"] <= r["started"] <= r["finished"], r
     finally:
         c.free()
+    assert c.flight_record() == rows  # kept by a freed communicator
+    assert c._recorder.fast is None  # which lets go of its transport
+
+
+def a_freed_communicator_lets_go_of_its_fast_path():
+    c = commlib.Communicator(MPI.COMM_WORLD)
+    t = np.ones(4, np.float32)
+    for _ in range(2):
+        c.all_reduce(t)
+    path = weakref.ref(c._fast)
+    c.free()
+    del c
+    gc.collect()
+    assert path() is None, "the fast path (and its shared memory) outlived its communicator"
 
 
 def timeout_on_the_fast_path_ends_the_communicator():
