@@ -26,6 +26,12 @@ reference. The ones that compose:
     dp x ep x cp        Ulysses or ring attention on cp; a routing group spans the cp ranks,
                         which all route it whole (the probabilities gathered over cp) and
                         dispatch their own tokens; ZeRO 0-3
+    dp x ep x tp x cp   both: experts split over tp take cp's sequence shards (the rest is
+                        the context-parallel GPT over tp); ZeRO 0-3
+    ... x pp            each of the expert layouts above cut into pipeline stages, the ep,
+                        tp and cp groups within a stage; any schedule, but experts split
+                        over tp apply their weights inside one function, so (as Megatron
+                        SP) not zb-h1, whose split backward needs modules' outputs
 """
 from __future__ import annotations
 
@@ -105,13 +111,10 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
                              f"a multiple of {ep}")
         if not 1 <= layout.topk <= layout.experts:
             raise ValueError(f"--topk {layout.topk}: choose 1 to --experts ({layout.experts})")
-        if tp > 1 and cp > 1:
-            raise ValueError(f"--experts: experts split over --tp {tp} do not take --cp {cp}'s "
-                             f"sequence shards; drop --tp {tp} or --cp {cp}")
-        for flag, value in (("--tp", tp), ("--cp", cp)):
-            if value > 1 and pp > 1:
-                raise ValueError(f"--experts: experts under {flag} {value} do not compose with "
-                                 f"pipeline stages; drop --pp {pp} or {flag} {value}")
+        if tp > 1 and pp > 1 and layout.schedule == "zb-h1":
+            raise ValueError(f"--schedule zb-h1 splits backward at modules' outputs, which "
+                             f"experts split over --tp {tp} do not have (each applies its "
+                             f"weights itself); choose gpipe, 1f1b or interleaved-1f1b")
     if pp > 1:
         if layout.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {layout.schedule!r}: choose one of "

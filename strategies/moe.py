@@ -54,10 +54,13 @@ probabilities are all-gathered over cp, so that every token is kept or dropped a
 reference (capacity and aux loss are the whole group's), and each rank dispatches only the
 assignments of its own tokens. The rest of the model is ``ContextParallelGPT``.
 
-With pipeline parallelism (a mesh of pp x dp x ep) the ep and dp groups are ranks of one
-stage: ``pipeline.PipelineStage`` cuts the expert-parallel GPT into stages, every stage's
-ranks all-to-all among themselves, and the reductions above run within each stage (ZeRO's
-dense group is the stage's dp x ep, ``Mesh.joint_group("dp", "ep")``).
+With both tp and cp (dp x ep x tp x cp) the layer does both: it routes as under cp and
+runs its experts split over tp; the rest of the model is ``ContextParallelGPT`` over tp.
+
+With pipeline parallelism (a mesh of pp x ...) the ep, dp, tp and cp groups are ranks of
+one stage: ``pipeline.PipelineStage`` cuts any of the GPTs above into stages, every
+stage's ranks all-to-all among themselves, and the reductions above run within each stage
+(ZeRO's dense group is the stage's dp x ep, ``Mesh.joint_group("dp", "ep")``).
 """
 from __future__ import annotations
 
@@ -246,7 +249,9 @@ class ExpertParallelMoE(MoE):
     (small) are all-gathered along time, every cp rank routes the whole groups as the
     single-process layer does (capacity, aux loss), and keeps the assignments of its own
     tokens, which alone it dispatches. Every parameter is then used on a shard: the model
-    sums their gradients over cp (``sequence_parallel.sum_gradients``)."""
+    sums their gradients over cp (``sequence_parallel.sum_gradients``). With ``tp`` as well
+    the layer routes as under cp, and runs its experts split over tp as above (without
+    ``sequence_parallel``: cp already shards the sequences)."""
 
     def __init__(self, moe: MoE, group: commlib.Communicator,
                  tp: commlib.Communicator | None = None, sequence_parallel: bool = False,
@@ -258,9 +263,9 @@ class ExpertParallelMoE(MoE):
         if sequence_parallel and tp is None:
             raise ValueError("expert parallel: sequence_parallel shards the sequences over "
                              "the tp group; pass tp")
-        if tp is not None and cp is not None:
-            raise ValueError("expert parallel: experts split over tp do not take cp's "
-                             "sequence shards; pass tp or cp, not both")
+        if sequence_parallel and cp is not None:
+            raise ValueError("expert parallel: sequence_parallel shards the sequences over "
+                             "tp, cp shards them over cp; pass one of them")
         for name in ("d_model", "num_experts", "topk", "capacity_factor", "group_rows"):
             setattr(self, name, getattr(moe, name))
         self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
@@ -279,21 +284,21 @@ class ExpertParallelMoE(MoE):
         self.aux_loss, self.dropped = None, 0
 
     def forward(self, x):
-        if self.cp is not None:
-            self._check_input(x)
-            probs = gather_along(self.probabilities(x), self.cp, 1)
-            return self._mix(x, self._own_tokens(self.assign(probs), x.shape[1]))
-        if self.tp is None:
-            return super().forward(x)
         self._check_input(x)
         tp = self.tp
-        if self.sequence_parallel:
+        if self.cp is not None:
+            probs = gather_along(self.probabilities(x), self.cp, 1)
+            routing = self._own_tokens(self.assign(probs), x.shape[1])
+        elif self.sequence_parallel:
             probs = gather_along(self.probabilities(x), tp, 1)
             x = gather_for_partial(x, tp, 1)
+            routing = self.assign(probs)
         else:
-            probs = self.probabilities(x)
+            routing = self.route(x)
+        if tp is None:
+            return self._mix(x, routing)
+        if not self.sequence_parallel:
             x = copy_to_group(x, tp)  # the experts' outputs are partial: so are x's gradients
-        routing = self.assign(probs)
         # the gates scale partial outputs: their gradients are partial too
         routing.gate = copy_to_group(routing.gate, tp)
         y = self._mix(x, routing)
@@ -429,12 +434,13 @@ class MegatronSequenceParallelMoEGPT(_MixtureOfExpertsLoss, MegatronSequencePara
 
 class ContextParallelMoEGPT(_MixtureOfExpertsLoss, ContextParallelGPT):
     """The context-parallel GPT (over the mesh's cp group, with Ulysses or ring
-    ``attention``) of a ``MoEGPT``, its MoE layers expert-parallel over ep and routing the
-    whole sequences' groups."""
+    ``attention``; on a mesh with tp, over tp as well) of a ``MoEGPT``, its MoE layers
+    expert-parallel over ep (split over tp) and routing the whole sequences' groups."""
 
     def __init__(self, model: MoEGPT, mesh: Mesh, attention: str):
-        super().__init__(model, mesh.group("cp"), attention)
-        self._hold_experts(model, mesh, cp=mesh.group("cp"))
+        tp = mesh.group("tp") if mesh.size("tp") > 1 else None
+        super().__init__(model, mesh.group("cp"), attention, tp)
+        self._hold_experts(model, mesh, cp=mesh.group("cp"), tp=tp)
         for layer in self.moe_layers():  # the layers the base class hooked are replaced
             sum_gradients(layer, mesh.group("cp"))
 
@@ -446,8 +452,9 @@ def expert_parallel_gpt(model: MoEGPT, mesh: Mesh, sp: str | None = None) -> nn.
     ``pipeline.PipelineStage``. On a mesh with tp: a ``TensorParallelMoEGPT`` (or with
     ``sp="megatron"`` a ``MegatronSequenceParallelMoEGPT``), which takes the same batch on
     the tp ranks of one ep rank; with cp (``sp="ulysses"`` or ``"ring"``): a
-    ``ContextParallelMoEGPT``, which takes each cp rank's sequence shards."""
-    tp, cp, pp = mesh.size("tp"), mesh.size("cp"), mesh.size("pp")
+    ``ContextParallelMoEGPT``, which takes each cp rank's sequence shards (with tp as well:
+    over tp, its experts split over tp)."""
+    tp, cp = mesh.size("tp"), mesh.size("cp")
     if sp not in (None, "megatron", "ulysses", "ring"):
         raise ValueError(f"expert parallel: sp={sp!r}; choose None, 'megatron', 'ulysses' "
                          f"or 'ring'")
@@ -456,13 +463,6 @@ def expert_parallel_gpt(model: MoEGPT, mesh: Mesh, sp: str | None = None) -> nn.
         raise ValueError(f"expert parallel: sp={sp!r} does not fit the mesh's tp={tp}, "
                          f"cp={cp}: 'megatron' shards the sequences over tp >= 2, 'ulysses' "
                          f"and 'ring' over cp >= 2 (which needs one of them)")
-    if tp > 1 and cp > 1:
-        raise ValueError(f"expert parallel: the mesh may not have both tp={tp} and cp={cp}; "
-                         f"build it with tp=1 or cp=1")
-    for dim, size in (("tp", tp), ("cp", cp)):
-        if size > 1 and pp > 1:
-            raise ValueError(f"expert parallel: experts under {dim}={size} do not compose with "
-                             f"pipeline stages (pp={pp}); build the mesh with pp=1 or {dim}=1")
     if cp > 1:
         return ContextParallelMoEGPT(model, mesh, sp)
     if tp > 1:

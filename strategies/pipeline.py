@@ -9,7 +9,8 @@ actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
         this stage's pieces, copied out of a reference GPT (or a tensor-parallel one, or one
         with Megatron sequence parallelism, whose stages then pass each other sequence
         shards, or a context-parallel one, whose stages take and pass each cp rank's
-        sequence shard, or a mixture-of-experts one, expert-parallel or not): piece 0 holds the
+        sequence shard, or a mixture-of-experts one, expert-parallel or not, under tp or cp
+        or both as well): piece 0 holds the
         embeddings, the last piece ln_f, the head and the loss, and each piece a contiguous
         run of blocks; nothing else is kept. Parameter names are the reference's.
     Pipeline(stage, schedule, microbatches, dp_group=None, gradients=None)
@@ -39,8 +40,9 @@ The split backward (zero-bubble's I and W): I asks autograd for the gradients of
 input and of the output of every module that holds parameters (keeping the graph); W then
 runs, for each such module, backward from its output's gradient to its own parameters only,
 which touches just that module's operations. Neither recomputes what the other did. (Megatron
-SP applies its weights inside fused gather-and-multiply functions, not as modules' outputs:
-its stages take the schedules without W.)
+SP applies its weights inside fused gather-and-multiply functions, and an expert split over
+tp applies its linears' weights itself, not as modules' outputs: their stages take the
+schedules without W.)
 """
 from __future__ import annotations
 
@@ -54,13 +56,12 @@ from torch import nn
 
 import commlib
 from strategies.model import GPT, cross_entropy
-from strategies.moe import MoE, MoEGPT
+from strategies.moe import MoE, MoEGPT, TensorParallelExpert
 from strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
                                            simulate)
 from strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
                                           context_parallel_cross_entropy, positions_of_shard,
-                                          shard_positions, sum_gradients,
-                                          sum_replicated_gradients)
+                                          rehook_gradient_sums, shard_positions)
 from strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
 
 _TAG_LIMIT = 32767  # commlib's largest tag
@@ -169,11 +170,14 @@ class PipelineStage(nn.Module):
                                           blocks[c * self.stages + self.stage], loss_fn,
                                           positions)
                                     for c in range(virtual))
-        # the copies lost the model's gradient hooks
-        if self.sequence_shards > 1:
-            sum_replicated_gradients(self.pieces, model.group)
-        if isinstance(model, ContextParallelGPT):
-            sum_gradients(self.pieces, model.group)
+        # the copies lost the model's gradient hooks (Megatron SP's, context parallelism's)
+        rehook_gradient_sums(self.pieces)
+        # zero-bubble's W runs backward from each module's output to its own parameters:
+        # not for weights applied inside fused functions or by their parents
+        split_experts = any(isinstance(m, TensorParallelExpert) for m in self.modules())
+        self.unsplittable = ("Megatron SP's fused layers" if self.sequence_shards > 1 else
+                             "experts split over tp (their weights applied by the expert)"
+                             if split_experts else None)
         # every stage's parameter names and (local) shapes, for gathered_state
         pieces_of = [[c * self.stages + s for c in range(virtual)] for s in range(self.stages)]
         self.layout = [[(name, p.shape) for i in mine
@@ -298,9 +302,9 @@ class Pipeline:
         self.measure, self.report = measure, None
         self._post_before = _posting_plan(self.actions)
         self.split = {(a.microbatch, a.chunk) for a in self.actions if a.kind == "W"}
-        if self.split and stage.sequence_shards > 1:
+        if self.split and stage.unsplittable:
             raise ValueError(f"pipeline: schedule {self.name!r} splits backward into I and W, "
-                             "which Megatron SP's fused layers do not support; use a schedule "
+                             f"which {stage.unsplittable} do not support; use a schedule "
                              "without W (gpipe, 1f1b, interleaved-1f1b)")
         # the last backward action of each chunk: its gradients are final after it
         self._final = {a.chunk: a for a in self.actions if a.kind in ("B", "W")}

@@ -82,7 +82,8 @@ def positions_of_shard(local_time: int, group, config) -> torch.Tensor:
 def sum_replicated_gradients(module: nn.Module, group: commlib.Communicator) -> None:
     """Hook every parameter of ``module`` that tensor parallelism does not split (held whole,
     used on a sequence shard under Megatron SP) to sum its gradient over ``group``. Hooks do
-    not survive copying a parameter: whoever copies such modules calls this on the copy."""
+    not survive copying a parameter: whoever copies such modules calls
+    ``rehook_gradient_sums`` on the copy."""
     for p in module.parameters():
         if getattr(p, "tp_split_dim", None) is None:
             _sum_gradient_over(p, group)
@@ -91,19 +92,36 @@ def sum_replicated_gradients(module: nn.Module, group: commlib.Communicator) -> 
 def sum_gradients(module: nn.Module, group: commlib.Communicator) -> None:
     """Hook every parameter of ``module`` (a context-parallel model's: all are used on
     sequence shards) to sum its gradient over ``group``. As for
-    ``sum_replicated_gradients``, whoever copies such modules calls this on the copy."""
+    ``sum_replicated_gradients``, whoever copies such modules calls ``rehook_gradient_sums``
+    on the copy."""
     for p in module.parameters():
         _sum_gradient_over(p, group)
 
 
+def rehook_gradient_sums(module: nn.Module) -> None:
+    """Hook every parameter of ``module``, a copy whose parameters were given the originals'
+    attributes, as its original was: ``summed_over`` names the groups (the hooks themselves
+    are not copied). A parameter is hooked once per group, however the model was built (under
+    Megatron SP a MoE layer's experts take whole sequences and are not hooked at all)."""
+    for p in module.parameters():
+        for group in getattr(p, "summed_over", ()):
+            _hook_sum(p, group)
+
+
 def _sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None:
-    """Make ``param``'s incoming gradient the sum over ``group`` (see the module docstring)."""
+    """Make ``param``'s incoming gradient the sum over ``group`` (see the module docstring),
+    and record it for copies (``rehook_gradient_sums``)."""
+    if group.size > 1:
+        param.summed_over = getattr(param, "summed_over", ()) + (group,)
+        _hook_sum(param, group)
+
+
+def _hook_sum(param: nn.Parameter, group: commlib.Communicator) -> None:
     def summed(grad):
         total = grad.contiguous().clone()
         group.all_reduce(total)
         return total
-    if group.size > 1:
-        param.register_hook(summed)
+    param.register_hook(summed)
 
 
 def context_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,

@@ -9,6 +9,8 @@
     mpiexec -n 4 python -m strategies.train --pp 2 --ep 2 --experts 4 --zero 3
     mpiexec -n 4 python -m strategies.train --tp 2 --ep 2 --experts 4 --sp megatron
     mpiexec -n 4 python -m strategies.train --cp 2 --ep 2 --experts 4 --sp ring
+    mpiexec -n 4 python -m strategies.train --pp 2 --tp 2 --experts 4 --sp megatron
+    mpiexec -n 4 python -m strategies.train --cp 2 --tp 2 --experts 4 --sp ulysses
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,

@@ -1,7 +1,8 @@
 """strategies/moe.py: routing, capacity, the aux loss and the MoE GPT in one process (hand-built
 cases), and the expert-parallel layer and GPT under mpiexec against the one-process model
-(tests/mpi/strategies_moe.py: EP 2, EP 4, EP x DP, EP x TP (with Megatron SP), EP x CP and
-PP x EP, with ZeRO 0-3, in one 4-rank launch)."""
+(tests/mpi/strategies_moe.py: EP 2, EP 4, EP x DP, EP x TP (with Megatron SP), EP x CP,
+TP x CP, PP x EP, PP x TP (with Megatron SP) and PP x CP, with ZeRO 0-3, in one 4-rank
+launch)."""
 import copy
 import math
 

@@ -4,13 +4,14 @@ routing, aux loss, gradients; at 4 ranks also EP 2 x TP 2, expert tensor paralle
 and without Megatron SP), and the MoE GPT trained at EP = n, at DP = n (EP 1) and, at 4
 ranks, at EP 2 (each half of the ranks on its own), EP x DP = 2 x 2 (also with ZeRO 1, 2
 and 3: dense parameters sharded over all 4 ranks, experts over dp), EP x TP = 2 x 2 (also
-with Megatron SP and ZeRO 3) and EP x CP = 2 x 2 (ring; Ulysses with ZeRO 2: routing groups
-spanning the cp ranks), against the single-process MoE GPT on the same global
+with Megatron SP and ZeRO 3), EP x CP = 2 x 2 (ring; Ulysses with ZeRO 2: routing groups
+spanning the cp ranks) and TP x CP = 2 x 2 (Ulysses; ep 1), against the single-process MoE GPT on the same global
 batch with the same routing groups: the same assignments dropped at every step, and losses
 and gathered parameters after 5 steps within 1e-4 relative (fp32), top-1 and top-2. At 4
 ranks also pipelines of MoE blocks: PP 2 x EP 2 (1f1b, zb-h1's split backward, ZeRO 3
-reducing during the schedule) and PP 2 x DP 2 (ZeRO 1), each microbatch a routing group,
-every stage's aux losses in the loss."""
+reducing during the schedule), PP 2 x DP 2 (ZeRO 1), PP 2 x TP 2 (1f1b; gpipe with
+Megatron SP) and PP 2 x CP 2 (ring, zb-h1), each microbatch a routing group, every stage's
+aux losses in the loss; zb-h1 refused for experts split over tp."""
 import torch
 
 import commlib
@@ -261,13 +262,21 @@ def ep_x_dp_with_zero_trains_like_one_process():
         _train_parallel(Mesh(world, dp=2, ep=2), zero=3, topks=(2,))
 
 
+def tp_x_cp_with_experts_trains_like_one_process():
+    """At 4 ranks: tp 2 x cp 2 (Ulysses over each tp rank's heads), the experts split over
+    tp and routing groups spanning the cp ranks (ep 1: every other path runs)."""
+    if n == 4:
+        _train_parallel(Mesh(world, tp=2, cp=2), topks=(2,), sp="ulysses")
+
+
 def _whole_pipeline_state(stage, mesh) -> dict:
     """Every parameter of the reference, by name, from a pipeline stage of an expert-parallel
-    GPT: experts gathered over ep, then the stages' parts summed over pp (each name is held
-    by one stage; the others add zeros)."""
+    GPT: experts gathered over ep (slices over tp), then the stages' parts summed over pp
+    (each name is held by one stage; the others add zeros)."""
+    tp = mesh.group("tp") if mesh.size("tp") > 1 else None
     mine = {}
     for piece in stage.pieces:
-        mine.update(gathered_state(piece, mesh.group("ep")))
+        mine.update(gathered_state(piece, mesh.group("ep"), tp=tp))
     shapes = {k: v.shape for k, v in REFERENCE[1][2].items()}
     flat = torch.cat([mine[k].reshape(-1) if k in mine else torch.zeros(s.numel())
                       for k, s in shapes.items()])
@@ -277,10 +286,11 @@ def _whole_pipeline_state(stage, mesh) -> dict:
                                  shapes.values()))))
 
 
-def _train_pipeline(mesh, topk, schedule, zero=0):
-    """Pipeline stages of the expert-parallel GPT on ``mesh`` (pp x dp x ep), each rank's data
-    shard in two microbatches (a routing group each); compare with the reference."""
-    stage = PipelineStage(expert_parallel_gpt(moe_model(topk), mesh), mesh.group("pp"))
+def _train_pipeline(mesh, topk, schedule, zero=0, sp=None):
+    """Pipeline stages of the expert-parallel GPT on ``mesh`` (pp x dp x ep, x tp or x cp
+    with ``sp``), each rank's data shard in microbatches of a routing group each; compare
+    with the reference."""
+    stage = PipelineStage(expert_parallel_gpt(moe_model(topk), mesh, sp), mesh.group("pp"))
     data_ranks = mesh.joint_group("dp", "ep")
     if zero:
         opt = ZeRO(stage, stage=zero, optimizer=_SGD, reduce_in_backward=False,
@@ -291,9 +301,13 @@ def _train_pipeline(mesh, topk, schedule, zero=0):
     microbatches = BATCH // (GROUP_ROWS * data_ranks.size)
     pipe = Pipeline(stage, schedule, microbatches, measure=False,
                     **({"gradients": opt} if zero >= 2 else {}))
+    def mine(t):  # this rank's rows, and under cp its shard of time
+        t = data_shard(t, mesh)
+        return sequence_shard(t, mesh.group("cp")) if mesh.size("cp") > 1 else t
+
     losses = []
     for x, y in batches():
-        loss = torch.tensor([pipe.step(data_shard(x, mesh), data_shard(y, mesh))])
+        loss = torch.tensor([pipe.step(mine(x), mine(y))])
         if not zero:
             reduce_gradients(stage, mesh)
         opt.step()
@@ -330,6 +344,22 @@ def pp_x_ep_trains_like_one_process():
         _train_pipeline(Mesh(world, pp=2, ep=2), topk=2, schedule="gpipe", zero=3)
 
 
+def pp_x_tp_with_experts_trains_like_one_process():
+    """At 4 ranks: pipeline stages of expert tensor parallelism (ep 1: the all-to-all is
+    trivial, every other path runs), plain and with Megatron SP (the stages pass sequence
+    shards; the experts, which take whole sequences, are not hooked to sum over tp)."""
+    if n == 4:
+        _train_pipeline(Mesh(world, pp=2, tp=2), topk=2, schedule="1f1b")
+        _train_pipeline(Mesh(world, pp=2, tp=2), topk=1, schedule="gpipe", sp="megatron")
+
+
+def pp_x_cp_with_experts_trains_like_one_process():
+    """At 4 ranks: pipeline stages of the context-parallel MoE GPT (ring attention), with
+    zb-h1's split backward: each stage passes its cp rank's sequence shard."""
+    if n == 4:
+        _train_pipeline(Mesh(world, pp=2, cp=2), topk=2, schedule="zb-h1", sp="ring")
+
+
 def pp_x_dp_with_experts_and_zero_trains_like_one_process():
     if n == 4:
         _train_pipeline(Mesh(world, pp=2, dp=2), topk=1, schedule="1f1b", zero=1)
@@ -353,8 +383,9 @@ def errors():
     mesh.free()
     if n == 4:
         mesh = Mesh(world, pp=2, tp=2)
-        raises(ValueError, "experts under tp=2 do not compose with pipeline stages",
-               lambda: expert_parallel_gpt(moe_model(1), mesh))
+        stage = PipelineStage(expert_parallel_gpt(moe_model(1), mesh), mesh.group("pp"))
+        raises(ValueError, "schedule 'zb-h1' splits backward into I and W, which experts "
+               "split over tp", lambda: Pipeline(stage, "zb-h1", 2))
         mesh.free()
     layer = ExpertParallelMoE(MoE(8, 8, 2 * n, 1, group_rows=2), world)
     raises(ValueError, "a batch of 3 rows does not split into routing groups of group_rows=2",
