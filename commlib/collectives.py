@@ -246,7 +246,8 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
     """
     comm = _comm(comm)
     if (comm._fast and output_splits is None and input_splits is None and algorithm is None
-            and not async_op and timeout is None and comm._fast.call(ALL_TO_ALL, output, input, None, None)):
+            and not async_op and timeout is None
+            and comm._fast.call(ALL_TO_ALL, output, input, None, None)):
         return output
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)

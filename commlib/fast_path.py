@@ -25,8 +25,8 @@ from . import _C
 from .calls import NONE
 from .ops import ReduceOp
 
-# what each op may be given as (None: the collective does not reduce)
-_OP_CODES = {None: _C.OPS["sum"], **{o.value: _C.OPS[o.value] for o in ReduceOp},
+# what a reducing collective's op may be given as (as ReduceOp.parse takes it)
+_OP_CODES = {**{o.value: _C.OPS[o.value] for o in ReduceOp},
              **{o: _C.OPS[o.value] for o in ReduceOp}}
 _OP_NAMES = {code: name for name, code in _C.OPS.items()}
 _COLLECTIVE_NAMES = {code: name for name, code in _C.COLLECTIVES.items()}

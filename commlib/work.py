@@ -225,13 +225,15 @@ class ProgressEngine(_Background):
         super().__init__(f"coll-{name}")
         self._queue: deque = deque()
         self._busy = False  # a task is running, on the engine thread or inline
-        self._tasks = 0  # queued or running
         self._on_busy = on_busy  # on_busy(1) when work arrives at an idle engine, (-1) at idle
 
-    def _count(self, delta: int) -> None:  # with the lock held
-        self._tasks += delta
-        if self._on_busy is not None and self._tasks == (delta > 0):
-            self._on_busy(delta)
+    def _idle(self) -> bool:  # with the lock held
+        return not self._busy and not self._queue
+
+    def _task_ended(self) -> None:  # with the lock held
+        self._busy = False
+        if self._on_busy is not None and self._idle():
+            self._on_busy(-1)
 
     def run(self, what: str, task, async_op: bool, result=None):
         """Run ``task()`` after everything issued before it; then return ``result`` (a Work
@@ -239,8 +241,9 @@ class ProgressEngine(_Background):
         with self._lock:
             if self._closed:
                 raise CommError(f"{what} issued on a freed communicator")
-            inline = not async_op and not self._busy and not self._queue
-            self._count(1)
+            inline = not async_op and self._idle()
+            if self._on_busy is not None and self._idle():
+                self._on_busy(1)
             if inline:
                 self._busy = True
             else:
@@ -255,8 +258,7 @@ class ProgressEngine(_Background):
                 return result
             finally:
                 with self._lock:
-                    self._busy = False
-                    self._count(-1)
+                    self._task_ended()
                     if self._queue:  # async work queued meanwhile: wake the engine thread
                         self._cv.notify_all()
         if async_op:
@@ -279,8 +281,7 @@ class ProgressEngine(_Background):
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 error = e
             with self._cv:
-                self._busy = False
-                self._count(-1)
+                self._task_ended()
                 self._cv.notify_all()
             work._finish(work.result, error)
 

@@ -20,8 +20,8 @@
 //   record  the flight recorder's row for a call run here, kept in a ring as big as the
 //           recorder (commlib/calls.py); calls are numbered by one counter for both paths.
 //   failure a call that fails here (timeout, disagreement, a dead peer) is handed to
-//           Python's `on_failure(collective, op, root, issued, kind, message)`, which records it
-//           as the general path would and returns the exception to raise.
+//           Python's `on_failure(collective, op, root, issued, kind, message)`, which
+//           records it as the general path would and returns the exception to raise.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -93,7 +93,8 @@ bool overlap(const Array& a, const Array& b) {
 
 class FastPath {
  public:
-  // `op_codes`: what callers pass as an op -> its code; `records`: the ring's size.
+  // `op_codes`: what callers may pass as a reducing collective's op -> its code;
+  // `records`: the ring's size.
   FastPath(shm::ShmComm& comm, py::dict op_codes, double timeout, size_t records,
            py::function on_failure)
       : timeout(timeout), comm_(comm), op_codes_(std::move(op_codes)),
@@ -116,14 +117,20 @@ class FastPath {
   // Runs the collective and returns True, or False: the general path's call. `a` is the
   // output (or the only buffer), `b` the input; `op` as the caller gave it (None where the
   // collective does not reduce), `root` too (None where it has none).
-  bool call(int collective, py::handle a, py::handle b, py::handle op_given, py::handle root_given) {
+  bool call(int collective, py::handle a, py::handle b, py::handle op_given,
+            py::handle root_given) {
     if (holds_.load(std::memory_order_acquire) != 0) return false;
-    PyObject* code = PyDict_GetItemWithError(op_codes_.ptr(), op_given.ptr());
-    if (code == nullptr) {  // (unhashable ops leave a TypeError: the general path's to raise)
-      PyErr_Clear();
-      return false;
+    const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
+                         collective == REDUCE_SCATTER;
+    int op = SUM;  // (what the others run with: they reduce nothing)
+    if (reduces) {
+      PyObject* code = PyDict_GetItemWithError(op_codes_.ptr(), op_given.ptr());
+      if (code == nullptr) {  // (an unhashable op leaves a TypeError: the general path's)
+        PyErr_Clear();
+        return false;
+      }
+      op = int(PyLong_AsLong(code));
     }
-    const int op = int(PyLong_AsLong(code));
     int64_t root = kNone;
     if (!root_given.is_none()) {
       if (!PyLong_CheckExact(root_given.ptr())) return false;  // (bool is not a root)
@@ -168,8 +175,6 @@ class FastPath {
       last_key_ = key, last_ = found->second.get();  // entries are never removed
     }
     const Entry* entry = last_;
-    const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
-                         collective == REDUCE_SCATTER;
     const double issued = now();
     const char* failed = nullptr;  // the kind of error, named as in commlib/errors.py
     std::string why;
@@ -184,7 +189,8 @@ class FastPath {
       failed = "CommError", why = e.what();
     }
     if (failed) {
-      py::object error = on_failure_(collective, reduces ? op : kNone, root, issued, failed, why);
+      py::object error =
+          on_failure_(collective, reduces ? op : kNone, root, issued, failed, why);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
       throw py::error_already_set();
     }

@@ -124,6 +124,7 @@ def declined_calls_raise_the_general_paths_errors():
     raises(ValueError, "read-only", lambda: comm.all_reduce(frozen))
     raises(ValueError, "not contiguous", lambda: comm.all_reduce(np.ones(16, np.float32)[::2]))
     raises(ValueError, "outside the communicator", lambda: comm.broadcast(t, root=n))
+    raises(ValueError, "unknown reduce op None", lambda: comm.all_reduce(t, op=None))
     raises(ValueError, "needs a floating dtype", lambda: comm.all_reduce(np.ones(8, np.int32),
                                                                          op="avg"))
     raises(ValueError, "expected size * input.numel",
