@@ -63,10 +63,6 @@ class FastPath:
                     s != count // comm.size for k in ("input_splits", "output_splits")
                     for s in params[k]):
                 return
-            if plan is None and name == "direct":
-                from .algorithms.direct import all_to_all_fallback
-                plan = all_to_all_fallback(comm, count, itemsize, tuple(params.items()))
-                name = "direct" if plan is None else "pairwise"
         if plan is None and name != "direct":
             return  # other runners (MPI's own, hier) stay on the general path
         steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if plan is not None else ([], 0)

@@ -175,8 +175,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("recv_lengths"), nogil())
       .def("agree", &ShmComm::agree, py::arg("fields"), py::arg("send"), py::arg("recv"),
            py::arg("itemsize"), nogil())
-      .def("probe_cma", &ShmComm::probe_cma, nogil())
-      .def_property("cma", &ShmComm::cma, &ShmComm::set_cma)
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
                     "seconds a call may wait for its peers before CommTimeoutError (0: none)");

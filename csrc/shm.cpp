@@ -8,7 +8,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -94,16 +93,9 @@ char* ShmComm::staging(int owner, uint64_t piece) const {
   return peers_[owner].base + channel_offset(size_) + (piece % 2) * (config_.staging_bytes / 2);
 }
 
-Directory* ShmComm::directory(int owner) const {
-  return reinterpret_cast<Directory*>(staging(owner, 0) + config_.staging_bytes);
-}
-
-int64_t* ShmComm::directory_offsets(int owner) const {
-  return reinterpret_cast<int64_t*>(directory(owner) + 1);
-}
-
 int64_t* ShmComm::splits(int owner, uint64_t call) const {
-  return directory_offsets(owner) + 2 * size_ + (call % 2) * 2 * size_;
+  return reinterpret_cast<int64_t*>(staging(owner, 0) + config_.staging_bytes) +
+         (call % 2) * 2 * size_;
 }
 
 ShmComm::ShmComm(int rank, int size, const Config& config)
@@ -114,8 +106,7 @@ ShmComm::ShmComm(int rank, int size, const Config& config)
     throw std::invalid_argument(
         "shared-memory config: slot_bytes must be a multiple of 64, slots >= 1, staging_bytes "
         "a multiple of 128 and at least 128 per rank");
-  bytes_ = channel_offset(size) + config.staging_bytes + sizeof(Directory) +
-           (2 + 4) * size * sizeof(int64_t);  // directory offsets, lengths; splits
+  bytes_ = channel_offset(size) + config.staging_bytes + 4 * size * sizeof(int64_t);  // splits
   name_ = unique_name(rank);
   int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error(errno_text("shm_open " + name_));
@@ -137,7 +128,6 @@ ShmComm::ShmComm(int rank, int size, const Config& config)
   peers_[rank].base = static_cast<char*>(base);
   me_ = reinterpret_cast<Control*>(base);
   me_->pid = getpid();
-  me_->self_address = reinterpret_cast<uint64_t>(base);
 }
 
 ShmComm::~ShmComm() {
@@ -170,44 +160,6 @@ void ShmComm::attach(const std::vector<std::string>& names) {
     p.published = reinterpret_cast<Published*>(p.base + kPublishedAt);
     p.reason = reinterpret_cast<Reason*>(p.base + kReasonAt);
     p.pid = p.control->pid;
-  }
-}
-
-bool ShmComm::probe_cma() const {
-  for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
-    uint64_t seen = 0;
-    iovec local{&seen, sizeof(seen)};
-    iovec remote{reinterpret_cast<void*>(peers_[r].control->self_address + offsetof(Control,
-                                                                                    self_address)),
-                 sizeof(seen)};
-    if (process_vm_readv(peers_[r].pid, &local, 1, &remote, 1, 0) != ssize_t(sizeof(seen)) ||
-        seen != peers_[r].control->self_address)
-      return false;
-  }
-  return true;
-}
-
-void ShmComm::read_peer(int peer, char* dst, uint64_t remote, uint64_t nbytes) const {
-  while (nbytes > 0) {
-    iovec local{dst, nbytes};
-    iovec far{reinterpret_cast<void*>(remote), nbytes};
-    ssize_t got = process_vm_readv(peers_[peer].pid, &local, 1, &far, 1, 0);
-    if (got <= 0)
-      throw PeerError(errno_text("reading rank " + std::to_string(peer) + "'s buffer"));
-    dst += got;
-    remote += got;
-    nbytes -= got;
-  }
-}
-
-void ShmComm::publish(const char* base, const std::vector<int64_t>& offsets,
-                      const std::vector<int64_t>& lengths) {
-  directory(rank_)->address = reinterpret_cast<uint64_t>(base);
-  int64_t* table = directory_offsets(rank_);
-  for (int r = 0; r < size_; ++r) {
-    table[r] = offsets[r];
-    table[size_ + r] = lengths[r];
   }
 }
 

@@ -16,17 +16,13 @@
 //              their input for the peers to read in place.
 //   piece      the part of a direct collective that fits in one staging half; pieces
 //              alternate halves so staging piece g+1 overlaps peers reading piece g.
-//   directory  where a rank publishes the address of its user buffer and, per peer, the
-//              (offset, length) there that the peer should read: the single-copy
-//              all_to_all reads it with process_vm_readv (cross-memory attach, "CMA"),
-//              no staging copy. Used when every rank can read every other (probed at
-//              set-up; ptrace policy can forbid it).
 //   descriptor what every rank must agree on about a call (agreement.h), published per
 //              call with its 64-bit hash, the signature. Ranks that meet with different
 //              signatures poison the communicator and raise CollectiveMismatchError naming
 //              what differs, instead of exchanging wrong data or hanging.
 //   splits     all_to_all's bytes to and from each peer, published so that every rank
-//              checks the whole matrix and all raise alike when it does not add up.
+//              checks the whole matrix (and all raise alike when it does not add up) and
+//              knows how many pieces the longest part takes.
 //   poison     a failed rank's verdict (kind + reason text) in its segment: peers that see
 //              it raise the same error, so one failure ends the call on every rank.
 //   timeout    every wait is bounded: past the deadline a rank poisons the communicator and
@@ -56,7 +52,6 @@ struct alignas(kLine) Control {
   std::atomic<uint64_t> released;  // staging pieces this rank has finished reading
   std::atomic<uint32_t> poisoned;  // a Poison kind, 0 while healthy
   int32_t pid;
-  uint64_t self_address;  // where the owner mapped its own segment (for the CMA probe)
 };
 
 enum Poison : uint32_t { HEALTHY = 0, FAILED, MISMATCHED, TIMED_OUT };
@@ -67,10 +62,6 @@ struct alignas(kLine) Published {  // descriptor of call k in call[k % 2], like 
 
 struct alignas(kLine) Reason {  // why this rank poisoned the communicator
   char text[4 * kLine];
-};
-
-struct alignas(kLine) Directory {  // followed by offset[n], length[n] (bytes)
-  uint64_t address;
 };
 
 struct alignas(kLine) Doorbell {
@@ -130,8 +121,7 @@ class ShmComm {
   void reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op);
   void all_gather(uintptr_t out, uintptr_t in, int64_t count, int dtype);
   void broadcast(uintptr_t buf, int64_t count, int dtype, int root);
-  // all_to_all with byte offsets/lengths per peer into in (send) and out (receive);
-  // single-copy only (cma() must be true).
+  // all_to_all with byte offsets/lengths per peer into in (send) and out (receive).
   void all_to_all(uintptr_t out, uintptr_t in, int dtype,
                   const std::vector<int64_t>& send_offsets,
                   const std::vector<int64_t>& send_lengths,
@@ -148,14 +138,9 @@ class ShmComm {
   double timeout() const { return timeout_; }
   void set_timeout(double seconds);
 
-  // Single copy: probe whether this rank can read every peer's memory; every rank must
-  // then set_cma() to the verdict of all (an all-reduce over the probes).
-  bool probe_cma() const;
-  void set_cma(bool on) { cma_ = on; }
   // Bytes of this rank's data handed to peers so far: pushed into their channels, or
   // staged (published) and read by them, once per reader.
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
-  bool cma() const { return cma_; }
 
   // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
   static constexpr int64_t kSmallBytes = 4096;
@@ -187,11 +172,6 @@ class ShmComm {
   ChannelTail* tail(int owner, int to) const;
   SlotHeader* slot(int owner, int to, uint64_t k) const;
   char* staging(int owner, uint64_t piece) const;
-  Directory* directory(int owner) const;
-  int64_t* directory_offsets(int owner) const;  // then lengths at [size_]
-  void read_peer(int peer, char* dst, uint64_t remote, uint64_t nbytes) const;
-  void publish(const char* base, const std::vector<int64_t>& offsets,
-               const std::vector<int64_t>& lengths);
 
   // calls and waiting
   void begin(const Desc& desc);
@@ -283,7 +263,6 @@ class ShmComm {
   std::vector<char> tmp_;             // "tmp" buffer of schedules
   std::mutex mutex_;                  // one collective at a time
   bool owner_linked_ = false;
-  bool cma_ = false;
   Poison failure_kind_ = HEALTHY;
   std::string failure_;
 };

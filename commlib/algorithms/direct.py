@@ -1,13 +1,11 @@
 """direct: host-only collectives that read the peers' published data in place
 (csrc/shm_direct.cpp). Every rank copies its input into shared memory once and reads what
 it needs straight from the others: no chain of n-1 steps, one barrier or two per piece.
-all_to_all reads the peers' buffers themselves (single copy) where the host allows it, and
-falls back to the pairwise schedule where not.
 """
 from itertools import accumulate
 
 from .. import _C
-from . import get, register
+from . import register
 
 
 def all_reduce(comm, bufs, dtype, op):
@@ -35,25 +33,10 @@ def broadcast(comm, bufs, dtype, op, root=0):
     comm._executor.transport.broadcast(b.ptr, b.numel, dtype.code, root)
 
 
-def all_to_all_fallback(comm, count: int, itemsize: int, params: tuple):
-    """The pairwise plan that all_to_all runs where the host forbids single copy; None
-    where it allows it."""
-    executor = comm._executor
-    if executor.transport.cma:
-        return None
-    return executor.plan(get("all_to_all", "pairwise"), comm.size, comm.rank, count,
-                         itemsize, params)
-
-
 def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
-    executor, size = comm._executor, dtype.itemsize
-    plan = all_to_all_fallback(comm, bufs["in"].numel, size, (
-        ("input_splits", input_splits), ("output_splits", output_splits)))
-    if plan is not None:
-        executor.run(plan, bufs, dtype.code, _C.OPS["sum"])
-        return
+    size = dtype.itemsize
     offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
-    executor.transport.all_to_all(bufs["out"].ptr, bufs["in"].ptr, dtype.code,
+    comm._executor.transport.all_to_all(bufs["out"].ptr, bufs["in"].ptr, dtype.code,
                                   offsets(input_splits),
                                   [s * size for s in input_splits], offsets(output_splits),
                                   [s * size for s in output_splits])

@@ -130,9 +130,6 @@ class ShmExecutor:
         if failed:
             raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
                             "set COMMLIB_TRANSPORT=mpi to run without it")
-        # single copy only if every rank can read every other (ptrace policy may forbid it)
-        wanted = os.environ.get("COMMLIB_SHM_CMA", "1") != "0"
-        transport.cma = all(group.allgather(wanted and transport.probe_cma()))
         self.transport = transport
         self.timeout = transport.timeout
 
