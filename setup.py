@@ -1,7 +1,15 @@
-# Builds the single native extension commlib._C. Metadata lives in pyproject.toml.
-# No fallback: if the extension fails to compile, the install fails.
+# Builds the native extension commlib._C and, where nvcc is found, commlib._cuda (the GPU
+# kernels). Metadata lives in pyproject.toml. No fallback: if an extension fails to
+# compile, the install fails. Without nvcc (or with COMMLIB_CUDA=0) there is no _cuda, and
+# the GPU path compiles the same kernels at run time through CuPy (commlib/cuda/runtime.py).
+import os
+import shutil
+import subprocess
+import sysconfig
 from glob import glob
+from pathlib import Path
 
+import pybind11
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
@@ -12,7 +20,7 @@ from setuptools import setup
 # values are unchanged, we never read the FP exception flags.
 CXX_FLAGS = ["-O3", "-fno-trapping-math"]
 
-ext = Pybind11Extension(
+extensions = [Pybind11Extension(
     "commlib._C",
     sorted(glob("csrc/*.cpp")),
     depends=sorted(glob("csrc/*.h")),
@@ -20,6 +28,57 @@ ext = Pybind11Extension(
     extra_compile_args=CXX_FLAGS,
     # Recorded for _C.build_info(); passed to gcc without a shell, so the quotes survive.
     define_macros=[("COMMLIB_CXX_FLAGS", '"%s"' % " ".join(["-std=c++17", *CXX_FLAGS]))],
-)
+)]
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+
+def find_cuda() -> tuple[str, Path] | tuple[None, None]:
+    """nvcc, and the toolkit whose static runtime _cuda links (nvcc may be a wrapper)."""
+    if os.environ.get("COMMLIB_CUDA") == "0":
+        return None, None
+    homes = [Path(h) for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if h]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        homes.append(Path(nvcc).resolve().parent.parent)
+    homes.append(Path("/usr/local/cuda"))
+    for home in homes:
+        if (home / "lib64" / "libcudart_static.a").exists():
+            return nvcc or str(home / "bin" / "nvcc"), home
+    return None, None
+
+
+NVCC, CUDA_HOME = find_cuda()
+# Machine code for Ampere and Hopper, and PTX of the newest for the driver to compile on
+# later GPUs. COMMLIB_CUDA_ARCHS="80;90" style lists override it.
+ARCHS = [a.strip() for a in os.environ.get("COMMLIB_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+NVCC_FLAGS = ["-O3", "-std=c++17",
+              *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
+              f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
+CUDA_SOURCES = ["csrc/cuda/launch.cu", "commlib/cuda/kernels.cu"]
+
+if NVCC:
+    extensions.append(Pybind11Extension(
+        "commlib._cuda", [], depends=CUDA_SOURCES, cxx_std=17,
+        library_dirs=[str(CUDA_HOME / "lib64")],
+        # the static runtime: the module imports where no CUDA toolkit is installed
+        libraries=["cudart_static", "dl", "rt", "pthread"]))
+
+
+class BuildExt(build_ext):
+    """build_ext that first compiles _cuda's source with nvcc into an object to link."""
+
+    def build_extension(self, ext):
+        if ext.name == "commlib._cuda":
+            obj = Path(self.build_temp) / "launch.o"
+            if not obj.exists() or obj.stat().st_mtime < max(
+                    Path(s).stat().st_mtime for s in CUDA_SOURCES):
+                obj.parent.mkdir(parents=True, exist_ok=True)
+                flags = " ".join(NVCC_FLAGS)
+                subprocess.check_call([
+                    NVCC, "-c", CUDA_SOURCES[0], "-o", str(obj), "-Xcompiler", "-fPIC",
+                    f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                    f'-DCOMMLIB_NVCC_FLAGS="{flags}"', *NVCC_FLAGS])
+            ext.extra_objects = [str(obj)]
+        super().build_extension(ext)
+
+
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

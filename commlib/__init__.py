@@ -20,5 +20,6 @@ __all__ = ["CollectiveMismatchError", "Communicator", "CommError", "CommTimeoutE
 
 
 def build_info() -> dict:
-    """What the C++ extension was compiled with."""
-    return _C.build_info()
+    """What the C++ extension was compiled with, and what the GPU path has (cuda.build_info)."""
+    from . import cuda
+    return {**_C.build_info(), **cuda.build_info()}

@@ -199,7 +199,6 @@ PYBIND11_MODULE(_C, m) {
     d["compiler"] = info.compiler;
     d["cxx_flags"] = info.cxx_flags;
     d["simd"] = info.simd;
-    d["cuda"] = false;
     return d;
   });
 }

@@ -233,7 +233,7 @@ def test_copy_overlapping():
 
 def test_build_info():
     info = _C.build_info()
-    assert info["cuda"] is False and info["compiler"] and "-O3" in info["cxx_flags"]
+    assert info["compiler"] and "-O3" in info["cxx_flags"]
     if os.environ.get("COMMLIB_SIMD") == "baseline":
         assert info["simd"] == "baseline"
     else:

@@ -1,0 +1,177 @@
+"""The GPU path's kernels (kernels.cu) on torch CUDA tensors and CuPy arrays.
+
+They come from commlib._cuda where commlib was built with nvcc, else from the same source
+compiled at run time by NVRTC through CuPy (runtime.py). Each call is enqueued on the
+current stream of the array's framework on the array's device and returns at once, as
+NCCL's calls do; synchronise that stream before reading the result on the host.
+"""
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+# dtype codes as _C.DTYPES (csrc/kernels.h)
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+ITEMSIZES = (2, 2, 4, 8, 1, 1, 4, 8)
+FLOATING = DTYPES[:4]
+OPS = ("sum", "prod", "min", "max", "avg")  # codes as _C.OPS
+_TYPESTRS = {"f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "u1": "uint8",
+             "i4": "int32", "i8": "int64"}
+
+
+class CudaUnavailable(RuntimeError):
+    """No CUDA kernels here: commlib was built without nvcc and CuPy is not installed."""
+
+
+def source() -> str:
+    """The kernels' CUDA C++ source, as both compilers see it."""
+    return (Path(__file__).parent / "kernels.cu").read_text()
+
+
+@lru_cache(maxsize=None)
+def kernels():
+    """The kernel launcher: commlib._cuda, or runtime.NvrtcKernels."""
+    try:
+        from .. import _cuda
+        return _cuda
+    except ImportError:
+        pass
+    try:
+        from .runtime import NvrtcKernels
+    except ImportError as e:
+        raise CudaUnavailable(
+            "no CUDA kernels: commlib was built without nvcc and CuPy is not installed; "
+            "reinstall commlib with nvcc on PATH (or CUDA_HOME set), or pip install "
+            "cupy-cuda13x to compile them at run time") from e
+    return NvrtcKernels()
+
+
+def build_info() -> dict:
+    """What the GPU path has: kernels compiled at build time (CUDA version, nvcc flags),
+    or compiled at run time through CuPy, or none."""
+    try:
+        from .. import _cuda
+        return {"cuda": True, "compiled_by": "nvcc", **_cuda.BUILD_INFO}
+    except ImportError:
+        pass
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return {"cuda": False, "compiled_by": None}
+    return {"cuda": True, "compiled_by": "nvrtc (cupy, at first use)"}
+
+
+def device_count() -> int:
+    """CUDA devices this process sees; 0 without a driver, a device or any kernels."""
+    try:
+        return kernels().device_count()
+    except CudaUnavailable:
+        return 0
+
+
+class DeviceArray(NamedTuple):
+    ptr: int
+    count: int
+    dtype: str
+    device: int
+    stream: int  # the framework's current stream on that device
+
+    @property
+    def code(self) -> int:
+        return DTYPES.index(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * ITEMSIZES[self.code]
+
+
+def device_array(x, what: str = "array") -> DeviceArray:
+    """A contiguous torch CUDA tensor, or an object with __cuda_array_interface__ (CuPy)."""
+    module = type(x).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+        if not x.is_cuda:
+            raise TypeError(f"{what}: a CPU tensor where a CUDA tensor is needed; move it with "
+                            ".cuda() or use the CPU collectives")
+        if not x.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous; call .contiguous() first")
+        dtype = str(x.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise TypeError(f"{what}: unsupported dtype {x.dtype}; supported: {', '.join(DTYPES)}")
+        return DeviceArray(x.data_ptr(), x.numel(), dtype, x.device.index,
+                           torch.cuda.current_stream(x.device).cuda_stream)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise TypeError(f"{what}: {type(x).__name__} is not a CUDA array (a torch CUDA tensor "
+                        "or an object with __cuda_array_interface__, such as a CuPy array)")
+    dtype = _TYPESTRS.get(cai["typestr"][1:])
+    if dtype is None:
+        raise TypeError(f"{what}: unsupported typestr {cai['typestr']!r}")
+    count = 1
+    for n in cai["shape"]:
+        count *= n
+    itemsize = int(cai["typestr"][2:])
+    strides = cai.get("strides")
+    if strides is not None and count > 1:
+        expected, contiguous = itemsize, True
+        for n, s in reversed(list(zip(cai["shape"], strides))):
+            contiguous &= n == 1 or s == expected
+            expected *= n
+        if not contiguous:
+            raise ValueError(f"{what}: array is not C-contiguous; copy it first")
+    if module == "cupy":
+        import cupy
+        device, stream = x.device.id, cupy.cuda.get_current_stream(x.device.id).ptr
+    else:  # no framework to ask: the device that owns the pointer, the legacy default stream
+        device, stream = _device_of(cai["data"][0]), 0
+    return DeviceArray(cai["data"][0], count, dtype, device, stream)
+
+
+def _device_of(ptr: int) -> int:
+    import cupy
+    return cupy.cuda.runtime.pointerGetAttributes(ptr).device
+
+
+def _same_device(*arrays: DeviceArray) -> None:
+    devices = {a.device for a in arrays}
+    if len(devices) > 1:
+        raise ValueError(f"arrays on different devices {sorted(devices)}; put them on one")
+
+
+def reduce(dst, a, b, op: str = "sum") -> None:
+    """dst = a op b elementwise (avg reduces as sum: scale() divides). dst may be a or b."""
+    d, x, y = device_array(dst, "dst"), device_array(a, "a"), device_array(b, "b")
+    if op not in OPS:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(OPS)}")
+    if not d.count == x.count == y.count or not d.dtype == x.dtype == y.dtype:
+        raise ValueError(f"reduce: dst, a, b must match, got {d.count} {d.dtype}, "
+                         f"{x.count} {x.dtype}, {y.count} {y.dtype}")
+    _same_device(d, x, y)
+    kernels().reduce(d.ptr, x.ptr, y.ptr, d.count, d.code, OPS.index(op), d.device, d.stream)
+
+
+def scale(x, factor: float) -> None:
+    """x *= factor, in x's precision (float dtypes)."""
+    a = device_array(x, "x")
+    if a.dtype not in FLOATING:
+        raise TypeError(f"scale: {a.dtype} is not a floating dtype")
+    kernels().scale(a.ptr, float(factor), a.count, a.code, a.device, a.stream)
+
+
+def cast(dst, src) -> None:
+    """dst = src converted (float16, bfloat16, float32, float64; nearest even)."""
+    d, s = device_array(dst, "dst"), device_array(src, "src")
+    if d.dtype not in FLOATING or s.dtype not in FLOATING:
+        raise TypeError(f"cast: floating dtypes only, got {s.dtype} -> {d.dtype}")
+    if d.count != s.count:
+        raise ValueError(f"cast: {s.count} elements into {d.count}")
+    _same_device(d, s)
+    kernels().cast(d.ptr, s.ptr, d.count, s.code, d.code, d.device, d.stream)
+
+
+def copy(dst, src) -> None:
+    """dst = src, byte for byte (same size, any dtypes)."""
+    d, s = device_array(dst, "dst"), device_array(src, "src")
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"copy: dst has {d.nbytes} bytes, src {s.nbytes}")
+    _same_device(d, s)
+    kernels().copy(d.ptr, s.ptr, d.nbytes, d.device, d.stream)

@@ -1,0 +1,191 @@
+// Device kernels of commlib's GPU path: elementwise reduce, scale, copy and cast.
+//
+// One source, two compilers: nvcc builds it into commlib._cuda (csrc/cuda/launch.cu
+// includes it), and where commlib was built without CUDA, commlib/cuda/runtime.py compiles
+// it at run time with NVRTC through CuPy. So it includes no header: NVRTC has no host
+// standard library.
+//
+// Vocabulary (as in csrc/kernels.h):
+//   dtype    element type; the kernel names spell it (f16 bf16 f32 f64 i8 u8 i32 i64).
+//   op       sum, prod, min, max (avg reduces as sum, then the caller scales).
+//   storage  f16/bf16 are raw 16-bit patterns; the arithmetic runs in float for them
+//            (convert, apply, round to nearest-even), in the type itself otherwise.
+//            Integer sum/prod go through unsigned arithmetic, so overflow wraps as on the
+//            CPU; min/max propagate NaN like np.minimum/np.maximum.
+//   vector   16 bytes: a thread loads, combines and stores one vector per step. Elements
+//            past the last whole vector, or all of them where a pointer is not 16-byte
+//            aligned, go one at a time.
+// Kernels are extern "C", named commlib_<kernel>_<dtype>[_<op or dtype>], so that NVRTC's
+// module finds them by name.
+
+namespace commlib_cuda {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float f16_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short float_to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ unsigned short float_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)(((u | 0x400000u) >> 16));  // quiet NaN
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // nearest even
+}
+
+// Elem<T>: C the type arithmetic runs in, W the type sums and products wrap in.
+template <class T> struct Elem {
+  typedef T C;
+  typedef T W;
+  __device__ static C load(T x) { return x; }
+  __device__ static T store(C x) { return x; }
+};
+template <> struct Elem<f16> {
+  typedef float C;
+  typedef float W;
+  __device__ static float load(f16 x) { return f16_to_float(x.bits); }
+  __device__ static f16 store(float x) { f16 r; r.bits = float_to_f16(x); return r; }
+};
+template <> struct Elem<bf16> {
+  typedef float C;
+  typedef float W;
+  __device__ static float load(bf16 x) { return __uint_as_float((unsigned)x.bits << 16); }
+  __device__ static bf16 store(float x) { bf16 r; r.bits = float_to_bf16(x); return r; }
+};
+#define COMMLIB_WRAPPING(T, U)                       \
+  template <> struct Elem<T> {                       \
+    typedef T C;                                     \
+    typedef U W;                                     \
+    __device__ static C load(T x) { return x; }      \
+    __device__ static T store(C x) { return x; }     \
+  };
+COMMLIB_WRAPPING(signed char, unsigned)
+COMMLIB_WRAPPING(unsigned char, unsigned)
+COMMLIB_WRAPPING(int, unsigned)
+COMMLIB_WRAPPING(i64, u64)
+#undef COMMLIB_WRAPPING
+
+struct Sum {
+  template <class E> __device__ static typename E::C apply(typename E::C a, typename E::C b) {
+    return typename E::C(typename E::W(a) + typename E::W(b));
+  }
+};
+struct Prod {
+  template <class E> __device__ static typename E::C apply(typename E::C a, typename E::C b) {
+    return typename E::C(typename E::W(a) * typename E::W(b));
+  }
+};
+struct Min {
+  template <class E> __device__ static typename E::C apply(typename E::C a, typename E::C b) {
+    return (a < b || a != a) ? a : b;
+  }
+};
+struct Max {
+  template <class E> __device__ static typename E::C apply(typename E::C a, typename E::C b) {
+    return (a > b || a != a) ? a : b;
+  }
+};
+
+struct alignas(16) Vector { unsigned w[4]; };
+
+__device__ __forceinline__ bool aligned(const void* p) { return ((u64)p & 15) == 0; }
+__device__ __forceinline__ i64 first_index() { return blockIdx.x * (i64)blockDim.x + threadIdx.x; }
+__device__ __forceinline__ i64 stride() { return (i64)gridDim.x * blockDim.x; }
+
+// dst[i] = a[i] op b[i]; dst may be a or b.
+template <class T, class Op>
+__device__ void reduce(T* dst, const T* a, const T* b, i64 n) {
+  typedef Elem<T> E;
+  const int per = sizeof(Vector) / sizeof(T);
+  const i64 vectors = aligned(dst) && aligned(a) && aligned(b) ? n / per : 0;
+  for (i64 v = first_index(); v < vectors; v += stride()) {
+    Vector x = reinterpret_cast<const Vector*>(a)[v], y = reinterpret_cast<const Vector*>(b)[v], z;
+    const T* xs = reinterpret_cast<const T*>(&x);
+    const T* ys = reinterpret_cast<const T*>(&y);
+    T* zs = reinterpret_cast<T*>(&z);
+#pragma unroll
+    for (int i = 0; i < per; ++i) zs[i] = E::store(Op::template apply<E>(E::load(xs[i]), E::load(ys[i])));
+    reinterpret_cast<Vector*>(dst)[v] = z;
+  }
+  for (i64 i = vectors * per + first_index(); i < n; i += stride())
+    dst[i] = E::store(Op::template apply<E>(E::load(a[i]), E::load(b[i])));
+}
+
+// x[i] *= factor (avg: the sum divided by the number of ranks).
+template <class T>
+__device__ void scale(T* x, double factor, i64 n) {
+  typedef Elem<T> E;
+  const typename E::C f = typename E::C(factor);
+  for (i64 i = first_index(); i < n; i += stride()) x[i] = E::store(E::load(x[i]) * f);
+}
+
+template <class S, class D>
+__device__ void cast(D* dst, const S* src, i64 n) {
+  for (i64 i = first_index(); i < n; i += stride())
+    dst[i] = Elem<D>::store(typename Elem<D>::C(Elem<S>::load(src[i])));
+}
+
+__device__ void copy(char* dst, const char* src, i64 nbytes) {
+  const i64 vectors = aligned(dst) && aligned(src) ? nbytes / (i64)sizeof(Vector) : 0;
+  for (i64 v = first_index(); v < vectors; v += stride())
+    reinterpret_cast<Vector*>(dst)[v] = reinterpret_cast<const Vector*>(src)[v];
+  for (i64 i = vectors * (i64)sizeof(Vector) + first_index(); i < nbytes; i += stride())
+    dst[i] = src[i];
+}
+
+}  // namespace commlib_cuda
+
+// The entry points, one per dtype (and op, or target dtype).
+#define COMMLIB_REDUCE(name, T, op, Op)                                                     \
+  extern "C" __global__ void commlib_reduce_##name##_##op(T* d, const T* a, const T* b,    \
+                                                          long long n) {                    \
+    commlib_cuda::reduce<T, commlib_cuda::Op>(d, a, b, n);                                  \
+  }
+#define COMMLIB_DTYPE(name, T)                                                              \
+  COMMLIB_REDUCE(name, T, sum, Sum)                                                         \
+  COMMLIB_REDUCE(name, T, prod, Prod)                                                       \
+  COMMLIB_REDUCE(name, T, min, Min)                                                         \
+  COMMLIB_REDUCE(name, T, max, Max)                                                         \
+  extern "C" __global__ void commlib_scale_##name(T* x, double f, long long n) {           \
+    commlib_cuda::scale<T>(x, f, n);                                                        \
+  }
+COMMLIB_DTYPE(f16, commlib_cuda::f16)
+COMMLIB_DTYPE(bf16, commlib_cuda::bf16)
+COMMLIB_DTYPE(f32, float)
+COMMLIB_DTYPE(f64, double)
+COMMLIB_DTYPE(i8, signed char)
+COMMLIB_DTYPE(u8, unsigned char)
+COMMLIB_DTYPE(i32, int)
+COMMLIB_DTYPE(i64, long long)
+#undef COMMLIB_DTYPE
+#undef COMMLIB_REDUCE
+
+// Casts between the floating types (mixed-precision communication).
+#define COMMLIB_CAST(sname, S, dname, D)                                                    \
+  extern "C" __global__ void commlib_cast_##sname##_##dname(D* d, const S* s, long long n) { \
+    commlib_cuda::cast<S, D>(d, s, n);                                                      \
+  }
+#define COMMLIB_CASTS_FROM(sname, S)                                                        \
+  COMMLIB_CAST(sname, S, f16, commlib_cuda::f16)                                            \
+  COMMLIB_CAST(sname, S, bf16, commlib_cuda::bf16)                                          \
+  COMMLIB_CAST(sname, S, f32, float)                                                        \
+  COMMLIB_CAST(sname, S, f64, double)
+COMMLIB_CASTS_FROM(f16, commlib_cuda::f16)
+COMMLIB_CASTS_FROM(bf16, commlib_cuda::bf16)
+COMMLIB_CASTS_FROM(f32, float)
+COMMLIB_CASTS_FROM(f64, double)
+#undef COMMLIB_CASTS_FROM
+#undef COMMLIB_CAST
+
+extern "C" __global__ void commlib_copy(char* d, const char* s, long long nbytes) {
+  commlib_cuda::copy(d, s, nbytes);
+}

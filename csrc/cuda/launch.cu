@@ -1,0 +1,137 @@
+// commlib._cuda: launches the kernels of commlib/cuda/kernels.cu on the caller's stream.
+// Built by setup.py where nvcc is found; without it, commlib/cuda/runtime.py compiles the
+// same kernels at run time. Pointers and streams arrive as integers (data_ptr(),
+// cuda_stream), with the index of the device the arrays live on; every launch returns at
+// once, ordered on that stream like NCCL's calls.
+#include <pybind11/pybind11.h>
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../../commlib/cuda/kernels.cu"
+
+namespace py = pybind11;
+
+namespace {
+
+using Kernel = const void*;
+
+// Codes as in csrc/kernels.h (_C.DTYPES, _C.OPS).
+enum DType { F16, BF16, F32, F64, I8, U8, I32, I64, NDTYPES };
+enum Op { SUM, PROD, MIN, MAX, AVG, NOPS };
+
+#define COMMLIB_ROW(name)                                                                   \
+  {(Kernel)commlib_reduce_##name##_sum, (Kernel)commlib_reduce_##name##_prod,              \
+   (Kernel)commlib_reduce_##name##_min, (Kernel)commlib_reduce_##name##_max,               \
+   (Kernel)commlib_reduce_##name##_sum}
+const Kernel kReduce[NDTYPES][NOPS] = {COMMLIB_ROW(f16), COMMLIB_ROW(bf16), COMMLIB_ROW(f32),
+                                       COMMLIB_ROW(f64), COMMLIB_ROW(i8),   COMMLIB_ROW(u8),
+                                       COMMLIB_ROW(i32), COMMLIB_ROW(i64)};
+#undef COMMLIB_ROW
+const Kernel kScale[] = {(Kernel)commlib_scale_f16, (Kernel)commlib_scale_bf16,
+                         (Kernel)commlib_scale_f32, (Kernel)commlib_scale_f64};
+#define COMMLIB_ROW(s)                                                                      \
+  {(Kernel)commlib_cast_##s##_f16, (Kernel)commlib_cast_##s##_bf16,                        \
+   (Kernel)commlib_cast_##s##_f32, (Kernel)commlib_cast_##s##_f64}
+const Kernel kCast[4][4] = {COMMLIB_ROW(f16), COMMLIB_ROW(bf16), COMMLIB_ROW(f32), COMMLIB_ROW(f64)};
+#undef COMMLIB_ROW
+
+const int kItemsize[NDTYPES] = {2, 2, 4, 8, 1, 1, 4, 8};
+constexpr int kThreads = 256;
+
+void check(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clear it, so the next call does not report it again
+    throw std::runtime_error(what + ": " + cudaGetErrorString(status));
+  }
+}
+
+void check_dtype(int dtype, int limit, const char* what) {
+  if (dtype < 0 || dtype >= limit)
+    throw std::invalid_argument(std::string(what) + ": unsupported dtype code " + std::to_string(dtype));
+}
+
+// Launches on the array's device, and leaves the caller's current device as it was.
+struct OnDevice {
+  int previous = 0, device;
+  explicit OnDevice(int device) : device(device) {
+    check(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~OnDevice() {
+    if (previous != device) cudaSetDevice(previous);
+  }
+};
+
+// A grid-stride loop needs no more blocks than the device keeps resident at once.
+int blocks_for(int device, long long work) {
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  long long wanted = (work + kThreads - 1) / kThreads;
+  long long most = 8LL * sms;
+  return int(wanted < 1 ? 1 : (wanted < most ? wanted : most));
+}
+
+void launch(Kernel kernel, long long work, void** args, int device, uintptr_t stream,
+            const char* what) {
+  if (work <= 0) return;
+  OnDevice on(device);
+  check(cudaLaunchKernel(kernel, dim3(blocks_for(device, work)), dim3(kThreads), args, 0,
+                         reinterpret_cast<cudaStream_t>(stream)),
+        what);
+}
+
+// Work items of an elementwise kernel: one per 16-byte vector, plus the tail.
+long long vectors(long long count, int itemsize) { return (count * itemsize + 15) / 16; }
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "commlib's CUDA kernels (commlib/cuda/kernels.cu), launched on a given stream";
+
+  m.def("reduce", [](uintptr_t dst, uintptr_t a, uintptr_t b, long long count, int dtype, int op,
+                     int device, uintptr_t stream) {
+    check_dtype(dtype, NDTYPES, "reduce");
+    if (op < 0 || op >= NOPS) throw std::invalid_argument("reduce: unknown op code " + std::to_string(op));
+    void* args[] = {&dst, &a, &b, &count};
+    launch(kReduce[dtype][op], vectors(count, kItemsize[dtype]), args, device, stream, "reduce kernel");
+  }, py::arg("dst"), py::arg("a"), py::arg("b"), py::arg("count"), py::arg("dtype"),
+     py::arg("op"), py::arg("device"), py::arg("stream"));
+
+  m.def("scale", [](uintptr_t x, double factor, long long count, int dtype, int device, uintptr_t stream) {
+    check_dtype(dtype, 4, "scale (floating dtypes only)");
+    void* args[] = {&x, &factor, &count};
+    launch(kScale[dtype], count, args, device, stream, "scale kernel");
+  }, py::arg("x"), py::arg("factor"), py::arg("count"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+
+  m.def("cast", [](uintptr_t dst, uintptr_t src, long long count, int src_dtype, int dst_dtype,
+                   int device, uintptr_t stream) {
+    check_dtype(src_dtype, 4, "cast (floating dtypes only)");
+    check_dtype(dst_dtype, 4, "cast (floating dtypes only)");
+    void* args[] = {&dst, &src, &count};
+    launch(kCast[src_dtype][dst_dtype], count, args, device, stream, "cast kernel");
+  }, py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"),
+     py::arg("dst_dtype"), py::arg("device"), py::arg("stream"));
+
+  m.def("copy", [](uintptr_t dst, uintptr_t src, long long nbytes, int device, uintptr_t stream) {
+    void* args[] = {&dst, &src, &nbytes};
+    launch((Kernel)commlib_copy, (nbytes + 15) / 16, args, device, stream, "copy kernel");
+  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"));
+
+  m.def("device_count", [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {  // no driver or no device: none to use
+      cudaGetLastError();
+      return 0;
+    }
+    return n;
+  }, "CUDA devices this process sees (0 without a driver or a device)");
+
+  py::dict info;
+  info["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." +
+                         std::to_string(CUDART_VERSION % 1000 / 10);
+  info["nvcc_flags"] = COMMLIB_NVCC_FLAGS;
+  m.attr("BUILD_INFO") = info;
+}
