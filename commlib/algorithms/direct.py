@@ -36,10 +36,10 @@ def broadcast(comm, bufs, dtype, op, root=0):
 def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
     size = dtype.itemsize
     offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
-    comm._executor.transport.all_to_all(bufs["out"].ptr, bufs["in"].ptr, dtype.code,
-                                  offsets(input_splits),
-                                  [s * size for s in input_splits], offsets(output_splits),
-                                  [s * size for s in output_splits])
+    comm._executor.transport.all_to_all(
+        bufs["out"].ptr, bufs["in"].ptr, dtype.code, offsets(input_splits),
+        [s * size for s in input_splits], offsets(output_splits),
+        [s * size for s in output_splits])
 
 
 for _fn in (all_reduce, reduce, reduce_scatter, all_gather, broadcast, all_to_all):

@@ -154,10 +154,7 @@ __device__ void copy(char* dst, const char* src, i64 nbytes) {
   COMMLIB_REDUCE(name, T, sum, Sum)                                                         \
   COMMLIB_REDUCE(name, T, prod, Prod)                                                       \
   COMMLIB_REDUCE(name, T, min, Min)                                                         \
-  COMMLIB_REDUCE(name, T, max, Max)                                                         \
-  extern "C" __global__ void commlib_scale_##name(T* x, double f, long long n) {           \
-    commlib_cuda::scale<T>(x, f, n);                                                        \
-  }
+  COMMLIB_REDUCE(name, T, max, Max)
 COMMLIB_DTYPE(f16, commlib_cuda::f16)
 COMMLIB_DTYPE(bf16, commlib_cuda::bf16)
 COMMLIB_DTYPE(f32, float)
@@ -169,7 +166,17 @@ COMMLIB_DTYPE(i64, long long)
 #undef COMMLIB_DTYPE
 #undef COMMLIB_REDUCE
 
-// Casts between the floating types (mixed-precision communication).
+// Scaling (avg) and casts, between the floating types (mixed-precision communication).
+#define COMMLIB_SCALE(name, T)                                                              \
+  extern "C" __global__ void commlib_scale_##name(T* x, double f, long long n) {           \
+    commlib_cuda::scale<T>(x, f, n);                                                        \
+  }
+COMMLIB_SCALE(f16, commlib_cuda::f16)
+COMMLIB_SCALE(bf16, commlib_cuda::bf16)
+COMMLIB_SCALE(f32, float)
+COMMLIB_SCALE(f64, double)
+#undef COMMLIB_SCALE
+
 #define COMMLIB_CAST(sname, S, dname, D)                                                    \
   extern "C" __global__ void commlib_cast_##sname##_##dname(D* d, const S* s, long long n) { \
     commlib_cuda::cast<S, D>(d, s, n);                                                      \
