@@ -53,7 +53,8 @@ ARCHS = [a.strip() for a in os.environ.get("COMMLIB_CUDA_ARCHS", "80;90").split(
 NVCC_FLAGS = ["-O3", "-std=c++17",
               *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
               f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
-CUDA_SOURCES = ["csrc/cuda/launch.cu", "commlib/cuda/kernels.cu"]
+CUDA_UNITS = ["csrc/cuda/launch.cu", "csrc/cuda/streams.cu"]  # launch.cu includes kernels.cu
+CUDA_SOURCES = [*CUDA_UNITS, "commlib/cuda/kernels.cu"]
 
 if NVCC:
     extensions.append(Pybind11Extension(
@@ -64,21 +65,25 @@ if NVCC:
 
 
 class BuildExt(build_ext):
-    """build_ext that first compiles _cuda's source with nvcc into an object to link."""
+    """build_ext that first compiles _cuda's CUDA units with nvcc into objects to link."""
 
     def build_extension(self, ext):
         if ext.name == "commlib._cuda":
-            obj = Path(self.build_temp) / "launch.o"
-            if not obj.exists() or obj.stat().st_mtime < max(
-                    Path(s).stat().st_mtime for s in CUDA_SOURCES):
-                obj.parent.mkdir(parents=True, exist_ok=True)
-                flags = " ".join(NVCC_FLAGS)
-                subprocess.check_call([
-                    NVCC, "-c", CUDA_SOURCES[0], "-o", str(obj), "-Xcompiler", "-fPIC",
-                    f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-                    f'-DCOMMLIB_NVCC_FLAGS="{flags}"', *NVCC_FLAGS])
-            ext.extra_objects = [str(obj)]
+            ext.extra_objects = [self.nvcc_compile(unit) for unit in CUDA_UNITS]
         super().build_extension(ext)
+
+    def nvcc_compile(self, unit: str) -> str:
+        """``unit`` compiled into an object, unless one newer than every CUDA source exists."""
+        obj = Path(self.build_temp) / (Path(unit).stem + ".o")
+        if not obj.exists() or obj.stat().st_mtime < max(
+                Path(s).stat().st_mtime for s in CUDA_SOURCES):
+            obj.parent.mkdir(parents=True, exist_ok=True)
+            flags = " ".join(NVCC_FLAGS)
+            subprocess.check_call([
+                NVCC, "-c", unit, "-o", str(obj), "-Xcompiler", "-fPIC",
+                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                f'-DCOMMLIB_NVCC_FLAGS="{flags}"', *NVCC_FLAGS])
+        return str(obj)
 
 
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -6,16 +6,18 @@
     mpiexec -n 2 python -m bench overlap                 # OSU osu_iallreduce overlap
     mpiexec -n 2 python -m bench calibrate               # fit the cost model, write tuning file
     python -m bench kernels                              # reduce kernel vs numpy and memcpy
+    python -m bench gpu-kernels                          # GPU kernels vs a device copy
 """
 import argparse
 import sys
 
-from . import calibrate, collective, compare, kernels, overlap, p2p
+from . import calibrate, collective, compare, gpu_kernels, kernels, overlap, p2p
 from .specs import SPECS
 
 COMMANDS = {**{name: collective for name in SPECS}, "latency": p2p, "bandwidth": p2p,
             "bibw": p2p, "overlap": overlap, "compare": compare, "calibrate": calibrate,
-            "kernels": kernels}
+            "kernels": kernels, "gpu-kernels": gpu_kernels}
+ONE_PROCESS = ("kernels", "gpu-kernels")  # no communicator
 
 
 def main(argv=None) -> int:
@@ -25,8 +27,8 @@ def main(argv=None) -> int:
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.strip().splitlines()[0]))
     args = parser.parse_args(argv)
-    if args.command == "kernels":
-        return kernels.main(args) or 0
+    if args.command in ONE_PROCESS:
+        return COMMANDS[args.command].main(args) or 0
     import commlib
     return COMMANDS[args.command].main(args, commlib.init()) or 0
 

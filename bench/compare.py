@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import commlib
 from commlib import _C
@@ -30,6 +31,9 @@ def add_arguments(p):
     p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per size")
     p.add_argument("--no-gloo", action="store_true", help="leave torch gloo out")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the buffers live (cuda: torch CUDA tensors, the ranks' "
+                        "current devices; each timed call ends with a device synchronize)")
     p.add_argument("--json", help="write every measurement to this JSON file")
     p.add_argument("--plot", default="compare.png",
                    help="write busbw vs size to this PNG file (default compare.png; '' for none)")
@@ -40,17 +44,36 @@ def iterations_for(nbytes: int) -> int:
     return int(max(2, min(50, 2e7 / max(nbytes, 1e5))))
 
 
-def memcpy_gbs(nbytes: int) -> float:
-    """This machine's copy bandwidth at a size (bytes copied per second), the bound on busbw."""
-    src, dst = np.ones(max(nbytes, 8), np.uint8), np.empty(max(nbytes, 8), np.uint8)
+def memcpy_gbs(nbytes: int, device: str = "cpu") -> float:
+    """This machine's copy bandwidth at a size (bytes copied per second), the bound on busbw:
+    host memcpy, or a device-to-device copy on the GPU."""
     reps = iterations_for(nbytes) * 4
+    if device == "cpu":
+        src, dst = np.ones(max(nbytes, 8), np.uint8), np.empty(max(nbytes, 8), np.uint8)
+        copy = lambda: _C.copy(dst.ctypes.data, src.ctypes.data, src.size)  # noqa: E731
+    else:
+        import torch
+        src = torch.ones(max(nbytes, 8), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy = lambda: dst.copy_(src)  # noqa: E731
+    sync = device_sync(device)
     best = []
     for _ in range(5):
+        sync()
         start = time.perf_counter()
         for _ in range(reps):
-            _C.copy(dst.ctypes.data, src.ctypes.data, src.size)
+            copy()
+        sync()
         best.append((time.perf_counter() - start) / reps)
-    return src.size / float(np.median(best)) / 1e9
+    return max(nbytes, 8) / float(np.median(best)) / 1e9
+
+
+def device_sync(device: str):
+    """What a timed call must end with to include the device's work."""
+    if device == "cpu":
+        return lambda: None
+    import torch
+    return torch.cuda.synchronize
 
 
 def main(args, comm) -> int:
@@ -59,6 +82,15 @@ def main(args, comm) -> int:
     if unknown:
         raise SystemExit(f"unknown collective(s) {unknown}; choose from {', '.join(SPECS)}")
     size_of = itemsize(args.datatype)
+    sync = device_sync(args.device)
+    what = args.datatype
+    if args.device == "cuda":
+        import torch
+        local = world.Split_type(MPI.COMM_TYPE_SHARED)
+        device = local.rank % torch.cuda.device_count()  # a host's ranks spread over its GPUs
+        local.Free()
+        torch.cuda.set_device(device)
+        what = f"{args.datatype} on cuda (device {device} of rank {comm.rank})"
     grid = sizes(args.minbytes, args.maxbytes, args.stepfactor)
     rows, tables, any_wrong = [], {}, False
     progress = Progress(len(grid) * len(args.collectives), comm.rank == 0)
@@ -70,15 +102,16 @@ def main(args, comm) -> int:
         op = "sum" if spec.reduces else None
         for size in grid:
             count = size // size_of - (size // size_of % n if spec.blocked else 0)
-            case = Case(spec, n, comm.rank, count, args.datatype, op)
+            case = Case(spec, n, comm.rank, count, args.datatype, op, device=args.device)
             active = [p for p in peers if p.unsupported(case) is None]
             samples = {p.name: [] for p in active}
             assign(case.inp, np.zeros(len(case.inp)))
             iters = iterations_for(case.nbytes)
             for rep in range(args.reps):
                 for p in active:
-                    samples[p.name].extend(iteration_times(world, lambda p=p: p.run(case), iters,
-                                                           warmup=1 if rep == 0 else 0))
+                    samples[p.name].extend(iteration_times(
+                        world, lambda p=p: (p.run(case), sync()), iters,
+                        warmup=1 if rep == 0 else 0))
             for p in active:
                 want = case.fill_for_check()
                 p.run(case)
@@ -89,15 +122,15 @@ def main(args, comm) -> int:
                 rows.append({"collective": name, "size": case.nbytes, "count": count,
                              "impl": p.name, "time_us": t * 1e6, "busbw": busbw, "wrong": wrong})
             rows.append({"collective": name, "size": case.nbytes, "impl": "memcpy",
-                         "busbw": world.allreduce(memcpy_gbs(case.nbytes)) / n})
+                         "busbw": world.allreduce(memcpy_gbs(case.nbytes, args.device)) / n})
             progress.step(f"{name} {case.nbytes} B")
         tables[name] = [p.name for p in peers]
     if comm.rank == 0:
-        _print(rows, tables, n, args.datatype)
+        _print(rows, tables, n, what)
         if args.json:
-            write_json(args.json, "compare", world, rows, dtype=args.datatype)
+            write_json(args.json, "compare", world, rows, dtype=args.datatype, device=args.device)
         if args.plot:
-            plot(rows, tables, args.plot, n, args.datatype)
+            plot(rows, tables, args.plot, n, what)
             print(f"# wrote {args.plot}")
         if any_wrong:
             print("# FAILED: some results were wrong")

@@ -13,10 +13,10 @@ import commlib
 from .specs import count_wrong, itemsize
 
 
-def alloc(count: int, dtype: str):
-    if dtype == "bfloat16":  # numpy has no bfloat16: torch tensors
+def alloc(count: int, dtype: str, device: str = "cpu"):
+    if dtype == "bfloat16" or device != "cpu":  # numpy has no bfloat16, no GPU: torch tensors
         import torch
-        return torch.zeros(count, dtype=torch.bfloat16)
+        return torch.zeros(count, dtype=getattr(torch, dtype), device=device)
     return np.zeros(count, dtype)
 
 
@@ -24,7 +24,7 @@ def to_f64(buf) -> np.ndarray:
     if isinstance(buf, np.ndarray):
         return buf.astype(np.float64)
     import torch
-    return buf.to(torch.float64).numpy()
+    return buf.to(torch.float64).cpu().numpy()
 
 
 def assign(buf, values: np.ndarray) -> None:
@@ -38,21 +38,22 @@ def assign(buf, values: np.ndarray) -> None:
 class Case:
     """This rank's buffers for one collective at one size (in-place forms share memory)."""
 
-    def __init__(self, spec, n, rank, count, dtype, op=None, root=0, inplace=False):
+    def __init__(self, spec, n, rank, count, dtype, op=None, root=0, inplace=False,
+                 device="cpu"):
         self.spec, self.n, self.rank, self.dtype, self.op, self.root = spec, n, rank, dtype, op, root
         self.inplace = inplace and spec.name in ("reduce_scatter", "all_gather")
-        self.count = count
+        self.count, self.device = count, device
         n_in, n_out = spec.buffer_counts(n, count)
         if n_in == n_out and spec.name != "all_to_all":
-            self.inp = self.out = alloc(n_in, dtype)
+            self.inp = self.out = alloc(n_in, dtype, device)
         elif self.inplace and spec.name == "reduce_scatter":
-            self.inp = alloc(n_in, dtype)
+            self.inp = alloc(n_in, dtype, device)
             self.out = self.inp[rank * n_out:(rank + 1) * n_out]
         elif self.inplace:
-            self.out = alloc(n_out, dtype)
+            self.out = alloc(n_out, dtype, device)
             self.inp = self.out[rank * n_in:(rank + 1) * n_in]
         else:
-            self.inp, self.out = alloc(n_in, dtype), alloc(n_out, dtype)
+            self.inp, self.out = alloc(n_in, dtype, device), alloc(n_out, dtype, device)
         self._torch = None
 
     @property
@@ -116,6 +117,8 @@ class MPIPeer:
         self.comm = mpi_comm
 
     def unsupported(self, c):
+        if c.device != "cpu":
+            return "MPI through mpi4py takes host memory"
         if c.spec.reduces and (c.op not in self.OPS or c.dtype in ("float16", "bfloat16")):
             return f"MPI has no {c.op} on {c.dtype}"
         if c.dtype == "bfloat16":
@@ -156,6 +159,8 @@ class GlooPeer:
             return f"gloo has no {c.op}"
         if c.inplace:
             return "in-place form not measured for gloo"
+        if c.device != "cpu" and c.spec.name not in ("all_reduce", "broadcast"):
+            return "gloo takes CUDA tensors for all_reduce and broadcast only"
         return None
 
     def run(self, c):

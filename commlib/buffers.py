@@ -1,4 +1,6 @@
-"""User arrays (numpy arrays, torch CPU tensors) -> Buffer: address, size, dtype, byte view."""
+"""User arrays -> Buffer: address, size, dtype, byte view. numpy arrays and torch CPU tensors
+are host memory; torch CUDA tensors and __cuda_array_interface__ arrays (CuPy) are device
+memory, which collectives stage through host memory (commlib/cuda/staging.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,17 +31,21 @@ _BY_NUMPY = {np.dtype(name): d for name, d in DTYPES.items() if name != "bfloat1
 
 class Buffer:
     """A user array's memory: address, element count, dtype; ``bytes`` is a flat uint8
-    numpy view of it (what MPI sends), made on first use."""
+    numpy view of it (what MPI sends), made on first use. ``device``: None for host
+    memory, else the cuda.DeviceArray (device, stream, ...) it lives in."""
 
-    __slots__ = ("obj", "ptr", "numel", "dtype", "_bytes")
+    __slots__ = ("obj", "ptr", "numel", "dtype", "_bytes", "device")
 
-    def __init__(self, obj, ptr: int, numel: int, dtype: DType, bytes_view=None):
+    def __init__(self, obj, ptr: int, numel: int, dtype: DType, bytes_view=None, device=None):
         self.obj = obj  # the user's array, kept alive while we use its memory
         self.ptr, self.numel, self.dtype, self._bytes = ptr, numel, dtype, bytes_view
+        self.device = device
 
     @property
     def bytes(self) -> np.ndarray:
         if self._bytes is None:
+            if self.device is not None:
+                raise RuntimeError("device memory has no host bytes; stage it first")
             self._bytes = _flat_bytes(self.obj, self.numel)
         return self._bytes
 
@@ -50,8 +56,8 @@ class Buffer:
     def part(self, offset: int, count: int) -> "Buffer":
         """Elements [offset, offset + count) of this buffer."""
         size = self.dtype.itemsize
-        return Buffer(self.obj, self.ptr + offset * size, count, self.dtype,
-                      self.bytes[offset * size:(offset + count) * size])
+        view = None if self.device is not None else self.bytes[offset * size:(offset + count) * size]
+        return Buffer(self.obj, self.ptr + offset * size, count, self.dtype, view, self.device)
 
     def overlaps(self, other: "Buffer") -> bool:
         return (self.nbytes > 0 and other.nbytes > 0 and self.ptr < other.ptr + other.nbytes
@@ -86,15 +92,26 @@ def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
         return Buffer(obj, ptr, obj.size, dtype)
     if type(obj).__module__.startswith("torch"):
         return _torch_buffer(obj, name)
-    raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, got {type(obj).__name__}")
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _device_buffer(obj, name)
+    raise TypeError(f"{name}: expected a numpy array or a torch tensor (CPU or CUDA), or a "
+                    f"CuPy array, got {type(obj).__name__}")
+
+
+def _device_buffer(obj, name: str) -> Buffer:
+    from . import cuda
+    array = cuda.device_array(obj, name)
+    return Buffer(obj, array.ptr, array.count, DTYPES[array.dtype], device=array)
 
 
 def _torch_buffer(t, name: str) -> Buffer:
     import torch
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(t).__name__}")
+    if t.device.type == "cuda":
+        return _device_buffer(t, name)
     if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}; this commlib build handles CPU tensors only")
+        raise ValueError(f"{name} is on {t.device}; commlib handles CPU and CUDA tensors")
     if t.is_nested:
         raise ValueError(f"{name} is a nested tensor; pass its {name}.values()")
     if t.layout != torch.strided:  # sparse, mkldnn: no flat memory to communicate

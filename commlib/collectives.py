@@ -60,6 +60,14 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
     the same call (``check``; calls.py)."""
     algo, plan = comm._plan(collective, algorithm, count, dtype.itemsize,
                             tuple(sorted(params.items())) if params else ())
+    staged = None
+    if any(b.device is not None for b in bufs.values()):  # GPU memory: run on host twins
+        comm.staging.raise_failure()  # raised now: a call returns before it runs
+        if comm._failure is not None:
+            raise comm._unusable()
+        staged = comm.staging.stage(bufs, *_staged_io(collective, bufs, comm.rank,
+                                                      params.get("root")))
+        bufs = staged.host
     op_code = _C.OPS[op.value]
     executor = comm._executor
     average = op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"])
@@ -97,7 +105,28 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
     def call():
         comm._run_recorded(record, what, body)
 
+    call.staged, call.seconds = staged, seconds  # for _run
     return call
+
+
+def _staged_io(collective: str, bufs: dict, rank: int, root) -> tuple[list, list]:
+    """The buffers a call on GPU memory copies to the host before it runs (what it reads)
+    and back after (what it writes)."""
+    reads, writes = ["in" if "in" in bufs else "out"], ["out"]
+    if collective == "broadcast":
+        return (reads, []) if rank == root else ([], writes)
+    if collective == "reduce" and rank != root:  # the others' t is unchanged
+        return reads, []
+    return reads, writes
+
+
+def _run(comm, what: str, call, async_op: bool, result):
+    """Run a prepared call on the communicator's engine; a call on GPU memory is enqueued
+    on the caller's stream instead (cuda/staging.py) and returns at once."""
+    if call.staged is None:
+        return comm._engine.run(what, call, async_op, result)
+    return comm.staging.issue(comm._engine, what, call, call.staged, async_op, result,
+                              call.seconds)
 
 
 def _agree(comm, desc: list, itemsize: int, splits, seconds) -> None:
@@ -163,7 +192,7 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "all_reduce", e)
         raise
-    return comm._engine.run("all_reduce", call, async_op, t)
+    return _run(comm, "all_reduce", call, async_op, t)
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
@@ -195,7 +224,7 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "reduce_scatter", e)
         raise
-    return comm._engine.run("reduce_scatter", call, async_op, output)
+    return _run(comm, "reduce_scatter", call, async_op, output)
 
 
 def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout=None):
@@ -212,7 +241,7 @@ def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "all_gather", e)
         raise
-    return comm._engine.run("all_gather", call, async_op, output)
+    return _run(comm, "all_gather", call, async_op, output)
 
 
 def _splits(comm, splits, total: int, name: str) -> tuple:
@@ -261,7 +290,7 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "all_to_all", e)
         raise
-    return comm._engine.run("all_to_all", call, async_op, output)
+    return _run(comm, "all_to_all", call, async_op, output)
 
 
 def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None):
@@ -277,7 +306,7 @@ def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "broadcast", e)
         raise
-    return comm._engine.run("broadcast", call, async_op, t)
+    return _run(comm, "broadcast", call, async_op, t)
 
 
 def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
@@ -294,7 +323,7 @@ def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeo
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "reduce", e)
         raise
-    return comm._engine.run("reduce", call, async_op, t)
+    return _run(comm, "reduce", call, async_op, t)
 
 
 def barrier(comm=None, async_op=False, timeout=None):
@@ -345,17 +374,36 @@ def send(t, dst, tag=0, comm=None, async_op=False, timeout=None):
     _check_peer(comm, dst, "dst")
     _check_tag(tag)
     comm._p2p_bytes_sent += buf.nbytes
+    staged = None
+    if buf.device is not None:  # sent from a host copy, made once its stream gets there
+        staged = comm.staging.stage({"t": buf}, ["t"], [])
+        comm.staging.copy_to_host_now(staged, deadline.seconds, f"send to rank {dst}")
+        buf = staged.host["t"]
     if comm.mpi is None:  # made from a store: the store holds the message at once
         comm._p2p.send(buf.bytes.tobytes(), dst, tag)
+        if staged is not None:
+            comm.staging.sent(staged)
         return finished(f"send to rank {dst}") if async_op else None
+    error = None
     try:
         if async_op:
-            return comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
+            work = comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
                                       f"send to rank {dst}", None, deadline=deadline, keep=t)
+            if staged is not None:
+                work.add_done_callback(lambda w, s=staged: comm.staging.sent(s, w.exception()))
+                staged = None
+            return work
         wait_request(comm._p2p.Isend(buf.bytes, dst, tag), deadline,
                      f"rank {dst} to receive (send, tag {tag})", keep=t)
     except MPI.Exception as e:
-        raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
+        error = CommError(f"send to rank {dst} failed inside MPI: {e}")
+        raise error from e
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        if staged is not None:
+            comm.staging.sent(staged, error)
 
 
 def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):
@@ -367,6 +415,30 @@ def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):
     buf = as_buffer(t, "t")
     _check_peer(comm, src, "src")
     _check_tag(tag)
+    if buf.device is not None:  # received into a host copy; the stream copies it in after
+        return _recv_staged(comm, t, buf, src, tag, async_op, deadline)
+    return _recv_host(comm, t, buf, src, tag, async_op, deadline)
+
+
+def _recv_staged(comm, t, buf, src, tag, async_op, deadline):
+    from .cuda.staging import StagedWork
+    staging = comm.staging
+    staged = staging.stage({"t": buf}, [], ["t"])
+    done = staging.copy_out(staged, staging.stream_for(staged, async_op))
+    try:
+        work = _recv_host(comm, t, staged.host["t"], src, tag, True, deadline)
+    except BaseException as e:
+        staging.host_part_over(staged, e)
+        raise
+    # a blocking receive raises its own error; nobody would raise an async one's
+    work.add_done_callback(lambda w: staging.host_part_over(staged, w.exception(), async_op))
+    if async_op:
+        return StagedWork(f"recv from rank {src}", work, done, staged, t, staging)
+    work.wait()
+    return t
+
+
+def _recv_host(comm, t, buf, src, tag, async_op, deadline):
     if comm.mpi is None:
         return _recv_from_store(comm, t, buf, src, tag, async_op)
     try:

@@ -90,6 +90,15 @@ class Communicator:
         # the fast path must not overtake the engine's work
         self._engine = ProgressEngine(name, self._fast.native.hold if self._fast else None)
         self._poller = RequestPoller(name)
+        self._staging = None  # for calls on GPU memory, made at the first one
+
+    @property
+    def staging(self):
+        """How this communicator's calls on GPU memory pass through the host (cuda/staging.py)."""
+        if self._staging is None:
+            from .cuda.staging import Staging
+            self._staging = Staging()
+        return self._staging
 
     def __repr__(self):
         return f"<commlib.Communicator rank {self.rank} of {self.size} over {self.transport}>"
@@ -114,9 +123,7 @@ class Communicator:
         """Run ``body()`` as the recorded call ``record`` (refused once this communicator
         failed); MPI's own errors become CommError naming ``what``."""
         if self._failure is not None:
-            raise self._finish(record, CommError(
-                f"this communicator is unusable after an earlier failure ({self._failure}); "
-                "create a new communicator"))
+            raise self._finish(record, self._unusable())
         FlightRecorder.start(record)
         try:
             body()
@@ -125,6 +132,10 @@ class Communicator:
         except CommError as e:
             raise self._finish(record, e)
         FlightRecorder.finish(record)
+
+    def _unusable(self) -> CommError:
+        return CommError(f"this communicator is unusable after an earlier failure "
+                         f"({self._failure}); create a new communicator")
 
     def _finish(self, record, error: BaseException | None = None):
         """Record how the call ended; returns ``error``. A timeout or disagreement ends the
@@ -221,6 +232,8 @@ class Communicator:
         """Finish outstanding work, then release the private MPI communicators (collective)."""
         self._engine.close()
         self._poller.close()
+        if self._staging is not None:
+            self._staging.close()
         if self._layout is not None:
             self._layout.free()
         self._recorder.detach()

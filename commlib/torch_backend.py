@@ -10,12 +10,15 @@ Importing this module registers the backend. Under ``mpiexec``:
 Under mpiexec the default group is MPI.COMM_WORLD and ``new_group(ranks)`` becomes an MPI
 communicator over those ranks. A launcher that forms no MPI world (``torchrun
 --nproc-per-node N`` on one host) works too: each group's ranks then meet through torch's
-store and run on shared memory (Communicator.from_store; send/recv go through the store). Tensors are CPU tensors of any dtype for data
+store and run on shared memory (Communicator.from_store; send/recv go through the store). Tensors are CPU or CUDA tensors of any dtype for data
 movement; reductions take commlib's dtypes plus bool and complex (see torch_ops.reduction).
-Every op with ``async_op=True`` returns at once and progresses on commlib's threads.
+Every op with ``async_op=True`` returns at once and progresses on commlib's threads. Ops on
+CUDA tensors are stream-ordered like NCCL's (_stream_ordered): they pass through pinned
+host memory (commlib/cuda/staging.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import zlib
@@ -138,6 +141,41 @@ def _tag(name: str) -> int:
 _trace_hook = None
 
 
+def _tensors(args):
+    """The tensors among ``args`` (tensors, and lists of them to any depth)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+
+
+def _stream_ordered(op):
+    """An op on CUDA tensors runs as NCCL's do under torch: on the group's stream for their
+    device, made to wait for the caller's current stream, returning at once. Inside, every
+    commlib call and finish step is enqueued on that stream (it is the current one there);
+    the Work records an event after them, which wait() makes the caller's stream wait for.
+    The tensors are marked as used on that stream, so that the caching allocator does not
+    hand their memory out again before the op is over."""
+    @functools.wraps(op)
+    def run(self, *args, **kwargs):
+        tensors = [t for t in _tensors(args) if t.is_cuda]
+        if not tensors:
+            return op(self, *args, **kwargs)
+        device = tensors[0].device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            work = op(self, *args, **kwargs)
+            for t in tensors:
+                t.record_stream(stream)
+            work.end_on(stream)
+        return work
+    return run
+
+
 def set_trace_hook(fn) -> None:
     """Call ``fn(group, op_name, work)`` whenever a commlib group issues an op (None: stop).
     For tests and debugging: it runs on the issuing thread, so keep it cheap."""
@@ -166,6 +204,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if timeout:  # ... and what each collective may wait for its peers, like NCCL's
             comm.timeout = timeout.total_seconds()
         self._owns_mpi = owns_mpi  # created for this group: freed with it
+        self._streams: dict = {}  # device -> the stream its ops run on (_stream_ordered)
 
     # torch's bookkeeping getters and setters (a Python ProcessGroup must provide them)
     def getBackendName(self) -> str:
@@ -197,9 +236,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # plumbing
     def _issue(self, async_op: bool, fn, *args, **kwargs) -> list:
-        """Run one commlib call: queued (returns [its Work]) or to completion now ([])."""
+        """Run one commlib call: queued (returns [its Work]) or to completion now ([]).
+        A call on CUDA tensors is enqueued on the current stream (_stream_ordered) and
+        returns at once: it is never queued."""
         try:
-            if async_op:
+            if async_op and not any(getattr(a, "is_cuda", False) for a in args):
                 return [fn(*args, async_op=True, **kwargs)]
             fn(*args, **kwargs)
         except CommError as e:  # raised as torch reports backend failures
@@ -213,12 +254,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return work
 
     # reductions
+    @_stream_ordered
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         t = only(tensors, "allreduce")
         works, finish = self._all_reduce(t, opts.reduceOp, opts.asyncOp, "allreduce")
         return self._work("allreduce", works, [t], finish)
 
+    @_stream_ordered
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
         if not tensors:
@@ -242,6 +285,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(async_op, self.comm.all_reduce, wire, op)
         return works, copy_back([(t, c)])
 
+    @_stream_ordered
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         t = only(tensors, "reduce")
@@ -257,6 +301,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(opts.asyncOp, self.comm.reduce, wire, root, op)
         return self._work("reduce", works, [t], copy_back([(t, c)]))
 
+    @_stream_ordered
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         out = only(output_tensors, "reduce_scatter")
@@ -268,12 +313,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works, finish = self._reduce_scatter(out, flat, opts, "reduce_scatter")
         return self._work("reduce_scatter", works, [out], finish, keep=flat)
 
+    @_stream_ordered
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         inp = contiguous(input)
         works, finish = self._reduce_scatter(output, inp, opts, "reduce_scatter_tensor")
         return self._work("reduce_scatter_tensor", works, [output], finish, keep=inp)
 
+    @_stream_ordered
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
 
@@ -296,6 +343,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return works, copy_back([(out, c)])
 
     # data movement
+    @_stream_ordered
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         t = tensors[opts.rootTensor]
@@ -303,6 +351,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(opts.asyncOp, self.comm.broadcast, byte_view(c), opts.rootRank)
         return self._work("broadcast", works, list(tensors), copy_back([(t, c)]))
 
+    @_stream_ordered
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.AllgatherOptions()
         outs = only(output_tensors, "allgather")
@@ -310,6 +359,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works, finish = self._all_gather_list(outs, inp, opts.asyncOp)
         return self._work("allgather", works, list(outs), finish, keep=inp)
 
+    @_stream_ordered
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         opts = opts or dist.AllgatherOptions()
         return self._coalesced("allgather_coalesced", self._all_gather_list, output_lists,
@@ -333,12 +383,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(async_op, self.comm.all_gather, byte_view(rows), byte_view(inp))
         return works, copy_back(list(zip(outs, rows)))
 
+    @_stream_ordered
     def all_gather_single(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
         inp = contiguous(input)
         works, finish = self._all_gather_single(output, inp, opts.asyncOp)
         return self._work("all_gather_into_tensor", works, [output], finish, keep=inp)
 
+    @_stream_ordered
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
         return self._coalesced("all_gather_into_tensor_coalesced", self._all_gather_single,
@@ -350,6 +402,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(async_op, self.comm.all_gather, byte_view(c), byte_view(inp))
         return works, copy_back([(output, c)])
 
+    @_stream_ordered
     def gather(self, output_tensors, input_tensors, opts=None):
         """An all_to_all where every rank sends only to the root: one transfer per rank."""
         opts = opts or dist.GatherOptions()
@@ -368,6 +421,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._work("gather", works, list(outs), copy_back(list(zip(outs, rows))),
                           keep=inp)
 
+    @_stream_ordered
     def scatter(self, output_tensors, input_tensors, opts=None):
         """An all_to_all where only the root sends: block r to rank r."""
         opts = opts or dist.ScatterOptions()
@@ -389,6 +443,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                             [n if at_root else 0] * size)
         return self._work("scatter", works, [out], copy_back([(out, c)]), keep=flat)
 
+    @_stream_ordered
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
         """Splits count dim-0 rows (torch) and become element counts (commlib)."""
@@ -401,6 +456,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._work("all_to_all_single", works, [output], copy_back([(output, c_out)]),
                           keep=c_in)
 
+    @_stream_ordered
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """The list form: one flat buffer each way, split per peer."""
         opts = opts or dist.AllToAllOptions()
@@ -409,7 +465,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                              f"tensors, got {len(input_tensors)} and {len(output_tensors)}")
         flat_in = torch.cat([byte_view(contiguous(t)) for t in input_tensors])
         dtype = output_tensors[0].dtype
-        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype,
+                               device=output_tensors[0].device)
         k = per_element(dtype)
         works = self._issue(opts.asyncOp, self.comm.all_to_all, byte_view(flat_out), flat_in,
                             [t.numel() * k for t in output_tensors],
@@ -423,15 +480,22 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._work("barrier", self._issue(opts.asyncOp, self.comm.barrier), [])
 
     # point to point: always posted at once (MPI Isend/Irecv), completed by commlib's poller
+    @_stream_ordered
     def send(self, tensors, dst, tag):
         t = contiguous(only(tensors, "send"))
         work = self.comm.send(byte_view(t), dst, tag, async_op=True)
         return self._work("send", [work], list(tensors), keep=t)
 
+    @_stream_ordered
     def recv(self, tensors, src, tag):
         t = only(tensors, "recv")
+        if t.is_cuda and not t.is_contiguous():  # a copy back would run off the stream
+            raise ValueError("commlib backend: recv into a non-contiguous CUDA tensor; "
+                             "receive into a contiguous one and copy")
         c = contiguous(t)
         work = self.comm.recv(byte_view(c), src, tag, async_op=True)
+        if t.is_cuda:
+            work.wait()  # this stream waits for the message's copy to the device
         return self._work("recv", [work], list(tensors), copy_back([(t, c)]))
 
     def recv_anysource(self, tensors, tag):
@@ -446,4 +510,4 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
 
-dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])

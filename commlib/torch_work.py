@@ -67,7 +67,11 @@ class TorchWork(dist.Work):
         self._timeout = _seconds(timeout)  # for wait() without one: the group's timeout
         self._outputs = outputs
         self._finish = finish
-        self._future = torch.futures.Future()
+        self._end = None  # CUDA ops: the event after them on their stream (end_on)
+        # CUDA outputs: the Future records events on the current streams when completed,
+        # and its users' streams wait for them
+        devices = list({t.device for t in outputs if t.is_cuda})
+        self._future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -105,7 +109,18 @@ class TorchWork(dist.Work):
             self._future.set_result(self._outputs)
         self._done.set()
 
+    def end_on(self, stream) -> None:
+        """The op was enqueued on CUDA ``stream``: wait() and synchronize() follow it there."""
+        self._end = torch.cuda.Event()
+        self._end.record(stream)
+        self._end_device = stream.device
+
     def wait(self, timeout=None) -> bool:
+        if self._end is not None:  # as NCCL's: the caller's stream waits, the host goes on
+            if self._error is not None:
+                raise self._error
+            torch.cuda.current_stream(self._end_device).wait_event(self._end)
+            return True
         seconds = _seconds(timeout) or self._timeout
         if not self._done.wait(seconds):
             raise DistTimeoutError(f"commlib backend: {self._what} did not complete within "
@@ -118,7 +133,7 @@ class TorchWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done.is_set() and (self._end is None or self._end.query())
 
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None
@@ -130,4 +145,6 @@ class TorchWork(dist.Work):
         return self._outputs
 
     def synchronize(self) -> None:
-        """CPU tensors: nothing to order on a device stream."""
+        """Block until a CUDA op is over on its stream (CPU ops: nothing to do)."""
+        if self._end is not None:
+            self._end.synchronize()

@@ -12,6 +12,7 @@ import pytest
 
 import commlib
 from commlib import cuda
+from mpirun import run_checked
 
 HAS_GPU = cuda.device_count() > 0
 gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device visible (cuda.device_count() == 0)")
@@ -171,3 +172,25 @@ def test_cupy_arrays():
     cuda.reduce(out, a, a, "max")
     cupy.cuda.get_current_stream().synchronize()
     assert bool((out == a).all())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
+    """The staged calls' ordering (cuda/staging.py): results, stream order, async Works,
+    failures releasing the stream, with "device" arrays in host memory and streams run by
+    threads (cuda/simulator.py). Whether CUDA does the same is for the GPU tests below."""
+    run_checked(n, "tests/mpi/cuda_staged.py", env={"COMMLIB_CUDA_SIMULATE": "1"})
+
+
+def test_calls_on_gpu_memory_on_a_simulated_gpu_over_mpi():
+    """As between hosts: the twins go through the mpi4py executor."""
+    run_checked(3, "tests/mpi/cuda_staged.py",
+                env={"COMMLIB_CUDA_SIMULATE": "1", "COMMLIB_TRANSPORT": "mpi"})
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_calls_on_gpu_memory(n):
+    """torch CUDA tensors; the ranks share device 0."""
+    pytest.importorskip("torch")
+    run_checked(n, "tests/mpi/cuda_staged.py")

@@ -39,3 +39,15 @@ def test_torchrun_ddp_and_fsdp2():
 @pytest.mark.parametrize("n", [2, 3])
 def test_failures_arrive_as_dist_backend_errors(n):
     run_checked(n, "tests/mpi/torch_errors.py")
+
+
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif(_gpus() == 0, reason="no CUDA device visible (torch.cuda.device_count() == 0)")
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_cuda_tensors_collectives_ddp_fsdp2(n):
+    """On CUDA tensors, the ranks sharing device 0."""
+    run_checked(n, "tests/mpi/torch_cuda.py")

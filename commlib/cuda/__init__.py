@@ -5,6 +5,7 @@ compiled at run time by NVRTC through CuPy (runtime.py). Each call is enqueued o
 current stream of the array's framework on the array's device and returns at once, as
 NCCL's calls do; synchronise that stream before reading the result on the host.
 """
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +46,29 @@ def kernels():
     return NvrtcKernels()
 
 
+def simulated() -> bool:
+    """COMMLIB_CUDA_SIMULATE=1: "device" arrays are host memory and streams are threads
+    (simulator.py), to test the staged calls' ordering on machines without a GPU."""
+    return os.environ.get("COMMLIB_CUDA_SIMULATE") == "1"
+
+
+@lru_cache(maxsize=None)
+def streams():
+    """The stream-ordering calls of the staged collectives (staging.py): commlib._cuda's,
+    or the simulated device's."""
+    if simulated():
+        from .simulator import SimulatedDevice
+        return SimulatedDevice()
+    try:
+        from .. import _cuda
+    except ImportError:
+        raise CudaUnavailable(
+            "collectives on GPU arrays need commlib built with nvcc (an install without it "
+            "has the kernels only, through CuPy); reinstall commlib with nvcc on PATH or "
+            "CUDA_HOME set") from None
+    return _cuda
+
+
 def build_info() -> dict:
     """What the GPU path has: kernels compiled at build time (CUDA version, nvcc flags),
     or compiled at run time through CuPy, or none."""
@@ -74,6 +98,7 @@ class DeviceArray(NamedTuple):
     dtype: str
     device: int
     stream: int  # the framework's current stream on that device
+    framework: str  # torch, cupy, or other (__cuda_array_interface__)
 
     @property
     def code(self) -> int:
@@ -98,7 +123,7 @@ def device_array(x, what: str = "array") -> DeviceArray:
         if dtype not in DTYPES:
             raise TypeError(f"{what}: unsupported dtype {x.dtype}; supported: {', '.join(DTYPES)}")
         return DeviceArray(x.data_ptr(), x.numel(), dtype, x.device.index,
-                           torch.cuda.current_stream(x.device).cuda_stream)
+                           torch.cuda.current_stream(x.device).cuda_stream, "torch")
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
         raise TypeError(f"{what}: {type(x).__name__} is not a CUDA array (a torch CUDA tensor "
@@ -123,12 +148,29 @@ def device_array(x, what: str = "array") -> DeviceArray:
         device, stream = x.device.id, cupy.cuda.get_current_stream(x.device.id).ptr
     else:  # no framework to ask: the device that owns the pointer, the legacy default stream
         device, stream = _device_of(cai["data"][0]), 0
-    return DeviceArray(cai["data"][0], count, dtype, device, stream)
+    return DeviceArray(cai["data"][0], count, dtype, device, stream, module)
+
+
+def current_stream(array: DeviceArray) -> int:
+    """The current stream, now, of ``array``'s framework on its device."""
+    if array.framework == "torch":
+        import torch
+        return torch.cuda.current_stream(array.device).cuda_stream
+    if array.framework == "cupy":
+        import cupy
+        return cupy.cuda.get_current_stream(array.device).ptr
+    return 0
 
 
 def _device_of(ptr: int) -> int:
-    import cupy
-    return cupy.cuda.runtime.pointerGetAttributes(ptr).device
+    if simulated():
+        return 0
+    try:
+        from .. import _cuda
+        return _cuda.device_of(ptr)
+    except ImportError:
+        import cupy
+        return cupy.cuda.runtime.pointerGetAttributes(ptr).device
 
 
 def _same_device(*arrays: DeviceArray) -> None:

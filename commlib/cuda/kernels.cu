@@ -12,9 +12,9 @@
 //            (convert, apply, round to nearest-even), in the type itself otherwise.
 //            Integer sum/prod go through unsigned arithmetic, so overflow wraps as on the
 //            CPU; min/max propagate NaN like np.minimum/np.maximum.
-//   vector   16 bytes: a thread loads, combines and stores one vector per step. Elements
-//            past the last whole vector, or all of them where a pointer is not 16-byte
-//            aligned, go one at a time.
+//   vector   16 bytes: a thread loads, combines and stores one vector per step (a cast:
+//            16 bytes of its wider side). Elements past the last whole vector, or all of
+//            them where a pointer is not aligned for it, go one at a time.
 // Kernels are extern "C", named commlib_<kernel>_<dtype>[_<op or dtype>], so that NVRTC's
 // module finds them by name.
 
@@ -125,12 +125,40 @@ template <class T>
 __device__ void scale(T* x, double factor, i64 n) {
   typedef Elem<T> E;
   const typename E::C f = typename E::C(factor);
-  for (i64 i = first_index(); i < n; i += stride()) x[i] = E::store(E::load(x[i]) * f);
+  const int per = sizeof(Vector) / sizeof(T);
+  const i64 vectors = aligned(x) ? n / per : 0;
+  for (i64 v = first_index(); v < vectors; v += stride()) {
+    Vector y = reinterpret_cast<const Vector*>(x)[v];
+    T* ys = reinterpret_cast<T*>(&y);
+#pragma unroll
+    for (int i = 0; i < per; ++i) ys[i] = E::store(E::load(ys[i]) * f);
+    reinterpret_cast<Vector*>(x)[v] = y;
+  }
+  for (i64 i = vectors * per + first_index(); i < n; i += stride()) x[i] = E::store(E::load(x[i]) * f);
 }
 
+// N bytes moved as one load or store (N = 4, 8 or 16, the pointer aligned to N).
+template <int N> struct alignas(N) Bytes { unsigned char b[N]; };
+
+// dst[i] = src[i] converted. A step converts as many elements as fill 16 bytes of the
+// wider type: one vector of that side, a narrower load or store of the other.
 template <class S, class D>
 __device__ void cast(D* dst, const S* src, i64 n) {
-  for (i64 i = first_index(); i < n; i += stride())
+  const int per = sizeof(Vector) / (sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D));
+  typedef Bytes<per * sizeof(S)> In;
+  typedef Bytes<per * sizeof(D)> Out;
+  const bool whole = ((u64)src % sizeof(In)) == 0 && ((u64)dst % sizeof(Out)) == 0;
+  const i64 groups = whole ? n / per : 0;
+  for (i64 g = first_index(); g < groups; g += stride()) {
+    In in = reinterpret_cast<const In*>(src)[g];
+    Out out;
+    const S* ss = reinterpret_cast<const S*>(&in);
+    D* ds = reinterpret_cast<D*>(&out);
+#pragma unroll
+    for (int i = 0; i < per; ++i) ds[i] = Elem<D>::store(typename Elem<D>::C(Elem<S>::load(ss[i])));
+    reinterpret_cast<Out*>(dst)[g] = out;
+  }
+  for (i64 i = groups * per + first_index(); i < n; i += stride())
     dst[i] = Elem<D>::store(typename Elem<D>::C(Elem<S>::load(src[i])));
 }
 

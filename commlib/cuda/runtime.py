@@ -40,11 +40,13 @@ class NvrtcKernels:
                      (np.uint64(dst), np.uint64(a), np.uint64(b), np.int64(count)), device, stream)
 
     def scale(self, x, factor, count, dtype, device, stream):
-        self._launch(f"commlib_scale_{_DTYPES[dtype]}", count,
+        self._launch(f"commlib_scale_{_DTYPES[dtype]}", math.ceil(count * ITEMSIZES[dtype] / 16),
                      (np.uint64(x), np.float64(factor), np.int64(count)), device, stream)
 
     def cast(self, dst, src, count, src_dtype, dst_dtype, device, stream):
-        self._launch(f"commlib_cast_{_DTYPES[src_dtype]}_{_DTYPES[dst_dtype]}", count,
+        wider = max(ITEMSIZES[src_dtype], ITEMSIZES[dst_dtype])
+        self._launch(f"commlib_cast_{_DTYPES[src_dtype]}_{_DTYPES[dst_dtype]}",
+                     math.ceil(count * wider / 16),
                      (np.uint64(dst), np.uint64(src), np.int64(count)), device, stream)
 
     def copy(self, dst, src, nbytes, device, stream):

@@ -14,6 +14,8 @@
 
 namespace py = pybind11;
 
+void bind_streams(py::module_& m);  // streams.cu
+
 namespace {
 
 using Kernel = const void*;
@@ -103,7 +105,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("scale", [](uintptr_t x, double factor, long long count, int dtype, int device, uintptr_t stream) {
     check_dtype(dtype, 4, "scale (floating dtypes only)");
     void* args[] = {&x, &factor, &count};
-    launch(kScale[dtype], count, args, device, stream, "scale kernel");
+    launch(kScale[dtype], vectors(count, kItemsize[dtype]), args, device, stream, "scale kernel");
   }, py::arg("x"), py::arg("factor"), py::arg("count"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
 
   m.def("cast", [](uintptr_t dst, uintptr_t src, long long count, int src_dtype, int dst_dtype,
@@ -111,7 +113,8 @@ PYBIND11_MODULE(_cuda, m) {
     check_dtype(src_dtype, 4, "cast (floating dtypes only)");
     check_dtype(dst_dtype, 4, "cast (floating dtypes only)");
     void* args[] = {&dst, &src, &count};
-    launch(kCast[src_dtype][dst_dtype], count, args, device, stream, "cast kernel");
+    const int wider = kItemsize[src_dtype] > kItemsize[dst_dtype] ? kItemsize[src_dtype] : kItemsize[dst_dtype];
+    launch(kCast[src_dtype][dst_dtype], vectors(count, wider), args, device, stream, "cast kernel");
   }, py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"),
      py::arg("dst_dtype"), py::arg("device"), py::arg("stream"));
 
@@ -128,6 +131,8 @@ PYBIND11_MODULE(_cuda, m) {
     }
     return n;
   }, "CUDA devices this process sees (0 without a driver or a device)");
+
+  bind_streams(m);
 
   py::dict info;
   info["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." +

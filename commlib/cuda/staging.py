@@ -1,0 +1,284 @@
+"""Collectives and point-to-point messages on GPU arrays through pinned host memory,
+enqueued on the caller's stream like NCCL's calls.
+
+Vocabulary:
+  twin    the pinned host copy of one device buffer of a call (a buffer that lies inside
+          another, as in-place all_gather's input, is a part of that one's twin).
+  block   the pinned memory of one call's twins, followed by its *flag*: a word the host
+          sets to 1 when its part is done. Blocks are reused once their call's *done*
+          event has passed.
+  stream  where a call is enqueued: the caller's current stream, or (async_op) the
+          communicator's side stream for that device, made to wait for the current one.
+
+A staged call enqueues, and returns:
+
+    copy what it reads into the twins -> record `ready` -> wait until flag == 1
+    -> copy what it writes back from the twins -> record `done`
+
+The communicator's progress engine waits for `ready`, runs the call on the twins with the
+CPU path (any algorithm, any transport: this is how GPU data crosses hosts), then sets
+the flag, which lets the stream go on. The flag is set when the call fails too: no stream
+may wait forever. The failure is raised by the call's Work, and by the communicator's
+first staged call issued after the flag was set (a call without async_op has nothing
+else to raise it from).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..buffers import Buffer
+from ..errors import CommError, CommTimeoutError
+from ..work import Work
+from . import current_stream, streams
+
+ALIGN = 64  # twins and the flag start on cache lines
+FLAG_BYTES = ALIGN
+
+
+def _round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _host_view(ptr: int, nbytes: int) -> np.ndarray:
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+class Block:
+    """Pinned memory for one call: ``size`` bytes of twins, then the flag."""
+
+    __slots__ = ("ptr", "size", "done", "abandoned")
+
+    def __init__(self, ptr: int, size: int):
+        self.ptr, self.size = ptr, size
+        self.done = None  # the event after the call's last copy back
+        self.abandoned = False  # MPI may still write into it (a timed-out call)
+
+    @property
+    def flag(self) -> int:
+        return self.ptr + self.size
+
+
+class HostPool:
+    """Pinned blocks by power-of-two size, reused once their call is over on the device."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._free: dict[int, list[Block]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Block:
+        size = 1 << max(12, (nbytes - 1).bit_length())
+        with self._lock:
+            blocks = self._free.setdefault(size, [])
+            blocks[:] = [b for b in blocks if not b.abandoned]  # leaked on purpose
+            for i, block in enumerate(blocks):
+                if block.done is None or block.done.query():
+                    del blocks[i]
+                    break
+            else:
+                block = Block(self.runtime.host_alloc(size + FLAG_BYTES), size)
+        self.runtime.store_counter(block.flag, 0)
+        return block
+
+    def give(self, block: Block, done) -> None:
+        block.done = done
+        with self._lock:
+            self._free.setdefault(block.size, []).append(block)
+
+    def close(self) -> None:
+        """Free every block (after its last use on the device has finished)."""
+        with self._lock:
+            blocks = [b for bs in self._free.values() for b in bs if not b.abandoned]
+            self._free.clear()
+        for block in blocks:
+            if block.done is not None:
+                block.done.synchronize()
+            self.runtime.host_free(block.ptr)
+
+
+class Staged:
+    """One call's device buffers, their twins, and what it reads and writes."""
+
+    def __init__(self, pool: HostPool, bufs: dict, reads: list, writes: list):
+        devices = {b.device.device for b in bufs.values() if b.device is not None}
+        on_host = [name for name, b in bufs.items() if b.device is None]
+        if on_host or len(devices) > 1:
+            where = {name: "host" if b.device is None else f"cuda:{b.device.device}"
+                     for name, b in bufs.items()}
+            raise ValueError(f"buffers on different devices ({where}); put them all on one GPU")
+        self.bufs = bufs
+        self.reads, self.writes = reads, writes
+        first = next(iter(bufs.values())).device
+        self.device, self.stream = first.device, first.stream
+        self.array = first  # for the framework's current stream at wait()
+        # the largest first, so that a buffer inside another becomes a part of its twin
+        order = sorted(bufs, key=lambda name: -bufs[name].nbytes)
+        offsets, end = {}, 0
+        for name in order:
+            b = bufs[name]
+            outer = next((o for o in offsets if bufs[o].ptr <= b.ptr
+                          and b.ptr + b.nbytes <= bufs[o].ptr + bufs[o].nbytes), None)
+            if outer is not None:
+                offsets[name] = offsets[outer] + (b.ptr - bufs[outer].ptr)
+            else:
+                offsets[name], end = end, end + _round_up(b.nbytes)
+        self.block = pool.take(end)
+        self.host = {name: Buffer(self.block, self.block.ptr + offsets[name], b.numel, b.dtype,
+                                  _host_view(self.block.ptr + offsets[name], b.nbytes))
+                     for name, b in bufs.items()}
+
+
+class Staging:
+    """A communicator's staged calls: its pinned pool and its side streams."""
+
+    def __init__(self):
+        self.runtime = streams()
+        self.pool = HostPool(self.runtime)
+        self._side: dict[int, int] = {}  # device -> side stream
+        self.failure: BaseException | None = None  # of a call nobody waits for
+
+    def raise_failure(self) -> None:
+        """Raise (once) the failure of a call nobody waited for."""
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise CommError(f"an earlier collective on GPU buffers failed, so its outputs "
+                            f"hold garbage: {failure}") from failure
+
+    def stage(self, bufs: dict, reads: list, writes: list) -> Staged:
+        return Staged(self.pool, bufs, reads, writes)
+
+    def stream_for(self, staged: Staged, async_op: bool) -> int:
+        """The caller's stream; with async_op, the side stream, made to wait for what the
+        caller's holds (so that the caller's stream never waits for this call unasked)."""
+        if not async_op:
+            return staged.stream
+        device = staged.device
+        if device not in self._side:
+            self._side[device] = self.runtime.stream_create(device)
+        caller = self.runtime.Event(device)
+        caller.record(staged.stream)
+        caller.wait(self._side[device])
+        return self._side[device]
+
+    def copy_in(self, staged: Staged, stream: int):
+        """Enqueue the copies of what the call reads; returns the event after them."""
+        rt = self.runtime
+        for name in staged.reads:
+            b = staged.bufs[name]
+            rt.copy_async(staged.host[name].ptr, b.ptr, b.nbytes, staged.device, stream)
+        ready = rt.Event(staged.device)
+        ready.record(stream)
+        return ready
+
+    def copy_out(self, staged: Staged, stream: int):
+        """Enqueue the wait for the flag and the copies of what the call writes; the block
+        goes back to the pool, reusable once the returned event has passed."""
+        rt = self.runtime
+        rt.wait_value(stream, staged.device, staged.block.flag, 1)
+        for name in staged.writes:
+            b = staged.bufs[name]
+            rt.copy_async(b.ptr, staged.host[name].ptr, b.nbytes, staged.device, stream)
+        done = rt.Event(staged.device)
+        done.record(stream)
+        self.pool.give(staged.block, done)
+        return done
+
+    def copy_to_host_now(self, staged: Staged, seconds: float, what: str) -> None:
+        """Copy what the call reads to its twins once its stream gets there, and wait."""
+        wait_event(self.copy_in(staged, staged.stream), seconds, what)
+
+    def sent(self, staged: Staged, error: BaseException | None = None) -> None:
+        """A send from the twins is over: the block may be reused (unless MPI still may
+        read it, after a timeout)."""
+        staged.block.abandoned = isinstance(error, CommTimeoutError)
+        self.pool.give(staged.block, None)
+
+    def host_part_over(self, staged: Staged, error: BaseException | None,
+                       remember: bool = True) -> None:
+        """Let the stream go on; first ``remember`` the error for the next call to raise
+        (after a timeout, MPI may still write into the block: it is never reused)."""
+        if error is not None and remember and self.failure is None:
+            self.failure = error
+        staged.block.abandoned = isinstance(error, CommTimeoutError)
+        self.runtime.store_counter(staged.block.flag, 1)
+
+    def issue(self, engine, what: str, call, staged: Staged, async_op: bool, result,
+              seconds: float):
+        """Enqueue ``staged`` on its stream and queue ``call`` (the collective on the twins)
+        on ``engine``; returns ``result``, or a StagedWork if ``async_op``."""
+        stream = self.stream_for(staged, async_op)
+        ready = self.copy_in(staged, stream)
+        done = self.copy_out(staged, stream)
+
+        def task():
+            error = None
+            try:
+                wait_event(ready, seconds, what)
+                call()
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                self.host_part_over(staged, error)
+
+        host_work = engine.run(what, task, async_op=True)
+        return StagedWork(what, host_work, done, staged, result, self) if async_op else result
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def wait_event(event, seconds: float | None, what: str) -> None:
+    """Poll ``event`` until it has passed; raise CommTimeoutError after ``seconds``."""
+    start = time.monotonic()
+    polls = 0
+    while not event.query():
+        polls += 1
+        if polls > 1000:
+            time.sleep(50e-6)  # a long kernel before the call: stop spinning
+            if seconds and time.monotonic() - start > seconds:
+                raise CommTimeoutError(f"{what}: the GPU work before it did not finish "
+                                       f"within {seconds:g} s")
+        else:
+            os.sched_yield()
+
+
+class StagedWork(Work):
+    """A staged call's Work. Like NCCL's through torch: ``wait()`` makes the caller's
+    current stream wait for the call and returns at once; ``synchronize()`` blocks the host
+    until the results are in device memory. Both raise the call's error if it has failed
+    (wait() only if the host part is over by then)."""
+
+    def __init__(self, what: str, host_work: Work, done, staged: Staged, result, staging):
+        super().__init__(what)
+        self._done_event, self._array, self._staging = done, staged.array, staging
+        host_work.add_done_callback(lambda w: self._finish(result, w.exception()))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._raise_failure()
+        self._done_event.wait(current_stream(self._array))
+        return True
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        if not self._done.wait(timeout):
+            raise CommTimeoutError(f"{self.what} did not complete within {timeout} s")
+        self._raise_failure()
+        wait_event(self._done_event, timeout, self.what)
+        return True
+
+    def _raise_failure(self) -> None:
+        if self._exception is not None:
+            if self._staging.failure is self._exception:  # raised here: not again
+                self._staging.failure = None
+            raise self._exception
+
+    def is_completed(self) -> bool:
+        return super().is_completed() and (self._exception is not None
+                                           or self._done_event.query())

@@ -1,0 +1,161 @@
+// Stream ordering for collectives whose data passes through the host (commlib/cuda/staging.py):
+// pinned host memory, asynchronous copies, events, new streams, and a stream that waits
+// for a counter in pinned memory which the host raises (cuStreamWaitValue32). That last
+// one is what lets a collective be enqueued on the caller's stream and return at once:
+// the copies back to the device wait on the stream for the host's part to finish, and no
+// thread of ours blocks on the GPU, nor the GPU on a kernel of ours spinning.
+#include <pybind11/pybind11.h>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+void check(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(what + ": " + cudaGetErrorString(status));
+  }
+}
+
+struct OnDevice {  // as launch.cu's: the caller's current device is left as it was
+  int previous = 0, device;
+  explicit OnDevice(int device) : device(device) {
+    check(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~OnDevice() {
+    if (previous != device) cudaSetDevice(previous);
+  }
+};
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// cuStreamWaitValue32 from the driver, found through the runtime: _cuda links no libcuda.
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+WaitValue32 wait_value_entry() {
+  static WaitValue32 entry = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    check(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
+                                           &found),
+          "looking up cuStreamWaitValue32");
+    if (fn == nullptr || found != cudaDriverEntryPointSuccess)
+      throw std::runtime_error("this CUDA driver has no cuStreamWaitValue32 (stream memory "
+                               "operations); update the driver to CUDA 12 or newer");
+    return reinterpret_cast<WaitValue32>(fn);
+  }();
+  return entry;
+}
+
+class Event {
+ public:
+  explicit Event(int device) : device_(device) {
+    OnDevice on(device);
+    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~Event() { cudaEventDestroy(event_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  void record(uintptr_t stream) {
+    OnDevice on(device_);
+    check(cudaEventRecord(event_, as_stream(stream)), "cudaEventRecord");
+  }
+  // True once everything the stream held at record() has run (also if never recorded).
+  bool query() {
+    cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    check(status, "cudaEventQuery");
+    return true;
+  }
+  // Work enqueued on `stream` from now on waits for this event.
+  void wait(uintptr_t stream) {
+    OnDevice on(device_);
+    check(cudaStreamWaitEvent(as_stream(stream), event_, 0), "cudaStreamWaitEvent");
+  }
+  void synchronize() {
+    py::gil_scoped_release free;
+    check(cudaEventSynchronize(event_), "cudaEventSynchronize");
+  }
+
+ private:
+  int device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+}  // namespace
+
+void bind_streams(py::module_& m) {
+  py::class_<Event>(m, "Event", "A CUDA event on one device (timing disabled)")
+      .def(py::init<int>(), py::arg("device"))
+      .def("record", &Event::record, py::arg("stream"))
+      .def("query", &Event::query)
+      .def("wait", &Event::wait, py::arg("stream"))
+      .def("synchronize", &Event::synchronize);
+
+  m.def("host_alloc", [](size_t nbytes) {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocPortable | cudaHostAllocMapped),
+          "cudaHostAlloc of " + std::to_string(nbytes) + " pinned bytes");
+    return reinterpret_cast<uintptr_t>(p);
+  }, py::arg("nbytes"), "Pinned host memory, mapped into every device's address space");
+  m.def("host_free", [](uintptr_t p) {
+    check(cudaFreeHost(reinterpret_cast<void*>(p)), "cudaFreeHost");
+  }, py::arg("ptr"));
+
+  m.def("copy_async", [](uintptr_t dst, uintptr_t src, size_t nbytes, int device, uintptr_t stream) {
+    if (nbytes == 0) return;
+    OnDevice on(device);
+    check(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes,
+                          cudaMemcpyDefault, as_stream(stream)),
+          "cudaMemcpyAsync");
+  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"),
+     "Copy between any two of host and device memory, ordered on `stream`");
+
+  m.def("stream_create", [](int device) {
+    OnDevice on(device);
+    cudaStream_t s = nullptr;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    return reinterpret_cast<uintptr_t>(s);
+  }, py::arg("device"), "A new stream that does not synchronise with the legacy default one");
+  m.def("stream_synchronize", [](uintptr_t stream, int device) {
+    OnDevice on(device);
+    py::gil_scoped_release free;
+    check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
+  }, py::arg("stream"), py::arg("device"));
+
+  m.def("wait_value", [](uintptr_t stream, int device, uintptr_t counter, uint32_t value) {
+    OnDevice on(device);
+    void* on_device = nullptr;
+    check(cudaHostGetDevicePointer(&on_device, reinterpret_cast<void*>(counter), 0),
+          "cudaHostGetDevicePointer (the counter must be from host_alloc)");
+    CUresult status = wait_value_entry()(reinterpret_cast<CUstream>(stream),
+                                         reinterpret_cast<CUdeviceptr>(on_device), value,
+                                         CU_STREAM_WAIT_VALUE_GEQ);
+    if (status != CUDA_SUCCESS)
+      throw std::runtime_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(status));
+  }, py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
+     "Work enqueued on `stream` from now on waits until the uint32 at `counter` (pinned, "
+     "from host_alloc) reaches `value` (a cyclic >=)");
+  m.def("store_counter", [](uintptr_t counter, uint32_t value) {
+    // release: what the host wrote before (the staged results) is visible first
+    reinterpret_cast<std::atomic<uint32_t>*>(counter)->store(value, std::memory_order_release);
+  }, py::arg("counter"), py::arg("value"));
+
+  m.def("device_of", [](uintptr_t p) {
+    cudaPointerAttributes attributes;
+    check(cudaPointerGetAttributes(&attributes, reinterpret_cast<void*>(p)),
+          "cudaPointerGetAttributes");
+    if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
+      throw std::invalid_argument("the pointer is not device memory");
+    return attributes.device;
+  }, py::arg("ptr"), "The device that holds this device pointer");
+}

@@ -1,0 +1,235 @@
+"""Collectives and send/recv on GPU arrays through pinned host memory (commlib/cuda/staging.py),
+under mpiexec: results, stream order, async Works, errors.
+
+On a GPU the arrays are torch CUDA tensors. With COMMLIB_CUDA_SIMULATE=1 (no GPU) they are
+host arrays behind a __cuda_array_interface__ and streams are threads (cuda/simulator.py):
+that checks the ordering logic, not CUDA."""
+import time
+
+import numpy as np
+
+import commlib
+from commlib import cuda
+from harness import Checker, assert_equal, raises
+
+comm = commlib.init()
+n, rank = comm.size, comm.rank
+check = Checker()
+SIMULATED = cuda.simulated()
+WAIT = 60
+
+
+class _SimArray:
+    """A "device" array of the simulated GPU: host memory behind the CUDA interface."""
+
+    def __init__(self, host: np.ndarray):
+        self.host = np.ascontiguousarray(host)
+        self.__cuda_array_interface__ = {
+            "shape": self.host.shape, "typestr": self.host.dtype.str, "strides": None,
+            "data": (self.host.ctypes.data, False), "version": 3}
+
+
+def device(values, dtype="float32"):
+    """A device array holding ``values``."""
+    host = np.asarray(values, dtype=np.float64).astype(dtype)
+    if SIMULATED:
+        return _SimArray(host)
+    import torch
+    return torch.tensor(host).cuda()
+
+
+def part(x, start, stop):
+    """Elements [start, stop) of device array ``x``, sharing its memory."""
+    if SIMULATED:
+        view = _SimArray.__new__(_SimArray)
+        view.host = x.host[start:stop]
+        view.__cuda_array_interface__ = dict(x.__cuda_array_interface__, shape=view.host.shape,
+                                             data=(view.host.ctypes.data, False))
+        return view
+    return x[start:stop]
+
+
+def on_stream(fn):
+    """Run ``fn()`` on the current stream, after what it holds (a slow kernel)."""
+    if SIMULATED:
+        cuda.streams().enqueue(0, fn)
+    else:
+        fn()
+
+
+def host(x) -> np.ndarray:
+    """``x``'s values once the current stream has run everything enqueued so far."""
+    if SIMULATED:
+        cuda.streams().stream_synchronize(0, 0)
+        return x.host.astype(np.float64)
+    return x.double().cpu().numpy()
+
+
+def slow_fill(x, value):
+    """Enqueue: after a pause, fill ``x`` with ``value`` (the producer of a collective's input)."""
+    if SIMULATED:
+        def fill():
+            time.sleep(0.05)
+            x.host[:] = value
+        on_stream(fill)
+    else:
+        import torch
+        torch.cuda._sleep(50_000_000)
+        x.fill_(value)
+
+
+def copy(dst, src):
+    """Enqueue dst = src (a consumer of a collective's output)."""
+    if SIMULATED:
+        on_stream(lambda: np.copyto(dst.host, src.host))
+    else:
+        dst.copy_(src)
+
+
+def every_collective():
+    for dtype in ("float32", "int32", "float16"):
+        t = device(np.arange(7) + rank, dtype)
+        assert comm.all_reduce(t) is t
+        assert_equal(host(t), n * np.arange(7) + n * (n - 1) / 2)
+        comm.all_reduce(t := device(np.full(5, rank + 1.0), dtype), op="max")
+        assert_equal(host(t), np.full(5, float(n)))
+    comm.all_reduce(t := device(np.full(9, 2.0 * rank)), op="avg")
+    assert_equal(host(t), np.full(9, n - 1.0))
+
+    out, inp = device(np.zeros(3)), device(np.arange(3 * n) + rank)
+    comm.reduce_scatter(out, inp)
+    assert_equal(host(out), n * np.arange(3 * rank, 3 * rank + 3) + n * (n - 1) / 2)
+
+    out, inp = device(np.zeros(2 * n)), device(np.full(2, float(rank)))
+    comm.all_gather(out, inp)
+    assert_equal(host(out), np.repeat(np.arange(n, dtype=float), 2))
+
+    out, inp = device(np.zeros(n)), device(np.arange(n) + 10.0 * rank)
+    comm.all_to_all(out, inp)
+    assert_equal(host(out), np.arange(n) * 10.0 + rank)
+
+    for root in range(n):
+        comm.broadcast(t := device(np.full(4, float(rank))), root=root)
+        assert_equal(host(t), np.full(4, float(root)))
+        comm.reduce(t := device(np.full(4, 1.0 + rank)), root=root)
+        assert_equal(host(t), np.full(4, n * (n + 1) / 2 if rank == root else 1.0 + rank))
+
+
+def in_place_and_uneven():
+    whole = device(np.zeros(3 * n))
+    mine = part(whole, 3 * rank, 3 * rank + 3)
+    on_stream(lambda: None)
+    if SIMULATED:
+        mine.host[:] = rank + 1.0
+    else:
+        mine.fill_(rank + 1.0)
+    comm.all_gather(whole, mine)  # the input is the output's own block
+    assert_equal(host(whole), np.repeat(np.arange(1.0, n + 1), 3))
+
+    whole = device(np.arange(2 * n) + 1.0)
+    mine = part(whole, 2 * rank, 2 * rank + 2)
+    comm.reduce_scatter(mine, whole)  # the output is the input's own block
+    assert_equal(host(mine), n * (np.arange(2 * rank, 2 * rank + 2) + 1.0))
+
+    send_counts = [(rank + j) % 3 for j in range(n)]  # rank sends (rank + j) % 3 to j
+    recv_counts = [(j + rank) % 3 for j in range(n)]
+    inp = device(np.concatenate([np.full(c, 100.0 * rank + j) for j, c in enumerate(send_counts)]))
+    out = device(np.zeros(sum(recv_counts)))
+    comm.all_to_all(out, inp, output_splits=recv_counts, input_splits=send_counts)
+    assert_equal(host(out), np.concatenate([np.full(c, 100.0 * j + rank)
+                                            for j, c in enumerate(recv_counts)]))
+
+
+def stream_order():
+    """The call reads its input after the kernels before it on the stream, and the kernels
+    after it read its output; the call returns before the input is even written."""
+    t, seen = device(np.zeros(1000)), device(np.zeros(1000))
+    slow_fill(t, rank + 1.0)
+    start = time.monotonic()
+    comm.all_reduce(t)
+    returned = time.monotonic() - start
+    copy(seen, t)
+    assert_equal(host(seen), np.full(1000, n * (n + 1) / 2))
+    assert returned < 0.04, f"the call waited {returned:.3f} s for the stream"
+    # calls in a row: each reads what the one before wrote
+    for _ in range(3):
+        comm.all_reduce(t)
+    assert_equal(host(t), np.full(1000, n ** 3 * n * (n + 1) / 2))
+
+
+def async_works():
+    t = device(np.full(100, rank + 1.0))
+    slow_fill(t, rank + 2.0)
+    w = comm.all_reduce(t, async_op=True)
+    assert isinstance(w, commlib.Work)
+    assert w.synchronize(WAIT) is True and w.is_completed() and w.result is t
+    assert_equal(host(t), np.full(100, n * (n + 3) / 2))
+    works = [comm.all_reduce(a := device(np.full(10, 1.0)), async_op=True),
+             comm.all_gather(g := device(np.zeros(n)), device([float(rank)]), async_op=True)]
+    for w in works:
+        w.wait()  # the current stream waits for it; the host does not
+    later = device(np.zeros(10))
+    copy(later, a)
+    assert_equal(host(later), np.full(10, float(n)))
+    assert_equal(host(g), np.arange(n, dtype=float))
+
+
+def send_and_recv():
+    if n == 1:
+        return
+    right, left = (rank + 1) % n, (rank - 1) % n
+    out, got = device(np.zeros(5)), device(np.zeros(5))
+    slow_fill(out, rank * 10.0)
+    if rank % 2 == 0:
+        comm.send(out, right)
+        comm.recv(got, left)
+    else:
+        comm.recv(got, left)
+        comm.send(out, right)
+    assert_equal(host(got), np.full(5, left * 10.0))
+    r = comm.recv(got2 := device(np.zeros(3)), left, tag=3, async_op=True)
+    s = comm.send(device(np.full(3, rank + 0.5)), right, tag=3, async_op=True)
+    commlib.wait_all([r, s], timeout=WAIT)
+    assert_equal(host(got2), np.full(3, left + 0.5))
+
+
+def bad_calls():
+    raises(ValueError, "put them all on one GPU",
+           lambda: comm.all_gather(device(np.zeros(2 * n)), np.zeros(2, np.float32)))
+    raises(ValueError, "expected size * input.numel",
+           lambda: comm.all_gather(device(np.zeros(2 * n + 1)), device(np.zeros(2))))
+    t = device(np.full(3, 1.0))  # the communicator still works
+    comm.all_reduce(t)
+    assert_equal(host(t), np.full(3, float(n)))
+
+
+def a_failure_releases_the_stream_and_is_raised_next():
+    if n == 1:
+        return
+    c, c2 = comm.dup(), comm.dup()
+    if rank == 0:  # nobody else joins: they time out, and the stream must go on anyway
+        start = time.monotonic()
+        c.all_reduce(t := device(np.full(4, 1.0)), timeout=0.5)
+        host(t)
+        assert time.monotonic() - start < 30
+        raises(commlib.CommError, "an earlier collective on GPU buffers failed",
+               lambda: c.all_reduce(t))
+        raises(commlib.CommError, "unusable", lambda: c.all_reduce(t))  # the timeout's doing
+        w = c2.all_reduce(u := device(np.zeros(2)), async_op=True, timeout=0.5)
+        raises(commlib.CommTimeoutError, "timed out", lambda: w.synchronize(WAIT))
+        host(u)
+        raises(commlib.CommError, "unusable", lambda: c2.all_reduce(u))  # raised once only
+    comm.barrier()
+
+
+def a_mismatch_is_raised_by_the_next_call():
+    if n == 1:
+        return
+    c = comm.dup()
+    c.all_reduce(t := device(np.zeros(4 if rank == 0 else 5)))  # returns; fails on the host
+    host(t)  # the stream goes on
+    raises(commlib.CommError, "an earlier collective on GPU buffers failed",
+           lambda: c.all_reduce(device(np.zeros(3))))
+
+
+check.run_cases(globals())
