@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from glob import glob
 from pathlib import Path
 
@@ -53,7 +54,7 @@ ARCHS = [a.strip() for a in os.environ.get("COMMLIB_CUDA_ARCHS", "80;90").split(
 NVCC_FLAGS = ["-O3", "-std=c++17",
               *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
               f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
-CUDA_UNITS = ["csrc/cuda/launch.cu", "csrc/cuda/streams.cu"]  # launch.cu includes kernels.cu
+CUDA_UNITS = ["csrc/cuda/launch.cu", "csrc/cuda/streams.cu", "csrc/cuda/ipc.cu"]  # launch.cu includes kernels.cu
 CUDA_SOURCES = [*CUDA_UNITS, "commlib/cuda/kernels.cu"]
 
 if NVCC:
@@ -68,8 +69,9 @@ class BuildExt(build_ext):
     """build_ext that first compiles _cuda's CUDA units with nvcc into objects to link."""
 
     def build_extension(self, ext):
-        if ext.name == "commlib._cuda":
-            ext.extra_objects = [self.nvcc_compile(unit) for unit in CUDA_UNITS]
+        if ext.name == "commlib._cuda":  # the units at once: each takes nvcc tens of seconds
+            with ThreadPoolExecutor(len(CUDA_UNITS)) as pool:
+                ext.extra_objects = list(pool.map(self.nvcc_compile, CUDA_UNITS))
         super().build_extension(ext)
 
     def nvcc_compile(self, unit: str) -> str:

@@ -17,6 +17,7 @@ from .calls import (NONE, REDUCING, check_timeout,
                     descriptor, invalid_descriptor)
 from .errors import CollectiveMismatchError, CommError
 from .ops import ReduceOp
+from .cuda import ipc
 from .work import Deadline, finished, in_thread, wait_request
 
 # the codes the fast path (comm._fast.call) takes
@@ -187,12 +188,37 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
         return t
     try:
         buf = as_buffer(t, "t")
+        reduce_op = ReduceOp.parse(op, buf.dtype)
+        if algorithm in (None, "ipc") and ipc.usable(comm, buf):  # GPU peers on one host
+            return _all_reduce_ipc(comm, t, buf, reduce_op, async_op, timeout)
+        if algorithm == "ipc":
+            raise ValueError("all_reduce: algorithm='ipc' needs a CUDA array and 2 to "
+                             f"{ipc.MAX_RANKS} ranks of one host sharing memory")
         call = _prepare(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
-                        ReduceOp.parse(op, buf.dtype), {}, timeout)
+                        reduce_op, {}, timeout)
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "all_reduce", e)
         raise
     return _run(comm, "all_reduce", call, async_op, t)
+
+
+def _all_reduce_ipc(comm, t, buf, op, async_op, timeout):
+    """all_reduce of GPU memory through CUDA IPC (cuda/ipc.py); the staged path where some
+    rank cannot map its peers' memory."""
+    seconds = comm.timeout if timeout is None else check_timeout(timeout)
+    staging = comm.staging
+    staging.raise_failure()
+    if comm._failure is not None:
+        raise comm._unusable()
+    op_code = _C.OPS[op.value]
+    setup_desc = descriptor("all_reduce", "ipcsetup", buf.numel, buf.dtype.code, op_code, NONE)
+    gpu = staging.ipc(comm, buf.device.device, setup_desc, buf.dtype.itemsize, seconds)
+    if gpu is None:
+        call = _prepare(comm, "all_reduce", None, {"out": buf}, buf.numel, buf.dtype, op, {},
+                        timeout)
+        return _run(comm, "all_reduce", call, async_op, t)
+    return gpu.issue(comm, staging, buf, buf.dtype, op_code, op is ReduceOp.AVG, async_op, t,
+                     seconds, "all_reduce (ipc)")
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):

@@ -34,6 +34,7 @@ def test_every_kernel_the_launchers_name_is_defined():
     assert defined == {"f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64"}
     for op in ("sum", "prod", "min", "max"):
         assert f"COMMLIB_REDUCE(name, T, {op}," in src
+        assert f"COMMLIB_REDUCE_N(name, T, {op}," in src
     assert set(re.findall(r"^COMMLIB_CASTS_FROM\((\w+),", src, re.M)) == {"f16", "bf16", "f32", "f64"}
 
 
@@ -64,7 +65,8 @@ def test_kernels_compile_with_nvrtc(arch):
     nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size))
     ptx = ctypes.create_string_buffer(ptx_size.value)
     nvrtc.nvrtcGetPTX(prog, ptx)
-    for name in ("commlib_reduce_bf16_max", "commlib_cast_f32_f16", "commlib_copy"):
+    for name in ("commlib_reduce_bf16_max", "commlib_reduce_n_i8_prod", "commlib_cast_f32_f16",
+                 "commlib_copy"):
         assert f".entry {name}(" in ptx.value.decode()
     nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -174,23 +176,41 @@ def test_cupy_arrays():
     assert bool((out == a).all())
 
 
+SIMULATED = {"COMMLIB_CUDA_SIMULATE": "1"}
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
-    """The staged calls' ordering (cuda/staging.py): results, stream order, async Works,
-    failures releasing the stream, with "device" arrays in host memory and streams run by
-    threads (cuda/simulator.py). Whether CUDA does the same is for the GPU tests below."""
-    run_checked(n, "tests/mpi/cuda_staged.py", env={"COMMLIB_CUDA_SIMULATE": "1"})
+    """The staged and IPC calls' ordering (cuda/staging.py, cuda/ipc.py): results, stream
+    order, async Works, failures releasing the stream, with "device" arrays in host memory,
+    streams run by threads and IPC memory in POSIX shared memory (cuda/simulator.py).
+    Whether CUDA does the same is for the GPU tests below."""
+    run_checked(n, "tests/mpi/cuda_staged.py", env=SIMULATED)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_ipc_all_reduce_in_many_two_shot_steps_on_a_simulated_gpu(n):
+    """4 KiB slots: a call takes many steps, each reduced in two shots."""
+    run_checked(n, "tests/mpi/cuda_staged.py", env={
+        **SIMULATED, "COMMLIB_CUDA_IPC_SLOT_BYTES": "4096", "COMMLIB_CUDA_IPC_ONE_SHOT_BYTES": "0"})
+
+
+def test_staged_all_reduce_on_a_simulated_gpu():
+    """COMMLIB_CUDA_IPC=0: all_reduce staged through host memory like the others."""
+    run_checked(3, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_CUDA_IPC": "0"})
 
 
 def test_calls_on_gpu_memory_on_a_simulated_gpu_over_mpi():
     """As between hosts: the twins go through the mpi4py executor."""
-    run_checked(3, "tests/mpi/cuda_staged.py",
-                env={"COMMLIB_CUDA_SIMULATE": "1", "COMMLIB_TRANSPORT": "mpi"})
+    run_checked(3, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_TRANSPORT": "mpi"})
 
 
 @gpu
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_calls_on_gpu_memory(n):
+@pytest.mark.parametrize("n,env", [(1, {}), (2, {}), (3, {}),
+                                   (3, {"COMMLIB_CUDA_IPC_SLOT_BYTES": "4096",
+                                        "COMMLIB_CUDA_IPC_ONE_SHOT_BYTES": "0"}),
+                                   (2, {"COMMLIB_CUDA_IPC": "0"})], ids=str)
+def test_calls_on_gpu_memory(n, env):
     """torch CUDA tensors; the ranks share device 0."""
     pytest.importorskip("torch")
-    run_checked(n, "tests/mpi/cuda_staged.py")
+    run_checked(n, "tests/mpi/cuda_staged.py", env=env)

@@ -1,4 +1,5 @@
-// Device kernels of commlib's GPU path: elementwise reduce, scale, copy and cast.
+// Device kernels of commlib's GPU path: elementwise reduce (of two arrays, or of up to 16
+// peers' arrays read through CUDA IPC), scale, copy and cast.
 //
 // One source, two compilers: nvcc builds it into commlib._cuda (csrc/cuda/launch.cu
 // includes it), and where commlib was built without CUDA, commlib/cuda/runtime.py compiles
@@ -120,6 +121,44 @@ __device__ void reduce(T* dst, const T* a, const T* b, i64 n) {
     dst[i] = E::store(Op::template apply<E>(E::load(a[i]), E::load(b[i])));
 }
 
+// Up to kMaxSources arrays, passed by value (a kernel parameter, no device array to fill).
+constexpr int kMaxSources = 16;
+struct Sources { const void* p[kMaxSources]; };
+
+// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i], the sources in rank order (so every
+// rank computes the same bits). dst may be one of the sources.
+template <class T, class Op>
+__device__ void reduce_n(T* dst, Sources src, int n, i64 count) {
+  typedef Elem<T> E;
+  const int per = sizeof(Vector) / sizeof(T);
+  bool all_aligned = aligned(dst);
+  for (int k = 0; k < n; ++k) all_aligned = all_aligned && aligned(src.p[k]);
+  const i64 vectors = all_aligned ? count / per : 0;
+  for (i64 v = first_index(); v < vectors; v += stride()) {
+    Vector x = reinterpret_cast<const Vector*>(src.p[0])[v];
+    typename E::C acc[sizeof(Vector) / sizeof(T)];
+    const T* xs = reinterpret_cast<const T*>(&x);
+#pragma unroll
+    for (int i = 0; i < per; ++i) acc[i] = E::load(xs[i]);
+    for (int k = 1; k < n; ++k) {
+      Vector y = reinterpret_cast<const Vector*>(src.p[k])[v];
+      const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+      for (int i = 0; i < per; ++i) acc[i] = Op::template apply<E>(acc[i], E::load(ys[i]));
+    }
+    Vector z;
+    T* zs = reinterpret_cast<T*>(&z);
+#pragma unroll
+    for (int i = 0; i < per; ++i) zs[i] = E::store(acc[i]);
+    reinterpret_cast<Vector*>(dst)[v] = z;
+  }
+  for (i64 i = vectors * per + first_index(); i < count; i += stride()) {
+    typename E::C acc = E::load(static_cast<const T*>(src.p[0])[i]);
+    for (int k = 1; k < n; ++k) acc = Op::template apply<E>(acc, E::load(static_cast<const T*>(src.p[k])[i]));
+    dst[i] = E::store(acc);
+  }
+}
+
 // x[i] *= factor (avg: the sum divided by the number of ranks).
 template <class T>
 __device__ void scale(T* x, double factor, i64 n) {
@@ -178,11 +217,20 @@ __device__ void copy(char* dst, const char* src, i64 nbytes) {
                                                           long long n) {                    \
     commlib_cuda::reduce<T, commlib_cuda::Op>(d, a, b, n);                                  \
   }
+#define COMMLIB_REDUCE_N(name, T, op, Op)                                                   \
+  extern "C" __global__ void commlib_reduce_n_##name##_##op(T* d, commlib_cuda::Sources s,  \
+                                                            int n, long long count) {       \
+    commlib_cuda::reduce_n<T, commlib_cuda::Op>(d, s, n, count);                            \
+  }
 #define COMMLIB_DTYPE(name, T)                                                              \
   COMMLIB_REDUCE(name, T, sum, Sum)                                                         \
   COMMLIB_REDUCE(name, T, prod, Prod)                                                       \
   COMMLIB_REDUCE(name, T, min, Min)                                                         \
-  COMMLIB_REDUCE(name, T, max, Max)
+  COMMLIB_REDUCE(name, T, max, Max)                                                         \
+  COMMLIB_REDUCE_N(name, T, sum, Sum)                                                       \
+  COMMLIB_REDUCE_N(name, T, prod, Prod)                                                     \
+  COMMLIB_REDUCE_N(name, T, min, Min)                                                       \
+  COMMLIB_REDUCE_N(name, T, max, Max)
 COMMLIB_DTYPE(f16, commlib_cuda::f16)
 COMMLIB_DTYPE(bf16, commlib_cuda::bf16)
 COMMLIB_DTYPE(f32, float)
@@ -192,6 +240,7 @@ COMMLIB_DTYPE(u8, unsigned char)
 COMMLIB_DTYPE(i32, int)
 COMMLIB_DTYPE(i64, long long)
 #undef COMMLIB_DTYPE
+#undef COMMLIB_REDUCE_N
 #undef COMMLIB_REDUCE
 
 // Scaling (avg) and casts, between the floating types (mixed-precision communication).

@@ -39,6 +39,16 @@ class NvrtcKernels:
         self._launch(f"commlib_reduce_{_DTYPES[dtype]}_{_OPS[op]}", work,
                      (np.uint64(dst), np.uint64(a), np.uint64(b), np.int64(count)), device, stream)
 
+    def reduce_n(self, dst, sources, count, dtype, op, device, stream):
+        if not 1 <= len(sources) <= 16:
+            raise ValueError(f"reduce_n: 1 to 16 sources, got {len(sources)}")
+        # the kernel's Sources parameter, by value: CuPy passes a structured scalar as a struct
+        table = np.zeros(1, dtype=[("p", np.uint64, 16)])[0]
+        table["p"][:len(sources)] = sources
+        work = math.ceil(count * ITEMSIZES[dtype] / 16)
+        self._launch(f"commlib_reduce_n_{_DTYPES[dtype]}_{_OPS[op]}", work,
+                     (np.uint64(dst), table, np.int32(len(sources)), np.int64(count)), device, stream)
+
     def scale(self, x, factor, count, dtype, device, stream):
         self._launch(f"commlib_scale_{_DTYPES[dtype]}", math.ceil(count * ITEMSIZES[dtype] / 16),
                      (np.uint64(x), np.float64(factor), np.int64(count)), device, stream)

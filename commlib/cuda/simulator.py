@@ -1,21 +1,29 @@
-"""A simulated GPU with the stream calls of commlib._cuda (streams.cu), chosen by
-COMMLIB_CUDA_SIMULATE=1: it lets the staged collectives' ordering (staging.py) be tested
-on machines without a GPU. "Device" memory is host memory, so any object with a
-``__cuda_array_interface__`` over host memory serves as a device array (on device 0, the
-legacy default stream 0), and each stream is a thread that runs its operations in order,
-as a GPU runs a stream's. Tests make slow "kernels" with ``enqueue``.
+"""A simulated GPU with the calls of commlib._cuda that the collectives make (streams.cu,
+ipc.cu, reduce_n and scale), chosen by COMMLIB_CUDA_SIMULATE=1: it lets the staged and
+IPC collectives' ordering (staging.py, ipc.py) be tested on machines without a GPU.
+"Device" memory is host memory, so any object with a ``__cuda_array_interface__`` over
+host memory serves as a device array (on device 0, the legacy default stream 0); memory
+from device_alloc is POSIX shared memory, which peers map by its name (the IPC handle).
+Each stream is a thread that runs its operations in order, as a GPU runs a stream's.
+Tests make slow "kernels" with ``enqueue``.
 
 It checks the ordering logic only; whether CUDA does what streams.cu asks of it is for the
 GPU tests."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import queue
 import threading
 import time
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
+
+# numpy's dtypes by commlib code (no bfloat16 in numpy), and its reductions by op code
+_NUMPY = (np.float16, None, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64)
+_REDUCE = (np.add, np.multiply, np.minimum, np.maximum, np.add)
 
 
 def _spin_until(condition) -> None:
@@ -63,6 +71,9 @@ class SimulatedDevice:
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._memory: dict[int, np.ndarray] = {}
+        self._shared: dict[int, shared_memory.SharedMemory] = {}  # device_alloc's, and mapped
+        self._owned: set[int] = set()  # device_alloc's: unlinked at exit if not freed
+        atexit.register(self._unlink_owned)
 
     def enqueue(self, stream: int, op) -> None:
         """Run ``op()`` on ``stream``'s thread after what the stream already holds."""
@@ -107,3 +118,79 @@ class SimulatedDevice:
     @staticmethod
     def device_of(ptr: int) -> int:
         return 0
+
+    # kernels
+    @staticmethod
+    def _array(ptr: int, count: int, dtype: int) -> np.ndarray:
+        if _NUMPY[dtype] is None:
+            raise TypeError("the simulated GPU has no bfloat16")
+        kind = np.dtype(_NUMPY[dtype])
+        raw = (ctypes.c_uint8 * (count * kind.itemsize)).from_address(ptr)
+        return np.frombuffer(raw, kind)
+
+    def reduce_n(self, dst, sources, count, dtype, op, device, stream) -> None:
+        def run():
+            out = self._array(dst, count, dtype)
+            arrays = [self._array(p, count, dtype) for p in sources]
+            acc = arrays[0].copy()
+            for a in arrays[1:]:
+                _REDUCE[op](acc, a, out=acc)
+            out[:] = acc
+        self.enqueue(stream, run)
+
+    def scale(self, x, factor, count, dtype, device, stream) -> None:
+        def run():
+            a = self._array(x, count, dtype)
+            a[:] = (a * factor).astype(a.dtype)
+        self.enqueue(stream, run)
+
+    # IPC: device memory in POSIX shared memory, mapped by name
+    def _share(self, segment) -> int:
+        ptr = ctypes.addressof(ctypes.c_uint8.from_buffer(segment.buf))
+        self._shared[ptr] = segment
+        return ptr
+
+    def device_alloc(self, nbytes: int, device: int) -> int:
+        ptr = self._share(shared_memory.SharedMemory(create=True, size=max(nbytes, 1)))
+        self._owned.add(ptr)
+        return ptr
+
+    def device_free(self, ptr: int, device: int) -> None:
+        self._owned.discard(ptr)
+        segment = self._shared.pop(ptr)
+        segment.unlink()
+        _close(segment)
+
+    def _unlink_owned(self) -> None:
+        for ptr in list(self._owned):
+            self.device_free(ptr, 0)
+
+    def ipc_handle(self, ptr: int, device: int) -> bytes:
+        return self._shared[ptr].name.encode().ljust(64, b"\0")
+
+    def ipc_open(self, handle: bytes, device: int) -> int:
+        segment = shared_memory.SharedMemory(name=handle.rstrip(b"\0").decode())
+        resource_tracker.unregister(segment._name, "shared_memory")  # its owner unlinks it
+        return self._share(segment)
+
+    def ipc_close(self, ptr: int, device: int) -> None:
+        _close(self._shared.pop(ptr))
+
+    @staticmethod
+    def can_access(device: int, peer: int) -> bool:
+        return True
+
+    @staticmethod
+    def device_uuid(device: int) -> bytes:
+        return b"simulated gpu 0".ljust(16, b"\0")
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+
+def _close(segment) -> None:
+    try:
+        segment.close()
+    except BufferError:  # a numpy view still points into it: the mapping goes at exit
+        pass

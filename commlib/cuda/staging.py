@@ -142,6 +142,8 @@ class Staging:
         self.runtime = streams()
         self.pool = HostPool(self.runtime)
         self._side: dict[int, int] = {}  # device -> side stream
+        self._ipc: dict = {}  # device -> ipc.IpcAllReduce
+        self._kept: list = []  # (event, user arrays the stream uses until it passes)
         self.failure: BaseException | None = None  # of a call nobody waits for
 
     def raise_failure(self) -> None:
@@ -188,7 +190,15 @@ class Staging:
         done = rt.Event(staged.device)
         done.record(stream)
         self.pool.give(staged.block, done)
+        self.keep_until(done, [b.obj for b in staged.bufs.values()])
         return done
+
+    def keep_until(self, done, arrays: list) -> None:
+        """Keep the user's ``arrays`` alive until ``done`` has passed: the stream still
+        writes into them after the call returns, and their memory must not be freed and
+        handed out meanwhile (a framework's allocator may reuse it on another stream)."""
+        self._kept = [k for k in self._kept if not k[0].query()]
+        self._kept.append((done, arrays))
 
     def copy_to_host_now(self, staged: Staged, seconds: float, what: str) -> None:
         """Copy what the call reads to its twins once its stream gets there, and wait."""
@@ -231,7 +241,27 @@ class Staging:
         host_work = engine.run(what, task, async_op=True)
         return StagedWork(what, host_work, done, staged, result, self) if async_op else result
 
+    def ipc(self, comm, device: int, desc: list, itemsize: int, seconds: float):
+        """The communicator's IPC all-reduce on ``device`` (None where some rank cannot
+        map the others' memory), set up at its first call: after the ranks agree on that
+        call, so that a rank that made another one cannot leave the others waiting."""
+        if device not in self._ipc:
+            from .ipc import IpcAllReduce
+            ipc = IpcAllReduce(self.runtime, comm, device)
+
+            def set_up():
+                comm._executor.set_timeout(seconds)
+                comm._executor.transport.agree(desc, [], [], itemsize)
+                ipc.set_up(comm._executor.group)
+            comm._engine.run("all_reduce (ipc set-up)", set_up, async_op=False)
+            self._ipc[device] = ipc
+        ipc = self._ipc[device]
+        return ipc if ipc.usable else None
+
     def close(self) -> None:
+        for ipc in self._ipc.values():
+            ipc.close()
+        self._ipc.clear()
         self.pool.close()
 
 

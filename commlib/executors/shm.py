@@ -132,6 +132,7 @@ class ShmExecutor:
                             "set COMMLIB_TRANSPORT=mpi to run without it")
         self.transport = transport
         self.timeout = transport.timeout
+        self.group = group  # for later set-ups among the same ranks (cuda/ipc.py)
 
     plan = staticmethod(plan_for)
 

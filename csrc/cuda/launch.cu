@@ -4,17 +4,20 @@
 // cuda_stream), with the index of the device the arrays live on; every launch returns at
 // once, ordered on that stream like NCCL's calls.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../../commlib/cuda/kernels.cu"
 
 namespace py = pybind11;
 
 void bind_streams(py::module_& m);  // streams.cu
+void bind_ipc(py::module_& m);      // ipc.cu
 
 namespace {
 
@@ -31,6 +34,14 @@ enum Op { SUM, PROD, MIN, MAX, AVG, NOPS };
 const Kernel kReduce[NDTYPES][NOPS] = {COMMLIB_ROW(f16), COMMLIB_ROW(bf16), COMMLIB_ROW(f32),
                                        COMMLIB_ROW(f64), COMMLIB_ROW(i8),   COMMLIB_ROW(u8),
                                        COMMLIB_ROW(i32), COMMLIB_ROW(i64)};
+#undef COMMLIB_ROW
+#define COMMLIB_ROW(name)                                                                   \
+  {(Kernel)commlib_reduce_n_##name##_sum, (Kernel)commlib_reduce_n_##name##_prod,          \
+   (Kernel)commlib_reduce_n_##name##_min, (Kernel)commlib_reduce_n_##name##_max,           \
+   (Kernel)commlib_reduce_n_##name##_sum}
+const Kernel kReduceN[NDTYPES][NOPS] = {COMMLIB_ROW(f16), COMMLIB_ROW(bf16), COMMLIB_ROW(f32),
+                                        COMMLIB_ROW(f64), COMMLIB_ROW(i8),   COMMLIB_ROW(u8),
+                                        COMMLIB_ROW(i32), COMMLIB_ROW(i64)};
 #undef COMMLIB_ROW
 const Kernel kScale[] = {(Kernel)commlib_scale_f16, (Kernel)commlib_scale_bf16,
                          (Kernel)commlib_scale_f32, (Kernel)commlib_scale_f64};
@@ -102,6 +113,22 @@ PYBIND11_MODULE(_cuda, m) {
   }, py::arg("dst"), py::arg("a"), py::arg("b"), py::arg("count"), py::arg("dtype"),
      py::arg("op"), py::arg("device"), py::arg("stream"));
 
+  m.def("reduce_n", [](uintptr_t dst, std::vector<uintptr_t> sources, long long count, int dtype,
+                       int op, int device, uintptr_t stream) {
+    check_dtype(dtype, NDTYPES, "reduce_n");
+    if (op < 0 || op >= NOPS) throw std::invalid_argument("reduce_n: unknown op code " + std::to_string(op));
+    if (sources.empty() || sources.size() > size_t(commlib_cuda::kMaxSources))
+      throw std::invalid_argument("reduce_n: 1 to " + std::to_string(commlib_cuda::kMaxSources) +
+                                  " sources, got " + std::to_string(sources.size()));
+    commlib_cuda::Sources src{};
+    for (size_t k = 0; k < sources.size(); ++k) src.p[k] = reinterpret_cast<const void*>(sources[k]);
+    int n = int(sources.size());
+    void* args[] = {&dst, &src, &n, &count};
+    launch(kReduceN[dtype][op], vectors(count, kItemsize[dtype]), args, device, stream, "reduce_n kernel");
+  }, py::arg("dst"), py::arg("sources"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+     py::arg("device"), py::arg("stream"),
+     "dst = sources[0] op ... op sources[n-1] elementwise (n <= 16; dst may be a source)");
+
   m.def("scale", [](uintptr_t x, double factor, long long count, int dtype, int device, uintptr_t stream) {
     check_dtype(dtype, 4, "scale (floating dtypes only)");
     void* args[] = {&x, &factor, &count};
@@ -133,6 +160,7 @@ PYBIND11_MODULE(_cuda, m) {
   }, "CUDA devices this process sees (0 without a driver or a device)");
 
   bind_streams(m);
+  bind_ipc(m);
 
   py::dict info;
   info["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." +

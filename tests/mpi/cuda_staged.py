@@ -4,6 +4,7 @@ under mpiexec: results, stream order, async Works, errors.
 On a GPU the arrays are torch CUDA tensors. With COMMLIB_CUDA_SIMULATE=1 (no GPU) they are
 host arrays behind a __cuda_array_interface__ and streams are threads (cuda/simulator.py):
 that checks the ordering logic, not CUDA."""
+import os
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ comm = commlib.init()
 n, rank = comm.size, comm.rank
 check = Checker()
 SIMULATED = cuda.simulated()
+IPC = n > 1 and comm.transport == "shm" and os.environ.get("COMMLIB_CUDA_IPC") != "0"
 WAIT = 60
 
 
@@ -115,6 +117,38 @@ def every_collective():
         assert_equal(host(t), np.full(4, n * (n + 1) / 2 if rank == root else 1.0 + rank))
 
 
+def all_reduce_every_size_dtype_op():
+    """Through CUDA IPC at 2+ ranks on one host (one or more steps, one- or two-shot as the
+    environment sets them), else staged."""
+    for count in (0, 1, 5, 1000, 10007):
+        for dtype in ("float32", "float16", "float64", "int32", "int8", "uint8"):
+            ops = ("sum", "max", "min", "prod") + (("avg",) if dtype.startswith("float") else ())
+            for op in ops:
+                values = (np.arange(count) * 7 + rank * 5) % 9 - (0 if dtype == "uint8" else 4)
+                if op == "prod":
+                    values = np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if rank else -1 if dtype != "uint8" else 1)
+                t = device(values, dtype)
+                comm.all_reduce(t, op=op)
+                if IPC:
+                    slot = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", 16 << 20))
+                    chunk = min(count * np.dtype(dtype).itemsize, slot)
+                    one = n == 2 or chunk <= int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
+                                                                256 << 10))
+                    assert comm.flight_record()[-1]["algorithm"] == ("oneshot" if one else "twoshot")
+                every = [((np.arange(count) * 7 + r * 5) % 9 - (0 if dtype == "uint8" else 4))
+                         if op != "prod" else
+                         np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if r else -1 if dtype != "uint8" else 1)
+                         for r in range(n)]
+                want = {"sum": sum, "avg": lambda v: sum(v) / n,
+                        "max": lambda v: np.max(v, axis=0), "min": lambda v: np.min(v, axis=0),
+                        "prod": lambda v: np.prod(v, axis=0)}[op](np.array(every).reshape(n, count))
+                got = host(t)
+                if op == "avg":
+                    assert np.allclose(got, want, atol=1e-2), (count, dtype, op)
+                else:
+                    assert_equal(got, np.asarray(want, np.float64).astype(dtype).astype(np.float64))
+
+
 def in_place_and_uneven():
     whole = device(np.zeros(3 * n))
     mine = part(whole, 3 * rank, 3 * rank + 3)
@@ -207,6 +241,8 @@ def a_failure_releases_the_stream_and_is_raised_next():
     if n == 1:
         return
     c, c2 = comm.dup(), comm.dup()
+    for d in (c, c2):  # the first all_reduce sets up IPC, collectively, before it returns
+        d.all_reduce(device(np.ones(2)))
     if rank == 0:  # nobody else joins: they time out, and the stream must go on anyway
         start = time.monotonic()
         c.all_reduce(t := device(np.full(4, 1.0)), timeout=0.5)
@@ -226,6 +262,7 @@ def a_mismatch_is_raised_by_the_next_call():
     if n == 1:
         return
     c = comm.dup()
+    c.all_reduce(device(np.ones(2)))  # sets up IPC, collectively, before it returns
     c.all_reduce(t := device(np.zeros(4 if rank == 0 else 5)))  # returns; fails on the host
     host(t)  # the stream goes on
     raises(commlib.CommError, "an earlier collective on GPU buffers failed",

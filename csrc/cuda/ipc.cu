@@ -1,0 +1,81 @@
+// CUDA IPC for commlib/cuda/ipc.py: device memory that peer processes map once per
+// communicator, and whether one device can reach another's memory. Handles travel as bytes.
+#include <pybind11/pybind11.h>
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+void check(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(what + ": " + cudaGetErrorString(status));
+  }
+}
+
+struct OnDevice {  // as launch.cu's
+  int previous = 0, device;
+  explicit OnDevice(int device) : device(device) {
+    check(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~OnDevice() {
+    if (previous != device) cudaSetDevice(previous);
+  }
+};
+
+}  // namespace
+
+void bind_ipc(py::module_& m) {
+  m.def("device_alloc", [](size_t nbytes, int device) {
+    OnDevice on(device);
+    void* p = nullptr;
+    check(cudaMalloc(&p, nbytes), "cudaMalloc of " + std::to_string(nbytes) + " bytes");
+    return reinterpret_cast<uintptr_t>(p);
+  }, py::arg("nbytes"), py::arg("device"), "Device memory that peers may map (ipc_handle)");
+  m.def("device_free", [](uintptr_t p, int device) {
+    OnDevice on(device);
+    check(cudaFree(reinterpret_cast<void*>(p)), "cudaFree");
+  }, py::arg("ptr"), py::arg("device"));
+
+  m.def("ipc_handle", [](uintptr_t p, int device) {
+    OnDevice on(device);
+    cudaIpcMemHandle_t handle;
+    check(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(p)), "cudaIpcGetMemHandle");
+    return py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  }, py::arg("ptr"), py::arg("device"), "The handle a peer process maps `ptr` with (device_alloc's)");
+  m.def("ipc_open", [](py::bytes handle_bytes, int device) {
+    std::string raw = handle_bytes;
+    cudaIpcMemHandle_t handle;
+    if (raw.size() != sizeof(handle)) throw std::invalid_argument("not a CUDA IPC memory handle");
+    std::memcpy(&handle, raw.data(), sizeof(handle));
+    OnDevice on(device);
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess),
+          "cudaIpcOpenMemHandle (a peer's workspace)");
+    return reinterpret_cast<uintptr_t>(p);
+  }, py::arg("handle"), py::arg("device"), "A peer's memory, mapped into this process on `device`");
+  m.def("ipc_close", [](uintptr_t p, int device) {
+    OnDevice on(device);
+    check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(p)), "cudaIpcCloseMemHandle");
+  }, py::arg("ptr"), py::arg("device"));
+
+  m.def("can_access", [](int device, int peer) {
+    if (device == peer) return true;
+    int can = 0;
+    check(cudaDeviceCanAccessPeer(&can, device, peer), "cudaDeviceCanAccessPeer");
+    return can != 0;
+  }, py::arg("device"), py::arg("peer"), "Whether kernels on `device` can read `peer`'s memory");
+
+  m.def("device_uuid", [](int device) {
+    cudaDeviceProp prop;
+    check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    return py::bytes(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+  }, py::arg("device"), "The device's UUID: ranks compare them (device indices are per process)");
+}
