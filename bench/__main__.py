@@ -4,6 +4,7 @@
     mpiexec -n 2 python -m bench all_reduce --algo all   # nccl-tests style sweep
     mpiexec -n 2 python -m bench latency|bandwidth|bibw  # OSU point-to-point
     mpiexec -n 2 python -m bench overlap                 # OSU osu_iallreduce overlap
+    mpiexec -n 2 python -m bench gpu-overlap             # a matmul with an all_reduce beside it
     mpiexec -n 2 python -m bench calibrate               # fit the cost model, write tuning file
     python -m bench kernels                              # reduce kernel vs numpy and memcpy
     python -m bench gpu-kernels                          # GPU kernels vs a device copy
@@ -11,12 +12,13 @@
 import argparse
 import sys
 
-from . import calibrate, collective, compare, gpu_kernels, kernels, overlap, p2p
+from . import (calibrate, collective, compare, gpu_kernels, gpu_overlap, kernels, overlap,
+               p2p)
 from .specs import SPECS
 
 COMMANDS = {**{name: collective for name in SPECS}, "latency": p2p, "bandwidth": p2p,
             "bibw": p2p, "overlap": overlap, "compare": compare, "calibrate": calibrate,
-            "kernels": kernels, "gpu-kernels": gpu_kernels}
+            "kernels": kernels, "gpu-kernels": gpu_kernels, "gpu-overlap": gpu_overlap}
 ONE_PROCESS = ("kernels", "gpu-kernels")  # no communicator
 
 
