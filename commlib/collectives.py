@@ -450,7 +450,7 @@ def _recv_staged(comm, t, buf, src, tag, async_op, deadline):
     from .cuda.staging import StagedWork
     staging = comm.staging
     staged = staging.stage({"t": buf}, [], ["t"])
-    done = staging.copy_out(staged, staging.stream_for(staged, async_op))
+    done = staging.copy_out(staged, staging.stream_for(staged.array, async_op))
     try:
         work = _recv_host(comm, t, staged.host["t"], src, tag, True, deadline)
     except BaseException as e:
@@ -459,7 +459,7 @@ def _recv_staged(comm, t, buf, src, tag, async_op, deadline):
     # a blocking receive raises its own error; nobody would raise an async one's
     work.add_done_callback(lambda w: staging.host_part_over(staged, w.exception(), async_op))
     if async_op:
-        return StagedWork(f"recv from rank {src}", work, done, staged, t, staging)
+        return StagedWork(f"recv from rank {src}", work, done, staged.array, t, staging)
     work.wait()
     return t
 

@@ -130,7 +130,7 @@ class IpcAllReduce:
         """Enqueue the all_reduce of ``buf`` (in place) and queue its host part on the
         communicator's engine; returns ``result``, or a StagedWork if ``async_op``."""
         rt, device, size, itemsize = self.rt, self.device, self.size, dtype.itemsize
-        stream = staging.stream_for(_StreamOf(buf.device), async_op)
+        stream = staging.stream_for(buf.device, async_op)
         per_step = self.slot_bytes // itemsize
         count = buf.numel
         nsteps = max(1, -(-count // per_step))
@@ -207,15 +207,8 @@ class IpcAllReduce:
 
         host_work = comm._engine.run(what, task, async_op=True)
         if async_op:
-            return StagedWork(what, host_work, done, _StreamOf(buf.device), result, staging)
+            return StagedWork(what, host_work, done, buf.device, result, staging)
         return result
-
-
-class _StreamOf:
-    """What staging.stream_for and StagedWork read of a call: its device array."""
-
-    def __init__(self, array):
-        self.device, self.stream, self.array = array.device, array.stream, array
 
 
 def _parts(n: int, size: int, itemsize: int) -> list[tuple[int, int]]:

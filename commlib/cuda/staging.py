@@ -117,7 +117,7 @@ class Staged:
         self.reads, self.writes = reads, writes
         first = next(iter(bufs.values())).device
         self.device, self.stream = first.device, first.stream
-        self.array = first  # for the framework's current stream at wait()
+        self.array = first  # the first buffer's cuda.DeviceArray: device, stream, framework
         # the largest first, so that a buffer inside another becomes a part of its twin
         order = sorted(bufs, key=lambda name: -bufs[name].nbytes)
         offsets, end = {}, 0
@@ -156,16 +156,17 @@ class Staging:
     def stage(self, bufs: dict, reads: list, writes: list) -> Staged:
         return Staged(self.pool, bufs, reads, writes)
 
-    def stream_for(self, staged: Staged, async_op: bool) -> int:
-        """The caller's stream; with async_op, the side stream, made to wait for what the
-        caller's holds (so that the caller's stream never waits for this call unasked)."""
+    def stream_for(self, array, async_op: bool) -> int:
+        """Where a call on device ``array`` (a cuda.DeviceArray) runs: the caller's stream;
+        with async_op, the side stream, made to wait for what the caller's holds (so that
+        the caller's stream never waits for this call unasked)."""
         if not async_op:
-            return staged.stream
-        device = staged.device
+            return array.stream
+        device = array.device
         if device not in self._side:
             self._side[device] = self.runtime.stream_create(device)
         caller = self.runtime.Event(device)
-        caller.record(staged.stream)
+        caller.record(array.stream)
         caller.wait(self._side[device])
         return self._side[device]
 
@@ -223,7 +224,7 @@ class Staging:
               seconds: float):
         """Enqueue ``staged`` on its stream and queue ``call`` (the collective on the twins)
         on ``engine``; returns ``result``, or a StagedWork if ``async_op``."""
-        stream = self.stream_for(staged, async_op)
+        stream = self.stream_for(staged.array, async_op)
         ready = self.copy_in(staged, stream)
         done = self.copy_out(staged, stream)
 
@@ -239,7 +240,7 @@ class Staging:
                 self.host_part_over(staged, error)
 
         host_work = engine.run(what, task, async_op=True)
-        return StagedWork(what, host_work, done, staged, result, self) if async_op else result
+        return StagedWork(what, host_work, done, staged.array, result, self) if async_op else result
 
     def ipc(self, comm, device: int, desc: list, itemsize: int, seconds: float):
         """The communicator's IPC all-reduce on ``device`` (None where some rank cannot
@@ -286,9 +287,9 @@ class StagedWork(Work):
     until the results are in device memory. Both raise the call's error if it has failed
     (wait() only if the host part is over by then)."""
 
-    def __init__(self, what: str, host_work: Work, done, staged: Staged, result, staging):
+    def __init__(self, what: str, host_work: Work, done, array, result, staging):
         super().__init__(what)
-        self._done_event, self._array, self._staging = done, staged.array, staging
+        self._done_event, self._array, self._staging = done, array, staging
         host_work.add_done_callback(lambda w: self._finish(result, w.exception()))
 
     def wait(self, timeout: float | None = None) -> bool:

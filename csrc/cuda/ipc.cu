@@ -4,33 +4,15 @@
 
 #include <cuda_runtime.h>
 
+#include "device.h"
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 namespace py = pybind11;
-
-namespace {
-
-void check(cudaError_t status, const std::string& what) {
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    throw std::runtime_error(what + ": " + cudaGetErrorString(status));
-  }
-}
-
-struct OnDevice {  // as launch.cu's
-  int previous = 0, device;
-  explicit OnDevice(int device) : device(device) {
-    check(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~OnDevice() {
-    if (previous != device) cudaSetDevice(previous);
-  }
-};
-
-}  // namespace
+using commlib_cuda_host::check;
+using commlib_cuda_host::OnDevice;
 
 void bind_ipc(py::module_& m) {
   m.def("device_alloc", [](size_t nbytes, int device) {

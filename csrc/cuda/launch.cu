@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include "device.h"
+
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,6 +17,8 @@
 #include "../../commlib/cuda/kernels.cu"
 
 namespace py = pybind11;
+using commlib_cuda_host::check;
+using commlib_cuda_host::OnDevice;
 
 void bind_streams(py::module_& m);  // streams.cu
 void bind_ipc(py::module_& m);      // ipc.cu
@@ -54,29 +58,10 @@ const Kernel kCast[4][4] = {COMMLIB_ROW(f16), COMMLIB_ROW(bf16), COMMLIB_ROW(f32
 const int kItemsize[NDTYPES] = {2, 2, 4, 8, 1, 1, 4, 8};
 constexpr int kThreads = 256;
 
-void check(cudaError_t status, const std::string& what) {
-  if (status != cudaSuccess) {
-    cudaGetLastError();  // clear it, so the next call does not report it again
-    throw std::runtime_error(what + ": " + cudaGetErrorString(status));
-  }
-}
-
 void check_dtype(int dtype, int limit, const char* what) {
   if (dtype < 0 || dtype >= limit)
     throw std::invalid_argument(std::string(what) + ": unsupported dtype code " + std::to_string(dtype));
 }
-
-// Launches on the array's device, and leaves the caller's current device as it was.
-struct OnDevice {
-  int previous = 0, device;
-  explicit OnDevice(int device) : device(device) {
-    check(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~OnDevice() {
-    if (previous != device) cudaSetDevice(previous);
-  }
-};
 
 // A grid-stride loop needs no more blocks than the device keeps resident at once.
 int blocks_for(int device, long long work) {

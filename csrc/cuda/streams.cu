@@ -9,31 +9,17 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "device.h"
+
 #include <atomic>
 #include <stdexcept>
 #include <string>
 
 namespace py = pybind11;
+using commlib_cuda_host::check;
+using commlib_cuda_host::OnDevice;
 
 namespace {
-
-void check(cudaError_t status, const std::string& what) {
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    throw std::runtime_error(what + ": " + cudaGetErrorString(status));
-  }
-}
-
-struct OnDevice {  // as launch.cu's: the caller's current device is left as it was
-  int previous = 0, device;
-  explicit OnDevice(int device) : device(device) {
-    check(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~OnDevice() {
-    if (previous != device) cudaSetDevice(previous);
-  }
-};
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
