@@ -190,10 +190,13 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
         buf = as_buffer(t, "t")
         reduce_op = ReduceOp.parse(op, buf.dtype)
         if algorithm in (None, "ipc") and ipc.usable(comm, buf):  # GPU peers on one host
-            return _all_reduce_ipc(comm, t, buf, reduce_op, async_op, timeout)
-        if algorithm == "ipc":
-            raise ValueError("all_reduce: algorithm='ipc' needs a CUDA array and 2 to "
-                             f"{ipc.MAX_RANKS} ranks of one host sharing memory")
+            done = _via_ipc(comm, "all_reduce", [buf], buf.numel, buf.dtype, reduce_op, NONE,
+                            async_op, timeout, t, lambda gpu, c: gpu.all_reduce(
+                                c, buf, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG))
+            if done is not None:
+                return done
+        elif algorithm == "ipc":
+            raise _no_ipc("all_reduce")
         call = _prepare(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
                         reduce_op, {}, timeout)
     except (ValueError, TypeError) as e:
@@ -202,23 +205,29 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
     return _run(comm, "all_reduce", call, async_op, t)
 
 
-def _all_reduce_ipc(comm, t, buf, op, async_op, timeout):
-    """all_reduce of GPU memory through CUDA IPC (cuda/ipc.py); the staged path where some
-    rank cannot map its peers' memory."""
+def _via_ipc(comm, collective, bufs, count, dtype, op, root, async_op, timeout, result, run):
+    """A collective on GPU memory among the ranks of one host, through CUDA IPC
+    (cuda/ipc.py): ``run(ipc, call)`` enqueues it. None where some rank cannot map its
+    peers' memory (all ranks then take the staged path)."""
     seconds = comm.timeout if timeout is None else check_timeout(timeout)
     staging = comm.staging
     staging.raise_failure()
     if comm._failure is not None:
         raise comm._unusable()
-    op_code = _C.OPS[op.value]
-    setup_desc = descriptor("all_reduce", "ipcsetup", buf.numel, buf.dtype.code, op_code, NONE)
-    gpu = staging.ipc(comm, buf.device.device, setup_desc, buf.dtype.itemsize, seconds)
+    op_code = _C.OPS[op.value] if collective in REDUCING else NONE
+    array = bufs[0].device
+    gpu = staging.ipc(comm, array.device,
+                      descriptor(collective, "ipcsetup", count, dtype.code, op_code, root),
+                      dtype.itemsize, seconds)
     if gpu is None:
-        call = _prepare(comm, "all_reduce", None, {"out": buf}, buf.numel, buf.dtype, op, {},
-                        timeout)
-        return _run(comm, "all_reduce", call, async_op, t)
-    return gpu.issue(comm, staging, buf, buf.dtype, op_code, op is ReduceOp.AVG, async_op, t,
-                     seconds, "all_reduce (ipc)")
+        return None
+    return run(gpu, ipc.Call(comm, staging, collective, array, dtype, async_op, result,
+                             seconds, [b.obj for b in bufs]))
+
+
+def _no_ipc(collective: str) -> ValueError:
+    return ValueError(f"{collective}: algorithm='ipc' needs CUDA arrays on one device and 2 "
+                      f"to {ipc.MAX_RANKS} ranks of one host sharing memory")
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
@@ -245,8 +254,17 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
+        reduce_op = ReduceOp.parse(op, out.dtype)
+        if algorithm in (None, "ipc") and ipc.usable(comm, out, inp):
+            done = _via_ipc(comm, "reduce_scatter", [out, inp], out.numel, out.dtype, reduce_op,
+                            NONE, async_op, timeout, output, lambda gpu, c: gpu.reduce_scatter(
+                                c, out, inp, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG))
+            if done is not None:
+                return done
+        elif algorithm == "ipc":
+            raise _no_ipc("reduce_scatter")
         call = _prepare(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel,
-                        out.dtype, ReduceOp.parse(op, out.dtype), {}, timeout)
+                        out.dtype, reduce_op, {}, timeout)
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "reduce_scatter", e)
         raise
@@ -262,6 +280,14 @@ def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
+        if algorithm in (None, "ipc") and ipc.usable(comm, out, inp):
+            done = _via_ipc(comm, "all_gather", [out, inp], inp.numel, inp.dtype, None, NONE,
+                            async_op, timeout, output,
+                            lambda gpu, c: gpu.all_gather(c, out, inp))
+            if done is not None:
+                return done
+        elif algorithm == "ipc":
+            raise _no_ipc("all_gather")
         call = _prepare(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel,
                         inp.dtype, ReduceOp.SUM, {}, timeout)
     except (ValueError, TypeError) as e:
@@ -327,8 +353,16 @@ def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None
         return t
     try:
         buf = as_buffer(t, "t")
+        root = _check_rank(comm, root, "root")
+        if algorithm in (None, "ipc") and ipc.usable(comm, buf):
+            done = _via_ipc(comm, "broadcast", [buf], buf.numel, buf.dtype, None, root,
+                            async_op, timeout, t, lambda gpu, c: gpu.broadcast(c, buf, root))
+            if done is not None:
+                return done
+        elif algorithm == "ipc":
+            raise _no_ipc("broadcast")
         call = _prepare(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype,
-                        ReduceOp.SUM, {"root": _check_rank(comm, root, "root")}, timeout)
+                        ReduceOp.SUM, {"root": root}, timeout)
     except (ValueError, TypeError) as e:
         _tell_peers(comm, "broadcast", e)
         raise

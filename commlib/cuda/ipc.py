@@ -1,37 +1,35 @@
-"""All-reduce among the GPU ranks of one host through CUDA IPC: kernels read the peers'
-device memory directly. Ranks may share a GPU (NCCL refuses that; it is how one-GPU
-machines test this).
+"""all_reduce, reduce_scatter, all_gather and broadcast among the GPU ranks of one host
+through CUDA IPC: kernels and copies read the peers' device memory directly. Ranks may
+share a GPU (NCCL refuses that; it is how one-GPU machines test this).
 
 Vocabulary:
   workspace  device memory of each rank, two *slots* of ``slot_bytes``, which every peer
              maps once per communicator (cudaIpcGetMemHandle / cudaIpcOpenMemHandle).
   step       one slot-sized chunk of a call; steps are numbered across the communicator's
              calls, and step s uses slot s % 2.
-  one-shot   every rank reduces the whole chunk, reading every workspace (2 ranks, small
-             chunks: the fewest synchronisations).
-  two-shot   rank r reduces part r of the chunk into its own slot; then every rank copies
-             every part from its owner's slot (at 3+ ranks each rank reads less).
-  counters   three words of pinned host memory the host raises and the stream waits for
-             (cuStreamWaitValue32): ``go`` and ``go2`` (steps allowed to read the peers'
-             slots, before and after the two-shot's reduction) and ``free`` (steps every
-             rank is done with, so that their slot may be written again).
+  phase      what a step does on the stream before the ranks first meet (fill my slot),
+             between meetings, and after the last (read the peers' slots).
+  meeting    every rank's stream has finished the phase before: the host sees its event
+             pass, the ranks meet on the shared-memory transport (its agreement for a
+             call's first meeting, which checks that they made the same call, then
+             barriers), and a counter goes up that lets the streams go on.
+  counters   words of pinned host memory the host raises and the streams wait for
+             (cuStreamWaitValue32): ``go`` (one per meeting of a step: steps allowed past
+             it) and ``free`` (steps every rank is done with, so that their slot may be
+             written again; a step's first meeting frees the step before it).
+  one-shot   all_reduce where every rank reduces the whole chunk from every slot (2 ranks,
+             small chunks: one meeting).
+  two-shot   all_reduce where rank r reduces part r of the chunk into its own slot, and after
+             a second meeting every rank copies every part from its owner's slot (at 3+
+             ranks each rank reads less).
 
 Synchronisation goes through the host, as for the staged calls: ranks that share a GPU take
-turns on it, so a kernel spinning on a peer's flag would wait out its time slice. Per step
-the caller's stream runs
-
-    wait free >= s-1 -> copy the chunk into my slot -> record ready -> wait go >= s+1
-    -> reduce (two-shot: record half -> wait go2 >= s+1 -> copy the parts)
-
-and the communicator's progress engine, per step, waits for `ready`, meets the other
-ranks (the shared-memory transport's agreement, which checks that they made the same
-call, then barriers), and raises free to s and go to s+1 (two-shot: then waits for
-`half`, meets them, raises go2). Meeting after my `ready` means every rank's stream has
-finished the step before: its slot may be reused two steps on.
+turns on it, so a kernel spinning on a peer's flag would wait out its time slice.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from ..calls import NONE, descriptor
 from .staging import StagedWork, wait_event
@@ -43,16 +41,20 @@ ONE_SHOT_BYTES = 256 << 10  # at 3+ ranks, chunks up to this reduce in one shot
 ALIGN = 256
 
 
-def usable(comm, buf) -> bool:
-    """Whether this all_reduce may take the IPC path (the same answer on every rank that
-    makes the same call): GPU memory, ranks of one host sharing memory, 2 to 16 of them."""
-    return (buf.device is not None and comm.transport == "shm" and 2 <= comm.size <= MAX_RANKS
+def usable(comm, *bufs) -> bool:
+    """Whether a call on ``bufs`` may take the IPC path (the same answer on every rank that
+    makes the same call): GPU memory on one device, ranks of one host sharing memory, 2 to
+    16 of them."""
+    return (all(b.device is not None for b in bufs)
+            and len({b.device.device for b in bufs}) == 1
+            and comm.transport == "shm" and 2 <= comm.size <= MAX_RANKS
             and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
 
 
-class IpcAllReduce:
-    """A communicator's workspaces on one device, mapped by every rank, and its counters.
-    Made collectively (``set_up``) on the communicator's engine thread."""
+class IpcCollectives:
+    """A communicator's workspaces on one device, mapped by every rank, its counters, and
+    the collectives over them. Made collectively (``set_up``) on the communicator's engine
+    thread."""
 
     def __init__(self, runtime, comm, device: int):
         self.rt, self.device, self.rank, self.size = runtime, device, comm.rank, comm.size
@@ -100,15 +102,11 @@ class IpcAllReduce:
         self.usable = True
 
     @property
-    def go(self):
-        return self.counters
+    def go(self) -> tuple[int, int]:
+        return self.counters, self.counters + 64
 
     @property
-    def go2(self):
-        return self.counters + 64
-
-    @property
-    def free(self):
+    def free(self) -> int:
         return self.counters + 128
 
     def close(self) -> None:
@@ -125,75 +123,143 @@ class IpcAllReduce:
             self.counters = None
         self.usable = False
 
-    def issue(self, comm, staging, buf, dtype, op_code: int, average: bool, async_op: bool,
-              result, seconds: float, what: str):
-        """Enqueue the all_reduce of ``buf`` (in place) and queue its host part on the
-        communicator's engine; returns ``result``, or a StagedWork if ``async_op``."""
-        rt, device, size, itemsize = self.rt, self.device, self.size, dtype.itemsize
-        stream = staging.stream_for(buf.device, async_op)
-        per_step = self.slot_bytes // itemsize
-        count = buf.numel
-        nsteps = max(1, -(-count // per_step))
+    # The collectives: each cuts its call into steps and says what a step does in each
+    # phase (before the first meeting of the ranks, after it, after the second).
+    def all_reduce(self, call: "Call", buf, op_code: int, average: bool):
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        itemsize, code = call.dtype.itemsize, call.dtype.code
+        per_step, count = self.slot_bytes // itemsize, buf.numel
         one_shot = size == 2 or min(count, per_step) * itemsize <= self.one_shot_bytes
-        first = self.step
-        self.step += nsteps
-        waits = []  # per step: (ready, half or None)
-        for i in range(nsteps):
-            s, lo = first + i, i * per_step
+
+        def step(i, mine, slots):
+            lo = i * per_step
             n = min(per_step, count - lo)
-            offset = (s % 2) * self.slot_bytes
-            mine, out = self.workspace + offset, buf.ptr + lo * itemsize
-            slots = [p + offset for p in self.peers]
-            if s >= 2:
-                rt.wait_value(stream, device, self.free, s - 1)
-            rt.copy_async(mine, out, n * itemsize, device, stream)
-            ready = rt.Event(device)
-            ready.record(stream)
-            rt.wait_value(stream, device, self.go, s + 1)
-            half = None
+            out = buf.ptr + lo * itemsize
+            fill = lambda st: rt.copy_async(mine, out, n * itemsize, device, st)  # noqa: E731
             if one_shot:
-                rt.reduce_n(out, slots, n, dtype.code, op_code, device, stream)
-            else:
-                parts = _parts(n, size, itemsize)
-                a, b = parts[self.rank]
-                rt.reduce_n(mine + a * itemsize, [p + a * itemsize for p in slots], b - a,
-                            dtype.code, op_code, device, stream)
-                half = rt.Event(device)
-                half.record(stream)
-                rt.wait_value(stream, device, self.go2, s + 1)
+                return [fill, lambda st: rt.reduce_n(out, slots, n, code, op_code, device, st)]
+            parts = _parts(n, size, itemsize)
+            a, b = parts[rank]
+
+            def gather(st):
                 for (a, b), slot in zip(parts, slots):
                     rt.copy_async(out + a * itemsize, slot + a * itemsize, (b - a) * itemsize,
-                                  device, stream)
-            waits.append((ready, half))
-        if average:
-            rt.scale(buf.ptr, 1.0 / size, count, dtype.code, device, stream)
+                                  device, st)
+            return [fill, lambda st: rt.reduce_n(mine + a * itemsize,
+                                                 [p + a * itemsize for p in slots], b - a,
+                                                 code, op_code, device, st), gather]
+        after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
+            if average else None
+        return self.run(call, "oneshot" if one_shot else "twoshot", count, op_code, NONE,
+                        _steps(count, per_step), step, after)
+
+    def reduce_scatter(self, call: "Call", out, inp, op_code: int, average: bool):
+        """Step i: rank r copies piece i of each of its blocks into its slot, then reduces
+        piece i of block r from every slot."""
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        itemsize, code, m = call.dtype.itemsize, call.dtype.code, out.numel
+        per_step = max(1, self.slot_bytes // itemsize // size)
+
+        def step(i, mine, slots):
+            lo = i * per_step
+            k = min(per_step, m - lo)
+
+            def fill(st):
+                for r in range(size):
+                    rt.copy_async(mine + r * k * itemsize, inp.ptr + (r * m + lo) * itemsize,
+                                  k * itemsize, device, st)
+            return [fill, lambda st: rt.reduce_n(out.ptr + lo * itemsize,
+                                                 [p + rank * k * itemsize for p in slots], k,
+                                                 code, op_code, device, st)]
+        after = (lambda st: rt.scale(out.ptr, 1.0 / size, m, code, device, st)) \
+            if average else None
+        return self.run(call, "ipc", m, op_code, NONE, _steps(m, per_step), step, after)
+
+    def all_gather(self, call: "Call", out, inp):
+        """Step i: every rank copies piece i of its input into its slot, then every slot's
+        piece into its block of the output."""
+        rt, device, itemsize, m = self.rt, self.device, call.dtype.itemsize, inp.numel
+        per_step = self.slot_bytes // itemsize
+
+        def step(i, mine, slots):
+            lo = i * per_step
+            k = min(per_step, m - lo)
+
+            def gather(st):
+                for r, slot in enumerate(slots):
+                    rt.copy_async(out.ptr + (r * m + lo) * itemsize, slot, k * itemsize,
+                                  device, st)
+            return [lambda st: rt.copy_async(mine, inp.ptr + lo * itemsize, k * itemsize,
+                                             device, st), gather]
+        return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
+
+    def broadcast(self, call: "Call", buf, root: int):
+        rt, device, itemsize, count = self.rt, self.device, call.dtype.itemsize, buf.numel
+        per_step = self.slot_bytes // itemsize
+        at_root = self.rank == root
+
+        def step(i, mine, slots):
+            lo = i * per_step
+            n = min(per_step, count - lo)
+            chunk = buf.ptr + lo * itemsize
+            if at_root:
+                return [lambda st: rt.copy_async(mine, chunk, n * itemsize, device, st),
+                        lambda st: None]
+            return [lambda st: None,
+                    lambda st: rt.copy_async(chunk, slots[root], n * itemsize, device, st)]
+        return self.run(call, "ipc", count, NONE, root, _steps(count, per_step), step)
+
+    def run(self, call: "Call", algorithm: str, count: int, op_code, root, nsteps: int, step,
+            after=None):
+        """Enqueue ``nsteps`` steps (``step(i, my slot, every rank's slot)`` gives step i's
+        phases, each a function of the stream) and then ``after``; queue the meetings on
+        the communicator's engine. Returns the call's result, or a StagedWork if async."""
+        rt, device, comm, staging = self.rt, self.device, call.comm, call.staging
+        stream = staging.stream_for(call.array, call.async_op)
+        first = self.step
+        self.step += nsteps
+        meetings = []  # per step: the event each meeting waits for
+        for i in range(nsteps):
+            s = first + i
+            offset = (s % 2) * self.slot_bytes
+            phases = step(i, self.workspace + offset, [p + offset for p in self.peers])
+            if s >= 2:
+                rt.wait_value(stream, device, self.free, s - 1)
+            events = []
+            for k, phase in enumerate(phases):
+                if k:  # the ranks meet: wait for the host to say that all got here
+                    events.append(rt.Event(device))
+                    events[-1].record(stream)
+                    rt.wait_value(stream, device, self.go[k - 1], s + 1)
+                phase(stream)
+            meetings.append(events)
+        if after is not None:
+            after(stream)
         done = rt.Event(device)
         done.record(stream)
-        staging.keep_until(done, [buf.obj])
+        staging.keep_until(done, call.keep)
 
-        name = "oneshot" if one_shot else "twoshot"  # the flight recorder's algorithm
-        record = comm._recorder.issue("all_reduce", name, count, dtype.name,
-                                      _op_name(op_code), None)
-        desc = descriptor("all_reduce", name, count, dtype.code, op_code, NONE)
-        executor = comm._executor
+        op = _op_name(op_code) if op_code != NONE else None
+        record = comm._recorder.issue(call.collective, algorithm, count, call.dtype.name, op,
+                                      None if root == NONE else root)
+        desc = descriptor(call.collective, algorithm, count, call.dtype.code, op_code, root)
+        executor, seconds, what = comm._executor, call.seconds, f"{call.collective} (ipc)"
 
         def body():
             if executor.timeout != seconds:
                 executor.set_timeout(seconds)
             transport = executor.transport
-            for i, (ready, half) in enumerate(waits):
+            for i, events in enumerate(meetings):
                 s = first + i
-                wait_event(ready, seconds, what)
-                if i == 0:
-                    transport.agree(desc, [], [], itemsize)
-                else:
-                    transport.barrier()
-                rt.store_counter(self.free, s)
-                rt.store_counter(self.go, s + 1)
-                if half is not None:
-                    wait_event(half, seconds, what)
-                    transport.barrier()
-                    rt.store_counter(self.go2, s + 1)
+                for k, event in enumerate(events):
+                    wait_event(event, seconds, what)
+                    if i == 0 and k == 0:
+                        transport.agree(desc, [], [], call.dtype.itemsize)
+                    else:
+                        transport.barrier()
+                    if k == 0:  # every rank is past step s - 1: its slot may be refilled
+                        rt.store_counter(self.free, s)
+                    rt.store_counter(self.go[k], s + 1)
 
         def task():
             try:
@@ -201,14 +267,31 @@ class IpcAllReduce:
             except BaseException as e:
                 if staging.failure is None:
                     staging.failure = e
-                for counter in (self.free, self.go, self.go2):  # no stream waits forever
+                for counter in (self.free, *self.go):  # no stream may wait forever
                     rt.store_counter(counter, first + nsteps)
                 raise
 
         host_work = comm._engine.run(what, task, async_op=True)
-        if async_op:
-            return StagedWork(what, host_work, done, buf.device, result, staging)
-        return result
+        if call.async_op:
+            return StagedWork(what, host_work, done, call.array, call.result, staging)
+        return call.result
+
+
+class Call(NamedTuple):
+    """What run() needs of a public call besides its steps."""
+    comm: object
+    staging: object
+    collective: str
+    array: object  # the cuda.DeviceArray that names the device and the caller's stream
+    dtype: object  # buffers.DType
+    async_op: bool
+    result: object
+    seconds: float
+    keep: list  # the user's arrays, alive until the stream is done with them
+
+
+def _steps(count: int, per_step: int) -> int:
+    return max(1, -(-count // per_step))
 
 
 def _parts(n: int, size: int, itemsize: int) -> list[tuple[int, int]]:

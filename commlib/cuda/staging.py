@@ -142,7 +142,7 @@ class Staging:
         self.runtime = streams()
         self.pool = HostPool(self.runtime)
         self._side: dict[int, int] = {}  # device -> side stream
-        self._ipc: dict = {}  # device -> ipc.IpcAllReduce
+        self._ipc: dict = {}  # device -> ipc.IpcCollectives
         self._kept: list = []  # (event, user arrays the stream uses until it passes)
         self.failure: BaseException | None = None  # of a call nobody waits for
 
@@ -243,18 +243,18 @@ class Staging:
         return StagedWork(what, host_work, done, staged.array, result, self) if async_op else result
 
     def ipc(self, comm, device: int, desc: list, itemsize: int, seconds: float):
-        """The communicator's IPC all-reduce on ``device`` (None where some rank cannot
+        """The communicator's IPC collectives on ``device`` (None where some rank cannot
         map the others' memory), set up at its first call: after the ranks agree on that
         call, so that a rank that made another one cannot leave the others waiting."""
         if device not in self._ipc:
-            from .ipc import IpcAllReduce
-            ipc = IpcAllReduce(self.runtime, comm, device)
+            from .ipc import IpcCollectives
+            ipc = IpcCollectives(self.runtime, comm, device)
 
             def set_up():
                 comm._executor.set_timeout(seconds)
                 comm._executor.transport.agree(desc, [], [], itemsize)
                 ipc.set_up(comm._executor.group)
-            comm._engine.run("all_reduce (ipc set-up)", set_up, async_op=False)
+            comm._engine.run("ipc set-up", set_up, async_op=False)
             self._ipc[device] = ipc
         ipc = self._ipc[device]
         return ipc if ipc.usable else None

@@ -134,7 +134,7 @@ def all_reduce_every_size_dtype_op():
                     chunk = min(count * np.dtype(dtype).itemsize, slot)
                     one = n == 2 or chunk <= int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
                                                                 256 << 10))
-                    assert comm.flight_record()[-1]["algorithm"] == ("oneshot" if one else "twoshot")
+                    check_algorithm("oneshot" if one else "twoshot")
                 every = [((np.arange(count) * 7 + r * 5) % 9 - (0 if dtype == "uint8" else 4))
                          if op != "prod" else
                          np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if r else -1 if dtype != "uint8" else 1)
@@ -147,6 +147,31 @@ def all_reduce_every_size_dtype_op():
                     assert np.allclose(got, want, atol=1e-2), (count, dtype, op)
                 else:
                     assert_equal(got, np.asarray(want, np.float64).astype(dtype).astype(np.float64))
+
+
+def gather_scatter_broadcast_in_many_steps():
+    """Through CUDA IPC at 2+ ranks on one host (many steps with 4 KiB slots)."""
+    m = 3001
+    out, inp = device(np.zeros(m)), device(np.arange(n * m) + rank)
+    comm.reduce_scatter(out, inp)
+    assert_equal(host(out), n * np.arange(rank * m, rank * m + m) + n * (n - 1) / 2)
+    check_algorithm("ipc")
+    comm.reduce_scatter(out, inp, op="avg")
+    assert_equal(host(out), np.arange(rank * m, rank * m + m) + (n - 1) / 2)
+    out, inp = device(np.zeros(n * m)), device(np.arange(m) + 10000.0 * rank)
+    comm.all_gather(out, inp)
+    assert_equal(host(out), np.concatenate([np.arange(m) + 10000.0 * r for r in range(n)]))
+    check_algorithm("ipc")
+    for root in (0, n - 1):
+        t = device(np.arange(m) + 100.0 * rank, "int32")
+        comm.broadcast(t, root=root)
+        assert_equal(host(t), np.arange(m) + 100.0 * root)
+        check_algorithm("ipc")
+
+
+def check_algorithm(name):
+    if IPC:
+        assert comm.flight_record()[-1]["algorithm"] == name, comm.flight_record()[-1]
 
 
 def in_place_and_uneven():
