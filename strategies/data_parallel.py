@@ -27,7 +27,7 @@ class _Bucket:
         for p in params:
             self.offsets[p] = total
             total += p.numel()
-        self.flat = torch.zeros(total, dtype=dtype)
+        self.flat = torch.zeros(total, dtype=dtype, device=params[0].device)
         self.ready: set = set()
         self.work = None
 

@@ -60,13 +60,14 @@ class _Unit:
         self.padded = self.shard_numel * n
         self.master_offset = master_offset
         self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.gathered = False    # the parameters hold their full values
         self.gather_work = None  # (work, flat) of an all-gather in flight
         self.grad_work = None    # (work, shard) of a reduce-scatter in flight
         self.ready: set = set()
 
     def flatten(self, tensors) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.dtype)
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         offset = 0
         for t, shape in zip(tensors, self.shapes):
             n = shape.numel()
@@ -127,8 +128,13 @@ class ZeRO(nn.Module):
             raise ValueError(f"ZeRO: the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
                              "convert it to one (e.g. model.to(torch.bfloat16))")
         self.dtype = dtypes.pop() if dtypes else torch.float32
+        devices = {u.device for u in self.units if u.params}
+        if len(devices) > 1:
+            raise ValueError(f"ZeRO: the model's parameters are on {sorted(map(str, devices))}; "
+                             "put it on one device (model.to(device))")
+        self.device = devices.pop() if devices else torch.device("cpu")
         # fp32 master weights whatever the model's dtype (mixed precision: bf16 model)
-        self.master = nn.Parameter(torch.empty(offset, dtype=torch.float32))
+        self.master = nn.Parameter(torch.empty(offset, dtype=torch.float32, device=self.device))
         self.grad_shard = None  # this rank's reduced gradients, in the model's dtype
         with torch.no_grad():
             for u in self.units:
@@ -160,7 +166,7 @@ class ZeRO(nn.Module):
     # ------------------------------------------------------------------ stage 3 parameters
     def _start_gather(self, u: _Unit) -> None:
         if u.gather_work is None and not u.gathered:
-            flat = torch.empty(u.padded, dtype=u.dtype)
+            flat = torch.empty(u.padded, dtype=u.dtype, device=u.device)
             src = self.param_shard[u.master_offset:u.master_offset + u.shard_numel]
             u.gather_work = (u.group.all_gather(flat, src, async_op=True), flat)
 
@@ -178,7 +184,7 @@ class ZeRO(nn.Module):
 
     def _free(self, u: _Unit) -> None:
         for p in u.params:
-            p.data = torch.empty(0, dtype=u.dtype)
+            p.data = torch.empty(0, dtype=u.dtype, device=u.device)
         u.gathered = False
 
     def _before_forward(self, i: int) -> None:
@@ -217,7 +223,7 @@ class ZeRO(nn.Module):
         """Launch the reduce-scatter of ``u``'s gradients; free them (and, in stage 3, the
         unit's parameters)."""
         flat = u.flatten([p.grad for p in u.params])
-        shard = torch.empty(u.shard_numel, dtype=u.dtype)
+        shard = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
         u.grad_work = (u.group.reduce_scatter(shard, flat, op="avg", async_op=True), shard)
         for p in u.params:
             p.grad = None
@@ -261,7 +267,8 @@ class ZeRO(nn.Module):
         micro-batches accumulate). It keeps the model's dtype: the optimizer gets an fp32
         copy only for the step."""
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.master.numel(), dtype=self.dtype)
+            self.grad_shard = torch.zeros(self.master.numel(), dtype=self.dtype,
+                                          device=self.device)
         for u in self.units:
             work, shard = u.grad_work
             work.wait()
@@ -293,7 +300,7 @@ class ZeRO(nn.Module):
         if self.stage < 3:
             gathers = []
             for u in self.units:
-                flat = torch.empty(u.padded, dtype=u.dtype)
+                flat = torch.empty(u.padded, dtype=u.dtype, device=u.device)
                 gathers.append((u.group.all_gather(flat, self._master_of(u).to(u.dtype),
                                                       async_op=True), u, flat))
             for work, u, flat in gathers:

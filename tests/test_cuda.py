@@ -214,3 +214,11 @@ def test_calls_on_gpu_memory(n, env):
     """torch CUDA tensors; the ranks share device 0."""
     pytest.importorskip("torch")
     run_checked(n, "tests/mpi/cuda_staged.py", env=env)
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_data_parallel_and_zero_on_cuda(n):
+    """DP and ZeRO-1/2/3 on CUDA tensors against one process on the GPU; ranks share device 0."""
+    pytest.importorskip("torch")
+    run_checked(n, "tests/mpi/strategies_cuda.py")
