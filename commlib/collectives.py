@@ -189,14 +189,11 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
     try:
         buf = as_buffer(t, "t")
         reduce_op = ReduceOp.parse(op, buf.dtype)
-        if algorithm in (None, "ipc") and ipc.usable(comm, buf):  # GPU peers on one host
-            done = _via_ipc(comm, "all_reduce", [buf], buf.numel, buf.dtype, reduce_op, NONE,
-                            async_op, timeout, t, lambda gpu, c: gpu.all_reduce(
-                                c, buf, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG))
-            if done is not None:
-                return done
-        elif algorithm == "ipc":
-            raise _no_ipc("all_reduce")
+        done = _via_ipc(comm, "all_reduce", algorithm, [buf], buf.numel, buf.dtype, reduce_op,
+                        NONE, async_op, timeout, t, lambda gpu, c: gpu.all_reduce(
+                            c, buf, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG))
+        if done is not None:
+            return done
         call = _prepare(comm, "all_reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,
                         reduce_op, {}, timeout)
     except (ValueError, TypeError) as e:
@@ -205,10 +202,19 @@ def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=N
     return _run(comm, "all_reduce", call, async_op, t)
 
 
-def _via_ipc(comm, collective, bufs, count, dtype, op, root, async_op, timeout, result, run):
+def _via_ipc(comm, collective, algorithm, bufs, count, dtype, op, root, async_op, timeout,
+             result, run):
     """A collective on GPU memory among the ranks of one host, through CUDA IPC
-    (cuda/ipc.py): ``run(ipc, call)`` enqueues it. None where some rank cannot map its
-    peers' memory (all ranks then take the staged path)."""
+    (cuda/ipc.py): ``run(ipc, call)`` enqueues it. None where it does not apply (host
+    memory, another algorithm asked for, ranks on several hosts, or some rank that cannot
+    map its peers' memory): every rank then takes the other paths alike."""
+    if algorithm not in (None, "ipc"):
+        return None
+    if not ipc.usable(comm, *bufs):
+        if algorithm == "ipc":
+            raise ValueError(f"{collective}: algorithm='ipc' needs CUDA arrays on one device "
+                             f"and 2 to {ipc.MAX_RANKS} ranks of one host sharing memory")
+        return None
     seconds = comm.timeout if timeout is None else check_timeout(timeout)
     staging = comm.staging
     staging.raise_failure()
@@ -220,14 +226,12 @@ def _via_ipc(comm, collective, bufs, count, dtype, op, root, async_op, timeout, 
                       descriptor(collective, "ipcsetup", count, dtype.code, op_code, root),
                       dtype.itemsize, seconds)
     if gpu is None:
+        if algorithm == "ipc":
+            raise CommError(f"{collective}: algorithm='ipc' is unavailable here: "
+                            f"{staging.ipc_problem(array.device)}")
         return None
     return run(gpu, ipc.Call(comm, staging, collective, array, dtype, async_op, result,
                              seconds, [b.obj for b in bufs]))
-
-
-def _no_ipc(collective: str) -> ValueError:
-    return ValueError(f"{collective}: algorithm='ipc' needs CUDA arrays on one device and 2 "
-                      f"to {ipc.MAX_RANKS} ranks of one host sharing memory")
 
 
 def _check_whole_and_block(comm, collective, whole, whole_name, block, block_name):
@@ -255,14 +259,12 @@ def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _check_whole_and_block(comm, "reduce_scatter", inp, "input", out, "output")
         reduce_op = ReduceOp.parse(op, out.dtype)
-        if algorithm in (None, "ipc") and ipc.usable(comm, out, inp):
-            done = _via_ipc(comm, "reduce_scatter", [out, inp], out.numel, out.dtype, reduce_op,
-                            NONE, async_op, timeout, output, lambda gpu, c: gpu.reduce_scatter(
-                                c, out, inp, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG))
-            if done is not None:
-                return done
-        elif algorithm == "ipc":
-            raise _no_ipc("reduce_scatter")
+        done = _via_ipc(comm, "reduce_scatter", algorithm, [out, inp], out.numel, out.dtype,
+                        reduce_op, NONE, async_op, timeout, output, lambda gpu, c:
+                        gpu.reduce_scatter(c, out, inp, _C.OPS[reduce_op.value],
+                                           reduce_op is ReduceOp.AVG))
+        if done is not None:
+            return done
         call = _prepare(comm, "reduce_scatter", algorithm, {"out": out, "in": inp}, out.numel,
                         out.dtype, reduce_op, {}, timeout)
     except (ValueError, TypeError) as e:
@@ -280,14 +282,11 @@ def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout
     try:
         out, inp = as_buffer(output, "output"), as_buffer(input, "input", writable=False)
         _check_whole_and_block(comm, "all_gather", out, "output", inp, "input")
-        if algorithm in (None, "ipc") and ipc.usable(comm, out, inp):
-            done = _via_ipc(comm, "all_gather", [out, inp], inp.numel, inp.dtype, None, NONE,
-                            async_op, timeout, output,
-                            lambda gpu, c: gpu.all_gather(c, out, inp))
-            if done is not None:
-                return done
-        elif algorithm == "ipc":
-            raise _no_ipc("all_gather")
+        done = _via_ipc(comm, "all_gather", algorithm, [out, inp], inp.numel, inp.dtype, None,
+                        NONE, async_op, timeout, output,
+                        lambda gpu, c: gpu.all_gather(c, out, inp))
+        if done is not None:
+            return done
         call = _prepare(comm, "all_gather", algorithm, {"out": out, "in": inp}, inp.numel,
                         inp.dtype, ReduceOp.SUM, {}, timeout)
     except (ValueError, TypeError) as e:
@@ -354,13 +353,10 @@ def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None
     try:
         buf = as_buffer(t, "t")
         root = _check_rank(comm, root, "root")
-        if algorithm in (None, "ipc") and ipc.usable(comm, buf):
-            done = _via_ipc(comm, "broadcast", [buf], buf.numel, buf.dtype, None, root,
-                            async_op, timeout, t, lambda gpu, c: gpu.broadcast(c, buf, root))
-            if done is not None:
-                return done
-        elif algorithm == "ipc":
-            raise _no_ipc("broadcast")
+        done = _via_ipc(comm, "broadcast", algorithm, [buf], buf.numel, buf.dtype, None, root,
+                        async_op, timeout, t, lambda gpu, c: gpu.broadcast(c, buf, root))
+        if done is not None:
+            return done
         call = _prepare(comm, "broadcast", algorithm, {"out": buf}, buf.numel, buf.dtype,
                         ReduceOp.SUM, {"root": root}, timeout)
     except (ValueError, TypeError) as e:

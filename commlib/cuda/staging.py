@@ -259,6 +259,11 @@ class Staging:
         ipc = self._ipc[device]
         return ipc if ipc.usable else None
 
+    def ipc_problem(self, device: int) -> str | None:
+        """Why the IPC collectives on ``device`` are unavailable (after their set-up)."""
+        ipc = self._ipc.get(device)
+        return ipc.problem if ipc is not None else None
+
     def close(self) -> None:
         for ipc in self._ipc.values():
             ipc.close()

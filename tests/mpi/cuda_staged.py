@@ -257,6 +257,11 @@ def bad_calls():
            lambda: comm.all_gather(device(np.zeros(2 * n)), np.zeros(2, np.float32)))
     raises(ValueError, "expected size * input.numel",
            lambda: comm.all_gather(device(np.zeros(2 * n + 1)), device(np.zeros(2))))
+    raises(ValueError, "algorithm='ipc' needs CUDA arrays",
+           lambda: comm.all_reduce(np.ones(3, np.float32), algorithm="ipc"))
+    if IPC:
+        comm.all_reduce(t := device(np.ones(5)), algorithm="ipc")
+        assert_equal(host(t), np.full(5, float(n)))
     t = device(np.full(3, 1.0))  # the communicator still works
     comm.all_reduce(t)
     assert_equal(host(t), np.full(3, float(n)))
