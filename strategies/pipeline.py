@@ -104,7 +104,7 @@ class Piece(nn.Module):
     def forward(self, x, targets=None):
         """``targets`` is used by the last piece only."""
         if self.first:
-            x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1]))
+            x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1]).to(x.device))
         for block in self.blocks.values():
             x = block(x)
         if self.last:
@@ -193,6 +193,11 @@ class PipelineStage(nn.Module):
         """The parameters' dtype: what travels between stages."""
         return next(self.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        """The parameters' device: where activations arrive."""
+        return next(self.parameters()).device
+
     def _on_module_output(self, module, args, output):
         if self._captured is not None:
             self._captured.append((module, output))
@@ -236,7 +241,8 @@ def gathered_state(stage: PipelineStage, *, grads: bool = False) -> dict:
             flat = torch.cat([(mine[n].grad if grads else mine[n]).detach().reshape(-1)
                               for n, _ in names])
         else:
-            flat = torch.empty(sum(shape.numel() for _, shape in names), dtype=stage.dtype)
+            flat = torch.empty(sum(shape.numel() for _, shape in names), dtype=stage.dtype,
+                               device=stage.device)
         stage.group.broadcast(flat, root=s)
         for (name, shape), t in zip(names, flat.split([sh.numel() for _, sh in names])):
             out[name] = t.view(shape).clone()
@@ -447,7 +453,7 @@ class Pipeline:
         direction = a.kind[-1]
         piece = self._piece(a)
         source = (piece - 1 if direction == "F" else piece + 1) % self.stage.stages
-        buffer = torch.empty(self._run.shape, dtype=self.stage.dtype)
+        buffer = torch.empty(self._run.shape, dtype=self.stage.dtype, device=self.stage.device)
         work = self.stage.group.recv(buffer, source, tag=self._tag(direction, piece, a.microbatch),
                                      async_op=True)
         return work, buffer

@@ -196,7 +196,7 @@ def _scores(q, k, scale, diagonal: bool):
     """q k^T scaled; on the diagonal block (query and key shards alike) causally masked."""
     scores = (q @ k.transpose(-1, -2)) * scale
     if diagonal:
-        later = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(later, float("-inf"))
     return scores
 
@@ -210,7 +210,7 @@ class _RingAttention(torch.autograd.Function):
         # in place, so the output keeps q's layout: for q a view (batch, time, heads, dim)
         # of the projection, the caller's transpose back to (batch, time, width) is free
         out = torch.zeros_like(qw)
-        lse = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=dtype)
+        lse = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=dtype, device=q.device)
         for owner, kv in _around_ring(torch.stack([k, v]).to(dtype), group, _KV_TAG):
             if owner > rank:
                 continue  # later tokens: masked
@@ -401,7 +401,7 @@ class MegatronSequenceParallelGPT(TensorParallelGPT):
         """Token ids (B, T) -> this rank's vocab slice of the logits of every token."""
         _check_ids(idx)
         positions = shard_positions(idx.shape[1], self.group, self.config)  # checks T first
-        x = self.tok_emb(idx) + self.pos_emb(positions)
+        x = self.tok_emb(idx) + self.pos_emb(positions.to(idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -448,7 +448,7 @@ class ContextParallelGPT(nn.Module):
         this rank's slice of the (padded) vocab."""
         _check_ids(idx)
         x = self.tok_emb(idx) + self.pos_emb(positions_of_shard(idx.shape[1], self.group,
-                                                             self.config))
+                                                             self.config).to(idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

@@ -1,4 +1,4 @@
-"""all_reduce, reduce_scatter, all_gather and broadcast among the GPU ranks of one host
+"""all_reduce, reduce_scatter, all_gather, broadcast and reduce among the GPU ranks of one host
 through CUDA IPC: kernels and copies read the peers' device memory directly. Ranks may
 share a GPU (NCCL refuses that; it is how one-GPU machines test this).
 
@@ -192,6 +192,25 @@ class IpcCollectives:
             return [lambda st: rt.copy_async(mine, inp.ptr + lo * itemsize, k * itemsize,
                                              device, st), gather]
         return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
+
+    def reduce(self, call: "Call", buf, root: int, op_code: int, average: bool):
+        """Step i: every rank fills its slot; the root reduces every slot into its buffer."""
+        rt, device, size = self.rt, self.device, self.size
+        itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
+        per_step = self.slot_bytes // itemsize
+        at_root = self.rank == root
+
+        def step(i, mine, slots):
+            lo = i * per_step
+            n = min(per_step, count - lo)
+            chunk = buf.ptr + lo * itemsize
+            fill = lambda st: rt.copy_async(mine, chunk, n * itemsize, device, st)  # noqa: E731
+            if at_root:
+                return [fill, lambda st: rt.reduce_n(chunk, slots, n, code, op_code, device, st)]
+            return [fill, lambda st: None]
+        after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
+            if average and at_root else None
+        return self.run(call, "ipc", count, op_code, root, _steps(count, per_step), step, after)
 
     def broadcast(self, call: "Call", buf, root: int):
         rt, device, itemsize, count = self.rt, self.device, call.dtype.itemsize, buf.numel

@@ -149,7 +149,7 @@ def all_reduce_every_size_dtype_op():
                     assert_equal(got, np.asarray(want, np.float64).astype(dtype).astype(np.float64))
 
 
-def gather_scatter_broadcast_in_many_steps():
+def gather_scatter_broadcast_reduce_in_many_steps():
     """Through CUDA IPC at 2+ ranks on one host (many steps with 4 KiB slots)."""
     m = 3001
     out, inp = device(np.zeros(m)), device(np.arange(n * m) + rank)
@@ -167,6 +167,13 @@ def gather_scatter_broadcast_in_many_steps():
         comm.broadcast(t, root=root)
         assert_equal(host(t), np.arange(m) + 100.0 * root)
         check_algorithm("ipc")
+        t = device(np.arange(m) + 100.0 * rank, "int32")
+        comm.reduce(t, root=root, op="max")
+        assert_equal(host(t), np.arange(m) + 100.0 * (n - 1 if rank == root else rank))
+        check_algorithm("ipc")
+        t = device(np.full(m, 2.0 * rank))
+        comm.reduce(t, root=root, op="avg")
+        assert_equal(host(t), np.full(m, n - 1.0 if rank == root else 2.0 * rank))
 
 
 def check_algorithm(name):
