@@ -375,8 +375,8 @@ def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeo
         buf = as_buffer(t, "t")
         reduce_op, root = ReduceOp.parse(op, buf.dtype), _check_rank(comm, root, "root")
         done = _via_ipc(comm, "reduce", algorithm, [buf], buf.numel, buf.dtype, reduce_op, root,
-                        async_op, timeout, t, lambda gpu, c: gpu.reduce(
-                            c, buf, root, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG))
+                        async_op, timeout, t, lambda gpu, c: gpu.all_reduce(
+                            c, buf, _C.OPS[reduce_op.value], reduce_op is ReduceOp.AVG, root))
         if done is not None:
             return done
         call = _prepare(comm, "reduce", algorithm, {"out": buf}, buf.numel, buf.dtype,

@@ -125,17 +125,23 @@ class IpcCollectives:
 
     # The collectives: each cuts its call into steps and says what a step does in each
     # phase (before the first meeting of the ranks, after it, after the second).
-    def all_reduce(self, call: "Call", buf, op_code: int, average: bool):
+    def all_reduce(self, call: "Call", buf, op_code: int, average: bool, root=None):
+        """``buf`` reduced in place. With ``root``, a reduce: only the root reduces (in one
+        shot); the others lend their data."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
         itemsize, code = call.dtype.itemsize, call.dtype.code
         per_step, count = self.slot_bytes // itemsize, buf.numel
-        one_shot = size == 2 or min(count, per_step) * itemsize <= self.one_shot_bytes
+        one_shot = (root is not None or size == 2
+                    or min(count, per_step) * itemsize <= self.one_shot_bytes)
+        keeps = root is None or rank == root  # this rank ends with the reduction
 
         def step(i, mine, slots):
             lo = i * per_step
             n = min(per_step, count - lo)
             out = buf.ptr + lo * itemsize
             fill = lambda st: rt.copy_async(mine, out, n * itemsize, device, st)  # noqa: E731
+            if not keeps:
+                return [fill, lambda st: None]
             if one_shot:
                 return [fill, lambda st: rt.reduce_n(out, slots, n, code, op_code, device, st)]
             parts = _parts(n, size, itemsize)
@@ -149,8 +155,9 @@ class IpcCollectives:
                                                  [p + a * itemsize for p in slots], b - a,
                                                  code, op_code, device, st), gather]
         after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
-            if average else None
-        return self.run(call, "oneshot" if one_shot else "twoshot", count, op_code, NONE,
+            if average and keeps else None
+        algorithm = "ipc" if root is not None else "oneshot" if one_shot else "twoshot"
+        return self.run(call, algorithm, count, op_code, NONE if root is None else root,
                         _steps(count, per_step), step, after)
 
     def reduce_scatter(self, call: "Call", out, inp, op_code: int, average: bool):
@@ -192,25 +199,6 @@ class IpcCollectives:
             return [lambda st: rt.copy_async(mine, inp.ptr + lo * itemsize, k * itemsize,
                                              device, st), gather]
         return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
-
-    def reduce(self, call: "Call", buf, root: int, op_code: int, average: bool):
-        """Step i: every rank fills its slot; the root reduces every slot into its buffer."""
-        rt, device, size = self.rt, self.device, self.size
-        itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
-        per_step = self.slot_bytes // itemsize
-        at_root = self.rank == root
-
-        def step(i, mine, slots):
-            lo = i * per_step
-            n = min(per_step, count - lo)
-            chunk = buf.ptr + lo * itemsize
-            fill = lambda st: rt.copy_async(mine, chunk, n * itemsize, device, st)  # noqa: E731
-            if at_root:
-                return [fill, lambda st: rt.reduce_n(chunk, slots, n, code, op_code, device, st)]
-            return [fill, lambda st: None]
-        after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
-            if average and at_root else None
-        return self.run(call, "ipc", count, op_code, root, _steps(count, per_step), step, after)
 
     def broadcast(self, call: "Call", buf, root: int):
         rt, device, itemsize, count = self.rt, self.device, call.dtype.itemsize, buf.numel
