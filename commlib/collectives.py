@@ -435,36 +435,40 @@ def send(t, dst, tag=0, comm=None, async_op=False, timeout=None):
     _check_peer(comm, dst, "dst")
     _check_tag(tag)
     comm._p2p_bytes_sent += buf.nbytes
-    staged = None
     if buf.device is not None:  # sent from a host copy, made once its stream gets there
-        staged = comm.staging.stage({"t": buf}, ["t"], [])
-        comm.staging.copy_to_host_now(staged, deadline.seconds, f"send to rank {dst}")
-        buf = staged.host["t"]
+        return _send_staged(comm, t, buf, dst, tag, async_op, deadline)
+    return _send_host(comm, t, buf, dst, tag, async_op, deadline)
+
+
+def _send_staged(comm, t, buf, dst, tag, async_op, deadline):
+    staging = comm.staging
+    staged = staging.stage({"t": buf}, ["t"], [])
+    try:
+        staging.copy_to_host_now(staged, deadline.seconds, f"send to rank {dst}")
+        work = _send_host(comm, t, staged.host["t"], dst, tag, True, deadline)
+    except BaseException as e:
+        staging.sent(staged, e)
+        raise
+    work.add_done_callback(lambda w: staging.sent(staged, w.exception()))
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _send_host(comm, t, buf, dst, tag, async_op, deadline):
     if comm.mpi is None:  # made from a store: the store holds the message at once
         comm._p2p.send(buf.bytes.tobytes(), dst, tag)
-        if staged is not None:
-            comm.staging.sent(staged)
         return finished(f"send to rank {dst}") if async_op else None
-    error = None
     try:
         if async_op:
-            work = comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
+            return comm._poller.track(comm._p2p.Isend(buf.bytes, dst, tag),
                                       f"send to rank {dst}", None, deadline=deadline, keep=t)
-            if staged is not None:
-                work.add_done_callback(lambda w, s=staged: comm.staging.sent(s, w.exception()))
-                staged = None
-            return work
         wait_request(comm._p2p.Isend(buf.bytes, dst, tag), deadline,
                      f"rank {dst} to receive (send, tag {tag})", keep=t)
     except MPI.Exception as e:
-        error = CommError(f"send to rank {dst} failed inside MPI: {e}")
-        raise error from e
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        if staged is not None:
-            comm.staging.sent(staged, error)
+        raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
+    return None
 
 
 def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):

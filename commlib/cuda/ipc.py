@@ -32,7 +32,8 @@ import os
 from typing import NamedTuple
 
 from ..calls import NONE, descriptor
-from .staging import StagedWork, wait_event
+from . import OPS
+from .staging import wait_event
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
 MAX_RANKS = 16  # the reduce kernel's sources (kernels.cu kMaxSources)
@@ -82,13 +83,13 @@ class IpcCollectives:
         problem = problem or next((p for _, _, p in shared if p), None)
         if problem is None:
             try:
-                visible = {rt.device_uuid(d).hex(): d for d in range(_device_count(rt))}
-                self.peers = [self.workspace if r == self.rank else
-                              rt.ipc_open(bytes.fromhex(h), device)
-                              for r, (h, u, _) in enumerate(shared)
-                              if u in visible and rt.can_access(device, visible[u])]
-                if len(self.peers) != self.size:
-                    problem = "a peer's GPU is not reachable from this rank's"
+                visible = {rt.device_uuid(d).hex(): d for d in range(rt.device_count())}
+                for r, (h, u, _) in enumerate(shared):
+                    if u not in visible or not rt.can_access(device, visible[u]):
+                        problem = f"rank {r}'s GPU is not reachable from rank {self.rank}'s"
+                        break
+                    self.peers.append(self.workspace if r == self.rank else
+                                      rt.ipc_open(bytes.fromhex(h), device))
             except RuntimeError as e:
                 problem = str(e)
         problems = [p for p in group.allgather(problem) if p]
@@ -246,7 +247,7 @@ class IpcCollectives:
         done.record(stream)
         staging.keep_until(done, call.keep)
 
-        op = _op_name(op_code) if op_code != NONE else None
+        op = OPS[op_code] if op_code != NONE else None
         record = comm._recorder.issue(call.collective, algorithm, count, call.dtype.name, op,
                                       None if root == NONE else root)
         desc = descriptor(call.collective, algorithm, count, call.dtype.code, op_code, root)
@@ -272,16 +273,13 @@ class IpcCollectives:
             try:
                 comm._run_recorded(record, what, body)
             except BaseException as e:
-                if staging.failure is None:
-                    staging.failure = e
+                staging.remember(e)
                 for counter in (self.free, *self.go):  # no stream may wait forever
                     rt.store_counter(counter, first + nsteps)
                 raise
 
-        host_work = comm._engine.run(what, task, async_op=True)
-        if call.async_op:
-            return StagedWork(what, host_work, done, call.array, call.result, staging)
-        return call.result
+        return staging.submit(comm._engine, what, task, done, call.array, call.async_op,
+                              call.result)
 
 
 class Call(NamedTuple):
@@ -304,14 +302,6 @@ def _steps(count: int, per_step: int) -> int:
 def _parts(n: int, size: int, itemsize: int) -> list[tuple[int, int]]:
     """[start, end) of each rank's part of n elements: whole 16-byte vectors where possible."""
     per_vector = max(1, 16 // itemsize)
-    part = -(-(-(-n // size)) // per_vector) * per_vector
+    per_rank = -(-n // size)
+    part = -(-per_rank // per_vector) * per_vector
     return [(min(n, r * part), min(n, (r + 1) * part)) for r in range(size)]
-
-
-def _device_count(rt) -> int:
-    return rt.device_count() if hasattr(rt, "device_count") else 1
-
-
-def _op_name(op_code: int) -> str:
-    from . import OPS
-    return OPS[op_code]

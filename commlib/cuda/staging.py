@@ -44,19 +44,15 @@ def _round_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def _host_view(ptr: int, nbytes: int) -> np.ndarray:
-    if nbytes == 0:
-        return np.empty(0, np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
-
-
 class Block:
-    """Pinned memory for one call: ``size`` bytes of twins, then the flag."""
+    """Pinned memory for one call: ``size`` bytes of twins (``bytes``, a numpy view made
+    once), then the flag."""
 
-    __slots__ = ("ptr", "size", "done", "abandoned")
+    __slots__ = ("ptr", "size", "bytes", "done", "abandoned")
 
     def __init__(self, ptr: int, size: int):
         self.ptr, self.size = ptr, size
+        self.bytes = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
         self.done = None  # the event after the call's last copy back
         self.abandoned = False  # MPI may still write into it (a timed-out call)
 
@@ -115,9 +111,8 @@ class Staged:
             raise ValueError(f"buffers on different devices ({where}); put them all on one GPU")
         self.bufs = bufs
         self.reads, self.writes = reads, writes
-        first = next(iter(bufs.values())).device
-        self.device, self.stream = first.device, first.stream
-        self.array = first  # the first buffer's cuda.DeviceArray: device, stream, framework
+        self.array = next(iter(bufs.values())).device  # a cuda.DeviceArray: device, stream
+        self.device = self.array.device
         # the largest first, so that a buffer inside another becomes a part of its twin
         order = sorted(bufs, key=lambda name: -bufs[name].nbytes)
         offsets, end = {}, 0
@@ -130,8 +125,9 @@ class Staged:
             else:
                 offsets[name], end = end, end + _round_up(b.nbytes)
         self.block = pool.take(end)
-        self.host = {name: Buffer(self.block, self.block.ptr + offsets[name], b.numel, b.dtype,
-                                  _host_view(self.block.ptr + offsets[name], b.nbytes))
+        block = self.block
+        self.host = {name: Buffer(block, block.ptr + offsets[name], b.numel, b.dtype,
+                                  block.bytes[offsets[name]:offsets[name] + b.nbytes])
                      for name, b in bufs.items()}
 
 
@@ -203,7 +199,7 @@ class Staging:
 
     def copy_to_host_now(self, staged: Staged, seconds: float, what: str) -> None:
         """Copy what the call reads to its twins once its stream gets there, and wait."""
-        wait_event(self.copy_in(staged, staged.stream), seconds, what)
+        wait_event(self.copy_in(staged, staged.array.stream), seconds, what)
 
     def sent(self, staged: Staged, error: BaseException | None = None) -> None:
         """A send from the twins is over: the block may be reused (unless MPI still may
@@ -215,8 +211,8 @@ class Staging:
                        remember: bool = True) -> None:
         """Let the stream go on; first ``remember`` the error for the next call to raise
         (after a timeout, MPI may still write into the block: it is never reused)."""
-        if error is not None and remember and self.failure is None:
-            self.failure = error
+        if remember:
+            self.remember(error)
         staged.block.abandoned = isinstance(error, CommTimeoutError)
         self.runtime.store_counter(staged.block.flag, 1)
 
@@ -239,8 +235,18 @@ class Staging:
             finally:
                 self.host_part_over(staged, error)
 
+        return self.submit(engine, what, task, done, staged.array, async_op, result)
+
+    def submit(self, engine, what: str, task, done, array, async_op: bool, result):
+        """Queue a call's host part ``task`` on ``engine``; returns the call's result, or a
+        StagedWork that follows ``done`` (its last event on the stream) if ``async_op``."""
         host_work = engine.run(what, task, async_op=True)
-        return StagedWork(what, host_work, done, staged.array, result, self) if async_op else result
+        return StagedWork(what, host_work, done, array, result, self) if async_op else result
+
+    def remember(self, error: BaseException | None) -> None:
+        """Keep the first failure of a call nobody may wait for, for the next call to raise."""
+        if error is not None and self.failure is None:
+            self.failure = error
 
     def ipc(self, comm, device: int, desc: list, itemsize: int, seconds: float):
         """The communicator's IPC collectives on ``device`` (None where some rank cannot
