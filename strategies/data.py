@@ -59,7 +59,8 @@ class AdditionDataset:
     def batch(self, step, batch_size, seq_len):
         """(inputs, targets), int64 tensors of shape (batch_size, seq_len), targets shifted by one.
 
-        Windows start at random offsets drawn from a generator seeded by (seed, step).
+        Windows start at random offsets drawn from a generator seeded by (seed, step). The
+        tensors are on torch's default device.
         """
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
@@ -68,7 +69,7 @@ class AdditionDataset:
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - seq_len, size=batch_size)
         windows = self.tokens[starts[:, None] + np.arange(seq_len + 1)]
-        windows = torch.from_numpy(windows).long()
+        windows = torch.from_numpy(windows).long().to(torch.get_default_device())
         return windows[:, :-1], windows[:, 1:]
 
 

@@ -92,6 +92,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def init_normal_(weight: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """weight ~ N(0, std) drawn from a CPU ``generator`` whatever weight's device, so that a
+    model has the same parameters on every device (and on torch's default device)."""
+    weight.copy_(torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
+                 .normal_(0.0, std, generator=generator))
+
+
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward`` gives logits, ``loss`` the mean cross-entropy.
 
@@ -118,7 +125,7 @@ class GPT(nn.Module):
         # named_modules has a fixed order, so each parameter gets the same draws every time
         for _, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, 0.02, generator=generator)
+                init_normal_(module.weight, 0.02, generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, nn.LayerNorm):

@@ -77,7 +77,7 @@ from strategies.data import shard
 from strategies.mappings import (all_to_all_uneven, copy_to_group, gather_along,
                                  gather_for_partial, reduce_from_group, reduce_scatter_along)
 from strategies.mesh import Mesh
-from strategies.model import GPT, MLP, cross_entropy
+from strategies.model import GPT, MLP, cross_entropy, init_normal_
 from strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
                                           sum_gradients, sum_replicated_gradients)
 from strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelGPT
@@ -366,7 +366,7 @@ class MoEGPT(nn.Module):
         for block in self.blocks:  # in a fixed order: each weight gets the same draws every time
             for module in block.mlp.modules():
                 if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, 0.02, generator=generator)
+                    init_normal_(module.weight, 0.02, generator)
                     if module.bias is not None:
                         module.bias.zero_()
 

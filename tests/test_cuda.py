@@ -217,8 +217,11 @@ def test_calls_on_gpu_memory(n, env):
 
 
 @gpu
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_data_parallel_and_zero_on_cuda(n):
-    """DP and ZeRO-1/2/3 on CUDA tensors against one process on the GPU; ranks share device 0."""
+@pytest.mark.parametrize("script,n", [("basics", 3), ("train", 2), ("train", 3), ("tp", 2),
+                                      ("tp", 4), ("pp", 2), ("pp", 4), ("sp", 2), ("sp", 4),
+                                      ("moe", 4)], ids=str)
+def test_strategies_match_one_process_on_cuda(script, n):
+    """The strategies' equivalence scripts (mappings, DP and ZeRO-1/2/3, TP, PP, SP, MoE and
+    their combinations) with their models and data on GPU 0, which the ranks share."""
     pytest.importorskip("torch")
-    run_checked(n, "tests/mpi/strategies_cuda.py")
+    run_checked(n, f"tests/mpi/strategies_{script}.py", env={"COMMLIB_TEST_DEVICE": "cuda"})

@@ -1,4 +1,5 @@
-"""all_reduce, reduce_scatter, all_gather, broadcast and reduce among the GPU ranks of one host
+"""all_reduce, reduce_scatter, all_gather, all_to_all (equal parts), broadcast and reduce among
+the GPU ranks of one host
 through CUDA IPC: kernels and copies read the peers' device memory directly. Ranks may
 share a GPU (NCCL refuses that; it is how one-GPU machines test this).
 
@@ -199,6 +200,30 @@ class IpcCollectives:
                                   device, st)
             return [lambda st: rt.copy_async(mine, inp.ptr + lo * itemsize, k * itemsize,
                                              device, st), gather]
+        return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
+
+    def all_to_all(self, call: "Call", out, inp):
+        """Equal parts of m elements. Step i: every rank copies piece i of each of its parts
+        into its slot (the part for rank j in region j), then piece i of region r of every
+        rank's slot into its output."""
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        itemsize, m = call.dtype.itemsize, out.numel // size
+        per_step = max(1, self.slot_bytes // itemsize // size)
+
+        def step(i, mine, slots):
+            lo = i * per_step
+            k = min(per_step, m - lo)
+
+            def fill(st):
+                for j in range(size):
+                    rt.copy_async(mine + j * k * itemsize, inp.ptr + (j * m + lo) * itemsize,
+                                  k * itemsize, device, st)
+
+            def gather(st):
+                for j, slot in enumerate(slots):
+                    rt.copy_async(out.ptr + (j * m + lo) * itemsize, slot + rank * k * itemsize,
+                                  k * itemsize, device, st)
+            return [fill, gather]
         return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
 
     def broadcast(self, call: "Call", buf, root: int):

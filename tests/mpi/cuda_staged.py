@@ -162,6 +162,12 @@ def gather_scatter_broadcast_reduce_in_many_steps():
     comm.all_gather(out, inp)
     assert_equal(host(out), np.concatenate([np.arange(m) + 10000.0 * r for r in range(n)]))
     check_algorithm("ipc")
+    out = device(np.zeros(n * m), "float16")
+    inp = device(np.arange(n * m) % 1000 + rank, "float16")
+    comm.all_to_all(out, inp)  # part j of rank r's input is part r of rank j's output
+    assert_equal(host(out), np.concatenate([np.arange(rank * m, rank * m + m) % 1000 + j
+                                            for j in range(n)]))
+    check_algorithm("ipc")
     for root in (0, n - 1):
         t = device(np.arange(m) + 100.0 * rank, "int32")
         comm.broadcast(t, root=root)
@@ -266,6 +272,10 @@ def bad_calls():
            lambda: comm.all_gather(device(np.zeros(2 * n + 1)), device(np.zeros(2))))
     raises(ValueError, "algorithm='ipc' needs CUDA arrays",
            lambda: comm.all_reduce(np.ones(3, np.float32), algorithm="ipc"))
+    uneven = [2] + [1] * (n - 1)  # equal parts at 1 rank, where IPC does not apply
+    raises(ValueError, "takes equal parts only" if n > 1 else "needs CUDA arrays",
+           lambda: comm.all_to_all(device(np.zeros(n + 1)), device(np.zeros(n + 1)),
+                                   output_splits=uneven, input_splits=uneven, algorithm="ipc"))
     if IPC:
         comm.all_reduce(t := device(np.ones(5)), algorithm="ipc")
         assert_equal(host(t), np.full(5, float(n)))

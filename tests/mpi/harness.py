@@ -77,6 +77,18 @@ def to_f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
+def use_device():
+    """The device a strategies script runs on, made torch's default device so that its
+    models and tensors are created there: COMMLIB_TEST_DEVICE (cpu unless set; cuda means
+    GPU 0, which the ranks share)."""
+    import torch
+    device = torch.device(os.environ.get("COMMLIB_TEST_DEVICE", "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    torch.set_default_device(device)
+    return device
+
+
 def leaf(t):
     """A detached copy of tensor ``t`` that requires grad."""
     return t.detach().clone().requires_grad_(True)

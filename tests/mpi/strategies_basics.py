@@ -1,10 +1,11 @@
 """strategies.mesh and strategies.mappings under mpiexec: the mesh's groups, and every
 communication op's forward and backward against a single-process computation of the same
-total loss (each rank can rebuild every rank's inputs: they come from seeds)."""
+total loss (each rank can rebuild every rank's inputs: they come from seeds). On the CPU, or
+(COMMLIB_TEST_DEVICE=cuda) on GPU 0, which the ranks share."""
 import torch
 
 import commlib
-from harness import Checker, raises
+from harness import Checker, raises, use_device
 from strategies import mappings as m
 from strategies.mesh import Mesh
 
@@ -12,11 +13,12 @@ torch.set_num_threads(1)
 world = commlib.init()
 n, rank = world.size, world.rank
 check = Checker()
+DEVICE = use_device()
 
 
 def data(who, shape, salt):
-    g = torch.Generator().manual_seed(1000 * salt + who)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1000 * salt + who)  # on the CPU: the same on every device
+    return torch.randn(shape, generator=g, dtype=torch.float64, device="cpu").to(DEVICE)
 
 
 def close(got, want):

@@ -15,7 +15,7 @@ aux losses in the loss; zb-h1 refused for experts split over tp."""
 import torch
 
 import commlib
-from harness import Checker, close, raises, same_as
+from harness import Checker, close, raises, same_as, use_device
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.mappings import all_to_all_uneven
 from strategies.mesh import Mesh
@@ -30,6 +30,7 @@ torch.set_num_threads(1)
 world = commlib.init()
 n, rank = world.size, world.rank
 check = Checker()
+DEVICE = use_device()  # COMMLIB_TEST_DEVICE=cuda: on GPU 0
 
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 DATA = AdditionDataset(seed=0)
@@ -37,8 +38,8 @@ BATCH, GROUP_ROWS, STEPS, EXPERTS = 8, 2, 5, 4  # every rank's shard: whole rout
 
 
 def data(salt, shape):
-    g = torch.Generator().manual_seed(salt)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
+    g = torch.Generator().manual_seed(salt)  # on the CPU: the same data on every device
+    return torch.randn(shape, generator=g, dtype=torch.float64, device="cpu").to(DEVICE)
 
 
 # ------------------------------------------------------------------------------ the mapping

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import commlib
-from harness import Checker, raises
+from harness import Checker, raises, use_device
 from harness import same_as as harness_same_as
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.mappings import gather_along
@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 world = commlib.init()
 n, rank = world.size, world.rank
 check = Checker()
+DEVICE = use_device()  # COMMLIB_TEST_DEVICE=cuda: on GPU 0
 
 # 2n blocks: interleaving with 2 chunks per stage needs a block per piece
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2 * n)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import commlib
 from bench.activations import LAYOUTS, accounted_bytes, format_table, table
-from harness import Checker, leaf, raises, same_as
+from harness import Checker, leaf, raises, same_as, use_device
 from harness import close as harness_close
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 world = commlib.init()
 n, rank = world.size, world.rank
 check = Checker()
+DEVICE = use_device()  # COMMLIB_TEST_DEVICE=cuda: on GPU 0
 
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 DATA = AdditionDataset(seed=0)
@@ -36,7 +37,8 @@ BATCH, STEPS, SEED = 4, 5, 1
 
 
 def data(salt, shape):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(salt), dtype=torch.float64)
+    g = torch.Generator().manual_seed(salt)  # on the CPU: the same data on every device
+    return torch.randn(shape, generator=g, dtype=torch.float64, device="cpu").to(DEVICE)
 
 
 def close(got, want, rtol=1e-10, atol=1e-12):

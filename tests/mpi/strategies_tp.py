@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from harness import Checker, close, leaf, raises, same_as
+from harness import Checker, close, leaf, raises, same_as, use_device
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
 from strategies.mappings import gather_along
@@ -22,6 +22,7 @@ torch.set_num_threads(1)
 world = commlib.init()
 n, rank = world.size, world.rank
 check = Checker()
+DEVICE = use_device()  # COMMLIB_TEST_DEVICE=cuda: on GPU 0
 
 V = vocab_size()  # 13: padded to 14 at tp=2, 16 at tp=4
 CONFIG = GPTConfig(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_layers=2)
@@ -30,8 +31,8 @@ BATCH, STEPS, SEED = 12, 5, 1
 
 
 def data(salt, shape, dtype=torch.float64):
-    g = torch.Generator().manual_seed(salt)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    g = torch.Generator().manual_seed(salt)  # on the CPU: the same data on every device
+    return torch.randn(shape, generator=g, dtype=torch.float64, device="cpu").to(DEVICE, dtype)
 
 
 def linear(d_in, d_out, salt, bias=True):

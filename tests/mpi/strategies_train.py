@@ -1,10 +1,10 @@
 """Each parallel layout trains the reference GPT for a few optimizer steps on the same global
 batches as one process does, and must end with the same parameters (1e-4 relative, fp32).
-Under mpiexec."""
+Under mpiexec, on the CPU or (COMMLIB_TEST_DEVICE=cuda) on GPU 0, which the ranks share."""
 import torch
 
 import commlib
-from harness import Checker, raises
+from harness import Checker, raises, use_device
 from strategies.data import AdditionDataset, shard, vocab_size
 from strategies.data_parallel import DataParallel
 from strategies.model import GPT, GPTConfig, cross_entropy
@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 world = commlib.init()
 n, rank = world.size, world.rank
 check = Checker()
+DEVICE = use_device()
 
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 DATA = AdditionDataset(seed=0)
@@ -48,6 +49,7 @@ REFERENCE = reference()
 
 def same_as_reference(named, want=REFERENCE):
     for name, p in named:
+        assert p.device == DEVICE, f"{name} is on {p.device}, not {DEVICE}"
         w = want[name].detach()
         assert torch.allclose(p.detach(), w, rtol=1e-4, atol=1e-6), \
             f"{name}: max diff {(p.detach() - w).abs().max():.3g}"
