@@ -154,8 +154,8 @@ def test_copy_and_stream_order():
 def test_runtime_compiled_kernels_agree_with_nvcc_built_ones():
     torch = _torch_cuda()
     pytest.importorskip("cupy")
-    from commlib.cuda.runtime import NvrtcKernels
-    nvrtc = NvrtcKernels()
+    from commlib.cuda.runtime import CupyRuntime
+    nvrtc = CupyRuntime()
     a = torch.randn(10007, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(10007, device="cuda", dtype=torch.bfloat16)
     out, want = torch.empty_like(a), torch.empty_like(a)
@@ -214,6 +214,15 @@ def test_calls_on_gpu_memory(n, env):
     """torch CUDA tensors; the ranks share device 0."""
     pytest.importorskip("torch")
     run_checked(n, "tests/mpi/cuda_staged.py", env=env)
+
+
+@gpu
+def test_calls_on_gpu_memory_through_cupy():
+    """COMMLIB_CUDA_RUNTIME=cupy: the staged and IPC calls through CuPy's bindings, as an
+    install built without nvcc makes them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    run_checked(3, "tests/mpi/cuda_staged.py", env={"COMMLIB_CUDA_RUNTIME": "cupy"})
 
 
 @gpu

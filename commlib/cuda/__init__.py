@@ -1,7 +1,8 @@
 """The GPU path's kernels (kernels.cu) on torch CUDA tensors and CuPy arrays.
 
-They come from commlib._cuda where commlib was built with nvcc, else from the same source
-compiled at run time by NVRTC through CuPy (runtime.py). Each call is enqueued on the
+They come from commlib._cuda where commlib was built with nvcc, else through CuPy
+(runtime.py: the same source compiled at run time by NVRTC; the stream and IPC calls of
+the collectives on GPU memory through CuPy's CUDA bindings). Each call is enqueued on the
 current stream of the array's framework on the array's device and returns at once, as
 NCCL's calls do; synchronise that stream before reading the result on the host.
 """
@@ -28,22 +29,29 @@ def source() -> str:
     return (Path(__file__).parent / "kernels.cu").read_text()
 
 
+def _prefer_cupy() -> bool:
+    """COMMLIB_CUDA_RUNTIME=cupy: go through CuPy even where commlib._cuda was built (to
+    test that path on a GPU machine)."""
+    return os.environ.get("COMMLIB_CUDA_RUNTIME") == "cupy"
+
+
 @lru_cache(maxsize=None)
 def kernels():
-    """The kernel launcher: commlib._cuda, or runtime.NvrtcKernels."""
+    """The GPU calls: commlib._cuda, else the same through CuPy (runtime.CupyRuntime)."""
+    if not _prefer_cupy():
+        try:
+            from .. import _cuda
+            return _cuda
+        except ImportError:
+            pass
     try:
-        from .. import _cuda
-        return _cuda
-    except ImportError:
-        pass
-    try:
-        from .runtime import NvrtcKernels
+        from .runtime import CupyRuntime
     except ImportError as e:
         raise CudaUnavailable(
             "no CUDA kernels: commlib was built without nvcc and CuPy is not installed; "
             "reinstall commlib with nvcc on PATH (or CUDA_HOME set), or pip install "
             "cupy-cuda13x to compile them at run time") from e
-    return NvrtcKernels()
+    return CupyRuntime()
 
 
 def simulated() -> bool:
@@ -54,29 +62,23 @@ def simulated() -> bool:
 
 @lru_cache(maxsize=None)
 def streams():
-    """The stream-ordering calls of the staged collectives (staging.py): commlib._cuda's,
-    or the simulated device's."""
+    """The stream-ordering calls of the collectives on GPU memory (staging.py, ipc.py):
+    kernels()'s, or the simulated device's."""
     if simulated():
         from .simulator import SimulatedDevice
         return SimulatedDevice()
-    try:
-        from .. import _cuda
-    except ImportError:
-        raise CudaUnavailable(
-            "collectives on GPU arrays need commlib built with nvcc (an install without it "
-            "has the kernels only, through CuPy); reinstall commlib with nvcc on PATH or "
-            "CUDA_HOME set") from None
-    return _cuda
+    return kernels()
 
 
 def build_info() -> dict:
     """What the GPU path has: kernels compiled at build time (CUDA version, nvcc flags),
     or compiled at run time through CuPy, or none."""
-    try:
-        from .. import _cuda
-        return {"cuda": True, "compiled_by": "nvcc", **_cuda.BUILD_INFO}
-    except ImportError:
-        pass
+    if not _prefer_cupy():
+        try:
+            from .. import _cuda
+            return {"cuda": True, "compiled_by": "nvcc", **_cuda.BUILD_INFO}
+        except ImportError:
+            pass
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -163,14 +165,7 @@ def current_stream(array: DeviceArray) -> int:
 
 
 def _device_of(ptr: int) -> int:
-    if simulated():
-        return 0
-    try:
-        from .. import _cuda
-        return _cuda.device_of(ptr)
-    except ImportError:
-        import cupy
-        return cupy.cuda.runtime.pointerGetAttributes(ptr).device
+    return streams().device_of(ptr)
 
 
 def _same_device(*arrays: DeviceArray) -> None:

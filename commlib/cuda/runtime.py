@@ -1,30 +1,92 @@
-"""kernels.cu compiled at run time by NVRTC through CuPy, for an install built without
-nvcc: the same calls as commlib._cuda. Importing this module fails without CuPy."""
+"""commlib._cuda's calls through CuPy, for an install built without nvcc: kernels.cu
+compiled at run time by NVRTC, and the stream, pinned-memory and IPC calls of streams.cu
+and ipc.cu through CuPy's runtime bindings (cuStreamWaitValue32, which CuPy does not bind,
+from libcuda through ctypes). Importing this module fails without CuPy."""
+import ctypes
 import math
+from functools import lru_cache
 
 import cupy
 import numpy as np
+from cupy.cuda import runtime
 
 from . import ITEMSIZES, source
 
 _DTYPES = ("f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64")  # kernel names' spelling
 _OPS = ("sum", "prod", "min", "max", "sum")  # avg reduces as sum
 _THREADS = 256  # as csrc/cuda/launch.cu
+_NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 
 
-class NvrtcKernels:
+@lru_cache(maxsize=None)
+def _driver():
+    """libcuda's cuStreamWaitValue32 (the CUDA 12 semantics) and cuMemHostGetDevicePointer."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        wait = lib.cuStreamWaitValue32_v2
+    except (OSError, AttributeError) as e:
+        raise RuntimeError(f"no cuStreamWaitValue32_v2 in libcuda.so.1 ({e}); collectives on "
+                           "GPU memory need a CUDA 12 or newer driver") from None
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    device_pointer = lib.cuMemHostGetDevicePointer_v2
+    device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    return wait, device_pointer
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed with CUresult {result}")
+
+
+class Event:
+    """A CUDA event on one device (timing disabled), as commlib._cuda.Event."""
+
+    def __init__(self, device: int):
+        self.device = device
+        with cupy.cuda.Device(device):
+            self.event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+
+    def __del__(self):
+        try:
+            runtime.eventDestroy(self.event)
+        except Exception:  # noqa: BLE001 - as the C++ destructor: nothing to do about it
+            pass
+
+    def record(self, stream: int) -> None:
+        with cupy.cuda.Device(self.device):
+            runtime.eventRecord(self.event, stream)
+
+    def query(self) -> bool:
+        status = runtime.eventQuery(self.event)
+        if status not in (0, _NOT_READY):
+            raise RuntimeError(f"cudaEventQuery failed with cudaError {status}")
+        return status == 0
+
+    def wait(self, stream: int) -> None:
+        with cupy.cuda.Device(self.device):
+            runtime.streamWaitEvent(stream, self.event)
+
+    def synchronize(self) -> None:
+        runtime.eventSynchronize(self.event)
+
+
+class CupyRuntime:
+    Event = Event
+
     def __init__(self):
-        self.BUILD_INFO = {"cuda_version": str(cupy.cuda.runtime.runtimeGetVersion()),
+        self.BUILD_INFO = {"cuda_version": str(runtime.runtimeGetVersion()),
                            "compiled_by": "nvrtc (cupy)"}
         self._module = cupy.RawModule(code=source(), options=("-std=c++17",))
 
     @staticmethod
     def device_count() -> int:
         try:
-            return cupy.cuda.runtime.getDeviceCount()
-        except cupy.cuda.runtime.CUDARuntimeError:
+            return runtime.getDeviceCount()
+        except runtime.CUDARuntimeError:
             return 0
 
+    # kernels (kernels.cu)
     def _launch(self, name, work, args, device, stream):
         if work <= 0:
             return
@@ -62,3 +124,86 @@ class NvrtcKernels:
     def copy(self, dst, src, nbytes, device, stream):
         self._launch("commlib_copy", math.ceil(nbytes / 16),
                      (np.uint64(dst), np.uint64(src), np.int64(nbytes)), device, stream)
+
+    # streams and pinned memory (streams.cu)
+    @staticmethod
+    def host_alloc(nbytes: int) -> int:
+        # mapped: cuStreamWaitValue32 reads counters in it from the device
+        return runtime.hostAlloc(max(nbytes, 1),
+                                 runtime.hostAllocPortable | runtime.hostAllocMapped)
+
+    @staticmethod
+    def host_free(ptr: int) -> None:
+        runtime.freeHost(ptr)
+
+    @staticmethod
+    def copy_async(dst: int, src: int, nbytes: int, device: int, stream: int) -> None:
+        if nbytes:
+            with cupy.cuda.Device(device):
+                runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDefault, stream)
+
+    @staticmethod
+    def stream_create(device: int) -> int:
+        with cupy.cuda.Device(device):
+            return runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+
+    @staticmethod
+    def stream_synchronize(stream: int, device: int) -> None:
+        with cupy.cuda.Device(device):
+            runtime.streamSynchronize(stream)
+
+    @staticmethod
+    def wait_value(stream: int, device: int, counter: int, value: int) -> None:
+        wait, device_pointer = _driver()
+        with cupy.cuda.Device(device):
+            on_device = ctypes.c_uint64()
+            _check(device_pointer(ctypes.byref(on_device), counter, 0),
+                   "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
+            _check(wait(stream, on_device.value, value, _WAIT_GEQ), "cuStreamWaitValue32")
+
+    @staticmethod
+    def store_counter(counter: int, value: int) -> None:
+        # a plain store: x86 keeps it after the host's earlier writes (the staged results)
+        ctypes.c_uint32.from_address(counter).value = value
+
+    @staticmethod
+    def device_of(ptr: int) -> int:
+        attributes = runtime.pointerGetAttributes(ptr)
+        if attributes.type not in (runtime.memoryTypeDevice, runtime.memoryTypeManaged):
+            raise ValueError("the pointer is not device memory")
+        return attributes.device
+
+    # device memory shared between processes (ipc.cu)
+    @staticmethod
+    def device_alloc(nbytes: int, device: int) -> int:
+        with cupy.cuda.Device(device):
+            return runtime.malloc(max(nbytes, 1))
+
+    @staticmethod
+    def device_free(ptr: int, device: int) -> None:
+        with cupy.cuda.Device(device):
+            runtime.free(ptr)
+
+    @staticmethod
+    def ipc_handle(ptr: int, device: int) -> bytes:
+        with cupy.cuda.Device(device):
+            return runtime.ipcGetMemHandle(ptr)
+
+    @staticmethod
+    def ipc_open(handle: bytes, device: int) -> int:
+        with cupy.cuda.Device(device):
+            return runtime.ipcOpenMemHandle(handle)
+
+    @staticmethod
+    def ipc_close(ptr: int, device: int) -> None:
+        with cupy.cuda.Device(device):
+            runtime.ipcCloseMemHandle(ptr)
+
+    @staticmethod
+    def can_access(device: int, peer: int) -> bool:
+        return device == peer or bool(runtime.deviceCanAccessPeer(device, peer))
+
+    @staticmethod
+    def device_uuid(device: int) -> bytes:
+        """Names the physical GPU alike in every process (whatever CUDA_VISIBLE_DEVICES)."""
+        return cupy.cuda.Device(device).pci_bus_id.encode()
