@@ -172,14 +172,10 @@ class IpcCollectives:
         def step(i, mine, slots):
             lo = i * per_step
             k = min(per_step, m - lo)
-
-            def fill(st):
-                for r in range(size):
-                    rt.copy_async(mine + r * k * itemsize, inp.ptr + (r * m + lo) * itemsize,
-                                  k * itemsize, device, st)
-            return [fill, lambda st: rt.reduce_n(out.ptr + lo * itemsize,
-                                                 [p + rank * k * itemsize for p in slots], k,
-                                                 code, op_code, device, st)]
+            return [self._fill_regions(mine, inp, m, lo, k, itemsize),
+                    lambda st: rt.reduce_n(out.ptr + lo * itemsize,
+                                           [p + rank * k * itemsize for p in slots], k,
+                                           code, op_code, device, st)]
         after = (lambda st: rt.scale(out.ptr, 1.0 / size, m, code, device, st)) \
             if average else None
         return self.run(call, "ipc", m, op_code, NONE, _steps(m, per_step), step, after)
@@ -214,17 +210,21 @@ class IpcCollectives:
             lo = i * per_step
             k = min(per_step, m - lo)
 
-            def fill(st):
-                for j in range(size):
-                    rt.copy_async(mine + j * k * itemsize, inp.ptr + (j * m + lo) * itemsize,
-                                  k * itemsize, device, st)
-
             def gather(st):
                 for j, slot in enumerate(slots):
                     rt.copy_async(out.ptr + (j * m + lo) * itemsize, slot + rank * k * itemsize,
                                   k * itemsize, device, st)
-            return [fill, gather]
+            return [self._fill_regions(mine, inp, m, lo, k, itemsize), gather]
         return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
+
+    def _fill_regions(self, mine: int, inp, m: int, lo: int, k: int, itemsize: int):
+        """The phase that copies piece [lo, lo + k) of each of ``inp``'s blocks of m
+        elements (block j: for rank j) into region j of my slot."""
+        def fill(st):
+            for j in range(self.size):
+                self.rt.copy_async(mine + j * k * itemsize, inp.ptr + (j * m + lo) * itemsize,
+                                   k * itemsize, self.device, st)
+        return fill
 
     def broadcast(self, call: "Call", buf, root: int):
         rt, device, itemsize, count = self.rt, self.device, call.dtype.itemsize, buf.numel
