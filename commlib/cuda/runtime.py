@@ -34,6 +34,11 @@ def _driver():
     return wait, device_pointer
 
 
+@lru_cache(maxsize=None)
+def _multiprocessors(device: int) -> int:
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+
+
 def _check(result: int, what: str) -> None:
     if result != 0:
         raise RuntimeError(f"{what} failed with CUresult {result}")
@@ -91,8 +96,7 @@ class CupyRuntime:
         if work <= 0:
             return
         with cupy.cuda.Device(device):
-            sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-            blocks = max(1, min(math.ceil(work / _THREADS), 8 * sms))
+            blocks = max(1, min(math.ceil(work / _THREADS), 8 * _multiprocessors(device)))
             self._module.get_function(name)((blocks,), (_THREADS,), args,
                                             stream=cupy.cuda.ExternalStream(stream))
 
