@@ -17,7 +17,9 @@ from .calls import (NONE, REDUCING, check_timeout,
                     descriptor, invalid_descriptor)
 from .errors import CollectiveMismatchError, CommError
 from .ops import ReduceOp
+from . import cuda
 from .cuda import ipc
+from .cuda.staging import wait_event
 from .work import Deadline, finished, in_thread, wait_request
 
 # the codes the fast path (comm._fast.call) takes
@@ -445,9 +447,27 @@ def send(t, dst, tag=0, comm=None, async_op=False, timeout=None):
     _check_peer(comm, dst, "dst")
     _check_tag(tag)
     comm._p2p_bytes_sent += buf.nbytes
+    if buf.device is not None and _mpi_moves_device_memory(comm):
+        return _send_host(comm, t, _on_device(buf, deadline, f"send to rank {dst}"), dst, tag,
+                          async_op, deadline)
     if buf.device is not None:  # sent from a host copy, made once its stream gets there
         return _send_staged(comm, t, buf, dst, tag, async_op, deadline)
     return _send_host(comm, t, buf, dst, tag, async_op, deadline)
+
+
+def _mpi_moves_device_memory(comm) -> bool:
+    return comm.mpi is not None and cuda.mpi_is_cuda_aware()
+
+
+def _on_device(buf, deadline, what: str):
+    """For a CUDA-aware MPI: ``buf``'s device memory as MPI takes it, once the stream has
+    done the work before the call (its producer, or the last reader of what a recv
+    overwrites)."""
+    reached = cuda.streams().Event(buf.device.device)
+    reached.record(buf.device.stream)
+    wait_event(reached, deadline.seconds, what)
+    return Buffer(buf.obj, buf.ptr, buf.numel, buf.dtype,
+                  MPI.buffer.fromaddress(buf.ptr, buf.nbytes))
 
 
 def _send_staged(comm, t, buf, dst, tag, async_op, deadline):
@@ -490,6 +510,9 @@ def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):
     buf = as_buffer(t, "t")
     _check_peer(comm, src, "src")
     _check_tag(tag)
+    if buf.device is not None and _mpi_moves_device_memory(comm):  # Work.wait() blocks
+        return _recv_host(comm, t, _on_device(buf, deadline, f"recv from rank {src}"), src,
+                          tag, async_op, deadline)
     if buf.device is not None:  # received into a host copy; the stream copies it in after
         return _recv_staged(comm, t, buf, src, tag, async_op, deadline)
     return _recv_host(comm, t, buf, src, tag, async_op, deadline)

@@ -200,6 +200,12 @@ def test_staged_all_reduce_on_a_simulated_gpu():
     run_checked(3, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_CUDA_IPC": "0"})
 
 
+def test_send_and_recv_through_a_cuda_aware_mpi_on_a_simulated_gpu():
+    """COMMLIB_CUDA_AWARE_MPI=1: send and recv hand MPI device pointers (host memory on the
+    simulated GPU) once the stream has done the work before them."""
+    run_checked(2, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_CUDA_AWARE_MPI": "1"})
+
+
 def test_calls_on_gpu_memory_on_a_simulated_gpu_over_mpi():
     """As between hosts: the twins go through the mpi4py executor."""
     run_checked(3, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_TRANSPORT": "mpi"})

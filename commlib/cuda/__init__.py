@@ -61,6 +61,28 @@ def simulated() -> bool:
 
 
 @lru_cache(maxsize=None)
+def mpi_is_cuda_aware() -> bool:
+    """Whether the MPI library moves GPU memory itself (CUDA-aware), so that send and recv
+    hand it device pointers instead of staging through host memory.
+    COMMLIB_CUDA_AWARE_MPI=1 or 0 says so; else the loaded libmpi's MPIX_Query_cuda_support
+    (Open MPI and MPICH have it) is asked. Call once MPI is initialised."""
+    said = os.environ.get("COMMLIB_CUDA_AWARE_MPI")
+    if said in ("0", "1"):
+        return said == "1"
+    import ctypes
+    import re
+    with open("/proc/self/maps") as maps:
+        libmpi = next((line.split()[-1] for line in maps
+                       if re.search(r"/libmpi[^/]*\.so", line)), None)
+    try:
+        query = ctypes.CDLL(libmpi).MPIX_Query_cuda_support
+    except (OSError, AttributeError, TypeError):  # not found, not loaded, or no such call
+        return False
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+@lru_cache(maxsize=None)
 def streams():
     """The stream-ordering calls of the collectives on GPU memory (staging.py, ipc.py):
     kernels()'s, or the simulated device's."""

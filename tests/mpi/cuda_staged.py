@@ -265,6 +265,13 @@ def send_and_recv():
     assert_equal(host(got2), np.full(3, left + 0.5))
 
 
+def cuda_aware_mpi_as_told():
+    """COMMLIB_CUDA_AWARE_MPI=1: send and recv (send_and_recv) hand MPI the device memory."""
+    said = os.environ.get("COMMLIB_CUDA_AWARE_MPI")
+    if said is not None:
+        assert cuda.mpi_is_cuda_aware() is (said == "1")
+
+
 def bad_calls():
     raises(ValueError, "put them all on one GPU",
            lambda: comm.all_gather(device(np.zeros(2 * n)), np.zeros(2, np.float32)))
