@@ -74,9 +74,11 @@ def mpi_is_cuda_aware() -> bool:
     with open("/proc/self/maps") as maps:
         libmpi = next((line.split()[-1] for line in maps
                        if re.search(r"/libmpi[^/]*\.so", line)), None)
+    if libmpi is None:  # MPI not loaded (yet)
+        return False
     try:
         query = ctypes.CDLL(libmpi).MPIX_Query_cuda_support
-    except (OSError, AttributeError, TypeError):  # not found, not loaded, or no such call
+    except (OSError, AttributeError):  # gone, or an MPI without the call
         return False
     query.restype = ctypes.c_int
     return bool(query())

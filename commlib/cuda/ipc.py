@@ -1,7 +1,6 @@
 """all_reduce, reduce_scatter, all_gather, all_to_all (equal parts), broadcast and reduce among
-the GPU ranks of one host
-through CUDA IPC: kernels and copies read the peers' device memory directly. Ranks may
-share a GPU (NCCL refuses that; it is how one-GPU machines test this).
+the GPU ranks of one host through CUDA IPC: kernels and copies read the peers' device memory
+directly. Ranks may share a GPU (NCCL refuses that; it is how one-GPU machines test this).
 
 Vocabulary:
   workspace  device memory of each rank, two *slots* of ``slot_bytes``, which every peer
