@@ -1,6 +1,8 @@
 """The GPU path's kernels (commlib/cuda). Tests marked gpu need a CUDA device and are
 skipped without one; the rest check, on any machine, what can be checked without one: the
-build, the NVRTC compile of the same source, and the errors for arrays that are not on a GPU."""
+build, the NVRTC compile of the same source, the kernels' code compiled for the CPU
+(cuda_on_host), the errors for arrays that are not on a GPU, and the collectives' ordering
+on a simulated GPU."""
 import ctypes
 import glob
 import os
@@ -86,7 +88,7 @@ def test_launch_without_a_device_raises():
         cuda.kernels().reduce(0, 0, 0, 16, 2, 0, 0, 0)
 
 
-# --- on a GPU ----------------------------------------------------------------------------
+# --- the kernels, on a GPU and emulated on the CPU -------------------------------------------
 
 def _torch_cuda():
     torch = pytest.importorskip("torch")
@@ -95,46 +97,158 @@ def _torch_cuda():
     return torch
 
 
+class Kernels:
+    """The kernels on torch tensors of one target: a GPU (the public calls, and reduce_n
+    as the IPC collectives launch it), or kernels.cu compiled for the CPU (cuda_on_host)."""
+
+    def __init__(self, device: str, host=None):
+        self.device, self.host = device, host
+
+    def _args(self, x):
+        torch = __import__("torch")
+        return (x.device.index or 0, torch.cuda.current_stream().cuda_stream) if self.host is None \
+            else (0, 0)
+
+    def reduce(self, out, a, b, op):
+        if self.host is None:
+            return cuda.reduce(out, a, b, op)
+        self.host.reduce(out.data_ptr(), a.data_ptr(), b.data_ptr(), out.numel(), _code(out),
+                         cuda.OPS.index(op))
+
+    def reduce_n(self, out, sources, op):
+        kernels = self.host or cuda.kernels()
+        kernels.reduce_n(out.data_ptr(), [x.data_ptr() for x in sources], out.numel(), _code(out),
+                         cuda.OPS.index(op), *self._args(out))
+
+    def cast(self, dst, src):
+        if self.host is None:
+            return cuda.cast(dst, src)
+        self.host.cast(dst.data_ptr(), src.data_ptr(), dst.numel(), _code(src), _code(dst))
+
+    def scale(self, x, factor):
+        if self.host is None:
+            return cuda.scale(x, factor)
+        self.host.scale(x.data_ptr(), factor, x.numel(), _code(x))
+
+    def copy(self, dst, src):
+        if self.host is None:
+            return cuda.copy(dst, src)
+        self.host.copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+
+    def synchronize(self):
+        if self.host is None:
+            __import__("torch").cuda.synchronize()
+
+
+def _code(x) -> int:
+    return cuda.DTYPES.index(str(x.dtype).removeprefix("torch."))
+
+
+@pytest.fixture(scope="session")
+def host_kernels(tmp_path_factory):
+    import cuda_on_host
+    if cuda_on_host.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or $CXX) to build kernels.cu for the CPU")
+    return cuda_on_host.HostKernels(cuda_on_host.build(tmp_path_factory.mktemp("cuda_on_host")))
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=gpu)])
+def kernels(request):
+    """Each kernel test runs twice: on the GPU, and on kernels.cu compiled for the CPU, which
+    checks the kernels' own code (indexing, vectors, tails, every op and dtype) anywhere."""
+    pytest.importorskip("torch")
+    if request.param == "cuda":
+        _torch_cuda()
+        return Kernels("cuda")
+    return Kernels("cpu", request.getfixturevalue("host_kernels"))
+
+
 REFERENCE = {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b, "avg": lambda a, b: a + b,
              "min": lambda a, b: __import__("torch").minimum(a, b),
              "max": lambda a, b: __import__("torch").maximum(a, b)}
 
 
-@gpu
+def _random(torch, dtype: str, count: int, offset: int, seed: int, device: str):
+    """count elements of dtype, offset elements into their allocation (1: not 16-byte
+    aligned); floats start with NaN, 1 and inf."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-100, 100, (count + offset,), generator=g) if not dt.is_floating_point
+         else torch.randn(count + offset, generator=g)).to(dt).to(device)[offset:]
+    if dt.is_floating_point:
+        x[:3] = torch.tensor([float("nan"), 1.0, float("inf")])[:count]
+    return x
+
+
+def _compute_dtype(torch, x):
+    """What the kernels compute in: float for the 16-bit floats, the type itself otherwise."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
 @pytest.mark.parametrize("dtype", cuda.DTYPES)
 @pytest.mark.parametrize("op", cuda.OPS)
 @pytest.mark.parametrize("count,offset", [(1, 0), (1000, 0), (4099, 1), (1 << 20, 0)])
-def test_reduce_matches_torch(dtype, op, count, offset):
-    torch = _torch_cuda()
-    dt = getattr(torch, dtype)
-    g = torch.Generator(device="cuda").manual_seed(count + offset)
-    make = (lambda: torch.randint(-100, 100, (count + offset,), device="cuda", generator=g).to(dt)
-            if not dt.is_floating_point else
-            torch.randn(count + offset, device="cuda", generator=g).to(dt))
-    a, b = make()[offset:], make()[offset:]  # offset 1: not 16-byte aligned
-    if dt.is_floating_point:
-        a[:3] = torch.tensor([float("nan"), 1.0, float("inf")])
+def test_reduce_matches_torch(kernels, dtype, op, count, offset):
+    torch = __import__("torch")
+    a = _random(torch, dtype, count, offset, count + offset, kernels.device)
+    b = _random(torch, dtype, count, offset, count + offset + 1, kernels.device)
     out = torch.empty_like(a)
-    cuda.reduce(out, a, b, op)
-    compute = torch.float32 if dtype in ("float16", "bfloat16") else dt
-    want = REFERENCE[op](a.to(compute), b.to(compute)).to(dt)
-    torch.cuda.synchronize()
+    kernels.reduce(out, a, b, op)
+    compute = _compute_dtype(torch, a)
+    want = REFERENCE[op](a.to(compute), b.to(compute)).to(a.dtype)
+    kernels.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
 
 
-@gpu
+@pytest.mark.parametrize("dtype", cuda.DTYPES)
+@pytest.mark.parametrize("sources", [1, 3, 16])
+def test_reduce_n_matches_torch(kernels, dtype, sources):
+    """The IPC collectives' kernel: sources combined in order, in the compute type, rounded
+    once; in place into the first source as two-shot does, and unaligned."""
+    torch = __import__("torch")
+    for op in cuda.OPS:
+        for count, offset in [(4099, 0), (517, 1)]:
+            xs = [_random(torch, dtype, count, offset, 7 * k + count, kernels.device)
+                  for k in range(sources)]
+            compute = _compute_dtype(torch, xs[0])
+            want = xs[0].to(compute)
+            for x in xs[1:]:
+                want = REFERENCE[op](want, x.to(compute))
+            out = xs[0]  # in place
+            kernels.reduce_n(out, xs, op)
+            kernels.synchronize()
+            torch.testing.assert_close(out, want.to(out.dtype), rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{op} {count} {offset}: {m}")
+
+
 @pytest.mark.parametrize("src", cuda.FLOATING)
 @pytest.mark.parametrize("dst", cuda.FLOATING)
-def test_cast_and_scale_match_torch(src, dst):
-    torch = _torch_cuda()
-    x = (torch.randn(5003, device="cuda", dtype=torch.float64) * 1e3).to(getattr(torch, src))
-    y = torch.empty(5003, device="cuda", dtype=getattr(torch, dst))
-    cuda.cast(y, x)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cast_and_scale_match_torch(kernels, src, dst, offset):
+    torch = __import__("torch")
+    x = (torch.randn(5003 + offset, dtype=torch.float64) * 1e3).to(getattr(torch, src))
+    x = x.to(kernels.device)[offset:]
+    y = torch.empty(5003, device=kernels.device, dtype=getattr(torch, dst))
+    kernels.cast(y, x)
+    kernels.synchronize()
     torch.testing.assert_close(y, x.to(torch.float32).to(y.dtype) if src == "float64"
                                and dst in ("float16", "bfloat16") else x.to(y.dtype), rtol=0, atol=0)
-    z = x.clone()
-    cuda.scale(z, 0.25)
-    torch.testing.assert_close(z, x * 0.25, rtol=0, atol=0)
+    z = torch.empty(5003 + offset, device=kernels.device, dtype=x.dtype)[offset:]
+    z.copy_(x)
+    want = x * 0.25
+    kernels.scale(z, 0.25)
+    kernels.synchronize()
+    torch.testing.assert_close(z, want, rtol=0, atol=0)
+
+
+def test_copy_any_alignment(kernels):
+    torch = __import__("torch")
+    src = torch.arange(4133, dtype=torch.uint8).to(kernels.device)
+    for start, length in [(0, 4133), (0, 4096), (1, 4000), (3, 17), (16, 1)]:
+        dst = torch.zeros(length, dtype=torch.uint8, device=kernels.device)
+        kernels.copy(dst, src[start:start + length])
+        kernels.synchronize()
+        assert torch.equal(dst, src[start:start + length]), (start, length)
 
 
 @gpu

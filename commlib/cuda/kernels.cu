@@ -27,6 +27,7 @@ typedef unsigned long long u64;
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
 
+#ifndef COMMLIB_KERNELS_ON_HOST  // tests/cuda_on_host.cpp brings its own
 __device__ __forceinline__ float f16_to_float(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -37,6 +38,7 @@ __device__ __forceinline__ unsigned short float_to_f16(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
+#endif
 __device__ __forceinline__ unsigned short float_to_bf16(float f) {
   unsigned u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)(((u | 0x400000u) >> 16));  // quiet NaN
@@ -98,6 +100,14 @@ struct Max {
 
 struct alignas(16) Vector { unsigned w[4]; };
 
+// A loaded vector (or Raw-sized group) seen as its elements. Through a union: reading it
+// through a cast element pointer breaks C++'s aliasing rule, and GCC then reads stale
+// bytes (tests/cuda_on_host.cpp caught it); GCC, Clang and NVCC define reads through a union.
+template <class Raw, class T> union Pack {
+  Raw raw;
+  T e[sizeof(Raw) / sizeof(T)];
+};
+
 __device__ __forceinline__ bool aligned(const void* p) { return ((u64)p & 15) == 0; }
 __device__ __forceinline__ i64 first_index() { return blockIdx.x * (i64)blockDim.x + threadIdx.x; }
 __device__ __forceinline__ i64 stride() { return (i64)gridDim.x * blockDim.x; }
@@ -109,13 +119,12 @@ __device__ void reduce(T* dst, const T* a, const T* b, i64 n) {
   const int per = sizeof(Vector) / sizeof(T);
   const i64 vectors = aligned(dst) && aligned(a) && aligned(b) ? n / per : 0;
   for (i64 v = first_index(); v < vectors; v += stride()) {
-    Vector x = reinterpret_cast<const Vector*>(a)[v], y = reinterpret_cast<const Vector*>(b)[v], z;
-    const T* xs = reinterpret_cast<const T*>(&x);
-    const T* ys = reinterpret_cast<const T*>(&y);
-    T* zs = reinterpret_cast<T*>(&z);
+    Pack<Vector, T> x, y, z;
+    x.raw = reinterpret_cast<const Vector*>(a)[v];
+    y.raw = reinterpret_cast<const Vector*>(b)[v];
 #pragma unroll
-    for (int i = 0; i < per; ++i) zs[i] = E::store(Op::template apply<E>(E::load(xs[i]), E::load(ys[i])));
-    reinterpret_cast<Vector*>(dst)[v] = z;
+    for (int i = 0; i < per; ++i) z.e[i] = E::store(Op::template apply<E>(E::load(x.e[i]), E::load(y.e[i])));
+    reinterpret_cast<Vector*>(dst)[v] = z.raw;
   }
   for (i64 i = vectors * per + first_index(); i < n; i += stride())
     dst[i] = E::store(Op::template apply<E>(E::load(a[i]), E::load(b[i])));
@@ -135,22 +144,19 @@ __device__ void reduce_n(T* dst, Sources src, int n, i64 count) {
   for (int k = 0; k < n; ++k) all_aligned = all_aligned && aligned(src.p[k]);
   const i64 vectors = all_aligned ? count / per : 0;
   for (i64 v = first_index(); v < vectors; v += stride()) {
-    Vector x = reinterpret_cast<const Vector*>(src.p[0])[v];
+    Pack<Vector, T> x;
+    x.raw = reinterpret_cast<const Vector*>(src.p[0])[v];
     typename E::C acc[sizeof(Vector) / sizeof(T)];
-    const T* xs = reinterpret_cast<const T*>(&x);
 #pragma unroll
-    for (int i = 0; i < per; ++i) acc[i] = E::load(xs[i]);
+    for (int i = 0; i < per; ++i) acc[i] = E::load(x.e[i]);
     for (int k = 1; k < n; ++k) {
-      Vector y = reinterpret_cast<const Vector*>(src.p[k])[v];
-      const T* ys = reinterpret_cast<const T*>(&y);
+      x.raw = reinterpret_cast<const Vector*>(src.p[k])[v];
 #pragma unroll
-      for (int i = 0; i < per; ++i) acc[i] = Op::template apply<E>(acc[i], E::load(ys[i]));
+      for (int i = 0; i < per; ++i) acc[i] = Op::template apply<E>(acc[i], E::load(x.e[i]));
     }
-    Vector z;
-    T* zs = reinterpret_cast<T*>(&z);
 #pragma unroll
-    for (int i = 0; i < per; ++i) zs[i] = E::store(acc[i]);
-    reinterpret_cast<Vector*>(dst)[v] = z;
+    for (int i = 0; i < per; ++i) x.e[i] = E::store(acc[i]);
+    reinterpret_cast<Vector*>(dst)[v] = x.raw;
   }
   for (i64 i = vectors * per + first_index(); i < count; i += stride()) {
     typename E::C acc = E::load(static_cast<const T*>(src.p[0])[i]);
@@ -167,11 +173,11 @@ __device__ void scale(T* x, double factor, i64 n) {
   const int per = sizeof(Vector) / sizeof(T);
   const i64 vectors = aligned(x) ? n / per : 0;
   for (i64 v = first_index(); v < vectors; v += stride()) {
-    Vector y = reinterpret_cast<const Vector*>(x)[v];
-    T* ys = reinterpret_cast<T*>(&y);
+    Pack<Vector, T> y;
+    y.raw = reinterpret_cast<const Vector*>(x)[v];
 #pragma unroll
-    for (int i = 0; i < per; ++i) ys[i] = E::store(E::load(ys[i]) * f);
-    reinterpret_cast<Vector*>(x)[v] = y;
+    for (int i = 0; i < per; ++i) y.e[i] = E::store(E::load(y.e[i]) * f);
+    reinterpret_cast<Vector*>(x)[v] = y.raw;
   }
   for (i64 i = vectors * per + first_index(); i < n; i += stride()) x[i] = E::store(E::load(x[i]) * f);
 }
@@ -189,13 +195,12 @@ __device__ void cast(D* dst, const S* src, i64 n) {
   const bool whole = ((u64)src % sizeof(In)) == 0 && ((u64)dst % sizeof(Out)) == 0;
   const i64 groups = whole ? n / per : 0;
   for (i64 g = first_index(); g < groups; g += stride()) {
-    In in = reinterpret_cast<const In*>(src)[g];
-    Out out;
-    const S* ss = reinterpret_cast<const S*>(&in);
-    D* ds = reinterpret_cast<D*>(&out);
+    Pack<In, S> in;
+    Pack<Out, D> out;
+    in.raw = reinterpret_cast<const In*>(src)[g];
 #pragma unroll
-    for (int i = 0; i < per; ++i) ds[i] = Elem<D>::store(typename Elem<D>::C(Elem<S>::load(ss[i])));
-    reinterpret_cast<Out*>(dst)[g] = out;
+    for (int i = 0; i < per; ++i) out.e[i] = Elem<D>::store(typename Elem<D>::C(Elem<S>::load(in.e[i])));
+    reinterpret_cast<Out*>(dst)[g] = out.raw;
   }
   for (i64 i = groups * per + first_index(); i < n; i += stride())
     dst[i] = Elem<D>::store(typename Elem<D>::C(Elem<S>::load(src[i])));
