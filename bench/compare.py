@@ -96,7 +96,8 @@ def main(args, comm) -> int:
     progress = Progress(len(grid) * len(args.collectives), comm.rank == 0)
     for name in args.collectives:
         spec = SPECS[name]
-        names = ([f"commlib:{a}" for a in commlib.algorithms(name, comm)] + ["commlib:auto", "mpi"]
+        names = ([f"commlib:{a}" for a in commlib.algorithms(name, comm)] + ["commlib:auto"]
+                 + (["commlib:registered"] if args.device == "cuda" else []) + ["mpi"]
                  + ([] if args.no_gloo else ["gloo"]))
         peers = make_peers(comm, names)
         op = "sum" if spec.reduces else None

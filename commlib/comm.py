@@ -9,6 +9,7 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, collectives  # noqa: E402
+from .cuda import registered  # noqa: E402
 from .calls import Agreement, FlightRecorder, check_timeout, default_timeout  # noqa: E402
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError  # noqa: E402
 from .exchange import MpiGroup  # noqa: E402
@@ -267,6 +268,11 @@ class Communicator:
 
     def barrier(self, async_op=False, timeout=None):
         return collectives.barrier(self, async_op, timeout)
+
+    def register(self, t, timeout=None):
+        """GPU memory the ranks of one host read and write directly (zero-copy all_reduce);
+        collective. Returns a RegisteredMemory: close() it, or use it as a context manager."""
+        return registered.register(self, t, timeout)
 
     def send(self, t, dst, tag=0, async_op=False, timeout=None):
         return collectives.send(t, dst, tag, self, async_op, timeout)

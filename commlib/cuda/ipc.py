@@ -22,6 +22,11 @@ Vocabulary:
   two-shot   all_reduce where rank r reduces part r of the chunk into its own slot, and after
              a second meeting every rank copies every part from its owner's slot (at 3+
              ranks each rank reads less).
+  registered memory that the user registered (Communicator.register): every peer maps it,
+             so an all_reduce on it needs no slot (zero-copy). Rank r reduces part r of every
+             rank's buffer and writes it into all of them, on a stream of ours that the
+             host feeds between the two meetings, once it knows where the peers' buffers
+             are; the caller's stream waits for the second meeting.
 
 Synchronisation goes through the host, as for the staged calls: ranks that share a GPU take
 turns on it, so a kernel spinning on a peer's flag would wait out its time slice.
@@ -66,6 +71,10 @@ class IpcCollectives:
         self.one_shot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
                                                  ONE_SHOT_BYTES))
         self.step = 0  # steps issued so far
+        self.side = None  # our stream: the registered all_reduce's kernels
+        self.registrations: dict[int, Registration] = {}  # by index, the same on every rank
+        self._registered = 0  # registrations made so far
+        self._mapped: dict[str, list] = {}  # a peer's allocation: handle -> [address, users]
         self.usable = False
         self.problem = None  # why not, when set-up failed on some rank
 
@@ -100,6 +109,7 @@ class IpcCollectives:
         self.counters = rt.host_alloc(3 * 64)
         for k in range(3):
             rt.store_counter(self.counters + 64 * k, 0)
+        self.side = rt.stream_create(device)
         self.usable = True
 
     @property
@@ -112,6 +122,8 @@ class IpcCollectives:
 
     def close(self) -> None:
         rt, device = self.rt, self.device
+        for registration in list(self.registrations.values()):
+            self._forget(registration)
         for ptr in self.peers:
             if ptr != self.workspace:
                 rt.ipc_close(ptr, device)
@@ -124,11 +136,82 @@ class IpcCollectives:
             self.counters = None
         self.usable = False
 
+    # Registered memory. Both calls run on the communicator's engine, on every rank alike.
+    def register(self, group, ptr: int, nbytes: int) -> "Registration":
+        """Every rank shares the allocation that holds its [ptr, ptr + nbytes) and maps the
+        peers'; all ranks succeed or all raise."""
+        rt, device = self.rt, self.device
+        problem = handle = None
+        offset = 0
+        try:
+            base, _ = rt.address_range(ptr, device)
+            handle, offset = rt.ipc_handle(base, device).hex(), ptr - base
+        except RuntimeError as e:
+            problem = f"rank {self.rank} cannot share its memory through CUDA IPC: {e}"
+        shared = group.allgather([handle, offset, problem])
+        problem = next((p for _, _, p in shared if p), None)
+        peers, mapped = [], []
+        if problem is None:
+            try:
+                for r, (h, o, _) in enumerate(shared):
+                    if r == self.rank:
+                        peers.append(ptr)
+                    else:
+                        peers.append(self._map(h) + o)
+                        mapped.append(h)
+            except RuntimeError as e:
+                problem = f"rank {self.rank} cannot map a peer's memory: {e}"
+        problems = [p for p in group.allgather(problem) if p]
+        if problems:
+            for h in mapped:
+                self._unmap(h)
+            raise RuntimeError(problems[0])
+        registration = Registration(self._registered, ptr, nbytes, peers, mapped)
+        self._registered += 1
+        self.registrations[registration.index] = registration
+        return registration
+
+    def deregister(self, group, registration: "Registration") -> None:
+        """After every rank's calls before it (a collective, so no peer still reads it)."""
+        group.allgather(None)
+        self._forget(registration)
+
+    def registration_of(self, buf) -> "tuple[Registration, int] | None":
+        """The registration that holds all of ``buf``, and where in it ``buf`` starts."""
+        for registration in self.registrations.values():
+            offset = buf.ptr - registration.ptr
+            if 0 <= offset and offset + buf.nbytes <= registration.nbytes:
+                return registration, offset
+        return None
+
+    def _map(self, handle: str) -> int:
+        """A peer's allocation, mapped once however many registrations it holds (CUDA
+        maps a handle once per process)."""
+        if handle not in self._mapped:
+            self._mapped[handle] = [self.rt.ipc_open(bytes.fromhex(handle), self.device), 0]
+        self._mapped[handle][1] += 1
+        return self._mapped[handle][0]
+
+    def _unmap(self, handle: str) -> None:
+        entry = self._mapped[handle]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.rt.ipc_close(entry[0], self.device)
+            del self._mapped[handle]
+
+    def _forget(self, registration: "Registration") -> None:
+        if self.registrations.pop(registration.index, None) is not None:
+            for h in registration.mapped:
+                self._unmap(h)
+
     # The collectives: each cuts its call into steps and says what a step does in each
     # phase (before the first meeting of the ranks, after it, after the second).
     def all_reduce(self, call: "Call", buf, op_code: int, average: bool, root=None):
         """``buf`` reduced in place. With ``root``, a reduce: only the root reduces (in one
         shot); the others lend their data."""
+        placed = self.registration_of(buf) if root is None else None
+        if placed is not None:
+            return self._all_reduce_registered(call, buf, *placed, op_code, average)
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
         itemsize, code = call.dtype.itemsize, call.dtype.code
         per_step, count = self.slot_bytes // itemsize, buf.numel
@@ -216,6 +299,36 @@ class IpcCollectives:
             return [self._fill_regions(mine, inp, m, lo, k, itemsize), gather]
         return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
 
+    def _all_reduce_registered(self, call: "Call", buf, registration: "Registration",
+                               offset: int, op_code: int, average: bool):
+        """Zero-copy, one step. After the first meeting the host learns where every rank's
+        buffer lies in its registration and enqueues on our stream: reduce part r of all of
+        them into mine, copy it into the peers'. Part r of every buffer is rank r's alone,
+        and no rank's stream goes on until the second meeting (all parts written)."""
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
+        seconds, what = call.seconds, f"{call.collective} (ipc)"
+
+        def between(transport, group):
+            placed = group.allgather((registration.index, offset))
+            ptrs = [self.registrations[k].peers[r] + o for r, (k, o) in enumerate(placed)]
+            a, b = _parts(count, size, itemsize)[rank]
+            lo, nbytes = a * itemsize, (b - a) * itemsize
+            if nbytes:
+                rt.reduce_n(ptrs[rank] + lo, [p + lo for p in ptrs], b - a, code, op_code,
+                            device, self.side)
+                for r, p in enumerate(ptrs):
+                    if r != rank:
+                        rt.copy_async(p + lo, ptrs[rank] + lo, nbytes, device, self.side)
+            pushed = rt.Event(device)
+            pushed.record(self.side)
+            wait_event(pushed, seconds, what)
+        after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
+            if average else None
+        return self.run(call, "zerocopy", count, op_code, NONE, 1,
+                        lambda i, mine, slots: [lambda st: None, lambda st: None], after,
+                        between)
+
     def _fill_regions(self, mine: int, inp, m: int, lo: int, k: int, itemsize: int):
         """The phase that copies piece [lo, lo + k) of each of ``inp``'s blocks of m
         elements (block j: for rank j) into region j of my slot."""
@@ -242,10 +355,12 @@ class IpcCollectives:
         return self.run(call, "ipc", count, NONE, root, _steps(count, per_step), step)
 
     def run(self, call: "Call", algorithm: str, count: int, op_code, root, nsteps: int, step,
-            after=None):
+            after=None, between=None):
         """Enqueue ``nsteps`` steps (``step(i, my slot, every rank's slot)`` gives step i's
         phases, each a function of the stream) and then ``after``; queue the meetings on
-        the communicator's engine. Returns the call's result, or a StagedWork if async."""
+        the communicator's engine. ``between(transport, group)``, if given, is host work
+        of a one-step call between its two meetings. Returns the call's result, or a
+        StagedWork if async."""
         rt, device, comm, staging = self.rt, self.device, call.comm, call.staging
         stream = staging.stream_for(call.array, call.async_op)
         first = self.step
@@ -291,6 +406,9 @@ class IpcCollectives:
                         transport.barrier()
                     if k == 0:  # every rank is past step s - 1: its slot may be refilled
                         rt.store_counter(self.free, s)
+                        if between is not None:  # host work, then the ranks meet again
+                            between(transport, executor.group)
+                            transport.barrier()
                     rt.store_counter(self.go[k], s + 1)
 
         def task():
@@ -304,6 +422,15 @@ class IpcCollectives:
 
         return staging.submit(comm._engine, what, task, done, call.array, call.async_op,
                               call.result)
+
+
+class Registration(NamedTuple):
+    """Memory that every rank registered (Communicator.register), as this rank sees it."""
+    index: int  # the same registration on every rank
+    ptr: int
+    nbytes: int
+    peers: list  # by rank: where its registered memory is mapped here
+    mapped: list  # the peers' allocation handles mapped for it
 
 
 class Call(NamedTuple):

@@ -21,7 +21,8 @@ _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 
 @lru_cache(maxsize=None)
 def _driver():
-    """libcuda's cuStreamWaitValue32 (the CUDA 12 semantics) and cuMemHostGetDevicePointer."""
+    """libcuda's cuStreamWaitValue32 (the CUDA 12 semantics), cuMemHostGetDevicePointer and
+    cuMemGetAddressRange."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         wait = lib.cuStreamWaitValue32_v2
@@ -31,7 +32,10 @@ def _driver():
     wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     device_pointer = lib.cuMemHostGetDevicePointer_v2
     device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    return wait, device_pointer
+    address_range = lib.cuMemGetAddressRange_v2
+    address_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                              ctypes.c_uint64]
+    return wait, device_pointer, address_range
 
 
 @lru_cache(maxsize=None)
@@ -158,7 +162,7 @@ class CupyRuntime:
 
     @staticmethod
     def wait_value(stream: int, device: int, counter: int, value: int) -> None:
-        wait, device_pointer = _driver()
+        wait, device_pointer, _ = _driver()
         with cupy.cuda.Device(device):
             on_device = ctypes.c_uint64()
             _check(device_pointer(ctypes.byref(on_device), counter, 0),
@@ -187,6 +191,14 @@ class CupyRuntime:
     def device_free(ptr: int, device: int) -> None:
         with cupy.cuda.Device(device):
             runtime.free(ptr)
+
+    @staticmethod
+    def address_range(ptr: int, device: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        with cupy.cuda.Device(device):
+            _check(_driver()[2](ctypes.byref(base), ctypes.byref(size), ptr),
+                   "cuMemGetAddressRange (not device memory from cudaMalloc?)")
+        return base.value, size.value
 
     @staticmethod
     def ipc_handle(ptr: int, device: int) -> bytes:

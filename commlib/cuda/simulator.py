@@ -165,6 +165,12 @@ class SimulatedDevice:
         for ptr in list(self._owned):
             self.device_free(ptr, 0)
 
+    def address_range(self, ptr: int, device: int) -> tuple[int, int]:
+        for base, segment in self._shared.items():
+            if base <= ptr < base + segment.size:
+                return base, segment.size
+        raise RuntimeError("address_range: not device memory from device_alloc")
+
     def ipc_handle(self, ptr: int, device: int) -> bytes:
         return self._shared[ptr].name.encode().ljust(64, b"\0")
 

@@ -16,6 +16,19 @@ inline void check(cudaError_t status, const std::string& what) {
   }
 }
 
+// A driver function found through the runtime (_cuda links no libcuda), in its CUDA 12
+// version; `why` says what needs it, for the error where the driver lacks it.
+inline void* driver_entry(const char* name, const std::string& why) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  check(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found),
+        std::string("looking up ") + name);
+  if (fn == nullptr || found != cudaDriverEntryPointSuccess)
+    throw std::runtime_error(std::string("this CUDA driver has no ") + name + " (" + why +
+                             "); update the driver to CUDA 12 or newer");
+  return fn;
+}
+
 // Runs on `device`, and leaves the caller's current device as it was.
 struct OnDevice {
   int previous = 0, device;

@@ -2,6 +2,7 @@
 // communicator, and whether one device can reach another's memory. Handles travel as bytes.
 #include <pybind11/pybind11.h>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "device.h"
@@ -25,6 +26,21 @@ void bind_ipc(py::module_& m) {
     OnDevice on(device);
     check(cudaFree(reinterpret_cast<void*>(p)), "cudaFree");
   }, py::arg("ptr"), py::arg("device"));
+
+  m.def("address_range", [](uintptr_t p, int device) {
+    using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+    static AddressRange entry = reinterpret_cast<AddressRange>(
+        commlib_cuda_host::driver_entry("cuMemGetAddressRange", "registering memory"));
+    OnDevice on(device);
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CUresult status = entry(&base, &size, static_cast<CUdeviceptr>(p));
+    if (status != CUDA_SUCCESS)
+      throw std::runtime_error("cuMemGetAddressRange failed with CUresult " + std::to_string(status) +
+                               " (not device memory from cudaMalloc?)");
+    return py::make_tuple(static_cast<uintptr_t>(base), size);
+  }, py::arg("ptr"), py::arg("device"),
+     "(base, size) of the allocation that holds `ptr`: what ipc_handle shares");
 
   m.def("ipc_handle", [](uintptr_t p, int device) {
     OnDevice on(device);

@@ -23,21 +23,11 @@ namespace {
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
-// cuStreamWaitValue32 from the driver, found through the runtime: _cuda links no libcuda.
 using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 WaitValue32 wait_value_entry() {
-  static WaitValue32 entry = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    check(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
-                                           &found),
-          "looking up cuStreamWaitValue32");
-    if (fn == nullptr || found != cudaDriverEntryPointSuccess)
-      throw std::runtime_error("this CUDA driver has no cuStreamWaitValue32 (stream memory "
-                               "operations); update the driver to CUDA 12 or newer");
-    return reinterpret_cast<WaitValue32>(fn);
-  }();
+  static WaitValue32 entry = reinterpret_cast<WaitValue32>(
+      commlib_cuda_host::driver_entry("cuStreamWaitValue32", "stream memory operations"));
   return entry;
 }
 

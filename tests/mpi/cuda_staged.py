@@ -4,6 +4,7 @@ under mpiexec: results, stream order, async Works, errors.
 On a GPU the arrays are torch CUDA tensors. With COMMLIB_CUDA_SIMULATE=1 (no GPU) they are
 host arrays behind a __cuda_array_interface__ and streams are threads (cuda/simulator.py):
 that checks the ordering logic, not CUDA."""
+import ctypes
 import os
 import time
 
@@ -129,12 +130,7 @@ def all_reduce_every_size_dtype_op():
                     values = np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if rank else -1 if dtype != "uint8" else 1)
                 t = device(values, dtype)
                 comm.all_reduce(t, op=op)
-                if IPC:
-                    slot = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", 16 << 20))
-                    chunk = min(count * np.dtype(dtype).itemsize, slot)
-                    one = n == 2 or chunk <= int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
-                                                                256 << 10))
-                    check_algorithm("oneshot" if one else "twoshot")
+                check_algorithm(through_slots(count, dtype))
                 every = [((np.arange(count) * 7 + r * 5) % 9 - (0 if dtype == "uint8" else 4))
                          if op != "prod" else
                          np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if r else -1 if dtype != "uint8" else 1)
@@ -180,6 +176,14 @@ def gather_scatter_broadcast_reduce_in_many_steps():
         t = device(np.full(m, 2.0 * rank))
         comm.reduce(t, root=root, op="avg")
         assert_equal(host(t), np.full(m, n - 1.0 if rank == root else 2.0 * rank))
+
+
+def through_slots(count, dtype):
+    """The algorithm of an all_reduce on unregistered memory through IPC."""
+    slot = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", 16 << 20))
+    chunk = min(count * np.dtype(dtype).itemsize, slot)
+    one = n == 2 or chunk <= int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES", 256 << 10))
+    return "oneshot" if one else "twoshot"
 
 
 def check_algorithm(name):
@@ -289,6 +293,79 @@ def bad_calls():
     t = device(np.full(3, 1.0))  # the communicator still works
     comm.all_reduce(t)
     assert_equal(host(t), np.full(3, float(n)))
+
+
+def device_memory(count, dtype="float32"):
+    """An uninitialised device array from the device allocator (cudaMalloc; on the
+    simulated GPU, shared memory), which register can share."""
+    if SIMULATED:
+        nbytes = count * np.dtype(dtype).itemsize
+        ptr = cuda.streams().device_alloc(nbytes, 0)
+        return _SimArray(np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype))
+    import torch
+    return torch.empty(count, dtype=getattr(torch, dtype), device="cuda")
+
+
+def fill(x, values):
+    """Enqueue x[:] = values."""
+    copy(x, device(values, x.host.dtype.name if SIMULATED else str(x.dtype)[6:]))
+
+
+def registered_all_reduce():
+    """Zero-copy all_reduce on registered memory: whole, in parts at different offsets on
+    each rank, averaged, in stream order, between slot calls; after close(), slots again."""
+    if not IPC:
+        if n == 1:
+            raises(ValueError, "needs 2 to 16 ranks", lambda: comm.register(device(np.ones(2))))
+        return
+    raises(TypeError, "host memory", lambda: comm.register(np.ones(4, np.float32)))
+    for dtype in ("float32", "float16", "int32"):
+        big = device_memory(3001, dtype)
+        with comm.register(big) as reg:
+            fill(big, np.arange(3001) % 11 + rank)
+            comm.all_reduce(big)
+            check_algorithm("zerocopy")
+            assert_equal(host(big), n * (np.arange(3001) % 11) + n * (n - 1) / 2)
+            for count in (0, 1, n + 1, 1000):  # parts: some ranks' share is empty
+                mine = part(big, 7 * rank, 7 * rank + count)  # where differs by rank
+                fill(mine, np.arange(count) + rank)
+                comm.all_reduce(mine, op="max")
+                check_algorithm("zerocopy")
+                assert_equal(host(mine), np.arange(count) + n - 1.0)
+        assert "closed" in repr(reg)
+        comm.all_reduce(big)  # unregistered again: through the slots
+        check_algorithm(through_slots(3001, dtype))
+    t = device_memory(1000)
+    seen = device(np.zeros(1000))
+    with comm.register(t):
+        slow_fill(t, rank + 1.0)
+        start = time.monotonic()
+        comm.all_reduce(t, op="avg")
+        returned = time.monotonic() - start
+        copy(seen, t)
+        assert_equal(host(seen), np.full(1000, (n + 1) / 2))
+        assert returned < 0.04, f"the call waited {returned:.3f} s for the stream"
+        u = device(np.full(5, 1.0))
+        for _ in range(3):  # counters shared with slot calls, async too
+            w = comm.all_reduce(t, async_op=True)
+            comm.all_reduce(u)
+            w.wait()
+        assert_equal(host(t), np.full(1000, n ** 3 * (n + 1) / 2))
+        assert_equal(host(u), np.full(5, float(n) ** 3))
+
+
+def registered_on_one_rank_only_is_a_mismatch():
+    if not IPC:
+        return
+    c = comm.dup()
+    t = device_memory(64)
+    fill(t, np.ones(64))
+    reg = c.register(t) if rank == 0 else c.register(device_memory(64))
+    c.all_reduce(t if rank == 0 else device(np.ones(64)))  # registered at rank 0 only
+    host(t)  # the stream goes on
+    raises(commlib.CommError, "an earlier collective on GPU buffers failed",
+           lambda: c.all_reduce(device(np.zeros(3))))
+    reg._gpu = None  # the communicator is unusable now: nothing to close collectively
 
 
 def a_failure_releases_the_stream_and_is_raised_next():
