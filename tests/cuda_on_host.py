@@ -11,11 +11,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from commlib.cuda import KERNEL_DTYPES as NAMES, KERNEL_OPS as OPS
+from commlib.cuda.ipc import MAX_RANKS as MAX_SOURCES  # kernels.cu kMaxSources
+
 SOURCE = Path(__file__).with_suffix(".cpp")
-NAMES = ("f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64")  # by commlib dtype code
-OPS = ("sum", "prod", "min", "max", "sum")  # avg reduces as sum, as launch.cu's table
-ITEMSIZES = (2, 2, 4, 8, 1, 1, 4, 8)
-MAX_SOURCES = 16
 
 
 class Sources(ctypes.Structure):

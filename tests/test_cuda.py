@@ -104,11 +104,6 @@ class Kernels:
     def __init__(self, device: str, host=None):
         self.device, self.host = device, host
 
-    def _args(self, x):
-        torch = __import__("torch")
-        return (x.device.index or 0, torch.cuda.current_stream().cuda_stream) if self.host is None \
-            else (0, 0)
-
     def reduce(self, out, a, b, op):
         if self.host is None:
             return cuda.reduce(out, a, b, op)
@@ -116,9 +111,12 @@ class Kernels:
                          cuda.OPS.index(op))
 
     def reduce_n(self, out, sources, op):
-        kernels = self.host or cuda.kernels()
-        kernels.reduce_n(out.data_ptr(), [x.data_ptr() for x in sources], out.numel(), _code(out),
-                         cuda.OPS.index(op), *self._args(out))
+        args = (out.data_ptr(), [x.data_ptr() for x in sources], out.numel(), _code(out),
+                cuda.OPS.index(op))
+        if self.host is not None:
+            return self.host.reduce_n(*args)
+        stream = __import__("torch").cuda.current_stream().cuda_stream
+        cuda.kernels().reduce_n(*args, out.device.index, stream)
 
     def cast(self, dst, src):
         if self.host is None:

@@ -16,6 +16,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
 ITEMSIZES = (2, 2, 4, 8, 1, 1, 4, 8)
 FLOATING = DTYPES[:4]
 OPS = ("sum", "prod", "min", "max", "avg")  # codes as _C.OPS
+# how kernels.cu's kernel names spell them, by code (avg reduces as sum, then scales)
+KERNEL_DTYPES = ("f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64")
+KERNEL_OPS = ("sum", "prod", "min", "max", "sum")
 _TYPESTRS = {"f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "u1": "uint8",
              "i4": "int32", "i8": "int64"}
 

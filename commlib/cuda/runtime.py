@@ -10,10 +10,8 @@ import cupy
 import numpy as np
 from cupy.cuda import runtime
 
-from . import ITEMSIZES, source
+from . import ITEMSIZES, KERNEL_DTYPES, KERNEL_OPS, source
 
-_DTYPES = ("f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64")  # kernel names' spelling
-_OPS = ("sum", "prod", "min", "max", "sum")  # avg reduces as sum
 _THREADS = 256  # as csrc/cuda/launch.cu
 _NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -106,7 +104,7 @@ class CupyRuntime:
 
     def reduce(self, dst, a, b, count, dtype, op, device, stream):
         work = math.ceil(count * ITEMSIZES[dtype] / 16)
-        self._launch(f"commlib_reduce_{_DTYPES[dtype]}_{_OPS[op]}", work,
+        self._launch(f"commlib_reduce_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}", work,
                      (np.uint64(dst), np.uint64(a), np.uint64(b), np.int64(count)), device, stream)
 
     def reduce_n(self, dst, sources, count, dtype, op, device, stream):
@@ -116,16 +114,17 @@ class CupyRuntime:
         table = np.zeros(1, dtype=[("p", np.uint64, 16)])[0]
         table["p"][:len(sources)] = sources
         work = math.ceil(count * ITEMSIZES[dtype] / 16)
-        self._launch(f"commlib_reduce_n_{_DTYPES[dtype]}_{_OPS[op]}", work,
+        self._launch(f"commlib_reduce_n_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}", work,
                      (np.uint64(dst), table, np.int32(len(sources)), np.int64(count)), device, stream)
 
     def scale(self, x, factor, count, dtype, device, stream):
-        self._launch(f"commlib_scale_{_DTYPES[dtype]}", math.ceil(count * ITEMSIZES[dtype] / 16),
+        self._launch(f"commlib_scale_{KERNEL_DTYPES[dtype]}",
+                     math.ceil(count * ITEMSIZES[dtype] / 16),
                      (np.uint64(x), np.float64(factor), np.int64(count)), device, stream)
 
     def cast(self, dst, src, count, src_dtype, dst_dtype, device, stream):
         wider = max(ITEMSIZES[src_dtype], ITEMSIZES[dst_dtype])
-        self._launch(f"commlib_cast_{_DTYPES[src_dtype]}_{_DTYPES[dst_dtype]}",
+        self._launch(f"commlib_cast_{KERNEL_DTYPES[src_dtype]}_{KERNEL_DTYPES[dst_dtype]}",
                      math.ceil(count * wider / 16),
                      (np.uint64(dst), np.uint64(src), np.int64(count)), device, stream)
 
