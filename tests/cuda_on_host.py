@@ -11,14 +11,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from commlib.cuda import KERNEL_DTYPES as NAMES, KERNEL_OPS as OPS
-from commlib.cuda.ipc import MAX_RANKS as MAX_SOURCES  # kernels.cu kMaxSources
+from commlib.cuda import KERNEL_DTYPES as NAMES, KERNEL_OPS as OPS, MAX_POINTERS
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
 
-class Sources(ctypes.Structure):
-    _fields_ = [("p", ctypes.c_void_p * MAX_SOURCES)]
+class Pointers(ctypes.Structure):  # kernels.cu's Sources and Targets
+    _fields_ = [("p", ctypes.c_void_p * MAX_POINTERS)]
 
 
 def compiler() -> str | None:
@@ -59,15 +58,14 @@ class HostKernels:
         self._launch(f"commlib_reduce_{NAMES[dtype]}_{OPS[op]}", [p, p, p, ctypes.c_longlong],
                      dst, a, b, count)
 
-    def reduce_n(self, dst, sources, count, dtype, op, device=0, stream=0) -> None:
-        if not 1 <= len(sources) <= MAX_SOURCES:
-            raise ValueError(f"reduce_n: 1 to {MAX_SOURCES} sources, got {len(sources)}")
-        table = Sources()
-        for k, ptr in enumerate(sources):
-            table.p[k] = ptr
+    def reduce_n(self, targets, sources, count, dtype, op, device=0, stream=0) -> None:
+        if not (1 <= len(targets) <= MAX_POINTERS and 1 <= len(sources) <= MAX_POINTERS):
+            raise ValueError(f"reduce_n: 1 to {MAX_POINTERS} targets and sources, got "
+                             f"{len(targets)} and {len(sources)}")
         self._launch(f"commlib_reduce_n_{NAMES[dtype]}_{OPS[op]}",
-                     [ctypes.c_void_p, Sources, ctypes.c_int, ctypes.c_longlong],
-                     dst, table, len(sources), count)
+                     [Pointers, ctypes.c_int, Pointers, ctypes.c_int, ctypes.c_longlong],
+                     Pointers((ctypes.c_void_p * MAX_POINTERS)(*targets)), len(targets),
+                     Pointers((ctypes.c_void_p * MAX_POINTERS)(*sources)), len(sources), count)
 
     def scale(self, x, factor, count, dtype, device=0, stream=0) -> None:
         self._launch(f"commlib_scale_{NAMES[dtype]}",

@@ -110,13 +110,13 @@ class Kernels:
         self.host.reduce(out.data_ptr(), a.data_ptr(), b.data_ptr(), out.numel(), _code(out),
                          cuda.OPS.index(op))
 
-    def reduce_n(self, out, sources, op):
-        args = (out.data_ptr(), [x.data_ptr() for x in sources], out.numel(), _code(out),
-                cuda.OPS.index(op))
+    def reduce_n(self, targets, sources, op):
+        args = ([x.data_ptr() for x in targets], [x.data_ptr() for x in sources],
+                sources[0].numel(), _code(sources[0]), cuda.OPS.index(op))
         if self.host is not None:
             return self.host.reduce_n(*args)
         stream = __import__("torch").cuda.current_stream().cuda_stream
-        cuda.kernels().reduce_n(*args, out.device.index, stream)
+        cuda.kernels().reduce_n(*args, sources[0].device.index, stream)
 
     def cast(self, dst, src):
         if self.host is None:
@@ -202,7 +202,8 @@ def test_reduce_matches_torch(kernels, dtype, op, count, offset):
 @pytest.mark.parametrize("sources", [1, 3, 16])
 def test_reduce_n_matches_torch(kernels, dtype, sources):
     """The IPC collectives' kernel: sources combined in order, in the compute type, rounded
-    once; in place into the first source as two-shot does, and unaligned."""
+    once, into every target; in place into sources (as two-shot and registered memory do)
+    and into a fresh array, aligned and not."""
     torch = __import__("torch")
     for op in cuda.OPS:
         for count, offset in [(4099, 0), (517, 1)]:
@@ -212,11 +213,13 @@ def test_reduce_n_matches_torch(kernels, dtype, sources):
             want = xs[0].to(compute)
             for x in xs[1:]:
                 want = REFERENCE[op](want, x.to(compute))
-            out = xs[0]  # in place
-            kernels.reduce_n(out, xs, op)
+            targets = xs[:2] + [_random(torch, dtype, count, offset, 1, kernels.device)]
+            kernels.reduce_n(targets, xs, op)
             kernels.synchronize()
-            torch.testing.assert_close(out, want.to(out.dtype), rtol=0, atol=0, equal_nan=True,
-                                       msg=lambda m: f"{op} {count} {offset}: {m}")
+            for k, out in enumerate(targets):
+                torch.testing.assert_close(out, want.to(out.dtype), rtol=0, atol=0,
+                                           equal_nan=True,
+                                           msg=lambda m: f"{op} {count} {offset} #{k}: {m}")
 
 
 @pytest.mark.parametrize("src", cuda.FLOATING)

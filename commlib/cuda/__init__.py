@@ -19,6 +19,7 @@ OPS = ("sum", "prod", "min", "max", "avg")  # codes as _C.OPS
 # how kernels.cu's kernel names spell them, by code (avg reduces as sum, then scales)
 KERNEL_DTYPES = ("f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64")
 KERNEL_OPS = ("sum", "prod", "min", "max", "sum")
+MAX_POINTERS = 16  # reduce_n's targets and sources (kernels.cu kMaxPointers)
 _TYPESTRS = {"f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "u1": "uint8",
              "i4": "int32", "i8": "int64"}
 

@@ -24,7 +24,7 @@ Vocabulary:
              ranks each rank reads less).
   registered memory that the user registered (Communicator.register): every peer maps it,
              so an all_reduce on it needs no slot (zero-copy). Rank r reduces part r of every
-             rank's buffer and writes it into all of them, on a stream of ours that the
+             rank's buffer and writes it into all of them (one kernel), on a stream of ours that the
              host feeds between the two meetings, once it knows where the peers' buffers
              are; the caller's stream waits for the second meeting.
 
@@ -37,11 +37,11 @@ import os
 from typing import NamedTuple
 
 from ..calls import NONE, descriptor
-from . import OPS
+from . import MAX_POINTERS, OPS
 from .staging import wait_event
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
-MAX_RANKS = 16  # the reduce kernel's sources (kernels.cu kMaxSources)
+MAX_RANKS = MAX_POINTERS  # a rank's reduce kernel reads (and writes) every rank's memory
 ONE_SHOT_BYTES = 256 << 10  # at 3+ ranks, chunks up to this reduce in one shot
                              # (COMMLIB_CUDA_IPC_ONE_SHOT_BYTES overrides)
 ALIGN = 256
@@ -72,6 +72,7 @@ class IpcCollectives:
                                                  ONE_SHOT_BYTES))
         self.step = 0  # steps issued so far
         self.side = None  # our stream: the registered all_reduce's kernels
+        self.tail = None  # (event after the last call's work, its stream)
         self.registrations: dict[int, Registration] = {}  # by index, the same on every rank
         self._registered = 0  # registrations made so far
         self._mapped: dict[str, list] = {}  # a peer's allocation: handle -> [address, users]
@@ -227,15 +228,16 @@ class IpcCollectives:
             if not keeps:
                 return [fill, lambda st: None]
             if one_shot:
-                return [fill, lambda st: rt.reduce_n(out, slots, n, code, op_code, device, st)]
+                return [fill, lambda st: rt.reduce_n([out], slots, n, code, op_code, device, st)]
             parts = _parts(n, size, itemsize)
             a, b = parts[rank]
 
-            def gather(st):
-                for (a, b), slot in zip(parts, slots):
-                    rt.copy_async(out + a * itemsize, slot + a * itemsize, (b - a) * itemsize,
-                                  device, st)
-            return [fill, lambda st: rt.reduce_n(mine + a * itemsize,
+            def gather(st):  # the others' parts (mine went straight into out)
+                for r, ((a, b), slot) in enumerate(zip(parts, slots)):
+                    if r != rank:
+                        rt.copy_async(out + a * itemsize, slot + a * itemsize,
+                                      (b - a) * itemsize, device, st)
+            return [fill, lambda st: rt.reduce_n([mine + a * itemsize, out + a * itemsize],
                                                  [p + a * itemsize for p in slots], b - a,
                                                  code, op_code, device, st), gather]
         after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
@@ -255,7 +257,7 @@ class IpcCollectives:
             lo = i * per_step
             k = min(per_step, m - lo)
             return [self._fill_regions(mine, inp, m, lo, k, itemsize),
-                    lambda st: rt.reduce_n(out.ptr + lo * itemsize,
+                    lambda st: rt.reduce_n([out.ptr + lo * itemsize],
                                            [p + rank * k * itemsize for p in slots], k,
                                            code, op_code, device, st)]
         after = (lambda st: rt.scale(out.ptr, 1.0 / size, m, code, device, st)) \
@@ -313,13 +315,9 @@ class IpcCollectives:
             placed = group.allgather((registration.index, offset))
             ptrs = [self.registrations[k].peers[r] + o for r, (k, o) in enumerate(placed)]
             a, b = _parts(count, size, itemsize)[rank]
-            lo, nbytes = a * itemsize, (b - a) * itemsize
-            if nbytes:
-                rt.reduce_n(ptrs[rank] + lo, [p + lo for p in ptrs], b - a, code, op_code,
-                            device, self.side)
-                for r, p in enumerate(ptrs):
-                    if r != rank:
-                        rt.copy_async(p + lo, ptrs[rank] + lo, nbytes, device, self.side)
+            if b > a:
+                part = [p + a * itemsize for p in ptrs]
+                rt.reduce_n(part, part, b - a, code, op_code, device, self.side)
             pushed = rt.Event(device)
             pushed.record(self.side)
             wait_event(pushed, seconds, what)
@@ -363,6 +361,10 @@ class IpcCollectives:
         StagedWork if async."""
         rt, device, comm, staging = self.rt, self.device, call.comm, call.staging
         stream = staging.stream_for(call.array, call.async_op)
+        if self.tail is not None and self.tail[1] != stream:
+            # the calls share the slots and counters, so they run in call order on the GPU
+            # too: a call on another stream would otherwise refill a slot still being read
+            self.tail[0].wait(stream)
         first = self.step
         self.step += nsteps
         meetings = []  # per step: the event each meeting waits for
@@ -384,6 +386,7 @@ class IpcCollectives:
             after(stream)
         done = rt.Event(device)
         done.record(stream)
+        self.tail = (done, stream)
         staging.keep_until(done, call.keep)
 
         op = OPS[op_code] if op_code != NONE else None

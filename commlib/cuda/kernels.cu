@@ -1,5 +1,5 @@
 // Device kernels of commlib's GPU path: elementwise reduce (of two arrays, or of up to 16
-// peers' arrays read through CUDA IPC), scale, copy and cast.
+// peers' arrays read through CUDA IPC, into up to 16 destinations), scale, copy and cast.
 //
 // One source, two compilers: nvcc builds it into commlib._cuda (csrc/cuda/launch.cu
 // includes it), and where commlib was built without CUDA, commlib/cuda/runtime.py compiles
@@ -130,18 +130,23 @@ __device__ void reduce(T* dst, const T* a, const T* b, i64 n) {
     dst[i] = E::store(Op::template apply<E>(E::load(a[i]), E::load(b[i])));
 }
 
-// Up to kMaxSources arrays, passed by value (a kernel parameter, no device array to fill).
-constexpr int kMaxSources = 16;
-struct Sources { const void* p[kMaxSources]; };
+// Up to kMaxPointers arrays, passed by value (a kernel parameter, no device array to fill).
+constexpr int kMaxPointers = 16;
+struct Sources { const void* p[kMaxPointers]; };
+struct Targets { void* p[kMaxPointers]; };
 
-// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i], the sources in rank order (so every
-// rank computes the same bits). dst may be one of the sources.
+// dst[d][i] = src[0][i] op src[1][i] op ... op src[n-1][i] for each of the m destinations,
+// the sources in rank order (so every rank computes the same bits). A destination may be a
+// source: a thread reads every source's element (or vector) before it writes any. Writing
+// every destination from the registers costs one read of each source, where a reduce and
+// then copies would read the result again.
 template <class T, class Op>
-__device__ void reduce_n(T* dst, Sources src, int n, i64 count) {
+__device__ void reduce_n(Targets dst, int m, Sources src, int n, i64 count) {
   typedef Elem<T> E;
   const int per = sizeof(Vector) / sizeof(T);
-  bool all_aligned = aligned(dst);
+  bool all_aligned = true;
   for (int k = 0; k < n; ++k) all_aligned = all_aligned && aligned(src.p[k]);
+  for (int d = 0; d < m; ++d) all_aligned = all_aligned && aligned(dst.p[d]);
   const i64 vectors = all_aligned ? count / per : 0;
   for (i64 v = first_index(); v < vectors; v += stride()) {
     Pack<Vector, T> x;
@@ -156,12 +161,13 @@ __device__ void reduce_n(T* dst, Sources src, int n, i64 count) {
     }
 #pragma unroll
     for (int i = 0; i < per; ++i) x.e[i] = E::store(acc[i]);
-    reinterpret_cast<Vector*>(dst)[v] = x.raw;
+    for (int d = 0; d < m; ++d) reinterpret_cast<Vector*>(dst.p[d])[v] = x.raw;
   }
   for (i64 i = vectors * per + first_index(); i < count; i += stride()) {
     typename E::C acc = E::load(static_cast<const T*>(src.p[0])[i]);
     for (int k = 1; k < n; ++k) acc = Op::template apply<E>(acc, E::load(static_cast<const T*>(src.p[k])[i]));
-    dst[i] = E::store(acc);
+    const T result = E::store(acc);
+    for (int d = 0; d < m; ++d) static_cast<T*>(dst.p[d])[i] = result;
   }
 }
 
@@ -223,9 +229,9 @@ __device__ void copy(char* dst, const char* src, i64 nbytes) {
     commlib_cuda::reduce<T, commlib_cuda::Op>(d, a, b, n);                                  \
   }
 #define COMMLIB_REDUCE_N(name, T, op, Op)                                                   \
-  extern "C" __global__ void commlib_reduce_n_##name##_##op(T* d, commlib_cuda::Sources s,  \
-                                                            int n, long long count) {       \
-    commlib_cuda::reduce_n<T, commlib_cuda::Op>(d, s, n, count);                            \
+  extern "C" __global__ void commlib_reduce_n_##name##_##op(                                \
+      commlib_cuda::Targets d, int m, commlib_cuda::Sources s, int n, long long count) {    \
+    commlib_cuda::reduce_n<T, commlib_cuda::Op>(d, m, s, n, count);                         \
   }
 #define COMMLIB_DTYPE(name, T)                                                              \
   COMMLIB_REDUCE(name, T, sum, Sum)                                                         \

@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 from cupy.cuda import runtime
 
-from . import ITEMSIZES, KERNEL_DTYPES, KERNEL_OPS, source
+from . import ITEMSIZES, KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, source
 
 _THREADS = 256  # as csrc/cuda/launch.cu
 _NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)
@@ -37,6 +37,13 @@ def _driver():
 
 
 @lru_cache(maxsize=None)
+def _pointers(addresses):
+    """kernels.cu's Sources or Targets, by value: CuPy passes a structured scalar as a struct."""
+    table = np.zeros(1, dtype=[("p", np.uint64, MAX_POINTERS)])[0]
+    table["p"][:len(addresses)] = addresses
+    return table
+
+
 def _multiprocessors(device: int) -> int:
     return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
 
@@ -107,15 +114,14 @@ class CupyRuntime:
         self._launch(f"commlib_reduce_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}", work,
                      (np.uint64(dst), np.uint64(a), np.uint64(b), np.int64(count)), device, stream)
 
-    def reduce_n(self, dst, sources, count, dtype, op, device, stream):
-        if not 1 <= len(sources) <= 16:
-            raise ValueError(f"reduce_n: 1 to 16 sources, got {len(sources)}")
-        # the kernel's Sources parameter, by value: CuPy passes a structured scalar as a struct
-        table = np.zeros(1, dtype=[("p", np.uint64, 16)])[0]
-        table["p"][:len(sources)] = sources
+    def reduce_n(self, targets, sources, count, dtype, op, device, stream):
+        if not (1 <= len(targets) <= MAX_POINTERS and 1 <= len(sources) <= MAX_POINTERS):
+            raise ValueError(f"reduce_n: 1 to {MAX_POINTERS} targets and sources, got "
+                             f"{len(targets)} and {len(sources)}")
         work = math.ceil(count * ITEMSIZES[dtype] / 16)
         self._launch(f"commlib_reduce_n_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}", work,
-                     (np.uint64(dst), table, np.int32(len(sources)), np.int64(count)), device, stream)
+                     (_pointers(targets), np.int32(len(targets)), _pointers(sources),
+                      np.int32(len(sources)), np.int64(count)), device, stream)
 
     def scale(self, x, factor, count, dtype, device, stream):
         self._launch(f"commlib_scale_{KERNEL_DTYPES[dtype]}",

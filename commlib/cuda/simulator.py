@@ -128,14 +128,14 @@ class SimulatedDevice:
         raw = (ctypes.c_uint8 * (count * kind.itemsize)).from_address(ptr)
         return np.frombuffer(raw, kind)
 
-    def reduce_n(self, dst, sources, count, dtype, op, device, stream) -> None:
+    def reduce_n(self, targets, sources, count, dtype, op, device, stream) -> None:
         def run():
-            out = self._array(dst, count, dtype)
             arrays = [self._array(p, count, dtype) for p in sources]
             acc = arrays[0].copy()
             for a in arrays[1:]:
                 _REDUCE[op](acc, a, out=acc)
-            out[:] = acc
+            for p in targets:
+                self._array(p, count, dtype)[:] = acc
         self.enqueue(stream, run)
 
     def scale(self, x, factor, count, dtype, device, stream) -> None:

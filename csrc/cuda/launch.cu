@@ -98,21 +98,25 @@ PYBIND11_MODULE(_cuda, m) {
   }, py::arg("dst"), py::arg("a"), py::arg("b"), py::arg("count"), py::arg("dtype"),
      py::arg("op"), py::arg("device"), py::arg("stream"));
 
-  m.def("reduce_n", [](uintptr_t dst, std::vector<uintptr_t> sources, long long count, int dtype,
-                       int op, int device, uintptr_t stream) {
+  m.def("reduce_n", [](std::vector<uintptr_t> targets, std::vector<uintptr_t> sources,
+                       long long count, int dtype, int op, int device, uintptr_t stream) {
     check_dtype(dtype, NDTYPES, "reduce_n");
     if (op < 0 || op >= NOPS) throw std::invalid_argument("reduce_n: unknown op code " + std::to_string(op));
-    if (sources.empty() || sources.size() > size_t(commlib_cuda::kMaxSources))
-      throw std::invalid_argument("reduce_n: 1 to " + std::to_string(commlib_cuda::kMaxSources) +
-                                  " sources, got " + std::to_string(sources.size()));
+    const size_t most = commlib_cuda::kMaxPointers;
+    if (targets.empty() || targets.size() > most || sources.empty() || sources.size() > most)
+      throw std::invalid_argument("reduce_n: 1 to " + std::to_string(most) + " targets and sources, got " +
+                                  std::to_string(targets.size()) + " and " + std::to_string(sources.size()));
+    commlib_cuda::Targets dst{};
     commlib_cuda::Sources src{};
+    for (size_t k = 0; k < targets.size(); ++k) dst.p[k] = reinterpret_cast<void*>(targets[k]);
     for (size_t k = 0; k < sources.size(); ++k) src.p[k] = reinterpret_cast<const void*>(sources[k]);
-    int n = int(sources.size());
-    void* args[] = {&dst, &src, &n, &count};
+    int m = int(targets.size()), n = int(sources.size());
+    void* args[] = {&dst, &m, &src, &n, &count};
     launch(kReduceN[dtype][op], vectors(count, kItemsize[dtype]), args, device, stream, "reduce_n kernel");
-  }, py::arg("dst"), py::arg("sources"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+  }, py::arg("targets"), py::arg("sources"), py::arg("count"), py::arg("dtype"), py::arg("op"),
      py::arg("device"), py::arg("stream"),
-     "dst = sources[0] op ... op sources[n-1] elementwise (n <= 16; dst may be a source)");
+     "every target = sources[0] op ... op sources[n-1] elementwise (1 to 16 of each; a target "
+     "may be a source)");
 
   m.def("scale", [](uintptr_t x, double factor, long long count, int dtype, int device, uintptr_t stream) {
     check_dtype(dtype, 4, "scale (floating dtypes only)");

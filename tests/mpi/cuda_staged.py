@@ -295,6 +295,40 @@ def bad_calls():
     assert_equal(host(t), np.full(3, float(n)))
 
 
+def calls_on_two_streams_in_call_order():
+    """An async call (our side stream) and the calls after it on the caller's stream run in
+    call order on the GPU, not just on the host: the simulated GPU makes the async call's
+    copies slow, so a later call that did not wait for it would overwrite the slot it
+    still reads."""
+    if not IPC:
+        return
+    m = 2000
+    comm.all_gather(device(np.zeros(n)), device([1.0]), async_op=True).wait()  # side stream
+    slow = None
+    if SIMULATED:
+        sim, side = cuda.streams(), comm.staging._side[0]
+        slow = sim.copy_async
+
+        def copy_async(dst, src, nbytes, dev, stream):
+            if stream == side:
+                sim.enqueue(stream, lambda: time.sleep(0.05))
+            slow(dst, src, nbytes, dev, stream)
+        sim.copy_async = copy_async
+    try:
+        first = device(np.zeros(n * m))
+        w = comm.all_gather(first, device(np.arange(m) + 1000.0 * rank), async_op=True)
+        later = [device(np.zeros(n * m)) for _ in range(3)]
+        for k, out in enumerate(later):
+            comm.all_gather(out, device(np.full(m, -1.0 - k)))
+        w.wait()
+    finally:
+        if slow is not None:
+            sim.copy_async = slow
+    assert_equal(host(first), np.concatenate([np.arange(m) + 1000.0 * r for r in range(n)]))
+    for k, out in enumerate(later):
+        assert_equal(host(out), np.full(n * m, -1.0 - k))
+
+
 def device_memory(count, dtype="float32"):
     """An uninitialised device array from the device allocator (cudaMalloc; on the
     simulated GPU, shared memory), which register can share."""
