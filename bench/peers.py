@@ -109,24 +109,24 @@ class CommlibPeer:
 
 
 class RegisteredPeer(CommlibPeer):
-    """commlib's all_reduce on GPU memory registered with the communicator (zero-copy IPC);
-    each case's buffer is registered once, before its first timed call."""
+    """commlib's collectives on GPU inputs registered with the communicator (zero-copy
+    IPC); each case's input is registered once, before its first timed call."""
 
     def __init__(self, comm: commlib.Communicator):
         super().__init__(comm, "auto")
         self.name = "commlib:registered"
-        self.registered = None  # (the case's buffer, its RegisteredMemory)
+        self.registered = None  # (the case's input, its RegisteredMemory)
 
     def unsupported(self, case):
-        if case.spec.name != "all_reduce" or case.device != "cuda" or self.comm.size == 1:
-            return "registered memory: all_reduce on GPU memory at 2+ ranks"
+        if case.device != "cuda" or self.comm.size == 1:
+            return "registered memory: GPU memory at 2+ ranks"
         return None
 
     def run(self, c):
-        if self.registered is None or self.registered[0] is not c.out:
+        if self.registered is None or self.registered[0] is not c.inp:
             if self.registered is not None:
                 self.registered[1].close()
-            self.registered = (c.out, self.comm.register(c.out))
+            self.registered = (c.inp, self.comm.register(c.inp))
         super().run(c)
 
 

@@ -338,16 +338,11 @@ def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=N
             raise ValueError("all_to_all: output and input overlap; use separate tensors")
         splits = {"input_splits": _splits(comm, input_splits, inp.numel, "input_splits"),
                   "output_splits": _splits(comm, output_splits, out.numel, "output_splits")}
-        if len(set(splits["input_splits"] + splits["output_splits"])) == 1:  # equal parts
-            done = _via_ipc(comm, "all_to_all", algorithm, [out, inp], inp.numel, inp.dtype,
-                            None, NONE, async_op, timeout, output,
-                            lambda gpu, c: gpu.all_to_all(c, out, inp))
-            if done is not None:
-                return done
-        elif algorithm == "ipc":
-            raise ValueError("all_to_all: algorithm='ipc' takes equal parts only; leave "
-                             "algorithm unset for uneven splits (they are staged through host "
-                             "memory)")
+        done = _via_ipc(comm, "all_to_all", algorithm, [out, inp], inp.numel, inp.dtype, None,
+                        NONE, async_op, timeout, output, lambda gpu, c: gpu.all_to_all(
+                            c, out, inp, splits["output_splits"], splits["input_splits"]))
+        if done is not None:
+            return done
         call = _prepare(comm, "all_to_all", algorithm, {"out": out, "in": inp}, inp.numel,
                         inp.dtype, ReduceOp.SUM, splits, timeout)
     except (ValueError, TypeError) as e:

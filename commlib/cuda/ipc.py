@@ -1,4 +1,4 @@
-"""all_reduce, reduce_scatter, all_gather, all_to_all (equal parts), broadcast and reduce among
+"""all_reduce, reduce_scatter, all_gather, all_to_all, broadcast and reduce among
 the GPU ranks of one host through CUDA IPC: kernels and copies read the peers' device memory
 directly. Ranks may share a GPU (NCCL refuses that; it is how one-GPU machines test this).
 
@@ -19,14 +19,20 @@ Vocabulary:
              written again; a step's first meeting frees the step before it).
   one-shot   all_reduce where every rank reduces the whole chunk from every slot (2 ranks,
              small chunks: one meeting).
-  two-shot   all_reduce where rank r reduces part r of the chunk into its own slot, and after
-             a second meeting every rank copies every part from its owner's slot (at 3+
-             ranks each rank reads less).
-  registered memory that the user registered (Communicator.register): every peer maps it,
-             so an all_reduce on it needs no slot (zero-copy). Rank r reduces part r of every
-             rank's buffer and writes it into all of them (one kernel), on a stream of ours that the
-             host feeds between the two meetings, once it knows where the peers' buffers
-             are; the caller's stream waits for the second meeting.
+  two-shot   all_reduce where rank r reduces part r of the chunk into its own slot and its
+             output, and after a second meeting every rank copies the other parts from
+             their owners' slots (at 3+ ranks each rank reads less).
+  on the host  a call of one step whose work the host enqueues on our stream (``side``)
+             between its two meetings, once the ranks have agreed on it, and waits for:
+             all_to_all, whose steps depend on every rank's splits, and the zero-copy calls.
+             It may use both slots: by call order, the calls before it are done on every
+             rank, and those after it wait for its second meeting.
+  zero-copy  a call whose input lies in registered memory (Communicator.register) at every
+             rank: each rank reads the peers' inputs where they lie and writes its own
+             output, with no slot in between. all_reduce (in place) has rank r reduce part
+             r of every rank's buffer and write it into all of them, in one kernel.
+  call order the calls of a communicator share the slots and counters, so they run in call
+             order on the GPU too: a call on another stream than the last waits for it.
 
 Synchronisation goes through the host, as for the staged calls: ranks that share a GPU take
 turns on it, so a kernel spinning on a peer's flag would wait out its time slice.
@@ -38,6 +44,7 @@ from typing import NamedTuple
 
 from ..calls import NONE, descriptor
 from . import MAX_POINTERS, OPS
+from .registered import Registrations
 from .staging import wait_event
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
@@ -71,11 +78,9 @@ class IpcCollectives:
         self.one_shot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
                                                  ONE_SHOT_BYTES))
         self.step = 0  # steps issued so far
-        self.side = None  # our stream: the registered all_reduce's kernels
+        self.side = None  # our stream: the work of calls on the host
         self.tail = None  # (event after the last call's work, its stream)
-        self.registrations: dict[int, Registration] = {}  # by index, the same on every rank
-        self._registered = 0  # registrations made so far
-        self._mapped: dict[str, list] = {}  # a peer's allocation: handle -> [address, users]
+        self.registered = Registrations(runtime, device, comm.rank)
         self.usable = False
         self.problem = None  # why not, when set-up failed on some rank
 
@@ -123,8 +128,7 @@ class IpcCollectives:
 
     def close(self) -> None:
         rt, device = self.rt, self.device
-        for registration in list(self.registrations.values()):
-            self._forget(registration)
+        self.registered.close()
         for ptr in self.peers:
             if ptr != self.workspace:
                 rt.ipc_close(ptr, device)
@@ -137,88 +141,31 @@ class IpcCollectives:
             self.counters = None
         self.usable = False
 
-    # Registered memory. Both calls run on the communicator's engine, on every rank alike.
-    def register(self, group, ptr: int, nbytes: int) -> "Registration":
-        """Every rank shares the allocation that holds its [ptr, ptr + nbytes) and maps the
-        peers'; all ranks succeed or all raise."""
-        rt, device = self.rt, self.device
-        problem = handle = None
-        offset = 0
-        try:
-            base, _ = rt.address_range(ptr, device)
-            handle, offset = rt.ipc_handle(base, device).hex(), ptr - base
-        except RuntimeError as e:
-            problem = f"rank {self.rank} cannot share its memory through CUDA IPC: {e}"
-        shared = group.allgather([handle, offset, problem])
-        problem = next((p for _, _, p in shared if p), None)
-        peers, mapped = [], []
-        if problem is None:
-            try:
-                for r, (h, o, _) in enumerate(shared):
-                    if r == self.rank:
-                        peers.append(ptr)
-                    else:
-                        peers.append(self._map(h) + o)
-                        mapped.append(h)
-            except RuntimeError as e:
-                problem = f"rank {self.rank} cannot map a peer's memory: {e}"
-        problems = [p for p in group.allgather(problem) if p]
-        if problems:
-            for h in mapped:
-                self._unmap(h)
-            raise RuntimeError(problems[0])
-        registration = Registration(self._registered, ptr, nbytes, peers, mapped)
-        self._registered += 1
-        self.registrations[registration.index] = registration
-        return registration
-
-    def deregister(self, group, registration: "Registration") -> None:
-        """After every rank's calls before it (a collective, so no peer still reads it)."""
-        group.allgather(None)
-        self._forget(registration)
-
-    def registration_of(self, buf) -> "tuple[Registration, int] | None":
-        """The registration that holds all of ``buf``, and where in it ``buf`` starts."""
-        for registration in self.registrations.values():
-            offset = buf.ptr - registration.ptr
-            if 0 <= offset and offset + buf.nbytes <= registration.nbytes:
-                return registration, offset
-        return None
-
-    def _map(self, handle: str) -> int:
-        """A peer's allocation, mapped once however many registrations it holds (CUDA
-        maps a handle once per process)."""
-        if handle not in self._mapped:
-            self._mapped[handle] = [self.rt.ipc_open(bytes.fromhex(handle), self.device), 0]
-        self._mapped[handle][1] += 1
-        return self._mapped[handle][0]
-
-    def _unmap(self, handle: str) -> None:
-        entry = self._mapped[handle]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.rt.ipc_close(entry[0], self.device)
-            del self._mapped[handle]
-
-    def _forget(self, registration: "Registration") -> None:
-        if self.registrations.pop(registration.index, None) is not None:
-            for h in registration.mapped:
-                self._unmap(h)
-
     # The collectives: each cuts its call into steps and says what a step does in each
-    # phase (before the first meeting of the ranks, after it, after the second).
+    # phase (before the first meeting of the ranks, after it, after the second); or, with
+    # its input registered at every rank, enqueues its zero-copy work on the host.
     def all_reduce(self, call: "Call", buf, op_code: int, average: bool, root=None):
         """``buf`` reduced in place. With ``root``, a reduce: only the root reduces (in one
         shot); the others lend their data."""
-        placed = self.registration_of(buf) if root is None else None
-        if placed is not None:
-            return self._all_reduce_registered(call, buf, *placed, op_code, average)
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        itemsize, code = call.dtype.itemsize, call.dtype.code
-        per_step, count = self.slot_bytes // itemsize, buf.numel
-        one_shot = (root is not None or size == 2
-                    or min(count, per_step) * itemsize <= self.one_shot_bytes)
+        itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
         keeps = root is None or rank == root  # this rank ends with the reduction
+        after = self._scaled(call, buf, average and keeps)
+        root = NONE if root is None else root
+        placed = self.registered.of(buf)
+        if placed is not None:
+            def zero_copy(ptrs, group):
+                if root == NONE:  # part r of every buffer is rank r's alone
+                    a, b = _parts(count, size, itemsize)[rank]
+                    if b > a:
+                        part = [p + a * itemsize for p in ptrs]
+                        rt.reduce_n(part, part, b - a, code, op_code, device, self.side)
+                elif keeps:
+                    rt.reduce_n([buf.ptr], ptrs, count, code, op_code, device, self.side)
+            return self._zero_copy(call, count, op_code, root, placed, zero_copy, after)
+        per_step = self.slot_bytes // itemsize
+        one_shot = (root != NONE or size == 2
+                    or min(count, per_step) * itemsize <= self.one_shot_bytes)
 
         def step(i, mine, slots):
             lo = i * per_step
@@ -240,34 +187,49 @@ class IpcCollectives:
             return [fill, lambda st: rt.reduce_n([mine + a * itemsize, out + a * itemsize],
                                                  [p + a * itemsize for p in slots], b - a,
                                                  code, op_code, device, st), gather]
-        after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
-            if average and keeps else None
-        algorithm = "ipc" if root is not None else "oneshot" if one_shot else "twoshot"
-        return self.run(call, algorithm, count, op_code, NONE if root is None else root,
-                        _steps(count, per_step), step, after)
+        algorithm = "ipc" if root != NONE else "oneshot" if one_shot else "twoshot"
+        return self.run(call, algorithm, count, op_code, root, _steps(count, per_step), step,
+                        after)
 
     def reduce_scatter(self, call: "Call", out, inp, op_code: int, average: bool):
         """Step i: rank r copies piece i of each of its blocks into its slot, then reduces
         piece i of block r from every slot."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
         itemsize, code, m = call.dtype.itemsize, call.dtype.code, out.numel
+        after = self._scaled(call, out, average)
+        placed = self.registered.of(inp)
+        if placed is not None:
+            def zero_copy(ptrs, group):
+                rt.reduce_n([out.ptr], [p + rank * m * itemsize for p in ptrs], m, code,
+                            op_code, device, self.side)
+            return self._zero_copy(call, m, op_code, NONE, placed, zero_copy, after)
         per_step = max(1, self.slot_bytes // itemsize // size)
 
         def step(i, mine, slots):
             lo = i * per_step
             k = min(per_step, m - lo)
-            return [self._fill_regions(mine, inp, m, lo, k, itemsize),
-                    lambda st: rt.reduce_n([out.ptr + lo * itemsize],
-                                           [p + rank * k * itemsize for p in slots], k,
-                                           code, op_code, device, st)]
-        after = (lambda st: rt.scale(out.ptr, 1.0 / size, m, code, device, st)) \
-            if average else None
+
+            def fill(st):  # piece i of each block j into region j of my slot
+                for j in range(size):
+                    rt.copy_async(mine + j * k * itemsize, inp.ptr + (j * m + lo) * itemsize,
+                                  k * itemsize, device, st)
+            return [fill, lambda st: rt.reduce_n([out.ptr + lo * itemsize],
+                                                 [p + rank * k * itemsize for p in slots], k,
+                                                 code, op_code, device, st)]
         return self.run(call, "ipc", m, op_code, NONE, _steps(m, per_step), step, after)
 
     def all_gather(self, call: "Call", out, inp):
         """Step i: every rank copies piece i of its input into its slot, then every slot's
         piece into its block of the output."""
         rt, device, itemsize, m = self.rt, self.device, call.dtype.itemsize, inp.numel
+        placed = self.registered.of(inp)
+        if placed is not None:
+            def zero_copy(ptrs, group):
+                for r, p in enumerate(ptrs):
+                    block = out.ptr + r * m * itemsize
+                    if block != p:  # in place, my input is my output's block already
+                        rt.copy_async(block, p, m * itemsize, device, self.side)
+            return self._zero_copy(call, m, NONE, NONE, placed, zero_copy)
         per_step = self.slot_bytes // itemsize
 
         def step(i, mine, slots):
@@ -282,64 +244,16 @@ class IpcCollectives:
                                              device, st), gather]
         return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
 
-    def all_to_all(self, call: "Call", out, inp):
-        """Equal parts of m elements. Step i: every rank copies piece i of each of its parts
-        into its slot (the part for rank j in region j), then piece i of region r of every
-        rank's slot into its output."""
-        rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        itemsize, m = call.dtype.itemsize, out.numel // size
-        per_step = max(1, self.slot_bytes // itemsize // size)
-
-        def step(i, mine, slots):
-            lo = i * per_step
-            k = min(per_step, m - lo)
-
-            def gather(st):
-                for j, slot in enumerate(slots):
-                    rt.copy_async(out.ptr + (j * m + lo) * itemsize, slot + rank * k * itemsize,
-                                  k * itemsize, device, st)
-            return [self._fill_regions(mine, inp, m, lo, k, itemsize), gather]
-        return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
-
-    def _all_reduce_registered(self, call: "Call", buf, registration: "Registration",
-                               offset: int, op_code: int, average: bool):
-        """Zero-copy, one step. After the first meeting the host learns where every rank's
-        buffer lies in its registration and enqueues on our stream: reduce part r of all of
-        them into mine, copy it into the peers'. Part r of every buffer is rank r's alone,
-        and no rank's stream goes on until the second meeting (all parts written)."""
-        rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
-        seconds, what = call.seconds, f"{call.collective} (ipc)"
-
-        def between(transport, group):
-            placed = group.allgather((registration.index, offset))
-            ptrs = [self.registrations[k].peers[r] + o for r, (k, o) in enumerate(placed)]
-            a, b = _parts(count, size, itemsize)[rank]
-            if b > a:
-                part = [p + a * itemsize for p in ptrs]
-                rt.reduce_n(part, part, b - a, code, op_code, device, self.side)
-            pushed = rt.Event(device)
-            pushed.record(self.side)
-            wait_event(pushed, seconds, what)
-        after = (lambda st: rt.scale(buf.ptr, 1.0 / size, count, code, device, st)) \
-            if average else None
-        return self.run(call, "zerocopy", count, op_code, NONE, 1,
-                        lambda i, mine, slots: [lambda st: None, lambda st: None], after,
-                        between)
-
-    def _fill_regions(self, mine: int, inp, m: int, lo: int, k: int, itemsize: int):
-        """The phase that copies piece [lo, lo + k) of each of ``inp``'s blocks of m
-        elements (block j: for rank j) into region j of my slot."""
-        def fill(st):
-            for j in range(self.size):
-                self.rt.copy_async(mine + j * k * itemsize, inp.ptr + (j * m + lo) * itemsize,
-                                   k * itemsize, self.device, st)
-        return fill
-
     def broadcast(self, call: "Call", buf, root: int):
         rt, device, itemsize, count = self.rt, self.device, call.dtype.itemsize, buf.numel
-        per_step = self.slot_bytes // itemsize
         at_root = self.rank == root
+        placed = self.registered.of(buf)
+        if placed is not None:
+            def zero_copy(ptrs, group):
+                if not at_root:
+                    rt.copy_async(buf.ptr, ptrs[root], buf.nbytes, device, self.side)
+            return self._zero_copy(call, count, NONE, root, placed, zero_copy)
+        per_step = self.slot_bytes // itemsize
 
         def step(i, mine, slots):
             lo = i * per_step
@@ -352,13 +266,99 @@ class IpcCollectives:
                     lambda st: rt.copy_async(chunk, slots[root], n * itemsize, device, st)]
         return self.run(call, "ipc", count, NONE, root, _steps(count, per_step), step)
 
+    def all_to_all(self, call: "Call", out, inp, out_splits: tuple, in_splits: tuple):
+        """Rank r's part j of ``inp`` (in_splits[j] elements) into rank j's output, at its
+        part r. Through the slots, on the host: step i has every rank copy piece i of its
+        part for rank j into region j of its slot, and after a meeting, piece i of region
+        r of every rank's slot into its output; the two slots take turns, so that one
+        meeting per step suffices. Our own part goes straight from input to output."""
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        itemsize, side = call.dtype.itemsize, self.side
+        send, recv = _starts(in_splits), _starts(out_splits)
+        splits = ([k * itemsize for k in in_splits], [k * itemsize for k in out_splits])
+        placed = self.registered.of(inp)
+        if placed is not None:
+            def zero_copy(ptrs, group):
+                inputs = group.allgather(in_splits)  # where my part lies in each input
+                for j, p in enumerate(ptrs):
+                    if out_splits[j]:
+                        rt.copy_async(out.ptr + recv[j] * itemsize,
+                                      p + sum(inputs[j][:rank]) * itemsize,
+                                      out_splits[j] * itemsize, device, side)
+            return self._zero_copy(call, inp.numel, NONE, NONE, placed, zero_copy,
+                                   splits=splits)
+        per = max(1, self.slot_bytes // size // itemsize)  # elements per region and step
+
+        def fill(i):
+            mine = self.workspace + i % 2 * self.slot_bytes
+            for j in range(size):
+                lo, k = _piece(i, per, in_splits[j])
+                if k and j != rank:
+                    rt.copy_async(mine + j * per * itemsize, inp.ptr + (send[j] + lo) * itemsize,
+                                  k * itemsize, device, side)
+
+        def gather(i):
+            region = i % 2 * self.slot_bytes + rank * per * itemsize
+            for j in range(size):
+                lo, k = _piece(i, per, out_splits[j])
+                if k:
+                    source = (inp.ptr + (send[rank] + lo) * itemsize if j == rank
+                              else self.peers[j] + region)
+                    rt.copy_async(out.ptr + (recv[j] + lo) * itemsize, source, k * itemsize,
+                                  device, side)
+
+        def work(transport, group):
+            nsteps = _steps(max(group.allgather(max(in_splits))), per)
+            fill(0)
+            for i in range(nsteps):
+                self._drain(call)  # my fill of step i and gather of step i - 1 are done,
+                transport.barrier()  # and every rank's: slot i % 2 is full, the other free
+                gather(i)
+                if i + 1 < nsteps:
+                    fill(i + 1)
+        return self._on_host(call, "ipc", inp.numel, NONE, NONE, work, splits=splits)
+
+    def _scaled(self, call: "Call", buf, average: bool):
+        """The phase after a call that averages: ``buf`` divided by the number of ranks."""
+        if not average:
+            return None
+        return lambda st: self.rt.scale(buf.ptr, 1.0 / self.size, buf.numel, call.dtype.code,
+                                        self.device, st)
+
+    def _zero_copy(self, call: "Call", count: int, op_code, root, placed, enqueue, after=None,
+                   splits=([], [])):
+        """A call on registered memory, on the host: ``enqueue(ptrs, group)`` enqueues its
+        work on our stream, once ``ptrs`` says where every rank's input lies (``placed``:
+        where mine does, in which registration)."""
+        def work(transport, group):
+            enqueue(self.registered.placed(group, *placed), group)
+        return self._on_host(call, "zerocopy", count, op_code, root, work, after, splits)
+
+    def _on_host(self, call: "Call", algorithm: str, count: int, op_code, root, work,
+                 after=None, splits=([], [])):
+        """A call of one step whose ``work(transport, group)`` the host does between its
+        meetings, enqueueing on our stream; the caller's stream waits for the second
+        meeting, which follows our stream's end of that work on every rank."""
+        def between(transport, group):
+            work(transport, group)
+            self._drain(call)
+        nothing = lambda st: None  # noqa: E731
+        return self.run(call, algorithm, count, op_code, root, 1,
+                        lambda i, mine, slots: [nothing, nothing], after, between, splits)
+
+    def _drain(self, call: "Call") -> None:
+        """Wait until our stream has done what it holds."""
+        drained = self.rt.Event(self.device)
+        drained.record(self.side)
+        wait_event(drained, call.seconds, f"{call.collective} (ipc)")
+
     def run(self, call: "Call", algorithm: str, count: int, op_code, root, nsteps: int, step,
-            after=None, between=None):
+            after=None, between=None, splits=([], [])):
         """Enqueue ``nsteps`` steps (``step(i, my slot, every rank's slot)`` gives step i's
         phases, each a function of the stream) and then ``after``; queue the meetings on
         the communicator's engine. ``between(transport, group)``, if given, is host work
-        of a one-step call between its two meetings. Returns the call's result, or a
-        StagedWork if async."""
+        of a one-step call between its two meetings; ``splits`` (all_to_all's, in bytes)
+        are agreed on with the call. Returns the call's result, or a StagedWork if async."""
         rt, device, comm, staging = self.rt, self.device, call.comm, call.staging
         stream = staging.stream_for(call.array, call.async_op)
         if self.tail is not None and self.tail[1] != stream:
@@ -404,7 +404,7 @@ class IpcCollectives:
                 for k, event in enumerate(events):
                     wait_event(event, seconds, what)
                     if i == 0 and k == 0:
-                        transport.agree(desc, [], [], call.dtype.itemsize)
+                        transport.agree(desc, *splits, call.dtype.itemsize)
                     else:
                         transport.barrier()
                     if k == 0:  # every rank is past step s - 1: its slot may be refilled
@@ -427,15 +427,6 @@ class IpcCollectives:
                               call.result)
 
 
-class Registration(NamedTuple):
-    """Memory that every rank registered (Communicator.register), as this rank sees it."""
-    index: int  # the same registration on every rank
-    ptr: int
-    nbytes: int
-    peers: list  # by rank: where its registered memory is mapped here
-    mapped: list  # the peers' allocation handles mapped for it
-
-
 class Call(NamedTuple):
     """What run() needs of a public call besides its steps."""
     comm: object
@@ -451,6 +442,20 @@ class Call(NamedTuple):
 
 def _steps(count: int, per_step: int) -> int:
     return max(1, -(-count // per_step))
+
+
+def _starts(splits) -> list[int]:
+    """Where each part of a buffer cut by ``splits`` starts."""
+    starts = [0]
+    for k in splits[:-1]:
+        starts.append(starts[-1] + k)
+    return starts
+
+
+def _piece(i: int, per: int, count: int) -> tuple[int, int]:
+    """Where piece i (of ``per`` elements) of a part of ``count`` starts, and its length."""
+    lo = i * per
+    return lo, max(0, min(per, count - lo))
 
 
 def _parts(n: int, size: int, itemsize: int) -> list[tuple[int, int]]:

@@ -164,6 +164,11 @@ def gather_scatter_broadcast_reduce_in_many_steps():
     assert_equal(host(out), np.concatenate([np.arange(rank * m, rank * m + m) % 1000 + j
                                             for j in range(n)]))
     check_algorithm("ipc")
+    # uneven: rank r sends (r + 2j) % 4 * 700 elements to j (many steps, empty parts)
+    out, inp, want = uneven_all_to_all(lambda r, j: (r + 2 * j) % 4 * 700)
+    comm.all_to_all(out, inp, **uneven_splits(lambda r, j: (r + 2 * j) % 4 * 700))
+    assert_equal(host(out), want)
+    check_algorithm("ipc")
     for root in (0, n - 1):
         t = device(np.arange(m) + 100.0 * rank, "int32")
         comm.broadcast(t, root=root)
@@ -176,6 +181,22 @@ def gather_scatter_broadcast_reduce_in_many_steps():
         t = device(np.full(m, 2.0 * rank))
         comm.reduce(t, root=root, op="avg")
         assert_equal(host(t), np.full(m, n - 1.0 if rank == root else 2.0 * rank))
+
+
+def uneven_splits(count):
+    """all_to_all's splits where rank r sends count(r, j) elements to rank j."""
+    return {"input_splits": [count(rank, j) for j in range(n)],
+            "output_splits": [count(j, rank) for j in range(n)]}
+
+
+def uneven_all_to_all(count, make=device):
+    """(output, input, expected output) of that all_to_all: element k of what r sends to j
+    is 1000 r + 100 j + k % 97."""
+    inp = make(np.concatenate([1000 * rank + 100 * j + np.arange(count(rank, j)) % 97
+                               for j in range(n)]))
+    want = np.concatenate([1000 * j + 100 * rank + np.arange(count(j, rank)) % 97
+                           for j in range(n)])
+    return device(np.zeros(len(want))), inp, want
 
 
 def through_slots(count, dtype):
@@ -214,6 +235,7 @@ def in_place_and_uneven():
     comm.all_to_all(out, inp, output_splits=recv_counts, input_splits=send_counts)
     assert_equal(host(out), np.concatenate([np.full(c, 100.0 * j + rank)
                                             for j, c in enumerate(recv_counts)]))
+    check_algorithm("ipc")
 
 
 def stream_order():
@@ -283,10 +305,9 @@ def bad_calls():
            lambda: comm.all_gather(device(np.zeros(2 * n + 1)), device(np.zeros(2))))
     raises(ValueError, "algorithm='ipc' needs CUDA arrays",
            lambda: comm.all_reduce(np.ones(3, np.float32), algorithm="ipc"))
-    uneven = [2] + [1] * (n - 1)  # equal parts at 1 rank, where IPC does not apply
-    raises(ValueError, "takes equal parts only" if n > 1 else "needs CUDA arrays",
-           lambda: comm.all_to_all(device(np.zeros(n + 1)), device(np.zeros(n + 1)),
-                                   output_splits=uneven, input_splits=uneven, algorithm="ipc"))
+    if n == 1:
+        raises(ValueError, "needs CUDA arrays", lambda: comm.all_to_all(
+            device(np.zeros(1)), device(np.zeros(1)), algorithm="ipc"))
     if IPC:
         comm.all_reduce(t := device(np.ones(5)), algorithm="ipc")
         assert_equal(host(t), np.full(5, float(n)))
@@ -386,6 +407,66 @@ def registered_all_reduce():
             w.wait()
         assert_equal(host(t), np.full(1000, n ** 3 * (n + 1) / 2))
         assert_equal(host(u), np.full(5, float(n) ** 3))
+
+
+def registered_inputs_everywhere():
+    """Every collective whose input is registered at every rank reads the peers' inputs
+    where they lie (at offsets that differ by rank): zero-copy."""
+    if not IPC:
+        return
+    m = 1001
+    memory = device_memory(8 * n * m + 64)
+    with comm.register(memory):
+        at = 3 * rank  # where this rank's inputs start in its registered memory
+        inp = part(memory, at, at + n * m)
+        fill(inp, np.arange(n * m) + rank)
+        out = device(np.zeros(m))
+        comm.reduce_scatter(out, inp)
+        check_algorithm("zerocopy")
+        assert_equal(host(out), n * np.arange(rank * m, rank * m + m) + n * (n - 1) / 2)
+        comm.reduce_scatter(out, inp, op="avg")
+        assert_equal(host(out), np.arange(rank * m, rank * m + m) + (n - 1) / 2)
+
+        block = part(memory, at, at + m)
+        fill(block, np.arange(m) + 10000.0 * rank)
+        out = device(np.zeros(n * m))
+        comm.all_gather(out, block)
+        check_algorithm("zerocopy")
+        assert_equal(host(out), np.concatenate([np.arange(m) + 10000.0 * r for r in range(n)]))
+        whole = part(memory, 0, n * m)  # in place: the input is the output's own block
+        fill(part(whole, rank * m, rank * m + m), np.full(m, rank + 1.0))
+        comm.all_gather(whole, part(whole, rank * m, rank * m + m))
+        check_algorithm("zerocopy")
+        assert_equal(host(whole), np.repeat(np.arange(1.0, n + 1), m))
+
+        for root in (0, n - 1):
+            t = part(memory, at, at + m)
+            fill(t, np.arange(m) + 100.0 * rank)
+            comm.broadcast(t, root=root)
+            check_algorithm("zerocopy")
+            assert_equal(host(t), np.arange(m) + 100.0 * root)
+            fill(t, np.arange(m) + 100.0 * rank)
+            comm.reduce(t, root=root, op="max")
+            check_algorithm("zerocopy")
+            assert_equal(host(t), np.arange(m) + 100.0 * (n - 1 if rank == root else rank))
+            fill(t, np.full(m, 2.0 * rank))
+            comm.reduce(t, root=root, op="avg")
+            assert_equal(host(t), np.full(m, n - 1.0 if rank == root else 2.0 * rank))
+
+        def count(r, j):
+            return (r + 2 * j) % 4 * 300
+
+        def in_memory(values):
+            t = part(memory, at, at + len(values))
+            fill(t, values)
+            return t
+        out, inp, want = uneven_all_to_all(count, in_memory)
+        comm.all_to_all(out, inp, **uneven_splits(count))
+        check_algorithm("zerocopy")
+        assert_equal(host(out), want)
+        out = device(np.zeros(n * m))  # an unregistered input goes through the slots
+        comm.all_gather(out, device(np.arange(m) + 10000.0 * rank))
+        check_algorithm("ipc")
 
 
 def registered_on_one_rank_only_is_a_mismatch():
