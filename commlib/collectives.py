@@ -6,6 +6,7 @@ descriptor (``_tell_peers``): its peers then raise CollectiveMismatchError at on
 instead of waiting for it until the timeout, whichever rank's arguments were bad."""
 from __future__ import annotations
 
+import functools
 import operator
 
 import numpy as np
@@ -61,19 +62,26 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
     call records itself in the flight recorder, is bounded by the timeout and, off shared
     memory (whose transport checks every call itself), first checks that every rank made
     the same call (``check``; calls.py)."""
-    algo, plan = comm._plan(collective, algorithm, count, dtype.itemsize,
-                            tuple(sorted(params.items())) if params else ())
+    on_device = any(b.device is not None for b in bufs.values())
+    in_place = on_device and _mpi_takes_device_memory(comm, collective, algorithm, bufs, dtype)
+    algo, plan = comm._plan(collective, "native" if in_place else algorithm, count,
+                            dtype.itemsize, tuple(sorted(params.items())) if params else ())
+    average = op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"])
     staged = None
-    if any(b.device is not None for b in bufs.values()):  # GPU memory: run on host twins
+    if on_device:  # GPU memory: run on host twins, or on itself with a CUDA-aware MPI
         comm.staging.raise_failure()  # raised now: a call returns before it runs
         if comm._failure is not None:
             raise comm._unusable()
-        staged = comm.staging.stage(bufs, *_staged_io(collective, bufs, comm.rank,
-                                                      params.get("root")))
+        if in_place:
+            staged = comm.staging.in_place(bufs, {k: _device_view(b) for k, b in bufs.items()},
+                                           1.0 / comm.size if average else None)
+            average = False  # the stream scales it (the host cannot touch device memory)
+        else:
+            staged = comm.staging.stage(bufs, *_staged_io(collective, bufs, comm.rank,
+                                                          params.get("root")))
         bufs = staged.host
     op_code = _C.OPS[op.value]
     executor = comm._executor
-    average = op is ReduceOp.AVG and (collective != "reduce" or comm.rank == params["root"])
     seconds = comm.timeout if timeout is None else check_timeout(timeout)
     record = comm._recorder.issue(collective, algo.name, count, dtype.name,
                                   op.value if collective in REDUCING else None,
@@ -110,6 +118,23 @@ def _prepare(comm, collective, algorithm, bufs, count, dtype, op, params, timeou
 
     call.staged, call.seconds = staged, seconds  # for _run
     return call
+
+
+def _mpi_takes_device_memory(comm, collective, algorithm, bufs, dtype) -> bool:
+    """Whether a call on GPU memory goes to MPI's own collective on the device memory
+    itself (a CUDA-aware MPI): not where the native runner touches the memory on the host
+    (16-bit floats reduce with our CPU kernels; in-place reduce_scatter copies its
+    result), nor under Open MPI, whose non-blocking collectives (ours, so that they time
+    out) take no device memory."""
+    return (algorithm in (None, "native") and _mpi_moves_device_memory(comm)
+            and not (collective in REDUCING and dtype.itemsize == 2 and dtype.floating)
+            and not (collective == "reduce_scatter" and bufs["out"].overlaps(bufs["in"]))
+            and not _open_mpi())
+
+
+@functools.lru_cache(maxsize=None)
+def _open_mpi() -> bool:
+    return "Open MPI" in MPI.Get_library_version()
 
 
 def _staged_io(collective: str, bufs: dict, rank: int, root) -> tuple[list, list]:
@@ -461,6 +486,11 @@ def _on_device(buf, deadline, what: str):
     reached = cuda.streams().Event(buf.device.device)
     reached.record(buf.device.stream)
     wait_event(reached, deadline.seconds, what)
+    return _device_view(buf)
+
+
+def _device_view(buf):
+    """``buf``'s device memory as MPI takes it (by address)."""
     return Buffer(buf.obj, buf.ptr, buf.numel, buf.dtype,
                   MPI.buffer.fromaddress(buf.ptr, buf.nbytes))
 

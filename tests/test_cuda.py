@@ -321,6 +321,13 @@ def test_send_and_recv_through_a_cuda_aware_mpi_on_a_simulated_gpu():
     run_checked(2, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_CUDA_AWARE_MPI": "1"})
 
 
+def test_collectives_through_a_cuda_aware_mpi_on_a_simulated_gpu():
+    """COMMLIB_CUDA_AWARE_MPI=1 between hosts: MPI's own collectives on the device memory
+    itself (host memory on the simulated GPU), in stream order, with nothing copied."""
+    run_checked(3, "tests/mpi/cuda_staged.py", env={
+        **SIMULATED, "COMMLIB_CUDA_AWARE_MPI": "1", "COMMLIB_TRANSPORT": "mpi"})
+
+
 def test_calls_on_gpu_memory_on_a_simulated_gpu_over_mpi():
     """As between hosts: the twins go through the mpi4py executor."""
     run_checked(3, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_TRANSPORT": "mpi"})

@@ -21,6 +21,9 @@ the flag, which lets the stream go on. The flag is set when the call fails too: 
 may wait forever. The failure is raised by the call's Work, and by the communicator's
 first staged call issued after the flag was set (a call without async_op has nothing
 else to raise it from).
+
+With a CUDA-aware MPI, a call that MPI's own collective runs is staged *in place*: its
+twins are the device memory itself, and nothing is copied.
 """
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ class HostPool:
 class Staged:
     """One call's device buffers, their twins, and what it reads and writes."""
 
-    def __init__(self, pool: HostPool, bufs: dict, reads: list, writes: list):
+    def __init__(self, pool: HostPool, bufs: dict, reads: list, writes: list,
+                 twins: dict | None = None, scale: float | None = None):
         devices = {b.device.device for b in bufs.values() if b.device is not None}
         on_host = [name for name, b in bufs.items() if b.device is None]
         if on_host or len(devices) > 1:
@@ -113,6 +117,10 @@ class Staged:
         self.reads, self.writes = reads, writes
         self.array = next(iter(bufs.values())).device  # a cuda.DeviceArray: device, stream
         self.device = self.array.device
+        self.scale = scale  # "out" scaled by it on the stream after the call (in place)
+        if twins is not None:  # the device memory itself, which a CUDA-aware MPI takes
+            self.block, self.host = pool.take(0), twins
+            return
         # the largest first, so that a buffer inside another becomes a part of its twin
         order = sorted(bufs, key=lambda name: -bufs[name].nbytes)
         offsets, end = {}, 0
@@ -152,6 +160,11 @@ class Staging:
     def stage(self, bufs: dict, reads: list, writes: list) -> Staged:
         return Staged(self.pool, bufs, reads, writes)
 
+    def in_place(self, bufs: dict, views: dict, scale: float | None) -> Staged:
+        """A call that a CUDA-aware MPI runs on ``views`` of the device memory itself: no
+        copies; the stream waits for the flag, then multiplies "out" by ``scale`` (avg)."""
+        return Staged(self.pool, bufs, [], [], views, scale)
+
     def stream_for(self, array, async_op: bool) -> int:
         """Where a call on device ``array`` (a cuda.DeviceArray) runs: the caller's stream;
         with async_op, the side stream, made to wait for what the caller's holds (so that
@@ -184,6 +197,9 @@ class Staging:
         for name in staged.writes:
             b = staged.bufs[name]
             rt.copy_async(b.ptr, staged.host[name].ptr, b.nbytes, staged.device, stream)
+        if staged.scale is not None:
+            out = staged.bufs["out"]
+            rt.scale(out.ptr, staged.scale, out.numel, out.dtype.code, staged.device, stream)
         done = rt.Event(staged.device)
         done.record(stream)
         self.pool.give(staged.block, done)

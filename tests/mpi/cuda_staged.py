@@ -292,10 +292,27 @@ def send_and_recv():
 
 
 def cuda_aware_mpi_as_told():
-    """COMMLIB_CUDA_AWARE_MPI=1: send and recv (send_and_recv) hand MPI the device memory."""
+    """COMMLIB_CUDA_AWARE_MPI=1: send and recv (send_and_recv) hand MPI the device memory,
+    and so do the collectives that do not go through IPC, with MPI's own collective
+    (native), except where its runner would touch the memory on the host."""
     said = os.environ.get("COMMLIB_CUDA_AWARE_MPI")
-    if said is not None:
-        assert cuda.mpi_is_cuda_aware() is (said == "1")
+    if said is None:
+        return
+    assert cuda.mpi_is_cuda_aware() is (said == "1")
+    if said != "1" or IPC:
+        return
+    comm.all_reduce(t := device(np.full(5, 2.0 * rank)), op="avg")
+    assert comm.flight_record()[-1]["algorithm"] == "native"
+    assert_equal(host(t), np.full(5, n - 1.0))  # averaged on the stream
+    comm.all_reduce(t := device(np.full(5, 1.0), "float16"))  # staged: reduced on the host
+    assert_equal(host(t), np.full(5, float(n)))
+    whole = device(np.arange(2 * n) + 1.0)
+    comm.reduce_scatter(part(whole, 2 * rank, 2 * rank + 2), whole)  # in place: staged
+    assert_equal(host(whole)[2 * rank:2 * rank + 2], n * (np.arange(2 * rank, 2 * rank + 2) + 1.0))
+    out, inp, want = uneven_all_to_all(lambda r, j: (r + j) % 3)
+    comm.all_to_all(out, inp, **uneven_splits(lambda r, j: (r + j) % 3))
+    assert comm.flight_record()[-1]["algorithm"] == "native"
+    assert_equal(host(out), want)
 
 
 def bad_calls():
