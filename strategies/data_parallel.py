@@ -10,6 +10,10 @@ rank issues the same collectives in the same order even if its gradients arrive 
 At the end of backward the remaining buckets are launched, all are waited for, and the
 averaged gradients are written back to ``param.grad``: after ``loss.backward()`` returns,
 the optimizer can step.
+
+On GPUs whose ranks share a host, each bucket is registered with the group
+(Communicator.register) once: its all-reduce then reads and writes the peers' buckets
+directly (zero-copy), with no copy through the IPC workspace.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ class _Bucket:
 
 class DataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group: commlib.Communicator,
-                 bucket_bytes: int = 25 << 20):
+                 bucket_bytes: int = 25 << 20, register_buckets: bool = True):
         super().__init__()
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -48,6 +52,7 @@ class DataParallel(torch.nn.Module):
         self.buckets = _make_buckets([p for p in module.parameters() if p.requires_grad],
                                      bucket_bytes)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.registered = _register(group, self.buckets) if register_buckets else []
         self._sync = True
         self._pending = False  # this backward has hooked, and will finish at its end
         self._next_launch = 0
@@ -119,3 +124,16 @@ def _make_buckets(params: list, bucket_bytes: int) -> list:
     if current:
         buckets.append(_Bucket(current, current[0].dtype))
     return buckets
+
+
+def _register(group, buckets: list) -> list:
+    """The buckets' memory registered with the group, where it can be (GPU memory, ranks of
+    one host); the same on every rank, as each registration succeeds or fails on all."""
+    registered = []
+    if buckets and buckets[0].flat.is_cuda:
+        for bucket in buckets:
+            try:
+                registered.append(group.register(bucket.flat))
+            except (ValueError, commlib.CommError):  # not here: the all-reduce copies
+                break
+    return registered

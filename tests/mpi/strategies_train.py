@@ -68,6 +68,11 @@ def data_parallel():
     assert len(model.buckets) > 3
     if n > 1:  # some buckets' all-reduce was launched while backward was still running
         assert model.launched_during_backward > 0
+    if DEVICE.type == "cuda" and n > 1:  # registered buckets: zero-copy all-reduce
+        assert len(model.registered) == len(model.buckets)
+        assert any(c["algorithm"] == "zerocopy" for c in world.flight_record())
+    else:
+        assert model.registered == []
 
 
 def data_parallel_accumulates_with_no_sync():
