@@ -530,6 +530,13 @@ def a_mismatch_is_raised_by_the_next_call():
     host(t)  # the stream goes on
     raises(commlib.CommError, "an earlier collective on GPU buffers failed",
            lambda: c.all_reduce(device(np.zeros(3))))
+    c = comm.dup()  # all_to_all splits that do not match: rank 0 sends 2 to rank 1, who
+    c.all_reduce(device(np.ones(2)))  # expects 1
+    splits = [2 if rank == 0 and j == 1 else 1 for j in range(n)]
+    c.all_to_all(out := device(np.zeros(n)), device(np.zeros(sum(splits))),
+                 output_splits=[1] * n, input_splits=splits)
+    host(out)
+    raises(commlib.CommError, "splits", lambda: c.all_reduce(device(np.zeros(3))))
 
 
 check.run_cases(globals())
