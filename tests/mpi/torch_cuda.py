@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
+from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
 from harness import Checker
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -94,6 +95,21 @@ def close(gpu, cpu):
 
 def ddp_on_cuda_trains_as_on_cpu():
     close(train(GPU, lambda m: DDP(m, device_ids=[0])), train("cpu", DDP))
+
+
+def ddp_with_registered_buckets_on_cuda_trains_as_on_cpu():
+    """commlib.torch_hooks: every bucket registered, its all-reduce zero-copy (2+ ranks)."""
+    state = RegisteredBuckets()
+
+    def wrap(model):
+        ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.001)
+        ddp.register_comm_hook(state, zero_copy_hook)
+        return ddp
+    close(train(GPU, wrap), train("cpu", DDP))
+    if n > 1:
+        assert state.possible and len(state.registered) > 1, state.registered
+        calls = dist.group.WORLD.comm.flight_record()
+        assert any(c["algorithm"] == "zerocopy" for c in calls), calls[-3:]
 
 
 def fsdp2_on_cuda_trains_as_on_cpu():

@@ -14,7 +14,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
-from harness import Checker
+from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
+from harness import Checker, raises
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -55,12 +56,12 @@ def bf16_hook(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
-def train_ddp(group, hook=None, no_sync=False, unused_branch=False, **ddp_args):
+def train_ddp(group, hook=None, no_sync=False, unused_branch=False, state=None, **ddp_args):
     torch.manual_seed(0)
     model = Net(unused_branch)
     ddp = DDP(model, process_group=group, **ddp_args)
     if hook is not None:
-        ddp.register_comm_hook(group, hook)
+        ddp.register_comm_hook(group if state is None else state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()
@@ -72,6 +73,18 @@ def train_ddp(group, hook=None, no_sync=False, unused_branch=False, **ddp_args):
         nn.functional.mse_loss(ddp(x, step), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def train_ddp_zero_copy(group):
+    """commlib.torch_hooks.zero_copy_hook (on CPU tensors: DDP's default all-reduce), against
+    gloo's default hook."""
+    if group is not COMMLIB:
+        return train_ddp(group, hook=default_hooks.allreduce_hook)
+    raises(TypeError, "group of the commlib backend", lambda: RegisteredBuckets(GLOO))
+    state = RegisteredBuckets(group)
+    params = train_ddp(group, hook=zero_copy_hook, state=state, bucket_cap_mb=0.001)
+    assert state.registered == {} and state.possible  # host memory: nothing to register
+    return params
 
 
 def train_fsdp(group, reshard_after_forward):
@@ -184,6 +197,7 @@ versus_gloo("ddp-allreduce_hook", train_ddp, hook=default_hooks.allreduce_hook)
 versus_gloo("ddp-fp16_compress_hook", train_ddp, hook=default_hooks.fp16_compress_hook,
             hook_dtype=torch.float16)
 versus_gloo("ddp-bf16_compress_hook", train_ddp, hook=bf16_hook, hook_dtype=torch.bfloat16)
+versus_gloo("ddp-zero_copy_hook", train_ddp_zero_copy)
 versus_gloo("fsdp2-reshard", train_fsdp, reshard_after_forward=True)
 versus_gloo("fsdp2-no_reshard", train_fsdp, reshard_after_forward=False)
 check.check("ddp_overlap", bucket_all_reduces_overlap_backward)
