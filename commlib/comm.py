@@ -270,7 +270,7 @@ class Communicator:
         return collectives.barrier(self, async_op, timeout)
 
     def register(self, t, timeout=None):
-        """GPU memory the ranks of one host read and write directly (zero-copy all_reduce);
+        """GPU memory the ranks of one host read and write directly (zero-copy collectives);
         collective. Returns a RegisteredMemory: close() it, or use it as a context manager."""
         return registered.register(self, t, timeout)
 

@@ -12,7 +12,7 @@ IPC), it is DDP's default all-reduce.
 import torch
 import torch.distributed as dist
 
-from .errors import CommError
+from .cuda.registered import register_where_possible
 
 
 class RegisteredBuckets:
@@ -39,10 +39,11 @@ class RegisteredBuckets:
                 return
             del self.registered[index]
             held.close()
-        try:
-            self.registered[index] = self.group.comm.register(buffer)
-        except (ValueError, CommError):  # not here: the all-reduce copies through the slots
+        held = register_where_possible(self.group.comm, buffer)
+        if held is None:  # not here: the all-reduce copies through the slots
             self.possible = False
+        else:
+            self.registered[index] = held
 
 
 # DDP checks the return annotation itself (so no postponed annotations in this module)

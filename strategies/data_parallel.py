@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 import commlib
+from commlib.cuda.registered import register_where_possible
 
 
 class _Bucket:
@@ -130,10 +131,9 @@ def _register(group, buckets: list) -> list:
     """The buckets' memory registered with the group, where it can be (GPU memory, ranks of
     one host); the same on every rank, as each registration succeeds or fails on all."""
     registered = []
-    if buckets and buckets[0].flat.is_cuda:
-        for bucket in buckets:
-            try:
-                registered.append(group.register(bucket.flat))
-            except (ValueError, commlib.CommError):  # not here: the all-reduce copies
-                break
+    for bucket in buckets:
+        held = register_where_possible(group, bucket.flat)
+        if held is None:  # not here: the all-reduce copies through the slots
+            break
+        registered.append(held)
     return registered

@@ -136,6 +136,16 @@ class RegisteredMemory:
         return f"<RegisteredMemory #{self.registration.index} {state}>"
 
 
+def register_where_possible(comm, t) -> "RegisteredMemory | None":
+    """``register``, or None where this communicator cannot register ``t`` (host memory,
+    ranks of several hosts, no CUDA IPC): the same answer on every rank, so a caller can
+    fall back to plain calls, which copy through the slots."""
+    try:
+        return register(comm, t)
+    except (TypeError, ValueError, CommError):
+        return None
+
+
 def register(comm, t, timeout=None) -> RegisteredMemory:
     """Share ``t``'s GPU memory with the communicator's peers (every rank calls it, each
     with its own array, in the same order). A collective whose input is ``t`` or a part of
