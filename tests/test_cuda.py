@@ -3,11 +3,13 @@ skipped without one; the rest check, on any machine, what can be checked without
 build, the NVRTC compile of the same source, the kernels' code compiled for the CPU
 (cuda_on_host), the errors for arrays that are not on a GPU, and the collectives' ordering
 on a simulated GPU."""
+import ast
 import ctypes
 import glob
 import os
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +40,33 @@ def test_every_kernel_the_launchers_name_is_defined():
         assert f"COMMLIB_REDUCE(name, T, {op}," in src
         assert f"COMMLIB_REDUCE_N(name, T, {op}," in src
     assert set(re.findall(r"^COMMLIB_CASTS_FROM\((\w+),", src, re.M)) == {"f16", "bf16", "f32", "f64"}
+
+
+def _calls(path: Path, cls: str) -> dict:
+    """{method: its parameter names} of class cls in path, read without importing it (the
+    CuPy runtime's module needs CuPy)."""
+    tree = ast.parse(path.read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return {f.name: [a.arg for a in f.args.args if a.arg != "self"]
+            for f in body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+
+
+@pytest.mark.skipif(cuda.build_info()["compiled_by"] != "nvcc", reason="built without nvcc")
+def test_the_other_runtimes_take_the_nvcc_builds_calls_alike():
+    """runtime.py (CuPy) offers every call of commlib._cuda, and the simulator the ones it
+    has, with the same parameters: the callers pass them by position."""
+    from commlib import _cuda
+    built = {name: re.findall(r"(\w+):", getattr(_cuda, name).__doc__.split("->")[0])
+             for name in dir(_cuda) if callable(getattr(_cuda, name)) and name[0] != "_"
+             and name != "Event"}
+    here = Path(cuda.__file__).parent
+    cupy = _calls(here / "runtime.py", "CupyRuntime")
+    assert {name: cupy.get(name) for name in built} == built
+    simulated = {name: args for name, args in _calls(here / "simulator.py", "SimulatedDevice").items()
+                 if name in built}
+    assert {name: built[name] for name in simulated} == simulated and len(simulated) > 15
+    assert _calls(here / "runtime.py", "Event") == _calls(here / "simulator.py", "_Event") == \
+        {"record": ["stream"], "query": [], "wait": ["stream"], "synchronize": []}
 
 
 def _libnvrtc():
@@ -150,15 +179,22 @@ def host_kernels(tmp_path_factory):
     return cuda_on_host.HostKernels(cuda_on_host.build(tmp_path_factory.mktemp("cuda_on_host")))
 
 
-@pytest.fixture(params=["host", pytest.param("cuda", marks=gpu)])
-def kernels(request):
-    """Each kernel test runs twice: on the GPU, and on kernels.cu compiled for the CPU, which
-    checks the kernels' own code (indexing, vectors, tails, every op and dtype) anywhere."""
+@pytest.fixture(params=["host", pytest.param("cuda", marks=gpu), pytest.param("cupy", marks=gpu)])
+def kernels(request, monkeypatch):
+    """Each kernel test runs three times: on the GPU as nvcc built them and as CuPy's NVRTC
+    compiles them (runtime.py, arguments passed by CuPy), and on kernels.cu compiled for the
+    CPU, which checks the kernels' own code (indexing, vectors, tails, every op and dtype)
+    anywhere."""
     pytest.importorskip("torch")
-    if request.param == "cuda":
-        _torch_cuda()
-        return Kernels("cuda")
-    return Kernels("cpu", request.getfixturevalue("host_kernels"))
+    if request.param == "host":
+        return Kernels("cpu", request.getfixturevalue("host_kernels"))
+    _torch_cuda()
+    if request.param == "cupy":
+        pytest.importorskip("cupy")
+        monkeypatch.setenv("COMMLIB_CUDA_RUNTIME", "cupy")
+        cuda.kernels.cache_clear()
+        request.addfinalizer(cuda.kernels.cache_clear)
+    return Kernels("cuda")
 
 
 REFERENCE = {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b, "avg": lambda a, b: a + b,
@@ -263,22 +299,6 @@ def test_copy_and_stream_order():
         cuda.copy(dst, src)
     side.synchronize()
     torch.testing.assert_close(dst, torch.arange(1 << 22, device="cuda", dtype=torch.float32) * 2)
-
-
-@gpu
-def test_runtime_compiled_kernels_agree_with_nvcc_built_ones():
-    torch = _torch_cuda()
-    pytest.importorskip("cupy")
-    from commlib.cuda.runtime import CupyRuntime
-    nvrtc = CupyRuntime()
-    a = torch.randn(10007, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(10007, device="cuda", dtype=torch.bfloat16)
-    out, want = torch.empty_like(a), torch.empty_like(a)
-    stream = torch.cuda.current_stream().cuda_stream
-    nvrtc.reduce(out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel(), 1, 0, 0, stream)
-    cuda.reduce(want, a, b, "sum")
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
 
 
 @gpu

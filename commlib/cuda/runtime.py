@@ -36,9 +36,9 @@ def _driver():
     return wait, device_pointer, address_range
 
 
-@lru_cache(maxsize=None)
 def _pointers(addresses):
-    """kernels.cu's Sources or Targets, by value: CuPy passes a structured scalar as a struct."""
+    """kernels.cu's Sources or Targets, by value: CuPy (14 and newer) passes a structured
+    NumPy scalar as a struct."""
     table = np.zeros(1, dtype=[("p", np.uint64, MAX_POINTERS)])[0]
     table["p"][:len(addresses)] = addresses
     return table
