@@ -4,6 +4,7 @@ and ipc.cu through CuPy's runtime bindings (cuStreamWaitValue32, which CuPy does
 from libcuda through ctypes). Importing this module fails without CuPy."""
 import ctypes
 import math
+from contextlib import contextmanager
 from functools import lru_cache
 
 import cupy
@@ -42,6 +43,16 @@ def _pointers(addresses):
     table = np.zeros(1, dtype=[("p", np.uint64, MAX_POINTERS)])[0]
     table["p"][:len(addresses)] = addresses
     return table
+
+
+@contextmanager
+def _driver_on(device: int):
+    """On `device` with its primary context current on this thread, as a libcuda call needs:
+    cudaSetDevice makes it so, and CuPy's Device skips that where the device is current
+    already (a thread that has made no runtime call yet has no context)."""
+    with cupy.cuda.Device(device):
+        runtime.setDevice(device)
+        yield
 
 
 def _multiprocessors(device: int) -> int:
@@ -168,7 +179,7 @@ class CupyRuntime:
     @staticmethod
     def wait_value(stream: int, device: int, counter: int, value: int) -> None:
         wait, device_pointer, _ = _driver()
-        with cupy.cuda.Device(device):
+        with _driver_on(device):
             on_device = ctypes.c_uint64()
             _check(device_pointer(ctypes.byref(on_device), counter, 0),
                    "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
@@ -200,7 +211,7 @@ class CupyRuntime:
     @staticmethod
     def address_range(ptr: int, device: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        with cupy.cuda.Device(device):
+        with _driver_on(device):
             _check(_driver()[2](ctypes.byref(base), ctypes.byref(size), ptr),
                    "cuMemGetAddressRange (not device memory from cudaMalloc?)")
         return base.value, size.value

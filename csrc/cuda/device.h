@@ -29,12 +29,15 @@ inline void* driver_entry(const char* name, const std::string& why) {
   return fn;
 }
 
-// Runs on `device`, and leaves the caller's current device as it was.
+// Runs on `device`, and leaves the caller's current device as it was. cudaSetDevice even
+// where `device` is current already: it also makes the device's primary context current on
+// this thread, which a driver call (cuMemGetAddressRange) needs on a thread that has made no
+// runtime call yet, such as a communicator's engine thread.
 struct OnDevice {
   int previous = 0, device;
   explicit OnDevice(int device) : device(device) {
     check(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaSetDevice(device), "cudaSetDevice");
   }
   ~OnDevice() {
     if (previous != device) cudaSetDevice(previous);
