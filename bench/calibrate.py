@@ -1,26 +1,25 @@
-"""calibrate: fit the cost model's alpha, beta, gamma to this machine; write the tuning file.
+"""calibrate: fit the cost model's constants to this machine; write the tuning file.
 
-Each algorithm's cost is linear in the constants (commlib.select: rounds*alpha +
-moved*beta + reduced*gamma; native: rounds*alpha_native + moved*per_byte[collective]), so
-measured times give a least-squares problem, weighted by 1/time so that small messages
-count as much as large ones, with non-negative solutions. Prints predicted vs measured for
-every measurement so the model's error is visible.
+Each algorithm prices itself as terms linear in the constants (commlib/algorithms/:
+rounds*alpha + moved*beta + reduced*gamma on MPI, their shared-memory counterparts, MPI's
+own rounds*alpha_native + moved*per_byte[collective]), so measured times give a
+least-squares problem, weighted by 1/time so that small messages count as much as large
+ones, with non-negative solutions. Prints predicted vs measured for every measurement so
+the model's error is visible.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 import commlib
-import dataclasses
-
-from commlib.select import (DEFAULT_MODEL, DIRECT_FORMULAS, FORMULAS, NATIVE_FORMULAS, CostModel,
-                            shm_terms, tuning_path)
+from commlib.algorithms import COLLECTIVES, Where, entries
+from commlib.select import DEFAULT_MODEL, CostModel, tuning_path
 
 from .harness import iteration_times, parse_size, print_table, sizes
 from .peers import Case, CommlibPeer
 from .specs import SPECS
-
-COLLECTIVES = list(NATIVE_FORMULAS)
 
 
 def add_arguments(p):
@@ -44,47 +43,32 @@ def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
         free[np.argmin(np.where(free, x, np.inf))] = False
 
 
-def _coefficients(collective, algorithm, n, nbytes, transport):
-    """The row of the least-squares problem: coefficients of the fitted constants."""
-    if algorithm == "direct":
-        rounds, moved, reduced = DIRECT_FORMULAS[collective](n, nbytes)
-        return rounds, 0, moved, reduced
-    if transport == "shm":
-        rounds, copied, reduced = shm_terms(collective, algorithm, n, nbytes)
-        return max(rounds, 1), copied, 0, reduced
-    return FORMULAS[(collective, algorithm)](n, nbytes)
+def fitted_constants(samples, transport: str = "mpi", base: CostModel | None = None):
+    """(the constants the samples' terms use, each sample's terms)."""
+    model, where = base or CostModel(), Where(transport)
+    rows = [(entries(c)[a].cost(model, where, n, b), t) for c, a, n, b, t in samples
+            if a != "hier"]  # (hier mixes its stages' constants)
+    names = sorted({k for terms, _ in rows for k, v in terms.items() if v})
+    return names, rows
 
 
 def fit(samples, transport: str = "mpi", base: CostModel | None = None) -> CostModel:
     """samples: (collective, algorithm, n, nbytes, seconds) -> ``base`` (default: the
-    built-in constants) with the constants of ``transport`` ("shm": alpha_shm, beta_shm,
-    beta_direct, gamma_shm; otherwise alpha, beta, gamma) and native's fitted. Constants
-    without data keep their values."""
-    default = base or CostModel()
-    names = (("alpha_shm", "beta_shm", "beta_direct", "gamma_shm") if transport == "shm"
-             else ("alpha", "beta", "gamma"))
-    sched = [(_coefficients(c, a, n, b, transport), t) for c, a, n, b, t in samples
-             if a not in ("native", "hier")]
-    params = {name: getattr(default, name) for name in names}
-    if sched:
-        X = np.array([coef for coef, _ in sched], float)
-        y = np.array([t for _, t in sched])
-        w = 1 / y
-        params.update(zip(names, nnls(X * w[:, None], y * w)))
-    native = [(c, NATIVE_FORMULAS[c](n, b), t) for c, a, n, b, t in samples if a == "native"]
-    per_byte = dict(default.native_per_byte)
-    alpha_native = default.alpha_native
-    if native:
-        cols = sorted({c for c, _, _ in native})
-        X = np.zeros((len(native), 1 + len(cols)))
-        for i, (c, (rounds, moved), _) in enumerate(native):
-            X[i, 0], X[i, 1 + cols.index(c)] = max(1, rounds), moved
-        y = np.array([t for _, _, t in native])
-        w = 1 / y
-        x = nnls(X * w[:, None], y * w)
-        alpha_native = x[0]
-        per_byte.update(zip(cols, x[1:]))
-    return dataclasses.replace(default, **params, alpha_native=alpha_native,
+    built-in constants) with the constants the samples' algorithms use on ``transport``
+    fitted. Constants without data keep their values."""
+    model = base or CostModel()
+    names, rows = fitted_constants(samples, transport, model)
+    if not rows:
+        return model
+    X = np.array([[terms.get(k, 0) for k in names] for terms, _ in rows], float)
+    y = np.array([t for _, t in rows])
+    w = 1 / y
+    fitted = dict(zip(names, nnls(X * w[:, None], y * w)))
+    per_byte = dict(model.native_per_byte)
+    per_byte.update({k.removeprefix("native:"): v for k, v in fitted.items()
+                     if k.startswith("native:")})
+    return dataclasses.replace(model, **{k: v for k, v in fitted.items()
+                                         if not k.startswith("native:")},
                                native_per_byte=tuple(sorted(per_byte.items())))
 
 
@@ -110,12 +94,11 @@ def main(args, comm) -> int:
         return 0
     model = fit(samples, comm.transport, DEFAULT_MODEL)
     rate = lambda per_byte: 1 / per_byte / 1e9 if per_byte else float("inf")  # noqa: E731
-    shm = comm.transport == "shm"
-    fitted = (("alpha_shm", "beta_shm", "beta_direct", "gamma_shm") if shm
-              else ("alpha", "beta", "gamma"))
+    fitted = [c for c in fitted_constants(samples, comm.transport)[0]
+              if not c.startswith("native:")]
     print(f"# calibrate: {n} ranks over {comm.transport}; fitted " + ", ".join(
-        f"{c} {getattr(model, c) * 1e6:.2f} us" if c.startswith("alpha")
-        else f"{c} {rate(getattr(model, c)):.2f} GB/s" for c in fitted + ("alpha_native",)))
+        f"{c} {model.constant(c) * 1e6:.2f} us" if c.startswith("alpha")
+        else f"{c} {rate(model.constant(c)):.2f} GB/s" for c in fitted))
     table = []
     for name, algo, nr, nbytes, t in samples:
         pred = model.predict(name, algo, nr, nbytes, comm.transport)

@@ -1,32 +1,12 @@
 """User arrays -> Buffer: address, size, dtype, byte view. numpy arrays and torch CPU tensors
 are host memory; torch CUDA tensors and __cuda_array_interface__ arrays (CuPy) are device
-memory, which collectives stage through host memory (commlib/cuda/staging.py)."""
+memory (commlib.cuda describes them, imported only when one is seen)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from . import _C
-
-
-@dataclass(frozen=True)
-class DType:
-    name: str
-    itemsize: int
-    floating: bool
-
-    @property
-    def code(self) -> int:
-        return _C.DTYPES[self.name]
-
-
-DTYPES = {d.name: d for d in (
-    DType("float16", 2, True), DType("bfloat16", 2, True), DType("float32", 4, True),
-    DType("float64", 8, True), DType("int8", 1, False), DType("uint8", 1, False),
-    DType("int32", 4, False), DType("int64", 8, False))}
-_SUPPORTED = ", ".join(DTYPES)
-_BY_NUMPY = {np.dtype(name): d for name, d in DTYPES.items() if name != "bfloat16"}
+from .dtypes import BY_NUMPY, DTYPES, NAMES, DType
 
 
 class Buffer:
@@ -78,12 +58,14 @@ def _flat_bytes(obj, numel: int) -> np.ndarray:
 
 def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
     """Validate ``obj`` and describe its memory; raise TypeError/ValueError naming ``name``."""
+    if isinstance(obj, Buffer):
+        return obj
     info = _C.array_info(obj)
     if info is not None:  # a numpy array
         ptr, contiguous, can_write = info
-        dtype = _BY_NUMPY.get(obj.dtype)
+        dtype = BY_NUMPY.get(obj.dtype)
         if dtype is None:
-            raise TypeError(f"{name}: dtype {obj.dtype} is not supported; use one of {_SUPPORTED}")
+            raise TypeError(f"{name}: dtype {obj.dtype} is not supported; use one of {NAMES}")
         if not contiguous:
             raise ValueError(f"{name} is not contiguous; pass np.ascontiguousarray({name}) "
                              f"(the torch equivalent is {name}.contiguous())")
@@ -101,7 +83,7 @@ def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
 def _device_buffer(obj, name: str) -> Buffer:
     from . import cuda
     array = cuda.device_array(obj, name)
-    return Buffer(obj, array.ptr, array.count, DTYPES[array.dtype], device=array)
+    return Buffer(obj, array.ptr, array.count, array.dtype, device=array)
 
 
 def _torch_buffer(t, name: str) -> Buffer:
@@ -118,7 +100,7 @@ def _torch_buffer(t, name: str) -> Buffer:
         raise ValueError(f"{name} has layout {t.layout}; pass {name}.to_dense()")
     dtype = DTYPES.get(str(t.dtype).removeprefix("torch."))
     if dtype is None:
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {_SUPPORTED}")
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {NAMES}")
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; call {name}.contiguous() first")
     return Buffer(t, t.data_ptr(), t.numel(), dtype)

@@ -14,7 +14,7 @@ store and run on shared memory (Communicator.from_store; send/recv go through th
 movement; reductions take commlib's dtypes plus bool and complex (see torch_ops.reduction).
 Every op with ``async_op=True`` returns at once and progresses on commlib's threads. Ops on
 CUDA tensors are stream-ordered like NCCL's (_stream_ordered): among the GPU ranks of one
-host they go through CUDA IPC (commlib/cuda/ipc.py), else through pinned host memory
+host they go through CUDA IPC (commlib/transports/cuda_ipc.py), else through pinned host memory
 (commlib/cuda/staging.py). commlib/torch_hooks.py has a DDP hook that registers DDP's
 gradient buckets, for zero-copy all-reduces.
 """

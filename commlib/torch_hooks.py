@@ -12,8 +12,6 @@ IPC), it is DDP's default all-reduce.
 import torch
 import torch.distributed as dist
 
-from .cuda.registered import register_where_possible
-
 
 class RegisteredBuckets:
     """The hook's state: the group, and each bucket's registered buffer by bucket index."""
@@ -39,7 +37,7 @@ class RegisteredBuckets:
                 return
             del self.registered[index]
             held.close()
-        held = register_where_possible(self.group.comm, buffer)
+        held = self.group.comm.register(buffer, required=False)
         if held is None:  # not here: the all-reduce copies through the slots
             self.possible = False
         else:

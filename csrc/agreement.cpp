@@ -10,9 +10,6 @@ namespace commlib {
 
 namespace {
 
-const char* const kDTypeNames[] = {"float16", "bfloat16", "float32", "float64",
-                                   "int8",    "uint8",    "int32",   "int64"};
-const char* const kOpNames[] = {"sum", "prod", "min", "max", "avg"};
 const char* const kFieldNames[] = {"collective", "algorithm", "count", "dtype",
                                    "op",         "root",      "variant", "reserved"};
 
@@ -27,7 +24,7 @@ std::string field_value(const Desc& d, int field) {
         name += char((uint64_t(v) >> (8 * i)) & 0xff);
       return name;
     }
-    case DTYPE: return v >= 0 && v <= I64 ? kDTypeNames[v] : std::to_string(v);
+    case DTYPE: return v >= 0 && v < kNumDTypes ? kDTypes[v].name : std::to_string(v);
     case OP: return v >= 0 && v <= AVG ? kOpNames[v] : std::to_string(v);
     default: return std::to_string(v);
   }

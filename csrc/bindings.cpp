@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "call.h"
 #include "kernels.h"
 #include "shm.h"
 
@@ -27,23 +28,19 @@ void bind_fast_path(py::module_& m);  // fast_path.cpp
 PYBIND11_MODULE(_C, m) {
   m.doc() = "commlib native kernels: elementwise reductions, scaling and copies on raw buffers";
 
+  // kernels.h's tables: DTYPES name -> code, DTYPE_TABLE by code (name, itemsize,
+  // floating), OPS name -> code
   py::dict dtypes;
-  dtypes["float16"] = int(commlib::F16);
-  dtypes["bfloat16"] = int(commlib::BF16);
-  dtypes["float32"] = int(commlib::F32);
-  dtypes["float64"] = int(commlib::F64);
-  dtypes["int8"] = int(commlib::I8);
-  dtypes["uint8"] = int(commlib::U8);
-  dtypes["int32"] = int(commlib::I32);
-  dtypes["int64"] = int(commlib::I64);
+  py::list dtype_table;
+  for (int code = 0; code < commlib::kNumDTypes; ++code) {
+    const commlib::DTypeInfo& d = commlib::kDTypes[code];
+    dtypes[d.name] = code;
+    dtype_table.append(py::make_tuple(d.name, d.itemsize, d.floating));
+  }
   m.attr("DTYPES") = dtypes;
-
+  m.attr("DTYPE_TABLE") = dtype_table;
   py::dict ops;
-  ops["sum"] = int(commlib::SUM);
-  ops["prod"] = int(commlib::PROD);
-  ops["min"] = int(commlib::MIN);
-  ops["max"] = int(commlib::MAX);
-  ops["avg"] = int(commlib::AVG);
+  for (int code = commlib::SUM; code <= commlib::AVG; ++code) ops[commlib::kOpNames[code]] = code;
   m.attr("OPS") = ops;
 
   py::dict collectives;
@@ -52,6 +49,30 @@ PYBIND11_MODULE(_C, m) {
   m.attr("COLLECTIVES") = collectives;
   m.attr("NONE") = commlib::kNone;
   m.attr("INVALID") = commlib::kInvalid;
+  // what the direct all_reduce reduces whole, with one barrier (select.py's cost model)
+  m.attr("SMALL_ALL_REDUCE_BYTES") = ShmComm::kSmallBytes;
+
+  m.def(
+      "check_call",
+      [](int64_t collective, int size, int rank, uintptr_t out, int64_t out_count,
+         int out_dtype, uintptr_t in, int64_t in_count, int in_dtype, int64_t op,
+         int64_t root) {
+        auto c = commlib::check_call(collective, size, rank, {out, out_count, out_dtype},
+                                     {in, in_count, in_dtype}, op, root);
+        return py::make_tuple(c.primary, c.scale);
+      },
+      py::arg("collective"), py::arg("size"), py::arg("rank"), py::arg("out"),
+      py::arg("out_count"), py::arg("out_dtype"), py::arg("in"), py::arg("in_count"),
+      py::arg("in_dtype"), py::arg("op"), py::arg("root"),
+      "(primary count, avg scale) of a call that meets the rules of csrc/call.h; raises "
+      "ValueError (TypeError for operands of different dtypes) naming what is wrong.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const commlib::CallTypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    }
+  });
 
   m.def(
       "reduce",
@@ -162,20 +183,14 @@ PYBIND11_MODULE(_C, m) {
       .def("barrier", &ShmComm::barrier, nogil())
       .def("all_reduce", &ShmComm::all_reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("phases"), nogil())
-      .def("reduce", &ShmComm::reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
-           py::arg("op"), py::arg("root"), nogil())
-      .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("out"), py::arg("in"),
-           py::arg("count"), py::arg("dtype"), py::arg("op"), nogil())
-      .def("all_gather", &ShmComm::all_gather, py::arg("out"), py::arg("in"), py::arg("count"),
-           py::arg("dtype"), nogil())
-      .def("broadcast", &ShmComm::broadcast, py::arg("buf"), py::arg("count"), py::arg("dtype"),
-           py::arg("root"), nogil())
-      .def("all_to_all", &ShmComm::all_to_all, py::arg("out"), py::arg("in"), py::arg("dtype"),
-           py::arg("send_offsets"), py::arg("send_lengths"), py::arg("recv_offsets"),
-           py::arg("recv_lengths"), nogil())
+      .def("direct", &ShmComm::direct, py::arg("collective"), py::arg("out"), py::arg("in"),
+           py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
+           py::arg("in_splits"), py::arg("out_splits"), nogil())
       .def("agree", &ShmComm::agree, py::arg("fields"), py::arg("send"), py::arg("recv"),
            py::arg("itemsize"), nogil())
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
+      .def_property_readonly("staging_bytes",
+                             [](const ShmComm& c) { return c.config().staging_bytes; })
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
                     "seconds a call may wait for its peers before CommTimeoutError (0: none)");
   commlib::bind_fast_path(m);

@@ -34,6 +34,7 @@ enum DType : int { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, U8 = 5, I32 = 6,
 // AVG reduces exactly as SUM (the caller scales the result); it has its own code so that
 // ranks that disagree about sum and avg are caught (agreement.h).
 enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, AVG = 4 };
+inline constexpr const char* kOpNames[] = {"sum", "prod", "min", "max", "avg"};  // by code
 
 #define COMMLIB_INLINE inline __attribute__((always_inline))
 // Exact aliasing (dst == a) is harmless for an elementwise loop, so tell the
@@ -181,16 +182,28 @@ COMMLIB_INLINE void scale_half(f16* dst, size_t n, float factor) {
   }
 }
 
-// Bytes per element of a dtype code; throws std::invalid_argument for an unknown code.
-inline int64_t itemsize(int dtype) {
-  switch (dtype) {
-    case F16: case BF16: return 2;
-    case F32: case I32: return 4;
-    case F64: case I64: return 8;
-    case I8: case U8: return 1;
-  }
-  throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
+// The dtypes by code (enum DType): the one C++ table of their names, sizes and kinds
+// (_C.DTYPES exports it; Python's commlib/dtypes.py builds on that). numpy_kind is
+// numpy's dtype.kind for the same type, 0 where numpy has none (bfloat16).
+struct DTypeInfo {
+  const char* name;
+  int64_t itemsize;
+  bool floating;
+  char numpy_kind;
+};
+inline constexpr DTypeInfo kDTypes[] = {
+    {"float16", 2, true, 'f'}, {"bfloat16", 2, true, 0}, {"float32", 4, true, 'f'},
+    {"float64", 8, true, 'f'}, {"int8", 1, false, 'i'},  {"uint8", 1, false, 'u'},
+    {"int32", 4, false, 'i'},  {"int64", 8, false, 'i'}};
+inline constexpr int kNumDTypes = int(sizeof(kDTypes) / sizeof(kDTypes[0]));
+
+// The dtype's row; throws std::invalid_argument for an unknown code.
+inline const DTypeInfo& dtype_info(int dtype) {
+  if (dtype < 0 || dtype >= kNumDTypes)
+    throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
+  return kDTypes[dtype];
 }
+inline int64_t itemsize(int dtype) { return dtype_info(dtype).itemsize; }
 
 // Entry points (kernels.cpp). Arguments are validated there; they throw
 // std::invalid_argument, which pybind11 turns into ValueError.

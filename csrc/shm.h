@@ -128,6 +128,13 @@ class ShmComm {
                   const std::vector<int64_t>& recv_offsets,
                   const std::vector<int64_t>& recv_lengths);
 
+  // The direct collective of a call: the one mapping from a collective to the functions
+  // above. `in` is 0 where the call has no input; all_to_all's splits count elements per
+  // peer (empty: equal parts of `count`, the input's elements). op/root as the call's.
+  void direct(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
+              int op, int64_t root, const std::vector<int64_t>& in_splits = {},
+              const std::vector<int64_t>& out_splits = {});
+
   // A call that moves its data elsewhere (MPI's own collectives) first meets its peers
   // here, so that ranks that disagree fail alike instead of one waiting inside MPI.
   // send/recv: all_to_all's bytes to and from each peer (else empty).

@@ -32,7 +32,7 @@ constexpr int64_t kAccBytes = 8192;  // reductions go through an L1-sized accumu
 
 constexpr int64_t kDirect = pack_name("direct");
 
-Desc direct(Collective collective, int64_t count, int dtype, int64_t op, int64_t root,
+Desc descriptor(Collective collective, int64_t count, int dtype, int64_t op, int64_t root,
             int64_t variant = 0) {
   return {{collective, kDirect, count, dtype, op, root, variant, 0}};
 }
@@ -172,7 +172,7 @@ void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int ph
   if (phases < 1 || phases > 3) throw std::invalid_argument("phases must be 1, 2 or 3");
   const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(direct(ALL_REDUCE, count, dtype, op, kNone, phases == 3 ? 0 : phases));
+  begin(descriptor(ALL_REDUCE, count, dtype, op, kNone, phases == 3 ? 0 : phases));
   if (size_ == 1 || count == 0) return;
   char* base = reinterpret_cast<char*>(buf);
   if (phases == 3 && count * isz <= std::min(kSmallBytes, config_.staging_bytes / 2))
@@ -196,7 +196,7 @@ void ShmComm::all_reduce(uintptr_t buf, int64_t count, int dtype, int op, int ph
 void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) {
   const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(direct(REDUCE, count, dtype, op, root));
+  begin(descriptor(REDUCE, count, dtype, op, root));
   if (size_ == 1 || count == 0) return;
   char* base = reinterpret_cast<char*>(buf);
   std::vector<Block> blocks;
@@ -208,7 +208,7 @@ void ShmComm::reduce(uintptr_t buf, int64_t count, int dtype, int op, int root) 
 void ShmComm::reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dtype, int op) {
   const int64_t isz = itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(direct(REDUCE_SCATTER, count, dtype, op, kNone));
+  begin(descriptor(REDUCE_SCATTER, count, dtype, op, kNone));
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
   if (size_ == 1) {
@@ -225,7 +225,7 @@ void ShmComm::reduce_scatter(uintptr_t out, uintptr_t in, int64_t count, int dty
 void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t count, int dtype) {
   const int64_t nbytes = count * itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(direct(ALL_GATHER, count, dtype, kNone, kNone));
+  begin(descriptor(ALL_GATHER, count, dtype, kNone, kNone));
   char* input = reinterpret_cast<char*>(in);
   char* output = reinterpret_cast<char*>(out);
   std::vector<Block> blocks;
@@ -236,7 +236,7 @@ void ShmComm::all_gather(uintptr_t out, uintptr_t in, int64_t count, int dtype) 
 void ShmComm::broadcast(uintptr_t buf, int64_t count, int dtype, int root) {
   const int64_t nbytes = count * itemsize(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  begin(direct(BROADCAST, count, dtype, kNone, root));
+  begin(descriptor(BROADCAST, count, dtype, kNone, root));
   if (size_ == 1) return;
   char* data = reinterpret_cast<char*>(buf);
   std::vector<Block> blocks(size_, Block{data, nullptr, 0});
@@ -255,7 +255,7 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
     if (int(v->size()) != size_) throw std::invalid_argument("one offset and length per rank");
   std::lock_guard<std::mutex> lock(mutex_);
   publish_splits(send_lengths, recv_lengths);
-  begin(direct(ALL_TO_ALL, kNone, dtype, kNone, kNone));
+  begin(descriptor(ALL_TO_ALL, kNone, dtype, kNone, kNone));
   const char* input = reinterpret_cast<const char*>(in);
   char* output = reinterpret_cast<char*>(out);
   const int64_t per_peer = config_.staging_bytes / 2 / size_ / kLine * kLine;
@@ -297,6 +297,35 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
              piece_len(recv_lengths[j], k, per_peer));
     release_piece(g);
   }
+}
+
+void ShmComm::direct(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
+                     int op, int64_t root, const std::vector<int64_t>& in_splits,
+                     const std::vector<int64_t>& out_splits) {
+  switch (collective) {
+    case ALL_REDUCE: return all_reduce(out, count, dtype, op, 3);
+    case REDUCE: return reduce(out, count, dtype, op, int(root));
+    case BROADCAST: return broadcast(out, count, dtype, int(root));
+    case ALL_GATHER: return all_gather(out, in, count, dtype);
+    case REDUCE_SCATTER: return reduce_scatter(out, in, count, dtype, op);
+    case ALL_TO_ALL: {
+      const int64_t isz = itemsize(dtype);
+      // (byte offsets and lengths of each peer's part of a buffer cut by `splits`)
+      auto parts = [&](const std::vector<int64_t>& splits, std::vector<int64_t>& offsets,
+                       std::vector<int64_t>& lengths) {
+        offsets.assign(size_, 0), lengths.assign(size_, count / size_ * isz);
+        for (int j = 0; j < size_; ++j) {
+          if (!splits.empty()) lengths[j] = splits.at(j) * isz;
+          if (j) offsets[j] = offsets[j - 1] + lengths[j - 1];
+        }
+      };
+      std::vector<int64_t> send_offsets, send_lengths, recv_offsets, recv_lengths;
+      parts(in_splits, send_offsets, send_lengths);
+      parts(out_splits, recv_offsets, recv_lengths);
+      return all_to_all(out, in, dtype, send_offsets, send_lengths, recv_offsets, recv_lengths);
+    }
+  }
+  throw std::invalid_argument("no direct collective for code " + std::to_string(collective));
 }
 
 }  // namespace commlib::shm

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 import torch
 
 import commlib
-from commlib.cuda.registered import register_where_possible
 
 
 class _Bucket:
@@ -132,7 +131,7 @@ def _register(group, buckets: list) -> list:
     one host); the same on every rank, as each registration succeeds or fails on all."""
     registered = []
     for bucket in buckets:
-        held = register_where_possible(group, bucket.flat)
+        held = group.register(bucket.flat, required=False)
         if held is None:  # not here: the all-reduce copies through the slots
             break
         registered.append(held)

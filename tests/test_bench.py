@@ -9,7 +9,8 @@ from bench.calibrate import fit
 from bench.harness import parse_size, sizes
 from bench.overlap import overlap_percent
 from bench.specs import SPECS, count_wrong
-from commlib.select import DIRECT_FORMULAS, FORMULAS, NATIVE_FORMULAS, CostModel
+from commlib.algorithms import COLLECTIVES, entries
+from commlib.select import CostModel
 from mpirun import mpirun
 
 
@@ -52,13 +53,16 @@ def test_sizes_and_wrong_counts():
     assert count_wrong(want * (1 + 1e-9), want, "float32", "avg") == 0
 
 
+SCHEDULES = [(c, a.name) for c in COLLECTIVES for a in entries(c).values() if a.build]
+
+
 def test_calibrate_recovers_known_constants():
     truth = CostModel(alpha=12e-6, beta=1 / 5e9, gamma=1 / 30e9, alpha_native=3e-6,
                       native_per_byte=tuple(sorted((c, 1e-10 * (i + 1))
-                                                   for i, c in enumerate(NATIVE_FORMULAS))))
+                                                   for i, c in enumerate(COLLECTIVES))))
     rng = np.random.default_rng(0)
     samples = [(c, a, n, b, truth.predict(c, a, n, b) * (1 + rng.normal(0, 0.002)))
-               for (c, a) in list(FORMULAS) + [(c, "native") for c in NATIVE_FORMULAS]
+               for (c, a) in SCHEDULES + [(c, "native") for c in COLLECTIVES]
                for n in (2, 3, 4) for b in (64, 4096, 1 << 18, 1 << 22)]
     got = fit(samples)
     for field in ("alpha", "beta", "gamma", "alpha_native"):
@@ -71,7 +75,7 @@ def test_calibrate_recovers_shared_memory_constants():
     truth = CostModel(alpha_shm=1.2e-6, beta_shm=1 / 20e9, beta_direct=1 / 35e9,
                       gamma_shm=1 / 60e9)
     rng = np.random.default_rng(1)
-    pairs = list(FORMULAS) + [(c, "direct") for c in DIRECT_FORMULAS]
+    pairs = SCHEDULES + [(c, "direct") for c in COLLECTIVES]
     samples = [(c, a, n, b, truth.predict(c, a, n, b, "shm") * (1 + rng.normal(0, 0.002)))
                for (c, a) in pairs for n in (2, 3, 4) for b in (64, 4096, 1 << 18, 1 << 22)]
     got = fit(samples, "shm")

@@ -316,7 +316,7 @@ SIMULATED = {"COMMLIB_CUDA_SIMULATE": "1"}
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
-    """The staged and IPC calls' ordering (cuda/staging.py, cuda/ipc.py): results, stream
+    """The staged and IPC calls' ordering (cuda/staging.py, transports/cuda_ipc.py): results, stream
     order, async Works, failures releasing the stream, with "device" arrays in host memory,
     streams run by threads and IPC memory in POSIX shared memory (cuda/simulator.py).
     Whether CUDA does the same is for the GPU tests below."""

@@ -1,76 +1,166 @@
-"""Algorithm registry: one module per algorithm family registers what it implements.
+"""The algorithm registry: every algorithm of every collective, what it needs, what it costs.
 
-An algorithm is either a *schedule builder* ``build(size, rank, count, itemsize, **params)
--> Schedule`` run by an executor, or a *direct runner* (``native``: the MPI library's own
-collective). ``count`` is the per-rank element count of the collective's primary buffer:
-the tensor for all_reduce/broadcast/reduce, the output block for reduce_scatter, the input
-for all_gather; all_to_all takes ``input_splits``/``output_splits`` instead.
+An entry is a *schedule* (``build(size, rank, count, itemsize, **params) -> Schedule``, run
+by the transport's executor) or a *runner* (``run(transport, call)`` runs the call itself:
+MPI's own collectives, direct, hier, the GPU's). ``count`` is the call's primary count
+(commlib/call.py). Each entry says what it needs of the communicator (``needs``: a
+capability a transport offers, NEEDS below), the memory it works on ("host": device
+arrays are staged through host memory for it; "device"), and its cost:
+``cost(model, where, n, nbytes) -> {constant: coefficient}``, the terms of a cost linear in
+select.CostModel's constants (which bench calibrate fits), for n ranks and the primary
+buffer's bytes at ``where`` (Where). select.py picks the cheapest entry that can run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Optional
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
+from ..call import COLLECTIVES
+
+# What an entry may need, as a transport offers it (commlib/transports/), and how an error
+# names it.
+NEEDS = {"shm": "all ranks on one host with shared memory",
+         "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)",
+         "mpi": "the MPI library (a communicator made under mpiexec, not from a store)",
+         "cuda_ipc": "CUDA arrays on one device and 2 to 16 ranks of one host sharing memory",
+         "cuda_mpi": "CUDA arrays and a CUDA-aware MPI"}
 
 
 @dataclass(frozen=True)
 class Algorithm:
     name: str
     collective: str
+    cost: Callable  # cost(model, where, n, nbytes) -> {constant: coefficient}
     build: Optional[Callable] = None  # schedule builder
-    run: Optional[Callable] = None    # direct runner (native, direct, hier)
-    requires: Optional[str] = None    # what it needs of a communicator (OFFERS); None: nothing
+    run: Optional[Callable] = None    # runner: run(transport, call)
+    needs: Optional[str] = None       # a capability (NEEDS); None: any transport's executor
+    memory: str = "host"
+    family: Optional[str] = None  # a name that asks for the cheapest of several (ipc)
+    applies: Optional[Callable] = None  # applies(transport, call) -> why it cannot, or None
 
 
-# What each transport (commlib/hosts.py) offers algorithms: the MPI library, shared memory
-# among all ranks, several hosts. A communicator bootstrapped from a store (torchrun) has
-# shared memory but no MPI library: "shm" less "mpi".
-OFFERS = {"shm": frozenset({"shm", "mpi"}), "mpi": frozenset({"mpi"}),
-          "hosts": frozenset({"hosts", "mpi"})}
-_NEEDS = {"shm": "all ranks on one host with shared memory",
-          "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)",
-          "mpi": "the MPI library (a communicator made under mpiexec, not from a store)"}
+@dataclass(frozen=True)
+class Where:
+    """What a cost depends on besides n and the bytes: the transport, the ranks of each host
+    (hier), and the sizes its data paths cut calls into. The defaults serve costs computed
+    away from a transport (tests, bench calibrate); transports describe themselves."""
+    transport: str = "mpi"
+    local: Optional[int] = None
+    staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
+    slot_bytes: int = 16 << 20      # a CUDA IPC slot (commlib/transports/cuda_ipc.py)
+    one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
 
-_registry: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
+
+_registry: dict[tuple[str, str], dict[str, Algorithm]] = {
+    (c, m): {} for c in COLLECTIVES for m in ("host", "device")}
 
 
-def register(name: str, collective: str, *, build=None, run=None, requires=None) -> None:
-    if collective not in _registry:
+def register(name: str, collective: str, cost, **fields) -> None:
+    if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
-    _registry[collective][name] = Algorithm(name, collective, build, run, requires)
+    entry = Algorithm(name, collective, cost, **fields)
+    _registry[collective, entry.memory][name] = entry
 
 
-def schedule(name: str, *collectives: str):
-    """Decorator: register a schedule builder under ``name`` for ``collectives``."""
-    def wrap(fn):
-        for c in collectives:
-            register(name, c, build=fn)
-        return fn
+def schedule(name: str, collective: str, formula):
+    """Decorator: register a schedule builder under ``name``. ``formula(n, N)`` gives
+    (rounds, bytes moved, bytes reduced) on the critical path for n ranks and N bytes over
+    MPI; on shared memory the schedule's own copies are counted (shm_terms)."""
+    def wrap(build):
+        register(name, collective, lambda model, where, n, nbytes: schedule_terms(
+            collective, name, formula, where, n, nbytes), build=build)
+        return build
     return wrap
 
 
-def algorithms(collective: str, comm=None) -> list[str]:
-    """Names of the algorithms for ``collective``, sorted: those that run on ``comm``, or
-    every one registered when ``comm`` is None."""
-    if collective not in _registry:
+def schedule_terms(collective, name, formula, where, n, nbytes) -> dict:
+    if where.transport == "shm":
+        rounds, copied, reduced = shm_terms(collective, name, n, nbytes)
+        return {"alpha_shm": max(rounds, 1), "beta_shm": copied, "gamma_shm": reduced}
+    if n == 1:
+        return {"alpha": 1}
+    rounds, moved, reduced = formula(n, nbytes)
+    return {"alpha": rounds, "beta": moved, "gamma": reduced}
+
+
+@lru_cache(maxsize=2048)
+def shm_terms(collective: str, name: str, n: int, nbytes: int) -> tuple:
+    """(rounds, bytes copied, bytes reduced) of the busiest rank when schedule ``name``
+    runs on shared memory: sends and plain receives and local copies each copy their
+    bytes once; a reducing receive reduces them."""
+    params = {}
+    if collective in ("broadcast", "reduce"):
+        params["root"] = 0
+    if collective == "all_to_all":
+        base, extra = divmod(nbytes, n)
+        splits = tuple(base + (i < extra) for i in range(n))
+        params.update(input_splits=splits, output_splits=splits)
+    worst = (0, 0, 0)
+    for rank in range(n):
+        sched = get(collective, name).build(n, rank, nbytes, 1, **params)
+        copied = reduced = 0
+        for rnd in sched.rounds:
+            for step in rnd.steps:
+                if type(step).__name__ == "RecvReduce":
+                    reduced += step.dst.count
+                else:
+                    copied += (step.src if hasattr(step, "src") else step.dst).count
+        worst = max(worst, (len(sched.rounds), copied, reduced), key=lambda t: t[1] + t[2])
+    return worst
+
+
+def log2_rounds(n: int) -> int:
+    """Rounds of a binomial tree or of recursive doubling among n ranks."""
+    return math.ceil(math.log2(n))
+
+
+def entries(collective: str, memory: str = "host") -> dict[str, Algorithm]:
+    if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
-    return sorted(name for name, a in _registry[collective].items()
-                  if comm is None or a.requires in (None, *comm.offers))
+    return _registry[collective, memory]
 
 
-def get(collective: str, name: str, offers: frozenset | None = None) -> Algorithm:
-    """The algorithm ``name``; with ``offers`` (a communicator's), one that runs there."""
-    table = _registry[collective]
-    valid = sorted(n for n, a in table.items()
-                   if offers is None or a.requires in (None, *offers))
-    if name not in table:
-        raise ValueError(f"unknown algorithm {name!r} for {collective}; valid: {', '.join(valid)}")
-    algo = table[name]
-    if name not in valid:
-        raise ValueError(f"algorithm {name!r} for {collective} needs {_NEEDS[algo.requires]}, "
-                         f"which this communicator lacks; valid here: {', '.join(valid)}")
-    return algo
+def candidates(collective: str, offers: frozenset | None, device: bool = False) -> list:
+    """The entries that can run on a communicator offering ``offers`` (None: any), sorted by
+    name: host memory's, or for GPU arrays the device entries and, staged, the host ones."""
+    found = list(entries(collective).values())
+    if device:
+        found += entries(collective, "device").values()
+    return sorted((a for a in found if offers is None or a.needs in (None, *offers)),
+                  key=lambda a: (a.name, a.memory))
 
 
-from . import direct, hier, native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)
+def algorithms(collective: str, comm=None, device: bool = False) -> list[str]:
+    """Names of the algorithms for ``collective``, sorted: those that run on ``comm`` (every
+    one registered when None); ``device``: for calls on GPU arrays (the GPU's own, and the
+    host ones staged through host memory)."""
+    offers = None if comm is None else comm.offers
+    return sorted({a.name for a in candidates(collective, offers, device)})
+
+
+def get(collective: str, name: str, offers: frozenset | None = None,
+        device: bool = False) -> Algorithm:
+    """The algorithm ``name`` that runs on a communicator offering ``offers`` (None: any),
+    for a call on host memory or (``device``) GPU arrays, its GPU entry first; else
+    ValueError naming what it needs and what is valid here."""
+    here = [a for a in candidates(collective, offers, device) if a.name == name]
+    if here:
+        return max(here, key=lambda a: a.memory == "device")
+    raise unavailable(collective, name, offers, device)
+
+
+def unavailable(collective: str, name: str, offers, device: bool, why: str | None = None):
+    """The error for an algorithm (or family) asked for that cannot run here: what it
+    needs (or ``why``), and what can."""
+    valid = ", ".join(sorted({a.name for a in candidates(collective, offers, device)}))
+    known = [a for m in ("host", "device") for a in entries(collective, m).values()
+             if name in (a.name, a.family)]
+    if not known:
+        return ValueError(f"unknown algorithm {name!r} for {collective}; valid: {valid}")
+    return ValueError(f"{collective}: algorithm={name!r} needs {why or NEEDS[known[0].needs]}, "
+                      f"which this call lacks; valid here: {valid}")
+
+
+from . import direct, hier, ipc, native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)

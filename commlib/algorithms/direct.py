@@ -1,46 +1,46 @@
 """direct: host-only collectives that read the peers' published data in place
-(csrc/shm_direct.cpp). Every rank copies its input into shared memory once and reads what
-it needs straight from the others: no chain of n-1 steps, one barrier or two per piece.
+(csrc/shm_direct.cpp, through ShmComm.direct). Every rank copies its input into shared
+memory once and reads what it needs straight from the others: no chain of n-1 steps, one
+barrier or two per piece (a piece is what fits in half the transport's staging area).
 """
-from itertools import accumulate
+import math
 
 from .. import _C
-from . import register
+from . import COLLECTIVES, register
 
 
-def all_reduce(comm, bufs, dtype, op):
-    b = bufs["out"]
-    comm._executor.transport.all_reduce(b.ptr, b.numel, dtype.code, _C.OPS[op], 3)
+def _pieces(nbytes, where):
+    return max(1, math.ceil(nbytes / (where.staging_bytes // 2)))
 
 
-def reduce(comm, bufs, dtype, op, root=0):
-    b = bufs["out"]
-    comm._executor.transport.reduce(b.ptr, b.numel, dtype.code, _C.OPS[op], root)
+def _all_reduce(n, N, where):
+    if N <= min(_C.SMALL_ALL_REDUCE_BYTES, where.staging_bytes // 2):
+        return 1, N, n * N
+    return 2 * _pieces(N, where), N + N / n + (n - 1) / n * N, N
 
 
-def reduce_scatter(comm, bufs, dtype, op):
-    out, inp = bufs["out"], bufs["in"]
-    comm._executor.transport.reduce_scatter(out.ptr, inp.ptr, out.numel, dtype.code, _C.OPS[op])
+# (barriers, bytes copied, bytes reduced) per rank
+FORMULAS = {
+    "all_reduce": _all_reduce,
+    "reduce": lambda n, N, w: (2 * _pieces(N, w), N + N / n, N),
+    "reduce_scatter": lambda n, N, w: (_pieces(n * N, w), n * N, n * N),
+    "all_gather": lambda n, N, w: (_pieces(N, w), n * N, 0),
+    # the root stages a piece, then the others copy it: one after the other
+    "broadcast": lambda n, N, w: (_pieces(N, w), 2 * N, 0),
+    # the parts for peers staged and copied out, the own part copied once
+    "all_to_all": lambda n, N, w: (_pieces(N, w), (2 * (n - 1) + 1) / n * N, 0),
+}
 
 
-def all_gather(comm, bufs, dtype, op):
-    out, inp = bufs["out"], bufs["in"]
-    comm._executor.transport.all_gather(out.ptr, inp.ptr, inp.numel, dtype.code)
+def terms(collective, where, n, nbytes) -> dict:
+    rounds, moved, reduced = FORMULAS[collective](n, nbytes, where)
+    return {"alpha_shm": rounds, "beta_direct": moved, "gamma_shm": reduced}
 
 
-def broadcast(comm, bufs, dtype, op, root=0):
-    b = bufs["out"]
-    comm._executor.transport.broadcast(b.ptr, b.numel, dtype.code, root)
+def run(transport, call):
+    transport.direct(call)
 
 
-def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
-    size = dtype.itemsize
-    offsets = lambda splits: [0, *accumulate(s * size for s in splits[:-1])]  # noqa: E731
-    comm._executor.transport.all_to_all(
-        bufs["out"].ptr, bufs["in"].ptr, dtype.code, offsets(input_splits),
-        [s * size for s in input_splits], offsets(output_splits),
-        [s * size for s in output_splits])
-
-
-for _fn in (all_reduce, reduce, reduce_scatter, all_gather, broadcast, all_to_all):
-    register("direct", _fn.__name__, run=_fn, requires="shm")
+for _collective in COLLECTIVES:
+    register("direct", _collective, lambda model, where, n, nbytes, c=_collective:
+             terms(c, where, n, nbytes), run=run, needs="shm")

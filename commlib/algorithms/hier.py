@@ -8,33 +8,34 @@ MPI between them, so each byte crosses the network once per host, not once per r
     all_gather      all-gather among the same-shard ranks -> host all-gather (regrouped)
     broadcast       broadcast among the root's shard ranks -> broadcast inside every host
 
-Vocabulary (commlib/hosts.py): ``local`` is this rank's host, ``cross`` the ranks with the
-same local rank on every host; ``owner[i][h]`` is the rank with local rank i at position
-h of its cross communicator. Offered when every host has the same number of ranks.
+Runners take the several-hosts transport (commlib/transports/hosts.py): ``local`` is this
+rank's host (shared memory), ``cross`` the ranks with the same local rank on every host
+(MPI); ``owner[i][h]`` is the rank with local rank i at position h of its cross group.
+Each stage is a call of its own, run by ``local.execute`` or ``cross.execute``.
 """
+from dataclasses import replace
+
 from .. import _C
+from ..call import Call
 from ..ops import ReduceOp
-from . import register
+from . import candidates, register
+from .direct import terms as direct_terms
 
 
-def _execute(comm, collective, bufs, count, dtype, op="sum", **params):
-    from ..collectives import execute  # (import cycle: collectives -> select -> algorithms)
-    # the top-level call checked agreement and scales an average once, at the end
-    execute(comm, collective, bufs, count, dtype, ReduceOp("sum" if op == "avg" else op),
-            **params)
+def _stage(call, collective, out, inp=None, count=None, root=None) -> Call:
+    """A stage of ``call``: the top-level call checked agreement and scales an average
+    once, at the end."""
+    op = ReduceOp.SUM if call.op is ReduceOp.AVG else call.op
+    return Call(collective, out, inp, out.numel if count is None else count, call.dtype, op,
+                root, None, None)
 
 
-def all_reduce(comm, bufs, dtype, op):
-    lay, buf = comm._layout, bufs["out"]
-    local = lay.local
-    transport = local._executor.transport
-
-    def phase(p):
-        transport.all_reduce(buf.ptr, buf.numel, dtype.code, _C.OPS[op], p)
-    phase(1)  # local rank i now holds the host's sum of chunk i
-    offset, count = _chunk(buf.numel, local.size, local.rank)
-    _execute(lay.cross, "all_reduce", {"out": buf.part(offset, count)}, count, dtype, op)
-    phase(2)
+def all_reduce(t, call):
+    buf = call.out
+    t.local.all_reduce_phase(call, 1)  # local rank i now holds the host's sum of chunk i
+    offset, count = _chunk(buf.numel, t.local.size, t.local.rank)
+    t.cross.execute(_stage(call, "all_reduce", buf.part(offset, count)))
+    t.local.all_reduce_phase(call, 2)
 
 
 def _chunk(count, parts, i):
@@ -42,37 +43,64 @@ def _chunk(count, parts, i):
     return i * base + min(i, extra), base + (i < extra)
 
 
-def reduce_scatter(comm, bufs, dtype, op):
-    lay, out, inp = comm._layout, bufs["out"], bufs["in"]
-    n, hosts = out.numel, lay.cross.size
-    grouped = lay.scratch(0, comm.size * n, dtype)  # blocks ordered by (local rank, host)
-    for i, row in enumerate(lay.owner):
+def reduce_scatter(t, call):
+    out, inp = call.out, call.inp
+    n, hosts = out.numel, t.cross.size
+    grouped = t.scratch(0, t.size * n, call.dtype)  # blocks ordered by (local rank, host)
+    for i, row in enumerate(t.owner):
         for h, r in enumerate(row):
-            _C.copy(grouped.ptr + (i * hosts + h) * out.nbytes, inp.ptr + r * out.nbytes, out.nbytes)
-    shard = lay.scratch(1, hosts * n, dtype)
-    _execute(lay.local, "reduce_scatter", {"out": shard, "in": grouped}, hosts * n, dtype, op)
-    _execute(lay.cross, "reduce_scatter", {"out": out, "in": shard}, n, dtype, op)
+            _C.copy(grouped.ptr + (i * hosts + h) * out.nbytes, inp.ptr + r * out.nbytes,
+                    out.nbytes)
+    shard = t.scratch(1, hosts * n, call.dtype)
+    t.local.execute(_stage(call, "reduce_scatter", shard, grouped))
+    t.cross.execute(_stage(call, "reduce_scatter", out, shard))
 
 
-def all_gather(comm, bufs, dtype, op):
-    lay, out, inp = comm._layout, bufs["out"], bufs["in"]
-    n, hosts = inp.numel, lay.cross.size
-    shard = lay.scratch(1, hosts * n, dtype)
-    _execute(lay.cross, "all_gather", {"out": shard, "in": inp}, n, dtype)
-    grouped = lay.scratch(0, comm.size * n, dtype)
-    _execute(lay.local, "all_gather", {"out": grouped, "in": shard}, hosts * n, dtype)
-    for i, row in enumerate(lay.owner):
+def all_gather(t, call):
+    out, inp = call.out, call.inp
+    n, hosts = inp.numel, t.cross.size
+    shard = t.scratch(1, hosts * n, call.dtype)
+    t.cross.execute(_stage(call, "all_gather", shard, inp, n))
+    grouped = t.scratch(0, t.size * n, call.dtype)
+    t.local.execute(_stage(call, "all_gather", grouped, shard, hosts * n))
+    for i, row in enumerate(t.owner):
         for h, r in enumerate(row):
-            _C.copy(out.ptr + r * inp.nbytes, grouped.ptr + (i * hosts + h) * inp.nbytes, inp.nbytes)
+            _C.copy(out.ptr + r * inp.nbytes, grouped.ptr + (i * hosts + h) * inp.nbytes,
+                    inp.nbytes)
 
 
-def broadcast(comm, bufs, dtype, op, root=0):
-    lay, buf = comm._layout, bufs["out"]
-    root_local, root_cross = lay.position[root]
-    if lay.local.rank == root_local:
-        _execute(lay.cross, "broadcast", {"out": buf}, buf.numel, dtype, root=root_cross)
-    _execute(lay.local, "broadcast", {"out": buf}, buf.numel, dtype, root=root_local)
+def broadcast(t, call):
+    root_local, root_cross = t.position[call.root]
+    if t.local.rank == root_local:
+        t.cross.execute(_stage(call, "broadcast", call.out, root=root_cross))
+    t.local.execute(_stage(call, "broadcast", call.out, root=root_local))
+
+
+# L ranks on each of H hosts: per-rank bytes of the host stage and of the cross stage
+BYTES = {
+    "all_reduce": lambda L, H, N: (N, N / L),
+    "reduce_scatter": lambda L, H, N: (H * N, N),
+    "all_gather": lambda L, H, N: (H * N, N),
+    "broadcast": lambda L, H, N: (N, N),
+}
+
+
+def terms(collective, model, where, n, nbytes) -> dict | None:
+    """The host stage's direct terms plus the cheapest cross stage's."""
+    local = where.local or n
+    if local >= n:
+        return None
+    hosts = n // local
+    host_bytes, cross_bytes = BYTES[collective](local, hosts, nbytes)
+    cross_where = replace(where, transport="mpi")
+    cross = min((a.cost(model, cross_where, hosts, int(cross_bytes))
+                 for a in candidates(collective, frozenset({"mpi"}))), key=model.price)
+    total = dict(direct_terms(collective, replace(where, transport="shm"), local, int(host_bytes)))
+    for name, coefficient in cross.items():
+        total[name] = total.get(name, 0) + coefficient
+    return total
 
 
 for _fn in (all_reduce, reduce_scatter, all_gather, broadcast):
-    register("hier", _fn.__name__, run=_fn, requires="hosts")
+    register("hier", _fn.__name__, lambda model, where, n, nbytes, c=_fn.__name__:
+             terms(c, model, where, n, nbytes), run=_fn, needs="hosts")

@@ -2,7 +2,13 @@
 
 MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats reduce through a
 user-defined MPI op that calls commlib's own kernels. Each runs as MPI's non-blocking
-collective, waited for with the communicator's timeout (a blocking one cannot time out).
+collective, waited for with the transport's timeout (a blocking one cannot time out).
+Runners take a transport whose world is MPI's (commlib/transports/mpi.py): the world's
+``coll`` communicator and ``count_sent``, the transport's ``timeout``.
+
+On GPU arrays with a CUDA-aware MPI, the same calls run on the device memory itself (the
+"device" entries), except where the host must touch the data: 16-bit float reductions
+(our kernels) and in-place reduce_scatter (a copy).
 """
 from functools import lru_cache
 
@@ -11,11 +17,8 @@ from mpi4py import MPI
 
 from .. import _C
 from ..work import Deadline, wait_request
-from . import register
+from . import COLLECTIVES, log2_rounds, register
 
-_MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T,
-              "uint8": MPI.UINT8_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
-              "float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T}
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
             "avg": MPI.SUM}  # the caller scales
 
@@ -29,71 +32,104 @@ def _kernel_op(dtype_code: int, op_code: int) -> MPI.Op:
 
 
 def _spec(buf):
-    return [buf.bytes, _MPI_TYPES[buf.dtype.name]]
+    return [buf.bytes, getattr(MPI, buf.dtype.mpi)]
 
 
-def _op(dtype, op):
-    if dtype.itemsize == 2 and dtype.floating:
-        return _kernel_op(dtype.code, _C.OPS[op])
-    return _MPI_OPS[op]
+def _op(call):
+    if call.dtype.itemsize == 2 and call.dtype.floating:
+        return _kernel_op(call.dtype.code, call.op_code)
+    return _MPI_OPS[call.op.value]
 
 
-def _count(comm, nbytes: float) -> None:
-    """MPI's traffic is hidden: count the least any algorithm sends (Communicator.bytes_sent)."""
-    comm._native_bytes_sent += int(nbytes)
-
-
-def _wait(comm, request, keep) -> None:
-    wait_request(request, Deadline(comm._executor.timeout), "its peers inside MPI's "
+def _wait(transport, request, keep) -> None:
+    wait_request(request, Deadline(transport.timeout), "its peers inside MPI's "
                  "collective (MPI does not say which)", keep=keep)
 
 
-def all_reduce(comm, bufs, dtype, op):
-    _count(comm, 2 * (comm.size - 1) / comm.size * bufs["out"].nbytes)
-    _wait(comm, comm._coll.Iallreduce(MPI.IN_PLACE, _spec(bufs["out"]), _op(dtype, op)), bufs)
+def all_reduce(t, call):
+    # MPI's traffic is hidden: count the least any algorithm sends (nccl-tests' bus bytes)
+    t.world.count_sent(2 * (t.size - 1) / t.size * call.out.nbytes)
+    _wait(t, t.world.coll.Iallreduce(MPI.IN_PLACE, _spec(call.out), _op(call)), call)
 
 
-def reduce_scatter(comm, bufs, dtype, op):
-    out, inp = bufs["out"], bufs["in"]
-    _count(comm, (comm.size - 1) * out.nbytes)
+def reduce_scatter(t, call):
+    out, inp = call.out, call.inp
+    t.world.count_sent((t.size - 1) * out.nbytes)
     if out.overlaps(inp):  # MPI's in-place form leaves the result at the front, not in block r
         result = np.empty_like(out.bytes)
-        _wait(comm, comm._coll.Ireduce_scatter_block(_spec(inp), [result, _MPI_TYPES[dtype.name]],
-                                                     _op(dtype, op)), (bufs, result))
+        _wait(t, t.world.coll.Ireduce_scatter_block(_spec(inp), [result, getattr(MPI, out.dtype.mpi)],
+                                              _op(call)), (call, result))
         out.bytes[:] = result
     else:
-        _wait(comm, comm._coll.Ireduce_scatter_block(_spec(inp), _spec(out), _op(dtype, op)), bufs)
+        _wait(t, t.world.coll.Ireduce_scatter_block(_spec(inp), _spec(out), _op(call)), call)
 
 
-def all_gather(comm, bufs, dtype, op):
-    out, inp = bufs["out"], bufs["in"]
-    _count(comm, (comm.size - 1) * inp.nbytes)
+def all_gather(t, call):
+    out, inp = call.out, call.inp
+    t.world.count_sent((t.size - 1) * inp.nbytes)
     send = MPI.IN_PLACE if out.overlaps(inp) else _spec(inp)
-    _wait(comm, comm._coll.Iallgather(send, _spec(out)), bufs)
+    _wait(t, t.world.coll.Iallgather(send, _spec(out)), call)
 
 
-def all_to_all(comm, bufs, dtype, op, input_splits, output_splits):
-    mpi_type = _MPI_TYPES[dtype.name]
-    _count(comm, (sum(input_splits) - input_splits[comm.rank]) * dtype.itemsize)
+def all_to_all(t, call):
+    input_splits, output_splits = call.splits
+    mpi_type = getattr(MPI, call.dtype.mpi)
+    t.world.count_sent((sum(input_splits) - input_splits[t.rank]) * call.dtype.itemsize)
     displs = lambda splits: np.concatenate([[0], np.cumsum(splits)[:-1]])  # noqa: E731
-    _wait(comm, comm._coll.Ialltoallv(
-        [bufs["in"].bytes, (input_splits, displs(input_splits)), mpi_type],
-        [bufs["out"].bytes, (output_splits, displs(output_splits)), mpi_type]), bufs)
+    _wait(t, t.world.coll.Ialltoallv(
+        [call.inp.bytes, (input_splits, displs(input_splits)), mpi_type],
+        [call.out.bytes, (output_splits, displs(output_splits)), mpi_type]), call)
 
 
-def broadcast(comm, bufs, dtype, op, root=0):
-    _count(comm, bufs["out"].nbytes if comm.size > 1 else 0)
-    _wait(comm, comm._coll.Ibcast(_spec(bufs["out"]), root), bufs)
+def broadcast(t, call):
+    t.world.count_sent(call.out.nbytes if t.size > 1 else 0)
+    _wait(t, t.world.coll.Ibcast(_spec(call.out), call.root), call)
 
 
-def reduce(comm, bufs, dtype, op, root=0):
-    _count(comm, bufs["out"].nbytes if comm.size > 1 else 0)
-    if comm.rank == root:
-        request = comm._coll.Ireduce(MPI.IN_PLACE, _spec(bufs["out"]), _op(dtype, op), root)
+def reduce(t, call):
+    t.world.count_sent(call.out.nbytes if t.size > 1 else 0)
+    if t.rank == call.root:
+        request = t.world.coll.Ireduce(MPI.IN_PLACE, _spec(call.out), _op(call), call.root)
     else:
-        request = comm._coll.Ireduce(_spec(bufs["out"]), None, _op(dtype, op), root)
-    _wait(comm, request, bufs)
+        request = t.world.coll.Ireduce(_spec(call.out), None, _op(call), call.root)
+    _wait(t, request, call)
 
 
-for _fn in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce):
-    register("native", _fn.__name__, run=_fn, requires="mpi")
+# (latency rounds, bytes its traffic moves) per collective
+FORMULAS = {
+    "all_reduce": lambda n, N: (2 * log2_rounds(n), 2 * (n - 1) / n * N),
+    "reduce_scatter": lambda n, N: (log2_rounds(n), (n - 1) * N),
+    "all_gather": lambda n, N: (log2_rounds(n), (n - 1) * N),
+    "all_to_all": lambda n, N: (n - 1, (n - 1) / n * N),
+    "broadcast": lambda n, N: (log2_rounds(n), N),
+    "reduce": lambda n, N: (log2_rounds(n), N),
+}
+
+
+def terms(collective, n, nbytes) -> dict:
+    rounds, moved = FORMULAS[collective](n, nbytes)
+    return {"alpha_native": max(1, rounds), f"native:{collective}": moved}
+
+
+def on_device(transport, call) -> str | None:
+    """Why MPI cannot take this call on GPU arrays as they are (None: it can)."""
+    if call.op is not None and call.dtype.itemsize == 2 and call.dtype.floating:
+        return "MPI to reduce 16-bit floats on the GPU (commlib reduces them on the host)"
+    if call.collective == "reduce_scatter" and call.out.overlaps(call.inp):
+        return "an output apart from the input (in place, the host copies the result)"
+    return None
+
+
+RUNNERS = {f.__name__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all,
+                                   broadcast, reduce)}
+def device_terms(collective, n, nbytes) -> dict:
+    """On GPU arrays: a call also waits for the stream, and MPI for the device."""
+    return {**terms(collective, n, nbytes), "alpha_cuda_mpi": 1}
+
+
+for _collective in COLLECTIVES:
+    register("native", _collective, lambda model, where, n, nbytes, c=_collective:
+             terms(c, n, nbytes), run=RUNNERS[_collective], needs="mpi")
+    register("native", _collective, lambda model, where, n, nbytes, c=_collective:
+             device_terms(c, n, nbytes), run=RUNNERS[_collective], needs="cuda_mpi",
+             memory="device", applies=on_device)

@@ -6,8 +6,34 @@ data to its odd neighbour and sits out; the p remaining ranks are *virtual* rank
 = p/2, p/4, .., 1 a virtual rank swaps half of its current range with v^d and keeps the
 half its bit selects. Doubling runs the same exchange in reverse, growing the range.
 """
+import math
+
 from ..schedule import Builder, Copy, Recv, RecvReduce, Region, Send, chunks
 from . import schedule
+
+
+# costs over MPI: (rounds, bytes moved, bytes reduced) on the critical path, n ranks, N bytes
+def _fold(n):
+    """(the power of two p, whether n folds onto it)"""
+    p = 1 << (n.bit_length() - 1)
+    return p, int(n != p)
+
+
+def _all_reduce_cost(n, N):
+    p, fold = _fold(n)
+    return (2 * math.log2(p) + 2 * fold, 2 * (p - 1) / p * N + 2 * fold * N,
+            (p - 1) / p * N + fold * N)
+
+
+def _reduce_scatter_cost(n, N):
+    p, fold = _fold(n)
+    moved = (n - 1) * N + fold * n * N
+    return math.log2(p) + fold, moved, moved
+
+
+def _all_gather_cost(n, N):
+    p, fold = _fold(n)
+    return math.log2(p) + 2 * fold, (n - 1) * N + fold * (n + 1) * N, 0
 
 
 class _Fold:
@@ -43,7 +69,7 @@ def _halves(lo, hi, v, d):
     return ((lo, mid), (mid, hi)) if not v & d else ((mid, hi), (lo, mid))
 
 
-@schedule("rhd", "all_reduce")
+@schedule("rhd", "all_reduce", _all_reduce_cost)
 def all_reduce(size, rank, count, itemsize):
     """Rabenseifner: halving reduce-scatter + doubling all-gather, in place on "out"."""
     b, f = Builder(), _Fold(size, rank)
@@ -72,7 +98,7 @@ def all_reduce(size, rank, count, itemsize):
     return b.build()
 
 
-@schedule("rhd", "reduce_scatter")
+@schedule("rhd", "reduce_scatter", _reduce_scatter_cost)
 def reduce_scatter(size, rank, count, itemsize):
     """Halving over virtual ranks, each owning the blocks of the real ranks it stands for.
 
@@ -108,7 +134,7 @@ def reduce_scatter(size, rank, count, itemsize):
     return b.build(tmp_count=size * count if size > 1 else 0)
 
 
-@schedule("rhd", "all_gather")
+@schedule("rhd", "all_gather", _all_gather_cost)
 def all_gather(size, rank, count, itemsize):
     """Recursive doubling; folded ranks get the full result from their neighbour at the end."""
     b, f = Builder(), _Fold(size, rank)

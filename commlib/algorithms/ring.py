@@ -11,7 +11,18 @@ BROADCAST_SEGMENT_BYTES = 256 * 1024
 BROADCAST_MAX_SEGMENTS = 64
 
 
-@schedule("ring", "all_reduce")
+# costs over MPI: (rounds, bytes moved, bytes reduced) on the critical path, n ranks, N bytes
+def _all_reduce_cost(n, N):
+    return 2 * (n - 1), 2 * (n - 1) / n * N, (n - 1) / n * N
+
+
+def _broadcast_cost(n, N):
+    segs = max(1, min(BROADCAST_MAX_SEGMENTS, N // BROADCAST_SEGMENT_BYTES))
+    steps = segs + n - 2
+    return steps, steps * N / segs, 0
+
+
+@schedule("ring", "all_reduce", _all_reduce_cost)
 def all_reduce(size, rank, count, itemsize):
     """Reduce-scatter then all-gather around the ring, in place on "out"."""
     b = Builder()
@@ -25,7 +36,7 @@ def all_reduce(size, rank, count, itemsize):
     return b.build()
 
 
-@schedule("ring", "reduce_scatter")
+@schedule("ring", "reduce_scatter", lambda n, N: (n - 1, (n - 1) * N, (n - 1) * N))
 def reduce_scatter(size, rank, count, itemsize):
     """Partial sums travel the ring; two tmp blocks alternate as receive targets."""
     b = Builder()
@@ -42,7 +53,7 @@ def reduce_scatter(size, rank, count, itemsize):
     return b.build(tmp_count=2 * count if size > 2 else 0)
 
 
-@schedule("ring", "all_gather")
+@schedule("ring", "all_gather", lambda n, N: (n - 1, (n - 1) * N, 0))
 def all_gather(size, rank, count, itemsize):
     b = Builder()
     block = lambda i: Region("out", (i % size) * count, count)  # noqa: E731
@@ -55,7 +66,7 @@ def all_gather(size, rank, count, itemsize):
     return b.build()
 
 
-@schedule("ring", "broadcast")
+@schedule("ring", "broadcast", _broadcast_cost)
 def broadcast(size, rank, count, itemsize, root=0):
     """Pipelined chain root -> root+1 -> ...: segment j leaves position p in round j+p."""
     b = Builder()

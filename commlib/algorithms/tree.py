@@ -4,7 +4,7 @@ Ranks are renumbered relative to the root (v = (rank - root) mod n); v's parent 
 its lowest set bit cleared, its children are v + 2^k for 2^k below that bit.
 """
 from ..schedule import Builder, Recv, RecvReduce, Region, Send
-from . import schedule
+from . import log2_rounds as _log, schedule
 
 
 def _reduce_into(b, size, rank, count, root, in_place):
@@ -49,21 +49,21 @@ def _powers_below(mask):
         m >>= 1
 
 
-@schedule("tree", "reduce")
+@schedule("tree", "reduce", lambda n, N: (_log(n), _log(n) * N, _log(n) * N))
 def reduce(size, rank, count, itemsize, root=0):
     b = Builder()
     used_tmp = _reduce_into(b, size, rank, count, root, in_place=False)
     return b.build(tmp_count=count if used_tmp else 0)
 
 
-@schedule("tree", "broadcast")
+@schedule("tree", "broadcast", lambda n, N: (_log(n), _log(n) * N, 0))
 def broadcast(size, rank, count, itemsize, root=0):
     b = Builder()
     _broadcast_into(b, size, rank, count, root)
     return b.build()
 
 
-@schedule("tree", "all_reduce")
+@schedule("tree", "all_reduce", lambda n, N: (2 * _log(n), 2 * _log(n) * N, _log(n) * N))
 def all_reduce(size, rank, count, itemsize):
     b = Builder()
     _reduce_into(b, size, rank, count, 0, in_place=True)

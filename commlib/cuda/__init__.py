@@ -11,17 +11,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-# dtype codes as _C.DTYPES (csrc/kernels.h)
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
-ITEMSIZES = (2, 2, 4, 8, 1, 1, 4, 8)
-FLOATING = DTYPES[:4]
-OPS = ("sum", "prod", "min", "max", "avg")  # codes as _C.OPS
-# how kernels.cu's kernel names spell them, by code (avg reduces as sum, then scales)
-KERNEL_DTYPES = ("f16", "bf16", "f32", "f64", "i8", "u8", "i32", "i64")
-KERNEL_OPS = ("sum", "prod", "min", "max", "sum")
+from .. import _C
+from ..dtypes import BY_CODE, BY_TYPESTR, DTYPES as DTYPE_TABLE, DType
+
+# names by code, as commlib.dtypes and _C have them (kernels.cu's kernels are named by the
+# dtypes' `kernel` spellings; avg reduces as sum, then scales)
+DTYPES = tuple(d.name for d in BY_CODE)
+FLOATING = tuple(d.name for d in BY_CODE if d.floating)
+OPS = tuple(_C.OPS)
+KERNEL_DTYPES = tuple(d.kernel for d in BY_CODE)
+KERNEL_OPS = tuple("sum" if op == "avg" else op for op in OPS)
 MAX_POINTERS = 16  # reduce_n's targets and sources (kernels.cu kMaxPointers)
-_TYPESTRS = {"f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "u1": "uint8",
-             "i4": "int32", "i8": "int64"}
 
 
 class CudaUnavailable(RuntimeError):
@@ -125,18 +125,18 @@ def device_count() -> int:
 class DeviceArray(NamedTuple):
     ptr: int
     count: int
-    dtype: str
+    dtype: DType
     device: int
     stream: int  # the framework's current stream on that device
     framework: str  # torch, cupy, or other (__cuda_array_interface__)
 
     @property
     def code(self) -> int:
-        return DTYPES.index(self.dtype)
+        return self.dtype.code
 
     @property
     def nbytes(self) -> int:
-        return self.count * ITEMSIZES[self.code]
+        return self.count * self.dtype.itemsize
 
 
 def device_array(x, what: str = "array") -> DeviceArray:
@@ -149,8 +149,8 @@ def device_array(x, what: str = "array") -> DeviceArray:
                             ".cuda() or use the CPU collectives")
         if not x.is_contiguous():
             raise ValueError(f"{what}: tensor is not contiguous; call .contiguous() first")
-        dtype = str(x.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
+        dtype = DTYPE_TABLE.get(str(x.dtype).removeprefix("torch."))
+        if dtype is None:
             raise TypeError(f"{what}: unsupported dtype {x.dtype}; supported: {', '.join(DTYPES)}")
         return DeviceArray(x.data_ptr(), x.numel(), dtype, x.device.index,
                            torch.cuda.current_stream(x.device).cuda_stream, "torch")
@@ -158,7 +158,7 @@ def device_array(x, what: str = "array") -> DeviceArray:
     if cai is None:
         raise TypeError(f"{what}: {type(x).__name__} is not a CUDA array (a torch CUDA tensor "
                         "or an object with __cuda_array_interface__, such as a CuPy array)")
-    dtype = _TYPESTRS.get(cai["typestr"][1:])
+    dtype = BY_TYPESTR.get(cai["typestr"][1:])
     if dtype is None:
         raise TypeError(f"{what}: unsupported typestr {cai['typestr']!r}")
     count = 1
@@ -208,8 +208,8 @@ def reduce(dst, a, b, op: str = "sum") -> None:
     if op not in OPS:
         raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(OPS)}")
     if not d.count == x.count == y.count or not d.dtype == x.dtype == y.dtype:
-        raise ValueError(f"reduce: dst, a, b must match, got {d.count} {d.dtype}, "
-                         f"{x.count} {x.dtype}, {y.count} {y.dtype}")
+        raise ValueError(f"reduce: dst, a, b must match, got {d.count} {d.dtype.name}, "
+                         f"{x.count} {x.dtype.name}, {y.count} {y.dtype.name}")
     _same_device(d, x, y)
     kernels().reduce(d.ptr, x.ptr, y.ptr, d.count, d.code, OPS.index(op), d.device, d.stream)
 
@@ -217,16 +217,16 @@ def reduce(dst, a, b, op: str = "sum") -> None:
 def scale(x, factor: float) -> None:
     """x *= factor, in x's precision (float dtypes)."""
     a = device_array(x, "x")
-    if a.dtype not in FLOATING:
-        raise TypeError(f"scale: {a.dtype} is not a floating dtype")
+    if not a.dtype.floating:
+        raise TypeError(f"scale: {a.dtype.name} is not a floating dtype")
     kernels().scale(a.ptr, float(factor), a.count, a.code, a.device, a.stream)
 
 
 def cast(dst, src) -> None:
     """dst = src converted (float16, bfloat16, float32, float64; nearest even)."""
     d, s = device_array(dst, "dst"), device_array(src, "src")
-    if d.dtype not in FLOATING or s.dtype not in FLOATING:
-        raise TypeError(f"cast: floating dtypes only, got {s.dtype} -> {d.dtype}")
+    if not (d.dtype.floating and s.dtype.floating):
+        raise TypeError(f"cast: floating dtypes only, got {s.dtype.name} -> {d.dtype.name}")
     if d.count != s.count:
         raise ValueError(f"cast: {s.count} elements into {d.count}")
     _same_device(d, s)

@@ -1,6 +1,6 @@
 """Communicator.register: GPU memory that every peer of the host maps once, so that a
 collective whose input lies in it at every rank needs no copy through the IPC slots
-(cuda/ipc.py, "zero-copy"). Like ncclCommRegister: worth it for buffers used again and
+(commlib/transports/cuda_ipc.py, "zero-copy"). Like ncclCommRegister: worth it for buffers used again and
 again (gradient buckets, activations), as registering costs a collective and a CUDA IPC
 mapping per peer.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..buffers import as_buffer
-from ..calls import NONE, check_timeout, descriptor
+from ..call import NONE, check_timeout, descriptor
 from ..errors import CommError
+from . import MAX_POINTERS
 
 
 class Registration(NamedTuple):
@@ -109,21 +110,21 @@ class RegisteredMemory:
     """What Communicator.register returns. ``close()`` (collective, like register) unmaps it
     on every rank, after the calls before it; so does leaving a ``with`` block."""
 
-    def __init__(self, comm, gpu, registration, array):
-        self._comm, self._gpu, self.registration = comm, gpu, registration
+    def __init__(self, calls, gpu, registration, array):
+        self._calls, self._gpu, self.registration = calls, gpu, registration
         self._array = array  # kept alive while the peers map it
 
     def close(self) -> None:
         if self._gpu is None:
             return
-        comm, gpu, registration = self._comm, self._gpu, self.registration
+        gpu, registration, transport = self._gpu, self.registration, self._calls.transport
         self._gpu = self._array = None
         desc = descriptor("all_reduce", "deregister", 0, NONE, NONE, NONE)
 
         def body():  # once every rank is done with the calls before (no peer still reads it)
-            comm._executor.transport.agree(desc, [], [], 1)
+            transport.agree(desc)
             gpu.registered.forget(registration)
-        comm._engine.run("deregister", body, async_op=False)
+        self._calls.engine.run("deregister", body, async_op=False)
 
     def __enter__(self):
         return self
@@ -136,42 +137,45 @@ class RegisteredMemory:
         return f"<RegisteredMemory #{self.registration.index} {state}>"
 
 
-def register_where_possible(comm, t) -> "RegisteredMemory | None":
-    """``register``, or None where this communicator cannot register ``t`` (host memory,
-    ranks of several hosts, no CUDA IPC): the same answer on every rank, so a caller can
-    fall back to plain calls, which copy through the slots."""
+def register(calls, t, timeout=None, required: bool = True) -> "RegisteredMemory | None":
+    """Share ``t``'s GPU memory with the communicator's peers (every rank calls it, each
+    with its own array, in the same order); ``calls`` is the communicator's
+    dispatch.Dispatcher. A collective whose input is ``t`` or a part of it at every rank
+    then reads the peers' inputs where they lie. Not ``required``: None where registering
+    cannot work (host memory, ranks of several hosts, no CUDA IPC), the same answer on
+    every rank, so that a caller can fall back to plain calls."""
     try:
-        return register(comm, t)
+        return _register(calls, t, timeout)
     except (TypeError, ValueError, CommError):
+        if required:
+            raise
         return None
 
 
-def register(comm, t, timeout=None) -> RegisteredMemory:
-    """Share ``t``'s GPU memory with the communicator's peers (every rank calls it, each
-    with its own array, in the same order). A collective whose input is ``t`` or a part of
-    it at every rank then reads the peers' inputs where they lie."""
-    from . import ipc  # ipc.py holds our Registrations
+def _register(calls, t, timeout) -> RegisteredMemory:
+    from ..transports import load
     buf = as_buffer(t, "t")
     if buf.device is None:
         raise TypeError("register: t is in host memory; only CUDA arrays are registered "
                         "(host memory needs no registration)")
-    if not ipc.usable(comm, buf):
-        raise ValueError(f"register: needs 2 to {ipc.MAX_RANKS} ranks of one host sharing "
+    transport = calls.transport
+    if not load("cuda_ipc").suits(transport):
+        raise ValueError(f"register: needs 2 to {MAX_POINTERS} ranks of one host sharing "
                          "memory (the shm transport), and COMMLIB_CUDA_IPC not 0")
-    seconds = comm.timeout if timeout is None else check_timeout(timeout)
+    seconds = calls.timeout if timeout is None else check_timeout(timeout)
     desc = descriptor("all_reduce", "register", 0, NONE, NONE, NONE)
-    gpu = comm.staging.ipc(comm, buf.device.device, desc, 1, seconds)
+    gpu = calls.gpu(buf.device.device, desc, 1, seconds)
     if gpu is None:
         raise CommError(f"register: CUDA IPC is unavailable here: "
-                        f"{comm.staging.ipc_problem(buf.device.device)}")
+                        f"{calls.gpu_problem(buf.device.device)}")
     made = []
 
     def body():
-        comm._executor.set_timeout(seconds)
-        comm._executor.transport.agree(desc, [], [], 1)
+        transport.set_timeout(seconds)
+        transport.agree(desc)
         try:
-            made.append(gpu.registered.add(comm._executor.group, buf.ptr, buf.nbytes))
+            made.append(gpu.registered.add(transport.world.group, buf.ptr, buf.nbytes))
         except RuntimeError as e:
             raise CommError(f"register: {e}") from None
-    comm._engine.run("register", body, async_op=False)
-    return RegisteredMemory(comm, gpu, made[0], t)
+    calls.engine.run("register", body, async_op=False)
+    return RegisteredMemory(calls, gpu, made[0], t)

@@ -11,7 +11,8 @@ import cupy
 import numpy as np
 from cupy.cuda import runtime
 
-from . import ITEMSIZES, KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, source
+from ..dtypes import BY_CODE
+from . import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, source
 
 _THREADS = 256  # as csrc/cuda/launch.cu
 _NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)
@@ -121,7 +122,7 @@ class CupyRuntime:
                                             stream=cupy.cuda.ExternalStream(stream))
 
     def reduce(self, dst, a, b, count, dtype, op, device, stream):
-        work = math.ceil(count * ITEMSIZES[dtype] / 16)
+        work = math.ceil(count * BY_CODE[dtype].itemsize / 16)
         self._launch(f"commlib_reduce_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}", work,
                      (np.uint64(dst), np.uint64(a), np.uint64(b), np.int64(count)), device, stream)
 
@@ -129,18 +130,18 @@ class CupyRuntime:
         if not (1 <= len(targets) <= MAX_POINTERS and 1 <= len(sources) <= MAX_POINTERS):
             raise ValueError(f"reduce_n: 1 to {MAX_POINTERS} targets and sources, got "
                              f"{len(targets)} and {len(sources)}")
-        work = math.ceil(count * ITEMSIZES[dtype] / 16)
+        work = math.ceil(count * BY_CODE[dtype].itemsize / 16)
         self._launch(f"commlib_reduce_n_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}", work,
                      (_pointers(targets), np.int32(len(targets)), _pointers(sources),
                       np.int32(len(sources)), np.int64(count)), device, stream)
 
     def scale(self, x, factor, count, dtype, device, stream):
         self._launch(f"commlib_scale_{KERNEL_DTYPES[dtype]}",
-                     math.ceil(count * ITEMSIZES[dtype] / 16),
+                     math.ceil(count * BY_CODE[dtype].itemsize / 16),
                      (np.uint64(x), np.float64(factor), np.int64(count)), device, stream)
 
     def cast(self, dst, src, count, src_dtype, dst_dtype, device, stream):
-        wider = max(ITEMSIZES[src_dtype], ITEMSIZES[dst_dtype])
+        wider = max(BY_CODE[src_dtype].itemsize, BY_CODE[dst_dtype].itemsize)
         self._launch(f"commlib_cast_{KERNEL_DTYPES[src_dtype]}_{KERNEL_DTYPES[dst_dtype]}",
                      math.ceil(count * wider / 16),
                      (np.uint64(dst), np.uint64(src), np.int64(count)), device, stream)

@@ -21,8 +21,9 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-# numpy's dtypes by commlib code (no bfloat16 in numpy), and its reductions by op code
-_NUMPY = (np.float16, None, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64)
+from ..dtypes import BY_CODE
+
+# numpy's reductions by op code
 _REDUCE = (np.add, np.multiply, np.minimum, np.maximum, np.add)
 
 
@@ -122,9 +123,9 @@ class SimulatedDevice:
     # kernels
     @staticmethod
     def _array(ptr: int, count: int, dtype: int) -> np.ndarray:
-        if _NUMPY[dtype] is None:
+        kind = BY_CODE[dtype].numpy
+        if kind is None:
             raise TypeError("the simulated GPU has no bfloat16")
-        kind = np.dtype(_NUMPY[dtype])
         raw = (ctypes.c_uint8 * (count * kind.itemsize)).from_address(ptr)
         return np.frombuffer(raw, kind)
 

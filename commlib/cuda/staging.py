@@ -103,40 +103,50 @@ class HostPool:
 
 
 class Staged:
-    """One call's device buffers, their twins, and what it reads and writes."""
+    """One call's device buffers (by name), their twins, and what it reads and writes."""
 
     def __init__(self, pool: HostPool, bufs: dict, reads: list, writes: list,
                  twins: dict | None = None, scale: float | None = None):
-        devices = {b.device.device for b in bufs.values() if b.device is not None}
-        on_host = [name for name, b in bufs.items() if b.device is None]
-        if on_host or len(devices) > 1:
-            where = {name: "host" if b.device is None else f"cuda:{b.device.device}"
-                     for name, b in bufs.items()}
-            raise ValueError(f"buffers on different devices ({where}); put them all on one GPU")
         self.bufs = bufs
         self.reads, self.writes = reads, writes
-        self.array = next(iter(bufs.values())).device  # a cuda.DeviceArray: device, stream
+        self.array = bufs["out"].device  # a cuda.DeviceArray: device, stream
         self.device = self.array.device
         self.scale = scale  # "out" scaled by it on the stream after the call (in place)
+        self.call = None  # the call on the twins, where this stages a collective
         if twins is not None:  # the device memory itself, which a CUDA-aware MPI takes
             self.block, self.host = pool.take(0), twins
             return
-        # the largest first, so that a buffer inside another becomes a part of its twin
-        order = sorted(bufs, key=lambda name: -bufs[name].nbytes)
-        offsets, end = {}, 0
-        for name in order:
-            b = bufs[name]
-            outer = next((o for o in offsets if bufs[o].ptr <= b.ptr
-                          and b.ptr + b.nbytes <= bufs[o].ptr + bufs[o].nbytes), None)
-            if outer is not None:
-                offsets[name] = offsets[outer] + (b.ptr - bufs[outer].ptr)
-            else:
-                offsets[name], end = end, end + _round_up(b.nbytes)
-        self.block = pool.take(end)
-        block = self.block
+        offsets: dict = {}
+        self.block = block = pool.take(_twins_bytes(bufs, offsets))
         self.host = {name: Buffer(block, block.ptr + offsets[name], b.numel, b.dtype,
                                   block.bytes[offsets[name]:offsets[name] + b.nbytes])
                      for name, b in bufs.items()}
+
+
+def _twins_bytes(bufs: dict, offsets: dict) -> int:
+    """Where each buffer's twin lies in a block (into ``offsets``), and the block's size: the
+    largest first, so that a buffer inside another becomes a part of its twin."""
+    end = 0
+    for name in sorted(bufs, key=lambda name: -bufs[name].nbytes):
+        b = bufs[name]
+        outer = next((o for o in offsets if bufs[o].ptr <= b.ptr
+                      and b.ptr + b.nbytes <= bufs[o].ptr + bufs[o].nbytes), None)
+        if outer is not None:
+            offsets[name] = offsets[outer] + (b.ptr - bufs[outer].ptr)
+        else:
+            offsets[name], end = end, end + _round_up(b.nbytes)
+    return end
+
+
+def _reads_and_writes(call, rank: int) -> tuple[list, list]:
+    """The buffers a call on GPU memory copies to the host before it runs (what it reads)
+    and back after (what it writes)."""
+    reads, writes = ["in" if call.inp is not None else "out"], ["out"]
+    if call.collective == "broadcast":
+        return (reads, []) if rank == call.root else ([], writes)
+    if call.collective == "reduce" and rank != call.root:  # the others' t is unchanged
+        return reads, []
+    return reads, writes
 
 
 class Staging:
@@ -146,7 +156,6 @@ class Staging:
         self.runtime = streams()
         self.pool = HostPool(self.runtime)
         self._side: dict[int, int] = {}  # device -> side stream
-        self._ipc: dict = {}  # device -> ipc.IpcCollectives
         self._kept: list = []  # (event, user arrays the stream uses until it passes)
         self.failure: BaseException | None = None  # of a call nobody waits for
 
@@ -157,13 +166,25 @@ class Staging:
             raise CommError(f"an earlier collective on GPU buffers failed, so its outputs "
                             f"hold garbage: {failure}") from failure
 
-    def stage(self, bufs: dict, reads: list, writes: list) -> Staged:
-        return Staged(self.pool, bufs, reads, writes)
+    def stage(self, call, rank: int) -> Staged:
+        """``call`` on pinned twins of its device buffers (``staged.call``)."""
+        staged = Staged(self.pool, call.bufs, *_reads_and_writes(call, rank))
+        staged.call = call.on(staged.host["out"], staged.host.get("in"))
+        return staged
 
-    def in_place(self, bufs: dict, views: dict, scale: float | None) -> Staged:
-        """A call that a CUDA-aware MPI runs on ``views`` of the device memory itself: no
-        copies; the stream waits for the flag, then multiplies "out" by ``scale`` (avg)."""
-        return Staged(self.pool, bufs, [], [], views, scale)
+    def stage_message(self, buf, sent: bool) -> Staged:
+        """A send's (``sent``) or a receive's buffer on a pinned twin."""
+        return Staged(self.pool, {"out": buf}, ["out"] if sent else [], [] if sent else ["out"])
+
+    def in_place(self, call) -> Staged:
+        """``call`` run by a CUDA-aware MPI on the device memory itself (``staged.call``):
+        no copies; the stream waits for the flag, then scales "out" (avg: the host cannot
+        touch device memory)."""
+        views = {name: device_view(b) for name, b in call.bufs.items()}
+        staged = Staged(self.pool, call.bufs, [], [], views, call.scale)
+        staged.call = call.on(views["out"], views.get("in"))
+        staged.call.scale = None
+        return staged
 
     def stream_for(self, array, async_op: bool) -> int:
         """Where a call on device ``array`` (a cuda.DeviceArray) runs: the caller's stream;
@@ -264,33 +285,15 @@ class Staging:
         if error is not None and self.failure is None:
             self.failure = error
 
-    def ipc(self, comm, device: int, desc: list, itemsize: int, seconds: float):
-        """The communicator's IPC collectives on ``device`` (None where some rank cannot
-        map the others' memory), set up at its first call: after the ranks agree on that
-        call, so that a rank that made another one cannot leave the others waiting."""
-        if device not in self._ipc:
-            from .ipc import IpcCollectives
-            ipc = IpcCollectives(self.runtime, comm, device)
-
-            def set_up():
-                comm._executor.set_timeout(seconds)
-                comm._executor.transport.agree(desc, [], [], itemsize)
-                ipc.set_up(comm._executor.group)
-            comm._engine.run("ipc set-up", set_up, async_op=False)
-            self._ipc[device] = ipc
-        ipc = self._ipc[device]
-        return ipc if ipc.usable else None
-
-    def ipc_problem(self, device: int) -> str | None:
-        """Why the IPC collectives on ``device`` are unavailable (after their set-up)."""
-        ipc = self._ipc.get(device)
-        return ipc.problem if ipc is not None else None
-
     def close(self) -> None:
-        for ipc in self._ipc.values():
-            ipc.close()
-        self._ipc.clear()
         self.pool.close()
+
+
+def device_view(buf) -> Buffer:
+    """``buf``'s device memory as MPI takes it (by address)."""
+    from mpi4py import MPI
+    return Buffer(buf.obj, buf.ptr, buf.numel, buf.dtype,
+                  MPI.buffer.fromaddress(buf.ptr, buf.nbytes))
 
 
 def wait_event(event, seconds: float | None, what: str) -> None:

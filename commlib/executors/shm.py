@@ -1,13 +1,13 @@
 """The shared-memory executor: schedules and direct collectives over csrc/shm.cpp.
 
 Set-up is collective over the (single-host) communicator: each rank creates its segment,
-the names travel over MPI (or a store: commlib/store.py), every rank maps every segment,
+the names travel over MPI (or a store: commlib/transports/store.py), every rank maps every segment,
 and once all have (a barrier) each unlinks its own, so nothing is left in /dev/shm
 whatever happens next.
 
 A schedule is flattened once into the int64 plan csrc/shm_plan.cpp reads (cached like the
 mpi4py executor's plans), headed by what the ranks must agree on about the call (its
-descriptor, commlib/calls.py), so that ranks that disagree fail with
+descriptor, commlib/call.py), so that ranks that disagree fail with
 CollectiveMismatchError instead of exchanging wrong data.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 from .. import _C
-from ..calls import NONE, pack_name
+from ..call import NONE, pack_name
 from ..errors import CommError
 from ..schedule import RecvReduce, Schedule
 
@@ -132,7 +132,7 @@ class ShmExecutor:
                             "set COMMLIB_TRANSPORT=mpi to run without it")
         self.transport = transport
         self.timeout = transport.timeout
-        self.group = group  # for later set-ups among the same ranks (cuda/ipc.py)
+        self.group = group  # for later set-ups among the same ranks (commlib/transports/cuda_ipc.py)
 
     plan = staticmethod(plan_for)
 

@@ -1,4 +1,4 @@
-// CUDA IPC for commlib/cuda/ipc.py: device memory that peer processes map once per
+// CUDA IPC for commlib/transports/cuda_ipc.py: device memory that peer processes map once per
 // communicator, and whether one device can reach another's memory. Handles travel as bytes.
 #include <pybind11/pybind11.h>
 

@@ -14,7 +14,7 @@ from harness import Checker, assert_equal, raises, torch
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 check = Checker()
-fast = comm._fast
+fast = comm._calls.fast  # (white-box: which path a call took)
 
 
 def _twice(call) -> None:
@@ -110,7 +110,7 @@ def ranks_may_take_different_paths():
     assert fast.taken == before
     comm.all_reduce(t)  # ... which leaves the transport on its own; the next call resets it
     comm.all_reduce(t)
-    assert comm._executor.transport.timeout == comm.timeout
+    assert comm._transport.shm.timeout == comm.timeout
     assert fast.taken >= before + 1
     assert_equal(t, want * n ** 2)
 
@@ -157,7 +157,7 @@ def flight_record_numbers_both_paths_in_order():
         c.all_reduce(t, timeout=30)  # general
         c.broadcast(t, 0)  # general, then fast
         c.broadcast(t, 0)
-        taken = c._fast.taken
+        taken = c._calls.fast.taken
         rows = c.flight_record()
         assert [r["seq"] for r in rows] == list(range(3, 8)), rows  # the last 5 of 7
         assert [r["collective"] for r in rows] == ["all_reduce", "all_gather", "all_reduce",
@@ -173,7 +173,7 @@ def flight_record_numbers_both_paths_in_order():
     finally:
         c.free()
     assert c.flight_record() == rows  # kept by a freed communicator
-    assert c._recorder.fast is None  # which lets go of its transport
+    assert c._calls.recorder.fast is None  # which lets go of its transport
 
 
 def a_freed_communicator_lets_go_of_its_fast_path():
@@ -181,7 +181,7 @@ def a_freed_communicator_lets_go_of_its_fast_path():
     t = np.ones(4, np.float32)
     for _ in range(2):
         c.all_reduce(t)
-    path = weakref.ref(c._fast)
+    path = weakref.ref(c._calls.fast)
     c.free()
     del c
     gc.collect()
@@ -198,10 +198,10 @@ def timeout_on_the_fast_path_ends_the_communicator():
         c.all_reduce(t)
     try:
         if rank == 0:  # its peers never join
-            taken = c._fast.taken
+            taken = c._calls.fast.taken
             raises(CommTimeoutError, "collective #3 on rank 0 (all_reduce)",
                    lambda: c.all_reduce(t))
-            assert c._fast.taken == taken
+            assert c._calls.fast.taken == taken
             last, before = c.flight_record()[-2:][::-1]
             assert (last["seq"], last["state"], last["op"]) == (3, "failed", "sum"), last
             assert "CommTimeoutError" in last["error"] and before["state"] == "done"

@@ -1,7 +1,7 @@
 """Every algorithm x collective x dtype x op x count (x in-place), checked exactly.
 
 Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large]
-(COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST select the path; see commlib/hosts.py)
+(COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST select the path; see commlib/transports/)
 """
 import os
 import sys

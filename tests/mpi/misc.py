@@ -98,11 +98,12 @@ def selection():
         assert choose("all_reduce", "ring", n, 8).name == "ring"  # the argument wins
         # a communicator reads the overrides when it is created (as NCCL reads its env at init)
         tree = comm.dup()
-        assert tree._plan("all_reduce", None, 11, 8, ())[0].name == "tree"
-        assert comm._plan("all_reduce", None, 11, 8, ())[0].name != "tree" or n == 1
         t = np.ones(11)
         tree.all_reduce(t)
+        assert tree.flight_record()[-1]["algorithm"] == "tree"
         assert_equal(t, np.full(11, float(n)))
+        comm.all_reduce(np.ones(11))
+        assert comm.flight_record()[-1]["algorithm"] != "tree" or n == 1
         os.environ["COMMLIB_ALGO_ALL_REDUCE"] = "bogus"
         bogus = comm.dup()
         try:

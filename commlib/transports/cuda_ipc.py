@@ -1,6 +1,10 @@
-"""all_reduce, reduce_scatter, all_gather, all_to_all, broadcast and reduce among
-the GPU ranks of one host through CUDA IPC: kernels and copies read the peers' device memory
-directly. Ranks may share a GPU (NCCL refuses that; it is how one-GPU machines test this).
+"""cuda_ipc: all_reduce, reduce_scatter, all_gather, all_to_all, broadcast and reduce among
+the GPU ranks of one host through CUDA IPC: kernels and copies read the peers' device
+memory directly. Ranks may share a GPU (NCCL refuses that; it is how one-GPU machines test
+this). One transport per device, beside the communicator's shm transport (the *host*),
+whose agreement and barriers are its meetings; its algorithms are registered in
+commlib/algorithms/ipc.py. Issuing a call enqueues its work on the stream and returns what
+the host does later (the meetings), which the communicator queues on its engine.
 
 Vocabulary:
   workspace  device memory of each rank, two *slots* of ``slot_bytes``, which every peer
@@ -40,12 +44,13 @@ turns on it, so a kernel spinning on a peer's flag would wait out its time slice
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
-from ..calls import NONE, descriptor
-from . import MAX_POINTERS, OPS
-from .registered import Registrations
-from .staging import wait_event
+from ..algorithms import Where
+from ..call import NONE
+from ..cuda import MAX_POINTERS
+from ..cuda.registered import Registrations
+from ..cuda.staging import wait_event
+from .base import Transport
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
 MAX_RANKS = MAX_POINTERS  # a rank's reduce kernel reads (and writes) every rank's memory
@@ -54,35 +59,49 @@ ONE_SHOT_BYTES = 256 << 10  # at 3+ ranks, chunks up to this reduce in one shot
 ALIGN = 256
 
 
-def usable(comm, *bufs) -> bool:
-    """Whether a call on ``bufs`` may take the IPC path (the same answer on every rank that
-    makes the same call): GPU memory on one device, ranks of one host sharing memory, 2 to
-    16 of them."""
-    return (all(b.device is not None for b in bufs)
-            and len({b.device.device for b in bufs}) == 1
-            and comm.transport == "shm" and 2 <= comm.size <= MAX_RANKS
-            and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
-
-
-class IpcCollectives:
+class CudaIpc(Transport):
     """A communicator's workspaces on one device, mapped by every rank, its counters, and
     the collectives over them. Made collectively (``set_up``) on the communicator's engine
     thread."""
 
-    def __init__(self, runtime, comm, device: int):
-        self.rt, self.device, self.rank, self.size = runtime, device, comm.rank, comm.size
+    name = "cuda_ipc"
+    offers = frozenset({"cuda_ipc"})
+
+    def __init__(self, host, device: int, runtime):
+        super().__init__(host.world)
+        self.host, self.rt, self.device = host, runtime, device
         self.slot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", SLOT_BYTES))
         self.slot_bytes = max(ALIGN, self.slot_bytes // ALIGN * ALIGN)
         self.workspace = self.counters = None
         self.peers: list[int] = []
         self.one_shot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
                                                  ONE_SHOT_BYTES))
+        self.where = Where(self.name, slot_bytes=self.slot_bytes,
+                           one_shot_bytes=self.one_shot_bytes)
         self.step = 0  # steps issued so far
         self.side = None  # our stream: the work of calls on the host
         self.tail = None  # (event after the last call's work, its stream)
-        self.registered = Registrations(runtime, device, comm.rank)
+        self.registered = Registrations(runtime, device, self.rank)
         self.usable = False
         self.problem = None  # why not, when set-up failed on some rank
+
+    @staticmethod
+    def suits(host) -> bool:
+        """Whether a shm transport's calls on GPU arrays may come here (the same answer on
+        every rank): 2 to 16 ranks, and COMMLIB_CUDA_IPC not 0."""
+        return (host.name == "shm" and 2 <= host.size <= MAX_RANKS
+                and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
+
+    # its meetings are the host's
+    def agree(self, desc, splits=None, itemsize=1) -> None:
+        self.host.agree(desc, splits, itemsize)
+
+    def barrier(self) -> None:
+        self.host.barrier()
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0  # peers read our memory: nothing is sent
 
     def set_up(self, group) -> None:
         """Allocate, exchange handles, map the peers' workspaces: all ranks or none."""
@@ -144,28 +163,27 @@ class IpcCollectives:
     # The collectives: each cuts its call into steps and says what a step does in each
     # phase (before the first meeting of the ranks, after it, after the second); or, with
     # its input registered at every rank, enqueues its zero-copy work on the host.
-    def all_reduce(self, call: "Call", buf, op_code: int, average: bool, root=None):
-        """``buf`` reduced in place. With ``root``, a reduce: only the root reduces (in one
-        shot); the others lend their data."""
+    def issue(self, call, algorithm: str, stream: int, seconds: float):
+        """Enqueue ``call`` by ``algorithm`` (an entry of commlib/algorithms/ipc.py) on
+        ``stream``. Returns (``meet(descriptor)``: what the host does later, on the
+        communicator's engine; ``release()``: what lets the streams go on if that fails;
+        the event after the call's last work on the stream)."""
+        if algorithm == "zerocopy":
+            buf = call.inp if call.inp is not None else call.out
+            return getattr(self, "_zero_copy_" + call.collective)(
+                call, self.registered.of(buf), stream, seconds)
+        if call.collective == "all_reduce":
+            return self._all_reduce(call, algorithm == "oneshot", stream, seconds)
+        return getattr(self, "_" + call.collective)(call, stream, seconds)
+
+    def _all_reduce(self, call, one_shot: bool, stream, seconds, root=None):
+        """``call.out`` reduced in place. With ``root``, a reduce: only the root reduces (in
+        one shot); the others lend their data."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        buf, op_code = call.out, call.op_code
         itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
         keeps = root is None or rank == root  # this rank ends with the reduction
-        after = self._scaled(call, buf, average and keeps)
-        root = NONE if root is None else root
-        placed = self.registered.of(buf)
-        if placed is not None:
-            def zero_copy(ptrs, group):
-                if root == NONE:  # part r of every buffer is rank r's alone
-                    a, b = _parts(count, size, itemsize)[rank]
-                    if b > a:
-                        part = [p + a * itemsize for p in ptrs]
-                        rt.reduce_n(part, part, b - a, code, op_code, device, self.side)
-                elif keeps:
-                    rt.reduce_n([buf.ptr], ptrs, count, code, op_code, device, self.side)
-            return self._zero_copy(call, count, op_code, root, placed, zero_copy, after)
         per_step = self.slot_bytes // itemsize
-        one_shot = (root != NONE or size == 2
-                    or min(count, per_step) * itemsize <= self.one_shot_bytes)
 
         def step(i, mine, slots):
             lo = i * per_step
@@ -187,22 +205,18 @@ class IpcCollectives:
             return [fill, lambda st: rt.reduce_n([mine + a * itemsize, out + a * itemsize],
                                                  [p + a * itemsize for p in slots], b - a,
                                                  code, op_code, device, st), gather]
-        algorithm = "ipc" if root != NONE else "oneshot" if one_shot else "twoshot"
-        return self.run(call, algorithm, count, op_code, root, _steps(count, per_step), step,
-                        after)
+        return self.run(call, stream, seconds, _steps(count, per_step), step,
+                        self._scaled(call))
 
-    def reduce_scatter(self, call: "Call", out, inp, op_code: int, average: bool):
+    def _reduce(self, call, stream, seconds):
+        return self._all_reduce(call, True, stream, seconds, call.root)
+
+    def _reduce_scatter(self, call, stream, seconds):
         """Step i: rank r copies piece i of each of its blocks into its slot, then reduces
         piece i of block r from every slot."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        out, inp, op_code = call.out, call.inp, call.op_code
         itemsize, code, m = call.dtype.itemsize, call.dtype.code, out.numel
-        after = self._scaled(call, out, average)
-        placed = self.registered.of(inp)
-        if placed is not None:
-            def zero_copy(ptrs, group):
-                rt.reduce_n([out.ptr], [p + rank * m * itemsize for p in ptrs], m, code,
-                            op_code, device, self.side)
-            return self._zero_copy(call, m, op_code, NONE, placed, zero_copy, after)
         per_step = max(1, self.slot_bytes // itemsize // size)
 
         def step(i, mine, slots):
@@ -216,20 +230,14 @@ class IpcCollectives:
             return [fill, lambda st: rt.reduce_n([out.ptr + lo * itemsize],
                                                  [p + rank * k * itemsize for p in slots], k,
                                                  code, op_code, device, st)]
-        return self.run(call, "ipc", m, op_code, NONE, _steps(m, per_step), step, after)
+        return self.run(call, stream, seconds, _steps(m, per_step), step, self._scaled(call))
 
-    def all_gather(self, call: "Call", out, inp):
+    def _all_gather(self, call, stream, seconds):
         """Step i: every rank copies piece i of its input into its slot, then every slot's
         piece into its block of the output."""
-        rt, device, itemsize, m = self.rt, self.device, call.dtype.itemsize, inp.numel
-        placed = self.registered.of(inp)
-        if placed is not None:
-            def zero_copy(ptrs, group):
-                for r, p in enumerate(ptrs):
-                    block = out.ptr + r * m * itemsize
-                    if block != p:  # in place, my input is my output's block already
-                        rt.copy_async(block, p, m * itemsize, device, self.side)
-            return self._zero_copy(call, m, NONE, NONE, placed, zero_copy)
+        rt, device, itemsize = self.rt, self.device, call.dtype.itemsize
+        out, inp = call.out, call.inp
+        m = inp.numel
         per_step = self.slot_bytes // itemsize
 
         def step(i, mine, slots):
@@ -242,17 +250,12 @@ class IpcCollectives:
                                   device, st)
             return [lambda st: rt.copy_async(mine, inp.ptr + lo * itemsize, k * itemsize,
                                              device, st), gather]
-        return self.run(call, "ipc", m, NONE, NONE, _steps(m, per_step), step)
+        return self.run(call, stream, seconds, _steps(m, per_step), step)
 
-    def broadcast(self, call: "Call", buf, root: int):
-        rt, device, itemsize, count = self.rt, self.device, call.dtype.itemsize, buf.numel
-        at_root = self.rank == root
-        placed = self.registered.of(buf)
-        if placed is not None:
-            def zero_copy(ptrs, group):
-                if not at_root:
-                    rt.copy_async(buf.ptr, ptrs[root], buf.nbytes, device, self.side)
-            return self._zero_copy(call, count, NONE, root, placed, zero_copy)
+    def _broadcast(self, call, stream, seconds):
+        rt, device, itemsize = self.rt, self.device, call.dtype.itemsize
+        buf, root = call.out, call.root
+        count, at_root = buf.numel, self.rank == root
         per_step = self.slot_bytes // itemsize
 
         def step(i, mine, slots):
@@ -264,29 +267,18 @@ class IpcCollectives:
                         lambda st: None]
             return [lambda st: None,
                     lambda st: rt.copy_async(chunk, slots[root], n * itemsize, device, st)]
-        return self.run(call, "ipc", count, NONE, root, _steps(count, per_step), step)
+        return self.run(call, stream, seconds, _steps(count, per_step), step)
 
-    def all_to_all(self, call: "Call", out, inp, out_splits: tuple, in_splits: tuple):
-        """Rank r's part j of ``inp`` (in_splits[j] elements) into rank j's output, at its
+    def _all_to_all(self, call, stream, seconds):
+        """Rank r's part j of the input (in_splits[j] elements) into rank j's output, at its
         part r. Through the slots, on the host: step i has every rank copy piece i of its
         part for rank j into region j of its slot, and after a meeting, piece i of region
         r of every rank's slot into its output; the two slots take turns, so that one
         meeting per step suffices. Our own part goes straight from input to output."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        itemsize, side = call.dtype.itemsize, self.side
+        itemsize, side, out, inp = call.dtype.itemsize, self.side, call.out, call.inp
+        in_splits, out_splits = call.splits
         send, recv = _starts(in_splits), _starts(out_splits)
-        splits = ([k * itemsize for k in in_splits], [k * itemsize for k in out_splits])
-        placed = self.registered.of(inp)
-        if placed is not None:
-            def zero_copy(ptrs, group):
-                inputs = group.allgather(in_splits)  # where my part lies in each input
-                for j, p in enumerate(ptrs):
-                    if out_splits[j]:
-                        rt.copy_async(out.ptr + recv[j] * itemsize,
-                                      p + sum(inputs[j][:rank]) * itemsize,
-                                      out_splits[j] * itemsize, device, side)
-            return self._zero_copy(call, inp.numel, NONE, NONE, placed, zero_copy,
-                                   splits=splits)
         per = max(1, self.slot_bytes // size // itemsize)  # elements per region and step
 
         def fill(i):
@@ -307,60 +299,114 @@ class IpcCollectives:
                     rt.copy_async(out.ptr + (recv[j] + lo) * itemsize, source, k * itemsize,
                                   device, side)
 
-        def work(transport, group):
+        def work(group):
             nsteps = _steps(max(group.allgather(max(in_splits))), per)
             fill(0)
             for i in range(nsteps):
-                self._drain(call)  # my fill of step i and gather of step i - 1 are done,
-                transport.barrier()  # and every rank's: slot i % 2 is full, the other free
+                self._drain(call, seconds)  # my fill of step i and gather of step i - 1 are
+                self.host.barrier()  # done, and every rank's: slot i % 2 full, the other free
                 gather(i)
                 if i + 1 < nsteps:
                     fill(i + 1)
-        return self._on_host(call, "ipc", inp.numel, NONE, NONE, work, splits=splits)
+        return self._on_host(call, stream, seconds, work)
 
-    def _scaled(self, call: "Call", buf, average: bool):
-        """The phase after a call that averages: ``buf`` divided by the number of ranks."""
-        if not average:
+    # zero-copy: ``ptrs`` says where every rank's input lies, mapped here
+    def _zero_copy_all_reduce(self, call, placed, stream, seconds):
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
+        itemsize, count = call.dtype.itemsize, call.out.numel
+
+        def enqueue(ptrs, group):  # part r of every buffer is rank r's alone
+            a, b = _parts(count, size, itemsize)[rank]
+            if b > a:
+                part = [p + a * itemsize for p in ptrs]
+                rt.reduce_n(part, part, b - a, call.dtype.code, call.op_code, device, self.side)
+        return self._zero_copy(call, placed, stream, seconds, enqueue, self._scaled(call))
+
+    def _zero_copy_reduce(self, call, placed, stream, seconds):
+        def enqueue(ptrs, group):
+            if self.rank == call.root:
+                self.rt.reduce_n([call.out.ptr], ptrs, call.out.numel, call.dtype.code,
+                                 call.op_code, self.device, self.side)
+        return self._zero_copy(call, placed, stream, seconds, enqueue, self._scaled(call))
+
+    def _zero_copy_reduce_scatter(self, call, placed, stream, seconds):
+        m, itemsize = call.out.numel, call.dtype.itemsize
+
+        def enqueue(ptrs, group):
+            self.rt.reduce_n([call.out.ptr], [p + self.rank * m * itemsize for p in ptrs], m,
+                             call.dtype.code, call.op_code, self.device, self.side)
+        return self._zero_copy(call, placed, stream, seconds, enqueue, self._scaled(call))
+
+    def _zero_copy_all_gather(self, call, placed, stream, seconds):
+        m, itemsize = call.inp.numel, call.dtype.itemsize
+
+        def enqueue(ptrs, group):
+            for r, p in enumerate(ptrs):
+                block = call.out.ptr + r * m * itemsize
+                if block != p:  # in place, my input is my output's block already
+                    self.rt.copy_async(block, p, m * itemsize, self.device, self.side)
+        return self._zero_copy(call, placed, stream, seconds, enqueue)
+
+    def _zero_copy_broadcast(self, call, placed, stream, seconds):
+        def enqueue(ptrs, group):
+            if self.rank != call.root:
+                self.rt.copy_async(call.out.ptr, ptrs[call.root], call.out.nbytes, self.device,
+                                   self.side)
+        return self._zero_copy(call, placed, stream, seconds, enqueue)
+
+    def _zero_copy_all_to_all(self, call, placed, stream, seconds):
+        itemsize, (in_splits, out_splits) = call.dtype.itemsize, call.splits
+        recv = _starts(out_splits)
+
+        def enqueue(ptrs, group):
+            inputs = group.allgather(in_splits)  # where my part lies in each input
+            for j, p in enumerate(ptrs):
+                if out_splits[j]:
+                    self.rt.copy_async(call.out.ptr + recv[j] * itemsize,
+                                       p + sum(inputs[j][:self.rank]) * itemsize,
+                                       out_splits[j] * itemsize, self.device, self.side)
+        return self._zero_copy(call, placed, stream, seconds, enqueue)
+
+    def _scaled(self, call):
+        """The phase after a call that averages on this rank: its output scaled."""
+        if not call.scale:
             return None
-        return lambda st: self.rt.scale(buf.ptr, 1.0 / self.size, buf.numel, call.dtype.code,
+        out = call.out
+        return lambda st: self.rt.scale(out.ptr, call.scale, out.numel, call.dtype.code,
                                         self.device, st)
 
-    def _zero_copy(self, call: "Call", count: int, op_code, root, placed, enqueue, after=None,
-                   splits=([], [])):
+    def _zero_copy(self, call, placed, stream, seconds, enqueue, after=None):
         """A call on registered memory, on the host: ``enqueue(ptrs, group)`` enqueues its
         work on our stream, once ``ptrs`` says where every rank's input lies (``placed``:
         where mine does, in which registration)."""
-        def work(transport, group):
+        def work(group):
             enqueue(self.registered.placed(group, *placed), group)
-        return self._on_host(call, "zerocopy", count, op_code, root, work, after, splits)
+        return self._on_host(call, stream, seconds, work, after)
 
-    def _on_host(self, call: "Call", algorithm: str, count: int, op_code, root, work,
-                 after=None, splits=([], [])):
-        """A call of one step whose ``work(transport, group)`` the host does between its
-        meetings, enqueueing on our stream; the caller's stream waits for the second
-        meeting, which follows our stream's end of that work on every rank."""
-        def between(transport, group):
-            work(transport, group)
-            self._drain(call)
+    def _on_host(self, call, stream, seconds, work, after=None):
+        """A call of one step whose ``work(group)`` the host does between its meetings,
+        enqueueing on our stream; the caller's stream waits for the second meeting, which
+        follows our stream's end of that work on every rank."""
+        def between(group):
+            work(group)
+            self._drain(call, seconds)
         nothing = lambda st: None  # noqa: E731
-        return self.run(call, algorithm, count, op_code, root, 1,
-                        lambda i, mine, slots: [nothing, nothing], after, between, splits)
+        return self.run(call, stream, seconds, 1, lambda i, mine, slots: [nothing, nothing],
+                        after, between)
 
-    def _drain(self, call: "Call") -> None:
+    def _drain(self, call, seconds) -> None:
         """Wait until our stream has done what it holds."""
         drained = self.rt.Event(self.device)
         drained.record(self.side)
-        wait_event(drained, call.seconds, f"{call.collective} (ipc)")
+        wait_event(drained, seconds, f"{call.collective} (ipc)")
 
-    def run(self, call: "Call", algorithm: str, count: int, op_code, root, nsteps: int, step,
-            after=None, between=None, splits=([], [])):
+    def run(self, call, stream: int, seconds: float, nsteps: int, step, after=None,
+            between=None):
         """Enqueue ``nsteps`` steps (``step(i, my slot, every rank's slot)`` gives step i's
-        phases, each a function of the stream) and then ``after``; queue the meetings on
-        the communicator's engine. ``between(transport, group)``, if given, is host work
-        of a one-step call between its two meetings; ``splits`` (all_to_all's, in bytes)
-        are agreed on with the call. Returns the call's result, or a StagedWork if async."""
-        rt, device, comm, staging = self.rt, self.device, call.comm, call.staging
-        stream = staging.stream_for(call.array, call.async_op)
+        phases, each a function of the stream) and then ``after`` on ``stream``; returns
+        what ``issue`` does. ``between(group)``, if given, is host work of a one-step call
+        between its two meetings."""
+        rt, device, host = self.rt, self.device, self.host
         if self.tail is not None and self.tail[1] != stream:
             # the calls share the slots and counters, so they run in call order on the GPU
             # too: a call on another stream would otherwise refill a slot still being read
@@ -387,57 +433,30 @@ class IpcCollectives:
         done = rt.Event(device)
         done.record(stream)
         self.tail = (done, stream)
-        staging.keep_until(done, call.keep)
+        what = f"{call.collective} (ipc)"
 
-        op = OPS[op_code] if op_code != NONE else None
-        record = comm._recorder.issue(call.collective, algorithm, count, call.dtype.name, op,
-                                      None if root == NONE else root)
-        desc = descriptor(call.collective, algorithm, count, call.dtype.code, op_code, root)
-        executor, seconds, what = comm._executor, call.seconds, f"{call.collective} (ipc)"
-
-        def body():
-            if executor.timeout != seconds:
-                executor.set_timeout(seconds)
-            transport = executor.transport
+        def meet(desc):
+            if host.timeout != seconds:
+                host.set_timeout(seconds)
             for i, events in enumerate(meetings):
                 s = first + i
                 for k, event in enumerate(events):
                     wait_event(event, seconds, what)
                     if i == 0 and k == 0:
-                        transport.agree(desc, *splits, call.dtype.itemsize)
+                        host.agree(desc, call.split_bytes(), call.dtype.itemsize)
                     else:
-                        transport.barrier()
+                        host.barrier()
                     if k == 0:  # every rank is past step s - 1: its slot may be refilled
                         rt.store_counter(self.free, s)
                         if between is not None:  # host work, then the ranks meet again
-                            between(transport, executor.group)
-                            transport.barrier()
+                            between(host.world.group)
+                            host.barrier()
                     rt.store_counter(self.go[k], s + 1)
 
-        def task():
-            try:
-                comm._run_recorded(record, what, body)
-            except BaseException as e:
-                staging.remember(e)
-                for counter in (self.free, *self.go):  # no stream may wait forever
-                    rt.store_counter(counter, first + nsteps)
-                raise
-
-        return staging.submit(comm._engine, what, task, done, call.array, call.async_op,
-                              call.result)
-
-
-class Call(NamedTuple):
-    """What run() needs of a public call besides its steps."""
-    comm: object
-    staging: object
-    collective: str
-    array: object  # the cuda.DeviceArray that names the device and the caller's stream
-    dtype: object  # buffers.DType
-    async_op: bool
-    result: object
-    seconds: float
-    keep: list  # the user's arrays, alive until the stream is done with them
+        def release():  # after a failure: no stream may wait forever
+            for counter in (self.free, *self.go):
+                rt.store_counter(counter, first + nsteps)
+        return meet, release, done
 
 
 def _steps(count: int, per_step: int) -> int:

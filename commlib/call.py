@@ -1,0 +1,195 @@
+"""A collective call, validated once: what every layer below the public collectives reads.
+
+``make`` checks a call's arguments (ValueError/TypeError before anything is sent) and
+describes it: buffers, primary count, dtype, op, root, splits, device, and the scale an
+average applies on this rank. The rules that relate the buffers (sizes, dtypes, overlaps,
+root, avg on integers) are csrc/call.h's, which the fast path checks too; Python adds what
+only it can see (the objects' types, op names, splits).
+
+A call's *descriptor* is what the ranks must agree on (csrc/agreement.h): eight int64
+fields, collective, algorithm (name packed into 8 bytes), count, dtype, op, root, variant,
+reserved; _C.NONE where a field does not apply.
+"""
+from __future__ import annotations
+
+import operator
+import os
+
+from . import _C
+from .buffers import Buffer, as_buffer
+from .dtypes import DType
+from .ops import ReduceOp
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
+CODES = {c: _C.COLLECTIVES[c] for c in COLLECTIVES}
+NAMES = {code: name for name, code in _C.COLLECTIVES.items()}
+REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
+ROOTED = frozenset({"broadcast", "reduce"})
+NONE = _C.NONE
+
+
+class Call:
+    """One rank's validated collective call. ``out`` is the output (or the only buffer),
+    ``inp`` the input or None; ``count`` the primary count that plans key on (the tensor,
+    reduce_scatter's output block, all_gather's and all_to_all's input); ``splits`` all_to_all's
+    (input_splits, output_splits) in elements; ``device`` the cuda.DeviceArray the buffers
+    live on, None for host memory; ``scale`` what an average multiplies this rank's result
+    by (None: nothing)."""
+
+    __slots__ = ("collective", "out", "inp", "count", "dtype", "op", "root", "splits",
+                 "device", "scale")
+
+    def __init__(self, collective: str, out: Buffer, inp: Buffer | None, count: int,
+                 dtype: DType, op: ReduceOp | None, root: int | None, splits: tuple | None,
+                 scale: float | None):
+        self.collective, self.out, self.inp, self.count = collective, out, inp, count
+        self.dtype, self.op, self.root, self.splits, self.scale = dtype, op, root, splits, scale
+        self.device = out.device
+
+    @property
+    def bufs(self) -> dict:
+        """The buffers by the names schedules use: "out", and "in" where there is one."""
+        return {"out": self.out} if self.inp is None else {"out": self.out, "in": self.inp}
+
+    @property
+    def nbytes(self) -> int:
+        """The primary count's bytes: what algorithms are chosen by."""
+        return self.count * self.dtype.itemsize
+
+    @property
+    def op_code(self) -> int:
+        """The op as C++ takes it: SUM for collectives that do not reduce."""
+        return _C.OPS[self.op.value] if self.op is not None else _C.OPS["sum"]
+
+    @property
+    def params(self) -> tuple:
+        """What besides collective, count and itemsize fixes a plan: root, splits."""
+        if self.splits is not None:
+            return (("input_splits", self.splits[0]), ("output_splits", self.splits[1]))
+        return (("root", self.root),) if self.root is not None else ()
+
+    def descriptor(self, algorithm: str) -> list:
+        return descriptor(self.collective, algorithm, self.count, self.dtype.code,
+                          self.op_code if self.op is not None else NONE,
+                          NONE if self.root is None else self.root)
+
+    def split_bytes(self) -> tuple[list, list] | None:
+        """all_to_all's bytes to and from each peer, which the ranks check as a matrix."""
+        if self.splits is None:
+            return None
+        return tuple([s * self.dtype.itemsize for s in side] for side in self.splits)
+
+    def on(self, out: Buffer, inp: Buffer | None = None) -> "Call":
+        """The same call on other buffers (host twins of device memory, a stage's part)."""
+        return Call(self.collective, out, inp, self.count, self.dtype, self.op, self.root,
+                    self.splits, self.scale)
+
+
+def make(collective: str, size: int, rank: int, out, inp=None, op=None, root=None,
+         input_splits=None, output_splits=None) -> Call:
+    """The validated call; raises ValueError/TypeError naming what is wrong. Collectives of
+    one tensor take it as ``out`` (named "t" in messages)."""
+    single = collective in ("all_reduce", "broadcast", "reduce")
+    out_b = as_buffer(out, "t" if single else "output")
+    in_b = None if single else as_buffer(inp, "input", writable=False)
+    _same_device(out_b, in_b)
+    reduce_op = ReduceOp.parse(op) if collective in REDUCING else None
+    if collective in ROOTED:
+        check_rank(root, "root")
+    else:
+        root = None
+    other = in_b or Buffer(None, 0, 0, out_b.dtype)
+    count, scale = _C.check_call(
+        CODES[collective], size, rank, out_b.ptr, out_b.numel, out_b.dtype.code, other.ptr,
+        other.numel, other.dtype.code, _C.OPS[reduce_op.value] if reduce_op else NONE,
+        NONE if root is None else root)
+    splits = None
+    if collective == "all_to_all":
+        splits = (_splits(size, input_splits, in_b.numel, "input_splits"),
+                  _splits(size, output_splits, out_b.numel, "output_splits"))
+    return Call(collective, out_b, in_b, count, out_b.dtype, reduce_op, root, splits,
+                scale or None)
+
+
+def check_rank(value, what: str, size: int | None = None) -> int:
+    """An int rank, inside a communicator of ``size`` where given (a root's range is
+    csrc/call.h's to check)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if size is not None and not 0 <= value < size:
+        raise ValueError(f"{what}={value} is outside the communicator (size {size})")
+    return value
+
+
+def _same_device(out: Buffer, inp: Buffer | None) -> None:
+    where = {name: "host" if b.device is None else f"cuda:{b.device.device}"
+             for name, b in (("out", out), ("in", inp)) if b is not None}
+    if len(set(where.values())) > 1:
+        raise ValueError(f"buffers on different devices ({where}); put them all on one GPU")
+
+
+def _splits(size: int, splits, total: int, name: str) -> tuple:
+    if splits is None:
+        if total % size:
+            raise ValueError(f"all_to_all: {name.removesuffix('_splits')} has {total} elements, "
+                             f"not divisible by size {size}; pass {name} to split it unevenly")
+        return (total // size,) * size
+    if hasattr(splits, "tolist"):  # numpy arrays, tensors
+        splits = splits.tolist()
+    try:
+        splits = tuple(operator.index(s) for s in splits)
+    except TypeError:
+        raise TypeError(f"all_to_all: {name} must be integers, got {splits!r}") from None
+    if len(splits) != size:
+        raise ValueError(f"all_to_all: {name} has {len(splits)} entries, expected one per rank "
+                         f"({size})")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all: {name} must be non-negative ints, got {list(splits)}")
+    if sum(splits) != total:
+        raise ValueError(f"all_to_all: {name} sum to {sum(splits)} but the tensor has "
+                         f"{total} elements")
+    return splits
+
+
+def pack_name(name: str) -> int:
+    """An algorithm's name as csrc/agreement.h packs it: up to 8 ASCII bytes, little-endian."""
+    return int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little", signed=True)
+
+
+def descriptor(collective: str, algorithm: str, count: int, dtype_code: int, op_code: int,
+               root) -> list:
+    return [_C.COLLECTIVES[collective], pack_name(algorithm),
+            NONE if collective == "all_to_all" else count, dtype_code,
+            op_code if collective in REDUCING else NONE,
+            root if collective in ROOTED else NONE, 0, 0]
+
+
+def invalid_descriptor(collective: str) -> list:
+    """What a rank whose arguments failed validation publishes instead (agreement.h)."""
+    return [_C.COLLECTIVES[collective], NONE, NONE, NONE, NONE, NONE, _C.INVALID, 0]
+
+
+def env_number(name: str, default: float, kind=float) -> float:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}; expected a number") from None
+    if number < 0:
+        raise ValueError(f"{name}={value!r}; expected a number >= 0")
+    return number
+
+
+def default_timeout() -> float:
+    """COMMLIB_TIMEOUT: seconds a collective may wait for its peers (0: no limit)."""
+    return env_number("COMMLIB_TIMEOUT", 600.0)
+
+
+def check_timeout(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0 (0: none), got {timeout!r}")
+    return float(timeout)

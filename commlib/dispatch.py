@@ -1,0 +1,273 @@
+"""One route for every collective call of a communicator: validate (commlib/call.py),
+choose the algorithm, record the call, agree on it with the peers, run it on the
+transport, in issue order on the communicator's progress engine.
+
+A rank whose arguments fail validation still joins the call's agreement, with an invalid
+descriptor (``tell_peers``): its peers then raise CollectiveMismatchError at once instead
+of waiting for it until the timeout, whichever rank's arguments were bad.
+
+Calls on GPU arrays take the GPU's own algorithms where one applies (select.choose_on_device):
+CUDA IPC (commlib/transports/cuda_ipc.py), whose work is enqueued on the caller's stream
+and whose meetings the engine runs, or MPI's own collective on the device memory itself
+(a CUDA-aware MPI). Otherwise they are staged through pinned host memory
+(commlib/cuda/staging.py) for the host algorithm chosen as for host memory.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from . import transports
+from .call import check_timeout, default_timeout, invalid_descriptor, make
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError
+from .fast_path import FastPath
+from .recorder import FlightRecorder
+from .select import choose_on_device
+from .work import ProgressEngine
+
+
+def _decline(*args) -> bool:
+    return False  # no fast path: every call takes the general one
+
+
+class Dispatcher:
+    """A communicator's calls over ``transport``: its progress engine, flight recorder,
+    fast path, failure, and the GPU's transports and staging."""
+
+    def __init__(self, transport, owner: str):
+        self.transport = transport
+        self.recorder = FlightRecorder(owner)
+        self.failure: str | None = None  # why the communicator can no longer be used
+        self._timeout = default_timeout()
+        self.fast = FastPath.create(transport, self, self._timeout)
+        self.recorder.fast = self.fast
+        self.call_fast = self.fast.call if self.fast is not None else _decline
+        name = f"r{transport.rank}of{transport.size}"
+        # the fast path must not overtake the engine's work
+        self.engine = ProgressEngine(name, self.fast.native.hold if self.fast else None)
+        self._staging = None  # for calls on GPU memory, made at the first one
+        self._gpus: dict = {}  # device -> transports.cuda_ipc.CudaIpc, set up at first use
+        self.closed = False
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds) -> None:
+        self._timeout = check_timeout(seconds)
+        if self.fast is not None:
+            self.fast.native.timeout = self._timeout
+
+    @property
+    def staging(self):
+        """How calls on GPU memory pass through the host (commlib/cuda/staging.py)."""
+        if self._staging is None:
+            from .cuda.staging import Staging
+            self._staging = Staging()
+        return self._staging
+
+    # ------------------------------------------------------------------ the route
+    def dispatch(self, collective: str, algorithm, async_op: bool, timeout, result, **args):
+        """Run ``collective`` on ``args`` (call.make's); returns ``result``, or a Work if
+        ``async_op``."""
+        self.check_open()
+        t = self.transport
+        try:
+            call = make(collective, t.size, t.rank, **args)
+            seconds = self._timeout if timeout is None else check_timeout(timeout)
+            if call.device is not None:
+                return self._on_device(call, algorithm, async_op, seconds, result)
+            algo, plan, new = t.choose(call, algorithm)
+        except (ValueError, TypeError) as e:
+            self.tell_peers(collective, e)
+            raise
+        if new and self.fast is not None:
+            self.fast.learn(call, algorithm, algo, plan)
+        return self.engine.run(collective, self._task(call, algo, plan, seconds), async_op,
+                               result)
+
+    def _task(self, call, algo, plan, seconds):
+        """The call as a task for the engine: recorded (from now), bounded by ``seconds``,
+        agreed on, run."""
+        t = self.transport
+        record = self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,
+                                     call.op.value if call.op else None, call.root)
+
+        def body():
+            if t.timeout != seconds:
+                t.set_timeout(seconds)
+            t.agree_call(call, algo)
+            t.run(algo, plan, call)
+        return lambda: self.run_recorded(record, f"{call.collective} ({algo.name})", body)
+
+    def _on_device(self, call, algorithm, async_op, seconds, result):
+        staging, t = self.staging, self.transport
+        staging.raise_failure()  # raised now: a call returns before it runs
+        if self.failure is not None:
+            raise self.unusable()
+        offers = t.offers | t.device_offers()
+        gpu = None
+        if "cuda_ipc" in offers and self._asks_ipc(call, algorithm):
+            device = call.device.device
+            gpu = self.gpu(device, call.descriptor("ipcsetup"), call.dtype.itemsize, seconds)
+            if gpu is None and algorithm is not None:
+                raise CommError(f"{call.collective}: algorithm={algorithm!r} is unavailable "
+                                f"here: {self.gpu_problem(device)}")
+        where = gpu.where if gpu is not None else t.where
+        algo = choose_on_device(call, algorithm, t.size, where,
+                                offers if gpu is not None else offers - {"cuda_ipc"}, gpu)
+        if algo is not None and algo.needs == "cuda_ipc":
+            return self._through(gpu, call, algo, async_op, seconds, result)
+        if algo is not None:  # MPI's own, on the device memory itself: staged in place
+            staged = staging.in_place(call)
+            host_call, plan = staged.call, None
+        else:
+            staged = staging.stage(call, t.rank)
+            host_call = staged.call
+            algo, plan, _ = t.choose(host_call, algorithm)
+        return staging.issue(self.engine, call.collective,
+                             self._task(host_call, algo, plan, seconds), staged, async_op,
+                             result, seconds)
+
+    @staticmethod
+    def _asks_ipc(call, algorithm) -> bool:
+        """Whether the call may go through CUDA IPC: auto, or a name of its algorithms."""
+        from .algorithms import entries
+        return algorithm is None or any(
+            algorithm in (a.name, a.family) and a.needs == "cuda_ipc"
+            for a in entries(call.collective, "device").values())
+
+    def _through(self, gpu, call, algo, async_op, seconds, result):
+        """A call through CUDA IPC: its work enqueued on the stream now, its meetings on
+        the engine."""
+        staging = self.staging
+        stream = staging.stream_for(call.device, async_op)
+        meet, release, done = gpu.issue(call, algo.name, stream, seconds)
+        staging.keep_until(done, [b.obj for b in call.bufs.values()])
+        record = self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,
+                                     call.op.value if call.op else None, call.root)
+        desc = call.descriptor(algo.name)
+        what = f"{call.collective} (ipc)"
+
+        def task():
+            try:
+                self.run_recorded(record, what, lambda: meet(desc))
+            except BaseException as e:
+                staging.remember(e)  # before the stream goes on, so the next call sees it
+                release()
+                raise
+        return staging.submit(self.engine, what, task, done, call.device, async_op, result)
+
+    def gpu(self, device: int, desc: list, itemsize: int, seconds: float):
+        """The CUDA IPC transport on ``device`` (None where some rank cannot map the others'
+        memory), set up at its first call (``desc``): after the ranks agree on that call,
+        so that a rank that made another one cannot leave the others waiting."""
+        if device not in self._gpus:
+            gpu = transports.load("cuda_ipc")(self.transport, device, self.staging.runtime)
+            t = self.transport
+
+            def set_up():
+                t.set_timeout(seconds)
+                t.agree(desc, None, itemsize)
+                gpu.set_up(t.world.group)
+            self.engine.run("ipc set-up", set_up, async_op=False)
+            self._gpus[device] = gpu
+        gpu = self._gpus[device]
+        return gpu if gpu.usable else None
+
+    def gpu_problem(self, device: int) -> str | None:
+        """Why the CUDA IPC transport on ``device`` is unavailable (after its set-up)."""
+        gpu = self._gpus.get(device)
+        return gpu.problem if gpu is not None else None
+
+    # ------------------------------------------------------------------ around a call
+    def barrier(self, async_op: bool, timeout):
+        """Return once every rank has called barrier (a Work if ``async_op``)."""
+        self.check_open()
+        t = self.transport
+        try:
+            seconds = self._timeout if timeout is None else check_timeout(timeout)
+        except (ValueError, TypeError) as e:
+            self.tell_peers("barrier", e)
+            raise
+        record = self.recorder.issue("barrier", None, 0, None)
+
+        def body():
+            t.set_timeout(seconds)
+            t.barrier()
+        return self.engine.run("barrier", lambda: self.run_recorded(record, "barrier", body),
+                               async_op)
+
+    def run_recorded(self, record, what: str, body) -> None:
+        """Run ``body()`` as the recorded call ``record`` (refused once the communicator
+        failed); MPI's own errors become CommError naming ``what``."""
+        if self.failure is not None:
+            raise self.finish(record, self.unusable())
+        FlightRecorder.start(record)
+        try:
+            body()
+        except MPI.Exception as e:
+            raise self.finish(record, CommError(f"{what} failed inside MPI: {e}")) from e
+        except CommError as e:
+            raise self.finish(record, e)
+        FlightRecorder.finish(record)
+
+    def unusable(self) -> CommError:
+        return CommError(f"this communicator is unusable after an earlier failure "
+                         f"({self.failure}); create a new communicator")
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise CommError("this communicator has been freed; use a live one")
+
+    def finish(self, record, error: BaseException | None = None):
+        """Record how the call ended; returns ``error``. A timeout or disagreement ends the
+        communicator (peers may be anywhere in it) and prints the flight record."""
+        if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
+            error.args = (f"collective #{record[0]} on rank {self.transport.rank} "
+                          f"({record[1]}): {error}",)
+            if isinstance(error, CommTimeoutError) and self.failure is None:
+                self.failure = str(error)  # (shared memory also poisons it for the peers)
+                if self.fast is not None:
+                    self.fast.native.hold(1)  # for good
+        FlightRecorder.finish(record, error)
+        if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
+            self.recorder.dump()
+        return error
+
+    def tell_peers(self, collective: str, error: Exception) -> None:
+        """``error`` (ValueError/TypeError: this rank's arguments are invalid) is about to be
+        raised; first tell the peers, where calls are checked at all. Ranks whose arguments
+        are all invalid agree and raise their own errors; valid peers raise
+        CollectiveMismatchError naming the invalid ranks."""
+        t = self.transport
+        if t.size == 1 or not t.checks_calls:
+            return
+        record = self.recorder.issue(collective, "invalid", None, None)
+
+        def body():
+            t.set_timeout(self._timeout)
+            t.agree(invalid_descriptor(collective))
+
+        try:
+            self.engine.run(collective, lambda: self.run_recorded(record, collective, body),
+                            async_op=False)
+        except CollectiveMismatchError:
+            error.add_note("commlib: its peers made a valid call; they raise "
+                           "CollectiveMismatchError")
+        except CommError as e:
+            error.add_note(f"commlib: telling its peers that the call is invalid failed: {e}")
+
+    def close(self) -> None:
+        """Finish outstanding work, then release the transport (collective)."""
+        self.engine.close()
+        if self._staging is not None:
+            for gpu in self._gpus.values():
+                gpu.close()
+            self._staging.close()
+        self.recorder.detach()
+        self.fast = None
+        self.call_fast = _decline
+        self.transport.close()
+        self.closed = True
+

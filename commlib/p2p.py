@@ -1,0 +1,96 @@
+"""Point-to-point messages: send and recv of a whole tensor between two ranks, through the
+communicator's world (MPI, or a store); GPU arrays go to a CUDA-aware MPI as they are,
+else through a pinned host copy once their stream gets there."""
+from __future__ import annotations
+
+from .buffers import as_buffer
+from .call import check_rank, check_timeout
+from .work import Deadline
+
+
+def _check_peer(size: int, rank: int, peer, what: str) -> None:
+    check_rank(peer, what, size)
+    if peer == rank:
+        raise ValueError(f"{what}={peer} is this rank itself; a message to self would block "
+                         "forever; copy locally instead")
+
+
+def _check_tag(tag) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= 32767:
+        raise ValueError(f"tag must be an int in [0, 32767], got {tag!r}")
+
+
+def send(calls, t, dst, tag, async_op, timeout):
+    """Send ``t`` to rank ``dst`` (``calls``: the communicator's dispatch.Dispatcher)."""
+    calls.check_open()
+    world = calls.transport.world
+    deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
+    buf = as_buffer(t, "t", writable=False)
+    _check_peer(world.size, world.rank, dst, "dst")
+    _check_tag(tag)
+    if buf.device is not None and world.takes_device_memory:
+        buf = _on_device(buf, deadline, f"send to rank {dst}")
+    elif buf.device is not None:  # sent from a host copy, made once its stream gets there
+        return _send_staged(calls, world, t, buf, dst, tag, async_op, deadline)
+    return world.send(buf, dst, tag, deadline, async_op, t)
+
+
+def recv(calls, t, src, tag, async_op, timeout):
+    """Receive into ``t`` from rank ``src``; the message must fill ``t`` exactly."""
+    calls.check_open()
+    world = calls.transport.world
+    deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
+    buf = as_buffer(t, "t")
+    _check_peer(world.size, world.rank, src, "src")
+    _check_tag(tag)
+    if buf.device is not None and world.takes_device_memory:  # Work.wait() blocks
+        buf = _on_device(buf, deadline, f"recv from rank {src}")
+    elif buf.device is not None:  # received into a host copy; the stream copies it in after
+        return _recv_staged(calls, world, t, buf, src, tag, async_op, deadline)
+    return world.recv(buf, src, tag, deadline, async_op, t)
+
+
+def _on_device(buf, deadline, what: str):
+    """For a CUDA-aware MPI: ``buf``'s device memory as MPI takes it, once the stream has
+    done the work before the call (its producer, or the last reader of what a recv
+    overwrites)."""
+    from . import cuda
+    from .cuda.staging import device_view, wait_event
+    reached = cuda.streams().Event(buf.device.device)
+    reached.record(buf.device.stream)
+    wait_event(reached, deadline.seconds, what)
+    return device_view(buf)
+
+
+def _send_staged(calls, world, t, buf, dst, tag, async_op, deadline):
+    staging = calls.staging
+    staged = staging.stage_message(buf, sent=True)
+    try:
+        staging.copy_to_host_now(staged, deadline.seconds, f"send to rank {dst}")
+        work = world.send(staged.host["out"], dst, tag, deadline, True, t)
+    except BaseException as e:
+        staging.sent(staged, e)
+        raise
+    work.add_done_callback(lambda w: staging.sent(staged, w.exception()))
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _recv_staged(calls, world, t, buf, src, tag, async_op, deadline):
+    from .cuda.staging import StagedWork
+    staging = calls.staging
+    staged = staging.stage_message(buf, sent=False)
+    done = staging.copy_out(staged, staging.stream_for(staged.array, async_op))
+    try:
+        work = world.recv(staged.host["out"], src, tag, deadline, True, t)
+    except BaseException as e:
+        staging.host_part_over(staged, e)
+        raise
+    # a blocking receive raises its own error; nobody would raise an async one's
+    work.add_done_callback(lambda w: staging.host_part_over(staged, w.exception(), async_op))
+    if async_op:
+        return StagedWork(f"recv from rank {src}", work, done, staged.array, t, staging)
+    work.wait()
+    return t

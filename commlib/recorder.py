@@ -1,0 +1,97 @@
+"""The flight recorder: the last COMMLIB_FLIGHT_RECORDER (default 64) calls of a
+communicator, with sequence number, arguments, state and timings; ``comm.flight_record()``
+returns them and a timeout or mismatch prints them to stderr."""
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+
+from .call import env_number
+
+_now = time.monotonic
+
+
+class FlightRecorder:
+    """The last ``size`` calls: [seq, collective, algorithm, count, dtype, op, root, state,
+    issued, started, finished, error] per call, kept as plain lists (cheap to record)."""
+
+    FIELDS = ("seq", "collective", "algorithm", "count", "dtype", "op", "root", "state",
+              "issued", "started", "finished", "error")
+
+    def __init__(self, owner: str, size: int | None = None):
+        self.owner = owner
+        self.calls: deque = deque(maxlen=int(env_number("COMMLIB_FLIGHT_RECORDER", 64, int))
+                                  if size is None else size)
+        self.seq = 0
+        self.fast = None  # the communicator's FastPath: it numbers every call, keeps its rows
+
+    def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> list:
+        self.seq = self.fast.native.next_seq() if self.fast is not None else self.seq + 1
+        record = [self.seq, collective, algorithm, count, dtype, op, root, "issued",
+                  _now(), None, None, None]
+        self.calls.append(record)
+        return record
+
+    @staticmethod
+    def start(record) -> None:
+        record[7], record[9] = "running", _now()
+
+    @staticmethod
+    def finish(record, error: BaseException | None = None) -> None:
+        record[10] = _now()
+        if record[9] is None:  # failed before it started
+            record[9] = record[8]
+        if error is None:
+            record[7] = "done"
+        else:
+            record[7], record[11] = "failed", f"{type(error).__name__}: {error}"
+
+    def detach(self) -> None:
+        """Keep the fast path's rows but not the fast path (it holds the transport's
+        memory): for a communicator being freed."""
+        if self.fast is not None:
+            rows = self.rows()
+            self.seq = self.fast.native.next_seq() - 1
+            self.fast = None
+            self.calls.clear()
+            self.calls.extend(rows)
+
+    def rows(self) -> list[list]:
+        """Both paths' calls, oldest first, at most as many as the recorder keeps."""
+        rows = list(self.calls)
+        if self.fast is not None and self.calls.maxlen:
+            rows = sorted(rows + self.fast.records(), key=lambda r: r[0])[-self.calls.maxlen:]
+        return rows
+
+    def records(self) -> list[dict]:
+        out = []
+        for r in self.rows():
+            d = dict(zip(self.FIELDS, r))
+            d["dtype"] = str(d["dtype"]) if d["dtype"] is not None else None
+            out.append(d)
+        return out
+
+    def dump(self, file=None) -> str:
+        """The recorded calls as a table, oldest first; written to ``file`` (stderr)."""
+        if not self.calls.maxlen:
+            return ""
+        now = time.monotonic()
+        records = self.records()
+        lines = [f"commlib flight recorder: {self.owner}, last {len(records)} calls "
+                 f"(times in ms before now)"]
+        lines.append(f"{'seq':>6} {'state':8} {'collective':15} {'algorithm':9} {'count':>10} "
+                     f"{'dtype':9} {'op':5} {'root':>4} {'issued':>9} {'started':>9} "
+                     f"{'took':>9}  error")
+        ms = lambda t: f"{(now - t) * 1e3:9.1f}" if t is not None else f"{'-':>9}"  # noqa: E731
+        for d in records:
+            took = (f"{(d['finished'] - d['started']) * 1e3:9.3f}"
+                    if d["finished"] is not None and d["started"] is not None else f"{'-':>9}")
+            shown = {k: "-" if v is None else v for k, v in d.items()}
+            lines.append(f"{d['seq']:>6} {d['state']:8} {d['collective']:15} "
+                         f"{shown['algorithm']:9} {shown['count']:>10} {shown['dtype']:9} "
+                         f"{shown['op']:5} {shown['root']:>4} {ms(d['issued'])} "
+                         f"{ms(d['started'])} {took}  {d['error'] or ''}")
+        text = "\n".join(lines) + "\n"
+        print(text, file=file or sys.stderr, end="", flush=True)
+        return text

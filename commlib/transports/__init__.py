@@ -1,0 +1,50 @@
+"""Transports: what a communicator's calls run over, one module each (the interface is
+base.Transport's).
+
+    mpi       every rank through MPI (mpi4py): schedules on the Python executor, and MPI's
+              own collectives
+    shm       the ranks of one host: schedules and direct collectives on shared memory
+              (csrc/shm*.cpp), MPI's own collectives beside them
+    hosts     ranks on several hosts: mpi, plus hier, which runs a shm transport inside
+              each host and an mpi one between them
+    store     shm set up through a key-value store, for launchers that form no MPI world
+              (torchrun); send/recv through the store
+    cuda_ipc  the GPU ranks of one host, on device memory the peers map: beside a shm
+              transport, for calls on GPU arrays
+
+A new transport is a module here with a Transport subclass, and its name below. ``auto``
+takes the first of PREFERENCE whose ``suits(topology)`` holds for an MPI communicator;
+COMMLIB_TRANSPORT names one instead.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+# name -> (module, class): imported on first use, so that importing commlib loads no CUDA
+TRANSPORTS = {"mpi": ("mpi", "MpiTransport"), "shm": ("shm", "ShmTransport"),
+              "hosts": ("hosts", "HostsTransport"), "store": ("store", "StoreTransport"),
+              "cuda_ipc": ("cuda_ipc", "CudaIpc")}
+PREFERENCE = ("shm", "hosts", "mpi")
+
+
+def load(name: str):
+    """The transport class registered as ``name``."""
+    module, cls = TRANSPORTS[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def pick(world):
+    """The transport of a new communicator over an MpiWorld (transports/mpi.py):
+    COMMLIB_TRANSPORT's, else the first of PREFERENCE that suits its hosts. Collective."""
+    requested = os.environ.get("COMMLIB_TRANSPORT", "auto")
+    if requested not in ("auto", *PREFERENCE):
+        raise ValueError(f"COMMLIB_TRANSPORT={requested!r}; valid: auto, "
+                         f"{', '.join(sorted(PREFERENCE))}")
+    topology = world.topology()
+    for name in PREFERENCE if requested == "auto" else (requested,):
+        cls = load(name)
+        if cls.suits(topology):
+            return cls(world)
+    raise ValueError(f"COMMLIB_TRANSPORT={requested}, but this communicator spans "
+                     f"{topology.hosts} hosts; use auto or mpi")

@@ -1,0 +1,166 @@
+"""store: the shm transport among processes that meet through a key-value store instead of
+MPI, for launchers such as torchrun, whose processes are each alone in their MPI world but
+share a store (torch.distributed's TCPStore). The shared-memory segments' names are
+exchanged through the store; every collective then runs on shared memory as under
+mpiexec. Point-to-point messages travel through the store itself: correct (MPI's order per
+source and tag is kept) but slow, since every byte crosses the store's server; launch with
+mpiexec where send/recv speed matters.
+
+Values put in the store are JSON (set-up facts) or raw bytes (messages): nothing received
+from a peer is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import numpy as np
+
+from ..errors import CommError
+from ..work import finished, in_thread
+from .base import affinity
+from .shm import ShmTransport
+
+
+def wait_get(store, key: str, what: str) -> bytes:
+    """``store.get(key)`` once the key exists, within the store's timeout. Polled, because
+    a blocking get would hold the store's one connection and stall every other thread's
+    use of it (a send cannot go out while a receive waits)."""
+    timeout = getattr(store, "timeout", timedelta(minutes=5)).total_seconds()
+    deadline, nap = time.monotonic() + timeout, 50e-6
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise CommError(f"{what}: nothing arrived within the store's timeout "
+                            f"({timeout:.0f} s; key {key!r})")
+        time.sleep(nap)
+        nap = min(2 * nap, 5e-3)
+    return store.get(key)
+
+
+class StoreGroup:
+    """``rank`` of ``size`` processes sharing ``store`` under the key ``prefix``; every
+    member must make the same sequence of calls."""
+
+    def __init__(self, store, rank: int, size: int, prefix: str):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of size {size}")
+        self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
+        self.rounds = 0  # allgathers so far: names each one's keys
+
+    def allgather(self, value) -> list:
+        """Every member's JSON-able ``value``, in rank order."""
+        self.rounds += 1
+        key = f"{self.prefix}/gather{self.rounds}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(value))
+        return [json.loads(wait_get(self.store, f"{key}/{r}", f"set-up waiting for rank {r} "
+                                    "(did every process of the group start?)"))
+                for r in range(self.size)]
+
+
+class StoreMailbox:
+    """send/recv of bytes through the store. A message is one key, numbered per (source,
+    destination, tag) in the order the sends and receives are issued, so messages with one
+    tag arrive in order and different tags do not block each other; the receiver deletes
+    it. Sends complete at once (the store holds the bytes)."""
+
+    def __init__(self, store, rank: int, prefix: str):
+        self.store, self.rank, self.prefix = store, rank, prefix
+        self._sent: Counter = Counter()
+        self._posted: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def _key(self, src: int, dst: int, tag: int, counter: Counter) -> str:
+        with self._lock:  # sends and receives may be issued from several threads
+            seq = counter[(src, dst, tag)]
+            counter[(src, dst, tag)] = seq + 1
+        return f"{self.prefix}/{src}->{dst}/{tag}/{seq}"
+
+    def send(self, data: bytes, dst: int, tag: int) -> None:
+        self.store.set(self._key(self.rank, dst, tag, self._sent), data)
+
+    def post_recv(self, src: int, tag: int):
+        """Claim the next message from ``src`` with ``tag`` now (so receives match in the
+        order issued); the returned function blocks until it is there and returns it."""
+        key = self._key(src, self.rank, tag, self._posted)
+
+        def receive() -> bytes:
+            data = wait_get(self.store, key, f"recv from rank {src} (tag {tag})")
+            self.store.delete_key(key)
+            return data
+        return receive
+
+
+class StoreWorld:
+    """A communicator's ranks as members of a store group (an MpiWorld's counterpart)."""
+
+    offers = frozenset()  # no MPI library: no native
+    takes_device_memory = False
+    mpi = coll = None
+
+    def __init__(self, store, rank: int, size: int, prefix: str):
+        self.group = StoreGroup(store, rank, size, prefix)
+        self.rank, self.size = rank, size
+        self._mailbox = StoreMailbox(store, rank, f"{prefix}/p2p")
+        self.bytes_sent = 0  # by sends
+
+    def crowded(self) -> bool:
+        """Whether the group's processes outnumber the cores they may run on (the group is
+        all that is known of the machine)."""
+        return self.size > len(set().union(*self.group.allgather(affinity())))
+
+    def split(self, color, key) -> "StoreWorld | None":
+        group = self.group
+        choices = group.allgather([color, key])
+        if color is None:
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
+        return StoreWorld(group.store, members.index((key, self.rank)), len(members),
+                          f"{group.prefix}/split{group.rounds}/{color}")
+
+    def dup(self) -> "StoreWorld":
+        return self.split(0, self.rank)
+
+    def make_transport(self):
+        return StoreTransport(self)
+
+    def send(self, buf, dst: int, tag: int, deadline, async_op: bool, keep):
+        self.bytes_sent += buf.nbytes
+        self._mailbox.send(buf.bytes.tobytes(), dst, tag)
+        return finished(f"send to rank {dst}") if async_op else None
+
+    def recv(self, buf, src: int, tag: int, deadline, async_op: bool, keep):
+        receive = self._mailbox.post_recv(src, tag)  # claimed now: receives match in order
+
+        def task():
+            data = receive()
+            if len(data) != buf.nbytes:
+                raise CommError(f"recv from rank {src}: got {len(data)} bytes, tensor holds "
+                                f"{buf.nbytes}")
+            buf.bytes[:] = np.frombuffer(data, np.uint8)
+            return keep
+        return in_thread(f"recv from rank {src}", task) if async_op else task()
+
+    def close(self) -> None:
+        pass
+
+
+class StoreTransport(ShmTransport):
+    """The shm transport over a StoreWorld: all ranks on one host, checked at set-up."""
+
+    @staticmethod
+    def suits(topology) -> bool:
+        return False  # made from a store (Communicator.from_store), never picked for MPI
+
+    @classmethod
+    def create(cls, store, rank: int, size: int, prefix: str) -> "StoreTransport":
+        world = StoreWorld(store, rank, size, prefix)
+        hosts = world.group.allgather(socket.gethostname())
+        if len(set(hosts)) > 1:
+            raise CommError(f"a communicator made from a store needs all its ranks on one "
+                            f"host (shared memory); these are on {sorted(set(hosts))}. "
+                            "Launch with mpiexec to run across hosts")
+        return cls(world)
