@@ -36,7 +36,8 @@ class Buffer:
     def part(self, offset: int, count: int) -> "Buffer":
         """Elements [offset, offset + count) of this buffer."""
         size = self.dtype.itemsize
-        view = None if self.device is not None else self.bytes[offset * size:(offset + count) * size]
+        view = (None if self.device is not None
+                else self.bytes[offset * size:(offset + count) * size])
         return Buffer(self.obj, self.ptr + offset * size, count, self.dtype, view, self.device)
 
     def overlaps(self, other: "Buffer") -> bool:

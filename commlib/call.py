@@ -1,14 +1,11 @@
 """A collective call, validated once: what every layer below the public collectives reads.
 
-``make`` checks a call's arguments (ValueError/TypeError before anything is sent) and
-describes it: buffers, primary count, dtype, op, root, splits, device, and the scale an
-average applies on this rank. The rules that relate the buffers (sizes, dtypes, overlaps,
-root, avg on integers) are csrc/call.h's, which the fast path checks too; Python adds what
-only it can see (the objects' types, op names, splits).
-
-A call's *descriptor* is what the ranks must agree on (csrc/agreement.h): eight int64
-fields, collective, algorithm (name packed into 8 bytes), count, dtype, op, root, variant,
-reserved; _C.NONE where a field does not apply.
+``make`` checks a call's arguments (ValueError/TypeError before anything is sent). The
+rules that relate its buffers (sizes, dtypes, overlaps, root, avg on integers) are
+csrc/call.h's, which the fast path checks too; Python adds what only it sees (the
+objects' types, op names, splits). A call's *descriptor* is what the ranks must agree on
+(csrc/agreement.h): collective, algorithm (its name packed into 8 bytes), count, dtype,
+op, root, variant, reserved; _C.NONE where a field does not apply.
 """
 from __future__ import annotations
 
@@ -26,6 +23,7 @@ NAMES = {code: name for name, code in _C.COLLECTIVES.items()}
 REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 ROOTED = frozenset({"broadcast", "reduce"})
 NONE = _C.NONE
+_OP_CODES = {op: _C.OPS[op.value] for op in ReduceOp}
 
 
 class Call:
@@ -36,8 +34,8 @@ class Call:
     live on, None for host memory; ``scale`` what an average multiplies this rank's result
     by (None: nothing)."""
 
-    __slots__ = ("collective", "out", "inp", "count", "dtype", "op", "root", "splits",
-                 "device", "scale")
+    __slots__ = ("collective", "out", "inp", "count", "dtype", "op", "op_code", "root",
+                 "splits", "device", "scale")
 
     def __init__(self, collective: str, out: Buffer, inp: Buffer | None, count: int,
                  dtype: DType, op: ReduceOp | None, root: int | None, splits: tuple | None,
@@ -45,6 +43,8 @@ class Call:
         self.collective, self.out, self.inp, self.count = collective, out, inp, count
         self.dtype, self.op, self.root, self.splits, self.scale = dtype, op, root, splits, scale
         self.device = out.device
+        # the op as C++ takes it: SUM for collectives that do not reduce
+        self.op_code = _OP_CODES[op] if op is not None else _OP_CODES[ReduceOp.SUM]
 
     @property
     def bufs(self) -> dict:
@@ -55,11 +55,6 @@ class Call:
     def nbytes(self) -> int:
         """The primary count's bytes: what algorithms are chosen by."""
         return self.count * self.dtype.itemsize
-
-    @property
-    def op_code(self) -> int:
-        """The op as C++ takes it: SUM for collectives that do not reduce."""
-        return _C.OPS[self.op.value] if self.op is not None else _C.OPS["sum"]
 
     @property
     def params(self) -> tuple:
@@ -92,17 +87,17 @@ def make(collective: str, size: int, rank: int, out, inp=None, op=None, root=Non
     single = collective in ("all_reduce", "broadcast", "reduce")
     out_b = as_buffer(out, "t" if single else "output")
     in_b = None if single else as_buffer(inp, "input", writable=False)
-    _same_device(out_b, in_b)
+    if in_b is not None and (out_b.device is not None or in_b.device is not None):
+        _same_device(out_b, in_b)
     reduce_op = ReduceOp.parse(op) if collective in REDUCING else None
     if collective in ROOTED:
         check_rank(root, "root")
     else:
         root = None
-    other = in_b or Buffer(None, 0, 0, out_b.dtype)
     count, scale = _C.check_call(
-        CODES[collective], size, rank, out_b.ptr, out_b.numel, out_b.dtype.code, other.ptr,
-        other.numel, other.dtype.code, _C.OPS[reduce_op.value] if reduce_op else NONE,
-        NONE if root is None else root)
+        CODES[collective], size, rank, out_b.ptr, out_b.numel, out_b.dtype.code,
+        *((in_b.ptr, in_b.numel, in_b.dtype.code) if in_b is not None else (0, 0, -1)),
+        _OP_CODES[reduce_op] if reduce_op else NONE, NONE if root is None else root)
     splits = None
     if collective == "all_to_all":
         splits = (_splits(size, input_splits, in_b.numel, "input_splits"),

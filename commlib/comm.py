@@ -10,7 +10,7 @@ from mpi4py import MPI  # noqa: E402
 from . import abort, p2p, transports  # noqa: E402
 from .call import CODES  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
-from .transports.mpi import MpiWorld  # noqa: E402
+from .transports.mpi_world import MpiWorld  # noqa: E402
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL, BROADCAST, REDUCE = (
     CODES[c] for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",

@@ -1,16 +1,12 @@
 """One route for every collective call of a communicator: validate (commlib/call.py),
 choose the algorithm, record the call, agree on it with the peers, run it on the
-transport, in issue order on the communicator's progress engine.
+transport, in issue order on the communicator's progress engine. A rank whose arguments
+fail validation still joins the call's agreement (``tell_peers``), so that its peers raise
+CollectiveMismatchError at once instead of waiting for it until the timeout.
 
-A rank whose arguments fail validation still joins the call's agreement, with an invalid
-descriptor (``tell_peers``): its peers then raise CollectiveMismatchError at once instead
-of waiting for it until the timeout, whichever rank's arguments were bad.
-
-Calls on GPU arrays take the GPU's own algorithms where one applies (select.choose_on_device):
-CUDA IPC (commlib/transports/cuda_ipc.py), whose work is enqueued on the caller's stream
-and whose meetings the engine runs, or MPI's own collective on the device memory itself
-(a CUDA-aware MPI). Otherwise they are staged through pinned host memory
-(commlib/cuda/staging.py) for the host algorithm chosen as for host memory.
+Calls on GPU arrays take the GPU's own algorithms where one applies: CUDA IPC (work on the
+caller's stream, meetings on the engine) or a CUDA-aware MPI on the device memory itself;
+else they are staged through pinned host memory (commlib/cuda/staging.py).
 """
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""The fast path: a whole collective on numpy arrays in one C++ call (csrc/fast_path.cpp).
-
-The general path (commlib/dispatch.py) validates, plans and records a call in Python,
-which costs a few microseconds: more than a small collective on shared memory takes. The
-fast path runs only what the general path already decided: each time the general path
-plans a call on host memory, it teaches the fast path that call's plan or direct
-collective, under the algorithm asked for (or auto). A later call with the same
-(collective, algorithm asked for, count, itemsize, root) on numpy arrays runs in one C++
-call, checked there by the rules of csrc/call.h; anything it does not take goes to the
-general path, which raises the usual errors. Calls are recorded in the flight recorder
-either way (the fast path keeps its rows in C++; recorder.FlightRecorder merges them).
-
-The C++ call checks everything itself, including whether the general path owns the
-communicator (a *hold*: its progress engine has work, or the communicator failed), so that
-a small collective costs one Python frame and one C++ call.
-
+"""The fast path: a whole collective on numpy arrays in one C++ call (csrc/fast_path.cpp,
+whose header tells how), so that a small collective costs one Python frame and one C++
+call instead of the general path's few microseconds (commlib/dispatch.py). It runs only
+what the general path decided: each call the general path plans on host memory teaches it
+that call's plan or direct collective, under the algorithm asked for (or auto). Calls are
+recorded either way (it keeps its rows in C++; recorder.FlightRecorder merges them).
 Where the transport has one (shm); ``COMMLIB_FAST_PATH=0`` turns it off.
 """
 from __future__ import annotations

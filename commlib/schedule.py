@@ -117,7 +117,7 @@ class Builder:
 
 
 def chunks(count: int, parts: int) -> list[tuple[int, int]]:
-    """Split ``count`` elements into ``parts`` contiguous (offset, count), sizes differing by <= 1."""
+    """``count`` elements as ``parts`` contiguous (offset, count), sizes differing by <= 1."""
     base, extra = divmod(count, parts)
     out, off = [], 0
     for i in range(parts):
@@ -230,30 +230,3 @@ def simulate(schedules: Sequence[Schedule], buffers: Sequence[dict], op: str = "
             stuck = {r: sorted(str(s) for s in pending[r].values())
                      for r in range(n) if pending[r]}
             raise ScheduleError(f"deadlock: ranks wait forever on {stuck}")
-
-
-# ---------------------------------------------------------------------------------------
-# References: what each collective must produce, for checking schedules and executors.
-
-def reference(collective: str, inputs: Sequence[np.ndarray], op: str = "sum", root: int = 0,
-              splits: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
-    """Expected result on every rank, from every rank's input (float64, exact arithmetic)."""
-    n = len(inputs)
-    if collective in ("all_reduce", "reduce_scatter", "reduce"):
-        total = inputs[0].copy()
-        for x in inputs[1:]:
-            total = _NUMPY_OPS[op](total, x)
-        if collective == "all_reduce":
-            return [total.copy() for _ in range(n)]
-        if collective == "reduce":
-            return [total if r == root else inputs[r].copy() for r in range(n)]
-        return list(np.split(total, n))
-    if collective == "all_gather":
-        return [np.concatenate(inputs) for _ in range(n)]
-    if collective == "broadcast":
-        return [inputs[root].copy() for _ in range(n)]
-    if collective == "all_to_all":
-        offsets = [np.concatenate([[0], np.cumsum(s)]) for s in splits]
-        return [np.concatenate([inputs[src][offsets[src][dst]:offsets[src][dst + 1]]
-                                for src in range(n)]) for dst in range(n)]
-    raise ValueError(f"no reference for collective {collective!r}")

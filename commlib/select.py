@@ -1,9 +1,9 @@
 """Choice of algorithm: an explicit name, else COMMLIB_ALGO_<COLLECTIVE>, else the cheapest.
 
-Every registry entry (commlib/algorithms/) prices itself as terms linear in the constants
-of CostModel below: ``rounds*alpha + moved*beta + reduced*gamma`` and kin, per transport.
-Being linear, the model is fitted by least squares (``commlib-bench calibrate``), which
-writes a tuning file; without one, defaults fitted on a 2-core machine with 2 ranks apply.
+Every registry entry (commlib/algorithms/) prices itself as terms linear in CostModel's
+constants (``rounds*alpha + moved*beta + reduced*gamma`` and kin), so the model is fitted
+by least squares (``commlib-bench calibrate``, which writes a tuning file; without one,
+defaults fitted on a 2-core machine with 2 ranks apply).
 
 A call on GPU arrays takes the cheapest algorithm that works on the device memory itself
 (CUDA IPC, a CUDA-aware MPI) where one applies, and only otherwise a host algorithm, its

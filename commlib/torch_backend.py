@@ -10,11 +10,12 @@ Importing this module registers the backend. Under ``mpiexec``:
 Under mpiexec the default group is MPI.COMM_WORLD and ``new_group(ranks)`` becomes an MPI
 communicator over those ranks. A launcher that forms no MPI world (``torchrun
 --nproc-per-node N`` on one host) works too: each group's ranks then meet through torch's
-store and run on shared memory (Communicator.from_store; send/recv go through the store). Tensors are CPU or CUDA tensors of any dtype for data
-movement; reductions take commlib's dtypes plus bool and complex (see torch_ops.reduction).
-Every op with ``async_op=True`` returns at once and progresses on commlib's threads. Ops on
-CUDA tensors are stream-ordered like NCCL's (_stream_ordered): among the GPU ranks of one
-host they go through CUDA IPC (commlib/transports/cuda_ipc.py), else through pinned host memory
+store and run on shared memory (Communicator.from_store; send/recv go through the store).
+Tensors are CPU or CUDA tensors of any dtype for data movement; reductions take commlib's
+dtypes plus bool and complex (see torch_ops.reduction). Every op with ``async_op=True``
+returns at once and progresses on commlib's threads. Ops on CUDA tensors are
+stream-ordered like NCCL's (_stream_ordered): among the GPU ranks of one host they go
+through CUDA IPC (commlib/transports/cuda_ipc.py), else through pinned host memory
 (commlib/cuda/staging.py). commlib/torch_hooks.py has a DDP hook that registers DDP's
 gradient buckets, for zero-copy all-reduces.
 """

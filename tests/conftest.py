@@ -15,6 +15,6 @@ def nothing_left_behind():
     yield
     left = sorted(str(p) for p in Path("/dev/shm").glob("commlib-*"))
     assert not left, f"shared-memory segments left behind: {left}"
-    ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m bench|-m strategies"],
+    ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m commlib_bench|-m commlib_strategies"],
                            capture_output=True, text=True).stdout.strip()
     assert not ranks, f"processes left running: {ranks}"

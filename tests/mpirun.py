@@ -23,7 +23,8 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
         code, out = launch(n, script, timeout=timeout, env=env)
     summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
     name = getattr(launch, "__name__", "mpirun")
-    assert code == 0 and summary, f"{name} {n} {script} {' '.join(args)} exited {code}:\n{out[-6000:]}"
+    assert code == 0 and summary, (f"{name} {n} {script} {' '.join(args)} exited {code}:\n"
+                                   f"{out[-6000:]}")
     assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
     return out
 

@@ -5,24 +5,26 @@ import re
 import numpy as np
 import pytest
 
-from bench.calibrate import fit
-from bench.harness import parse_size, sizes
-from bench.overlap import overlap_percent
-from bench.specs import SPECS, count_wrong
+from commlib_bench.calibrate import fit
+from commlib_bench.harness import parse_size, sizes
+from commlib_bench.overlap import overlap_percent
+from commlib_bench.specs import SPECS, count_wrong
 from commlib.algorithms import COLLECTIVES, entries
 from commlib.select import CostModel
 from mpirun import mpirun
 
 
 def bench(n, *args, timeout=240):
-    code, out = mpirun(n, "-m", "bench", *args, timeout=timeout)
-    assert code == 0, f"python -m bench {' '.join(args)} on {n} ranks exited {code}:\n{out[-4000:]}"
+    code, out = mpirun(n, "-m", "commlib_bench", *args, timeout=timeout)
+    assert code == 0, (f"python -m commlib_bench {' '.join(args)} on {n} ranks exited {code}:\n"
+                       f"{out[-4000:]}")
     return out
 
 
 def rows(out):
     """Data rows of a '#'-headed table."""
-    return [line.split() for line in out.splitlines() if line.strip() and not line.startswith(("#", "["))]
+    return [line.split() for line in out.splitlines()
+            if line.strip() and not line.startswith(("#", "["))]
 
 
 def test_busbw_factors_follow_nccl_tests():

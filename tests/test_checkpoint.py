@@ -1,4 +1,4 @@
-"""strategies/checkpoint.py under mpiexec: resume bit-identical in every layout, resharding
+"""commlib_strategies/checkpoint.py under mpiexec: resume bit-identical in every layout, resharding
 to other layouts and world sizes, checksums and errors, a crash in the middle of a save,
 and the training CLI's --save-dir / --resume across two launches."""
 import json
@@ -54,7 +54,7 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, point):
 
 def _train(tmp_path, n, name, *args, layout=("--zero", "3")):
     log = tmp_path / f"{name}.json"
-    code, out = mpirun(n, "-m", "strategies.train", *layout, "--steps", "4", "--layers",
+    code, out = mpirun(n, "-m", "commlib_strategies.train", *layout, "--steps", "4", "--layers",
                        "2", "--d-model", "32", "--seq-len", "16", "--quiet", "--log", str(log),
                        *args, timeout=120, env=ENV)
     assert code == 0, out[-4000:]
@@ -71,7 +71,7 @@ def test_training_cli_resumes_bit_identical_in_a_new_launch(tmp_path):
     # --resume without PATH: the newest in --save-dir (here step 4 of 4), in any layout
     done, out = _train(tmp_path, 1, "done", "--save-dir", str(root), "--resume")
     assert done == [] and "nothing to do: the run is at step 4 of 4" in out, out[-2000:]
-    code, out = mpirun(1, "-m", "strategies.train", "--steps", "1", "--resume",
+    code, out = mpirun(1, "-m", "commlib_strategies.train", "--steps", "1", "--resume",
                        str(tmp_path / "missing"), env=ENV)
     assert code != 0 and "no checkpoint at" in out, out[-2000:]
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import commlib
+import simulated_gpu
 from commlib import cuda
 from mpirun import run_checked
 
@@ -39,7 +40,8 @@ def test_every_kernel_the_launchers_name_is_defined():
     for op in ("sum", "prod", "min", "max"):
         assert f"COMMLIB_REDUCE(name, T, {op}," in src
         assert f"COMMLIB_REDUCE_N(name, T, {op}," in src
-    assert set(re.findall(r"^COMMLIB_CASTS_FROM\((\w+),", src, re.M)) == {"f16", "bf16", "f32", "f64"}
+    assert (set(re.findall(r"^COMMLIB_CASTS_FROM\((\w+),", src, re.M))
+            == {"f16", "bf16", "f32", "f64"})
 
 
 def _calls(path: Path, cls: str) -> dict:
@@ -62,10 +64,11 @@ def test_the_other_runtimes_take_the_nvcc_builds_calls_alike():
     here = Path(cuda.__file__).parent
     cupy = _calls(here / "runtime.py", "CupyRuntime")
     assert {name: cupy.get(name) for name in built} == built
-    simulated = {name: args for name, args in _calls(here / "simulator.py", "SimulatedDevice").items()
+    simulator = Path(simulated_gpu.__file__)
+    simulated = {name: args for name, args in _calls(simulator, "SimulatedDevice").items()
                  if name in built}
     assert {name: built[name] for name in simulated} == simulated and len(simulated) > 15
-    assert _calls(here / "runtime.py", "Event") == _calls(here / "simulator.py", "_Event") == \
+    assert _calls(here / "runtime.py", "Event") == _calls(simulator, "_Event") == \
         {"record": ["stream"], "query": [], "wait": ["stream"], "synchronize": []}
 
 
@@ -78,7 +81,8 @@ def _libnvrtc():
     return ctypes.CDLL(found[0]) if found else None
 
 
-@pytest.mark.skipif(_libnvrtc() is None, reason="libnvrtc not installed (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.skipif(_libnvrtc() is None,
+                    reason="libnvrtc not installed (pip install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("arch", ["75", "90"])
 def test_kernels_compile_with_nvrtc(arch):
     """What an install without nvcc does at run time (runtime.py, through CuPy's NVRTC)."""
@@ -268,8 +272,9 @@ def test_cast_and_scale_match_torch(kernels, src, dst, offset):
     y = torch.empty(5003, device=kernels.device, dtype=getattr(torch, dst))
     kernels.cast(y, x)
     kernels.synchronize()
-    torch.testing.assert_close(y, x.to(torch.float32).to(y.dtype) if src == "float64"
-                               and dst in ("float16", "bfloat16") else x.to(y.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(y, x.to(torch.float32).to(y.dtype)
+                               if src == "float64" and dst in ("float16", "bfloat16")
+                               else x.to(y.dtype), rtol=0, atol=0)
     z = torch.empty(5003 + offset, device=kernels.device, dtype=x.dtype)[offset:]
     z.copy_(x)
     want = x * 0.25
@@ -311,14 +316,14 @@ def test_cupy_arrays():
     assert bool((out == a).all())
 
 
-SIMULATED = {"COMMLIB_CUDA_SIMULATE": "1"}
+SIMULATED = {"COMMLIB_CUDA_STREAMS": simulated_gpu.SIMULATED}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
     """The staged and IPC calls' ordering (cuda/staging.py, transports/cuda_ipc.py): results, stream
     order, async Works, failures releasing the stream, with "device" arrays in host memory,
-    streams run by threads and IPC memory in POSIX shared memory (cuda/simulator.py).
+    streams run by threads and IPC memory in POSIX shared memory (tests/simulated_gpu.py).
     Whether CUDA does the same is for the GPU tests below."""
     run_checked(n, "tests/mpi/cuda_staged.py", env=SIMULATED)
 

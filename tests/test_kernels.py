@@ -10,8 +10,9 @@ from commlib import _C
 
 COUNTS = [0, 1, 7, 1000, 100003]
 NP_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64,
-           "int8": np.int8, "uint8": np.uint8, "int32": np.int32, "int64": np.int64}
+STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
+           "float64": np.float64, "int8": np.int8, "uint8": np.uint8, "int32": np.int32,
+           "int64": np.int64}
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 GUARD = 8  # elements past `count` that must stay untouched
 
@@ -61,7 +62,8 @@ def assert_same(dtype, got, want, bitwise=True):
     np.testing.assert_array_equal(values(dtype, got), values(dtype, want))
     if bitwise and dtype in FLOATS:  # also sign of zero / exact pattern, NaN payload aside
         nan = np.isnan(values(dtype, want))
-        np.testing.assert_array_equal(got.view(f"u{got.itemsize}")[~nan], want.view(f"u{want.itemsize}")[~nan])
+        np.testing.assert_array_equal(got.view(f"u{got.itemsize}")[~nan],
+                                      want.view(f"u{want.itemsize}")[~nan])
 
 
 def random_data(dtype, n, rng):
@@ -127,13 +129,15 @@ def test_float16_all_bit_patterns():
     a = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
     nan = np.isnan(a)
     for op, neutral in (("sum", -0.0), ("prod", 1.0)):  # x + (-0) == x, x * 1 == x, bit for bit
-        dst, b = np.empty_like(a), np.full_like(a, neutral)  # keep b alive: ptr() holds no reference
+        # keep b alive: ptr() holds no reference
+        dst, b = np.empty_like(a), np.full_like(a, neutral)
         _C.reduce(ptr(dst), ptr(a), ptr(b), a.size, _C.DTYPES["float16"], _C.OPS[op])
         np.testing.assert_array_equal(dst.view(np.uint16)[~nan], a.view(np.uint16)[~nan])
         assert np.isnan(dst[nan]).all()
     # Rounding of float32 results back to half: every half against a spread of
     # partners (subnormals, ties, overflow to inf), versus numpy's conversion.
-    partners = np.array([2**-24, -(2**-24), 2**-14, 3 * 2**-24, 0.5, 0.1, 1.0, 1 + 2**-10, 1000.0, 65504.0, -3.0],
+    partners = np.array([2**-24, -(2**-24), 2**-14, 3 * 2**-24, 0.5, 0.1, 1.0, 1 + 2**-10,
+                         1000.0, 65504.0, -3.0],
                         np.float16)  # * 0.5 makes ties among subnormals
     for p in partners:
         for op in ("sum", "prod"):
@@ -151,7 +155,8 @@ def test_half_and_bf16_ties_nan_inf():
     # ties to even at 1.0 and at the top of the range (65520 -> inf), inf - inf, subnormal result
     h = red("float16", [1.0, 1 + 2**-10, 65504.0, 65504.0, np.inf, np.inf, 2**-14],
             [2**-11, 2**-11, 16.0, 15.0, -np.inf, 1.0, -(2**-24)])
-    np.testing.assert_array_equal(h[[0, 1, 2, 3, 5, 6]], [1.0, 1 + 2**-9, np.inf, 65504.0, np.inf, 1023 * 2**-24])
+    np.testing.assert_array_equal(h[[0, 1, 2, 3, 5, 6]],
+                                  [1.0, 1 + 2**-9, np.inf, 65504.0, np.inf, 1023 * 2**-24])
     assert np.isnan(h[4])
     bf = lambda v: f32_to_bf16(np.array(v, np.float32))  # noqa: E731
     r = bf16_to_f32(red("bfloat16", bf([1.0, 1 + 2**-7, 3.3895e38, np.inf, np.nan, -2.0]),
@@ -167,10 +172,12 @@ def test_bf16_matches_torch():
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal(100003).astype(np.float32) * 100).to(torch.bfloat16)
     y = torch.from_numpy(rng.standard_normal(100003).astype(np.float32)).to(torch.bfloat16)
-    for op, f in (("sum", torch.add), ("prod", torch.mul), ("min", torch.minimum), ("max", torch.maximum)):
+    for op, f in (("sum", torch.add), ("prod", torch.mul), ("min", torch.minimum),
+                  ("max", torch.maximum)):
         want = f(x.float(), y.float()).to(torch.bfloat16)
         dst = torch.empty_like(x)
-        _C.reduce(dst.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel(), _C.DTYPES["bfloat16"], _C.OPS[op])
+        _C.reduce(dst.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel(), _C.DTYPES["bfloat16"],
+                  _C.OPS[op])
         assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
 
 
@@ -240,12 +247,14 @@ def test_build_info():
         assert info["simd"] in ("baseline", "avx2 (runtime dispatch)")
 
 
-@pytest.mark.skipif(_C.build_info()["simd"] == "baseline", reason="portable path already under test")
+@pytest.mark.skipif(_C.build_info()["simd"] == "baseline",
+                    reason="portable path already under test")
 def test_baseline_path():
     """Re-run this file with the portable (non-AVX2) kernels forced."""
     env = dict(os.environ, COMMLIB_SIMD="baseline")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                          "-k", "not baseline_path and not torch"], env=env, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          __file__, "-k", "not baseline_path and not torch"],
+                         env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from strategies.data import AdditionDataset, decode, encode, shard, vocab_size
-from strategies.model import GPT, GPTConfig
+from commlib_strategies.data import AdditionDataset, decode, encode, shard, vocab_size
+from commlib_strategies.model import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=13, seq_len=16, d_model=16, n_heads=4, n_layers=2)
 

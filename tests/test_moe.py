@@ -1,8 +1,8 @@
-"""strategies/moe.py: routing, capacity, the aux loss and the MoE GPT in one process (hand-built
-cases), and the expert-parallel layer and GPT under mpiexec against the one-process model
-(tests/mpi/strategies_moe.py: EP 2, EP 4, EP x DP, EP x TP (with Megatron SP), EP x CP,
-TP x CP, PP x EP, PP x TP (with Megatron SP) and PP x CP, with ZeRO 0-3, in one 4-rank
-launch)."""
+"""commlib_strategies/moe.py: routing, capacity, the aux loss and the MoE GPT in one process
+(hand-built cases), and the expert-parallel layer and GPT under mpiexec against the
+one-process model (tests/mpi/strategies_moe.py: EP 2, EP 4, EP x DP, EP x TP (with
+Megatron SP), EP x CP, TP x CP, PP x EP, PP x TP (with Megatron SP) and PP x CP, with
+ZeRO 0-3, in one 4-rank launch)."""
 import copy
 import math
 
@@ -13,9 +13,9 @@ from mpirun import run_checked
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from strategies.data import AdditionDataset, vocab_size  # noqa: E402
-from strategies.model import GPT, MLP, Block, GPTConfig, cross_entropy  # noqa: E402
-from strategies.moe import MoE, MoEGPT, expert_parameters, moe_gpt  # noqa: E402
+from commlib_strategies.data import AdditionDataset, vocab_size  # noqa: E402
+from commlib_strategies.model import GPT, MLP, Block, GPTConfig, cross_entropy  # noqa: E402
+from commlib_strategies.moe import MoE, MoEGPT, expert_parameters, moe_gpt  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 

@@ -3,8 +3,8 @@ under mpiexec at pp 2 and 4 (and pp x dp, pp x tp at 4 ranks) training like one 
 import pytest
 
 from mpirun import run_checked
-from strategies.pipeline_schedules import (COMPUTE, SCHEDULES, Action, DeadlockError, schedule,
-                                           simulate)
+from commlib_strategies.pipeline_schedules import (COMPUTE, SCHEDULES, Action, DeadlockError,
+                                                   schedule, simulate)
 
 GRID = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
 

@@ -22,7 +22,8 @@ def test_explicit_and_environment(monkeypatch):
 
 def test_model_prefers_latency_small_and_bandwidth_large():
     # MPI's own collective wins tiny messages (less per-round overhead); the schedules win
-    # large all_reduce, where they measured faster than MPICH (see bench/all_reduce_sweep.py)
+    # large all_reduce, where they measured faster than MPICH (see
+    # commlib_bench/all_reduce_sweep.py)
     assert choose("all_reduce", None, 2, 8, DEFAULTS).name == "native"
     assert choose("all_reduce", None, 2, 64 << 20, DEFAULTS).name in ("ring", "rhd")
     assert choose("all_reduce", None, 3, 64 << 20, DEFAULTS).name == "ring"  # rhd folds

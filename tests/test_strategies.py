@@ -1,4 +1,4 @@
-"""strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
+"""commlib_strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
 parallel layout training like the single-process reference."""
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 from mpirun import checkout_env, mpirun, run_checked
 
 torch = pytest.importorskip("torch")
-from strategies import accounting  # noqa: E402  (needs torch)
+from commlib_strategies import accounting  # noqa: E402  (needs torch)
 
 ENV = checkout_env()
 
@@ -27,7 +27,7 @@ def test_dp_and_zero_train_like_one_process(n):
 def _train(n, tmp_path, *args):
     """Run the training CLI; return its log (one record per step)."""
     log = tmp_path / f"log-{n}-{'_'.join(args).replace('-', '')}.json"
-    code, out = mpirun(n, "-m", "strategies.train", *args, "--steps", "4", "--quiet",
+    code, out = mpirun(n, "-m", "commlib_strategies.train", *args, "--steps", "4", "--quiet",
                        "--log", str(log), timeout=300, env=ENV)
     assert code == 0, out[-4000:]
     return json.loads(log.read_text()), out
@@ -80,11 +80,11 @@ def test_memory_and_traffic_match_the_seeds_figures(tmp_path, stage):
 
 
 def test_training_cli_errors():
-    code, out = mpirun(3, "-m", "strategies.train", "--tp", "2", "--steps", "1", env=ENV)
+    code, out = mpirun(3, "-m", "commlib_strategies.train", "--tp", "2", "--steps", "1", env=ENV)
     assert code != 0 and "--tp 2 does not divide the 3 ranks" in out, out[-2000:]
-    code, out = mpirun(2, "-m", "strategies.train", "--dp", "3", "--steps", "1", env=ENV)
+    code, out = mpirun(2, "-m", "commlib_strategies.train", "--dp", "3", "--steps", "1", env=ENV)
     assert code != 0 and "dp=3 makes 3 ranks, but the world has 2" in out, out[-2000:]
-    code, out = mpirun(1, "-m", "strategies.train", "--bf16", env=ENV)
+    code, out = mpirun(1, "-m", "commlib_strategies.train", "--bf16", env=ENV)
     assert code != 0 and "--zero 1, 2 or 3" in out, out[-2000:]
 
 
@@ -109,7 +109,7 @@ def test_training_cli_errors():
 ])
 def test_training_cli_refuses_layouts_that_do_not_compose(ranks, flags, message):
     """Checked before any communicator is built, alike on every rank: one process shows it."""
-    from strategies.train import layout_of, parse_args
+    from commlib_strategies.train import layout_of, parse_args
     with pytest.raises(ValueError, match=re.escape(message)):
         layout_of(parse_args(flags), ranks)
 
@@ -134,12 +134,12 @@ def test_training_cli_refuses_layouts_that_do_not_compose(ranks, flags, message)
     (8, ["--pp", "2", "--cp", "2", "--tp", "2", "--sp", "ulysses", "--zero", "3"]),
 ])
 def test_training_cli_accepts_the_layouts_that_compose(ranks, flags):
-    from strategies.train import layout_of, parse_args
+    from commlib_strategies.train import layout_of, parse_args
     layout = layout_of(parse_args(flags), ranks)
     assert math.prod(layout.sizes.values()) == ranks and max(layout.sizes.values()) == 2, layout
 
 
 def test_training_benchmark_runs():
-    code, out = mpirun(2, "bench/train.py", "--rounds", "1", "--steps", "1", "--d-model", "64",
-                       "--layers", "1", timeout=300, env=ENV)
+    code, out = mpirun(2, "commlib_bench/train.py", "--rounds", "1", "--steps", "1",
+                       "--d-model", "64", "--layers", "1", timeout=300, env=ENV)
     assert code == 0 and "vs torch FSDP2 gloo" in out, out[-3000:]

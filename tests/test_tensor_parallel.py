@@ -1,4 +1,4 @@
-"""strategies/tensor_parallel.py under mpiexec: each tensor-parallel layer and the
+"""commlib_strategies/tensor_parallel.py under mpiexec: each tensor-parallel layer and the
 vocab-parallel loss against one process, and the tensor-parallel GPT (alone, and as tp=2
 inside dp x tp) training like the single-process reference."""
 import pytest

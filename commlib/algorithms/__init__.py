@@ -1,14 +1,11 @@
 """The algorithm registry: every algorithm of every collective, what it needs, what it costs.
 
-An entry is a *schedule* (``build(size, rank, count, itemsize, **params) -> Schedule``, run
-by the transport's executor) or a *runner* (``run(transport, call)`` runs the call itself:
-MPI's own collectives, direct, hier, the GPU's). ``count`` is the call's primary count
-(commlib/call.py). Each entry says what it needs of the communicator (``needs``: a
-capability a transport offers, NEEDS below), the memory it works on ("host": device
-arrays are staged through host memory for it; "device"), and its cost:
-``cost(model, where, n, nbytes) -> {constant: coefficient}``, the terms of a cost linear in
-select.CostModel's constants (which bench calibrate fits), for n ranks and the primary
-buffer's bytes at ``where`` (Where). select.py picks the cheapest entry that can run.
+An entry is a *schedule* (``build(size, rank, count, itemsize, **params)``, run by the
+transport's executor; count: the call's primary count) or a *runner* (``run(transport,
+call)``). It says what it needs (a capability a transport offers: NEEDS), the memory it
+works on ("host": GPU arrays are staged through host memory for it; "device"), and its
+cost: ``cost(model, where, n, nbytes)``, terms linear in select.CostModel's constants for
+n ranks and the primary buffer's bytes at ``where``. select.py picks the cheapest.
 """
 from __future__ import annotations
 

@@ -57,8 +57,8 @@ def reduce_scatter(t, call):
     t.world.count_sent((t.size - 1) * out.nbytes)
     if out.overlaps(inp):  # MPI's in-place form leaves the result at the front, not in block r
         result = np.empty_like(out.bytes)
-        _wait(t, t.world.coll.Ireduce_scatter_block(_spec(inp), [result, getattr(MPI, out.dtype.mpi)],
-                                              _op(call)), (call, result))
+        _wait(t, t.world.coll.Ireduce_scatter_block(
+            _spec(inp), [result, getattr(MPI, out.dtype.mpi)], _op(call)), (call, result))
         out.bytes[:] = result
     else:
         _wait(t, t.world.coll.Ireduce_scatter_block(_spec(inp), _spec(out), _op(call)), call)

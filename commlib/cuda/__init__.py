@@ -58,12 +58,6 @@ def kernels():
     return CupyRuntime()
 
 
-def simulated() -> bool:
-    """COMMLIB_CUDA_SIMULATE=1: "device" arrays are host memory and streams are threads
-    (simulator.py), to test the staged calls' ordering on machines without a GPU."""
-    return os.environ.get("COMMLIB_CUDA_SIMULATE") == "1"
-
-
 @lru_cache(maxsize=None)
 def mpi_is_cuda_aware() -> bool:
     """Whether the MPI library moves GPU memory itself (CUDA-aware), so that send and recv
@@ -90,11 +84,14 @@ def mpi_is_cuda_aware() -> bool:
 
 @lru_cache(maxsize=None)
 def streams():
-    """The stream-ordering calls of the collectives on GPU memory (staging.py, ipc.py):
-    kernels()'s, or the simulated device's."""
-    if simulated():
-        from .simulator import SimulatedDevice
-        return SimulatedDevice()
+    """The stream-ordering calls of the collectives on GPU memory (staging.py,
+    transports/cuda_ipc.py): kernels()'s, or those of the object COMMLIB_CUDA_STREAMS names
+    as module:class (the tests' simulated GPU, tests/simulated_gpu.py)."""
+    plugged = os.environ.get("COMMLIB_CUDA_STREAMS")
+    if plugged:
+        import importlib
+        module, cls = plugged.split(":")
+        return getattr(importlib.import_module(module), cls)()
     return kernels()
 
 

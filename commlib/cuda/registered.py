@@ -1,8 +1,8 @@
 """Communicator.register: GPU memory that every peer of the host maps once, so that a
 collective whose input lies in it at every rank needs no copy through the IPC slots
-(commlib/transports/cuda_ipc.py, "zero-copy"). Like ncclCommRegister: worth it for buffers used again and
-again (gradient buckets, activations), as registering costs a collective and a CUDA IPC
-mapping per peer.
+(commlib/transports/cuda_ipc.py, "zero-copy"). Like ncclCommRegister: worth it for buffers
+used again and again (gradient buckets, activations), as registering costs a collective
+and a CUDA IPC mapping per peer.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ base.Transport's).
               transport, for calls on GPU arrays
 
 A new transport is a module here with a Transport subclass, and its name below. ``auto``
-takes the first of PREFERENCE whose ``suits(topology)`` holds for an MPI communicator;
-COMMLIB_TRANSPORT names one instead.
+takes the first of PREFERENCE whose ``suits(world)`` holds for an MPI communicator's
+world (transports/mpi_world.py); COMMLIB_TRANSPORT names one instead.
 """
 from __future__ import annotations
 
@@ -41,10 +41,9 @@ def pick(world):
     if requested not in ("auto", *PREFERENCE):
         raise ValueError(f"COMMLIB_TRANSPORT={requested!r}; valid: auto, "
                          f"{', '.join(sorted(PREFERENCE))}")
-    topology = world.topology()
     for name in PREFERENCE if requested == "auto" else (requested,):
         cls = load(name)
-        if cls.suits(topology):
+        if cls.suits(world):
             return cls(world)
     raise ValueError(f"COMMLIB_TRANSPORT={requested}, but this communicator spans "
-                     f"{topology.hosts} hosts; use auto or mpi")
+                     f"{world.hosts[0]} hosts; use auto or mpi")

@@ -1,13 +1,8 @@
 """The interface every transport implements (see commlib/transports/__init__.py).
 
-Vocabulary:
-  world      how a communicator's ranks found each other and exchange set-up facts and
-             point-to-point messages: an MpiWorld (mpiexec) or a StoreWorld (torchrun).
-             ``world.group.allgather(value)`` exchanges JSON; ``world.send``/``recv`` move
-             messages; ``world.split``/``dup`` make the worlds of new communicators.
-  plan       a schedule compiled for the transport's executor, cached per call shape.
-  agree      every rank made the same call (its descriptor, commlib/call.py), or all raise
-             CollectiveMismatchError naming what differs.
+A transport's *world* is how its ranks found each other (an MpiWorld under mpiexec, a
+StoreWorld under torchrun): ``group.allgather`` exchanges set-up facts as JSON,
+``send``/``recv`` move point-to-point messages, ``split``/``dup`` make new worlds.
 """
 from __future__ import annotations
 
@@ -19,9 +14,14 @@ from ..select import algorithm_overrides, choose
 
 
 class Transport:
-    """What one communicator's collectives run over. Subclasses set ``name`` (what costs
-    see: Where.transport) and ``offers`` (the capabilities algorithm entries need), and
-    implement the abstract methods."""
+    """What one communicator's collectives run over. A subclass sets ``name`` (what costs
+    see), ``offers`` (the capabilities algorithm entries need) and ``suits(world)``
+    (whether auto picks it), and implements ``agree(desc, splits, itemsize)`` (every rank
+    made the call ``desc`` describes, else all raise CollectiveMismatchError),
+    ``barrier()``, ``plan(algo, call)`` and ``run_plan(plan, call)`` (a schedule compiled
+    for its executor, and run), and ``bytes_sent``. Every wait is bounded by ``timeout``;
+    a failed call fails alike on every rank. Runners call its own methods (direct, hier's
+    stages, native's MPI communicator)."""
 
     name: str
     offers: frozenset
@@ -31,36 +31,11 @@ class Transport:
         self.rank, self.size = world.rank, world.size
         self.timeout = 0.0  # seconds a call may wait for its peers (0: forever)
         self.where = Where(self.name)  # what its algorithms' costs depend on
+        # whether calls are checked for agreement at all (a rank whose arguments are invalid
+        # then tells its peers)
+        self.checks_calls = True
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
-
-    # ------------------------------------------------------------------ what it must do
-    def agree(self, desc: list, splits=None, itemsize: int = 1) -> None:
-        """Raise CollectiveMismatchError on every rank unless all made the call ``desc``
-        describes (with these all_to_all ``splits``, bytes to and from each peer)."""
-        raise NotImplementedError
-
-    def barrier(self) -> None:
-        raise NotImplementedError
-
-    def plan(self, algo, call):
-        """``algo``'s schedule for ``call`` compiled for this transport's executor."""
-        raise NotImplementedError
-
-    def run_plan(self, plan, call) -> None:
-        raise NotImplementedError
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank handed to its peers (see Communicator.bytes_sent)."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ what it may refine
-    @property
-    def checks_calls(self) -> bool:
-        """Whether calls are checked for agreement at all (a rank whose arguments are
-        invalid then tells its peers)."""
-        return True
 
     def agree_call(self, call, algo) -> None:
         """Agree on ``call`` before ``algo`` runs it, unless running it checks that itself."""
@@ -80,7 +55,6 @@ class Transport:
     def close(self) -> None:
         self.world.close()
 
-    # ------------------------------------------------------------------ shared by all
     def choose(self, call, requested: str | None):
         """(algorithm, plan or None for runners, whether this is the first such call) for
         ``call`` with ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached

@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 
 from ..algorithms import Where
-from ..call import NONE
 from ..cuda import MAX_POINTERS
 from ..cuda.registered import Registrations
 from ..cuda.staging import wait_event
@@ -89,7 +88,7 @@ class CudaIpc(Transport):
     def suits(host) -> bool:
         """Whether a shm transport's calls on GPU arrays may come here (the same answer on
         every rank): 2 to 16 ranks, and COMMLIB_CUDA_IPC not 0."""
-        return (host.name == "shm" and 2 <= host.size <= MAX_RANKS
+        return ("shm" in host.offers and 2 <= host.size <= MAX_RANKS
                 and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
 
     # its meetings are the host's
@@ -170,8 +169,7 @@ class CudaIpc(Transport):
         the event after the call's last work on the stream)."""
         if algorithm == "zerocopy":
             buf = call.inp if call.inp is not None else call.out
-            return getattr(self, "_zero_copy_" + call.collective)(
-                call, self.registered.of(buf), stream, seconds)
+            return self._zero_copy(call, self.registered.of(buf), stream, seconds)
         if call.collective == "all_reduce":
             return self._all_reduce(call, algorithm == "oneshot", stream, seconds)
         return getattr(self, "_" + call.collective)(call, stream, seconds)
@@ -310,62 +308,44 @@ class CudaIpc(Transport):
                     fill(i + 1)
         return self._on_host(call, stream, seconds, work)
 
-    # zero-copy: ``ptrs`` says where every rank's input lies, mapped here
-    def _zero_copy_all_reduce(self, call, placed, stream, seconds):
-        rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        itemsize, count = call.dtype.itemsize, call.out.numel
+    def _zero_copy(self, call, placed, stream, seconds):
+        """A call on registered memory, on the host: once ``ptrs`` says where every rank's
+        input lies (``placed``: where mine does, in which registration), rank r reads its
+        peers' inputs in place on our stream and writes its own output."""
+        rt, device, size, rank, side = self.rt, self.device, self.size, self.rank, self.side
+        out, itemsize, code, op = call.out, call.dtype.itemsize, call.dtype.code, call.op_code
 
-        def enqueue(ptrs, group):  # part r of every buffer is rank r's alone
-            a, b = _parts(count, size, itemsize)[rank]
-            if b > a:
+        def enqueue(ptrs, group):
+            if call.collective == "all_reduce":  # part r of every buffer is rank r's alone
+                a, b = _parts(out.numel, size, itemsize)[rank]
                 part = [p + a * itemsize for p in ptrs]
-                rt.reduce_n(part, part, b - a, call.dtype.code, call.op_code, device, self.side)
-        return self._zero_copy(call, placed, stream, seconds, enqueue, self._scaled(call))
+                if b > a:
+                    rt.reduce_n(part, part, b - a, code, op, device, side)
+            elif call.collective == "reduce" and rank == call.root:
+                rt.reduce_n([out.ptr], ptrs, out.numel, code, op, device, side)
+            elif call.collective == "reduce_scatter":
+                m = out.numel
+                rt.reduce_n([out.ptr], [p + rank * m * itemsize for p in ptrs], m, code, op,
+                            device, side)
+            elif call.collective == "all_gather":
+                nbytes = call.inp.nbytes
+                for r, p in enumerate(ptrs):
+                    if out.ptr + r * nbytes != p:  # in place, my input is my output's block
+                        rt.copy_async(out.ptr + r * nbytes, p, nbytes, device, side)
+            elif call.collective == "broadcast" and rank != call.root:
+                rt.copy_async(out.ptr, ptrs[call.root], out.nbytes, device, side)
+            elif call.collective == "all_to_all":
+                in_splits, out_splits = call.splits
+                inputs, recv = group.allgather(in_splits), _starts(out_splits)
+                for j, p in enumerate(ptrs):  # my part lies in input j after its parts before
+                    if out_splits[j]:
+                        rt.copy_async(out.ptr + recv[j] * itemsize,
+                                      p + sum(inputs[j][:rank]) * itemsize,
+                                      out_splits[j] * itemsize, device, side)
 
-    def _zero_copy_reduce(self, call, placed, stream, seconds):
-        def enqueue(ptrs, group):
-            if self.rank == call.root:
-                self.rt.reduce_n([call.out.ptr], ptrs, call.out.numel, call.dtype.code,
-                                 call.op_code, self.device, self.side)
-        return self._zero_copy(call, placed, stream, seconds, enqueue, self._scaled(call))
-
-    def _zero_copy_reduce_scatter(self, call, placed, stream, seconds):
-        m, itemsize = call.out.numel, call.dtype.itemsize
-
-        def enqueue(ptrs, group):
-            self.rt.reduce_n([call.out.ptr], [p + self.rank * m * itemsize for p in ptrs], m,
-                             call.dtype.code, call.op_code, self.device, self.side)
-        return self._zero_copy(call, placed, stream, seconds, enqueue, self._scaled(call))
-
-    def _zero_copy_all_gather(self, call, placed, stream, seconds):
-        m, itemsize = call.inp.numel, call.dtype.itemsize
-
-        def enqueue(ptrs, group):
-            for r, p in enumerate(ptrs):
-                block = call.out.ptr + r * m * itemsize
-                if block != p:  # in place, my input is my output's block already
-                    self.rt.copy_async(block, p, m * itemsize, self.device, self.side)
-        return self._zero_copy(call, placed, stream, seconds, enqueue)
-
-    def _zero_copy_broadcast(self, call, placed, stream, seconds):
-        def enqueue(ptrs, group):
-            if self.rank != call.root:
-                self.rt.copy_async(call.out.ptr, ptrs[call.root], call.out.nbytes, self.device,
-                                   self.side)
-        return self._zero_copy(call, placed, stream, seconds, enqueue)
-
-    def _zero_copy_all_to_all(self, call, placed, stream, seconds):
-        itemsize, (in_splits, out_splits) = call.dtype.itemsize, call.splits
-        recv = _starts(out_splits)
-
-        def enqueue(ptrs, group):
-            inputs = group.allgather(in_splits)  # where my part lies in each input
-            for j, p in enumerate(ptrs):
-                if out_splits[j]:
-                    self.rt.copy_async(call.out.ptr + recv[j] * itemsize,
-                                       p + sum(inputs[j][:self.rank]) * itemsize,
-                                       out_splits[j] * itemsize, self.device, self.side)
-        return self._zero_copy(call, placed, stream, seconds, enqueue)
+        def work(group):
+            enqueue(self.registered.placed(group, *placed), group)
+        return self._on_host(call, stream, seconds, work, self._scaled(call))
 
     def _scaled(self, call):
         """The phase after a call that averages on this rank: its output scaled."""
@@ -374,14 +354,6 @@ class CudaIpc(Transport):
         out = call.out
         return lambda st: self.rt.scale(out.ptr, call.scale, out.numel, call.dtype.code,
                                         self.device, st)
-
-    def _zero_copy(self, call, placed, stream, seconds, enqueue, after=None):
-        """A call on registered memory, on the host: ``enqueue(ptrs, group)`` enqueues its
-        work on our stream, once ``ptrs`` says where every rank's input lies (``placed``:
-        where mine does, in which registration)."""
-        def work(group):
-            enqueue(self.registered.placed(group, *placed), group)
-        return self._on_host(call, stream, seconds, work, after)
 
     def _on_host(self, call, stream, seconds, work, after=None):
         """A call of one step whose ``work(group)`` the host does between its meetings,

@@ -13,7 +13,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..buffers import Buffer
-from .mpi import MpiTransport, MpiWorld, host_color
+from .mpi import MpiTransport
+from .mpi_world import MpiWorld, host_color
 from .shm import ShmTransport
 
 
@@ -36,8 +37,9 @@ class HostsTransport(MpiTransport):
         self._scratch: dict = {}
 
     @staticmethod
-    def suits(topology) -> bool:
-        return topology.hosts > 1 and topology.even
+    def suits(world) -> bool:
+        hosts, even = world.hosts
+        return hosts > 1 and even
 
     def scratch(self, slot: int, numel: int, dtype) -> Buffer:
         """Reused working buffer number ``slot`` (fresh pages every call would cost more

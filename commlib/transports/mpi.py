@@ -1,170 +1,99 @@
-"""mpi: every rank through MPI (mpi4py). Schedules run on the Python executor
-(commlib/executors/python.py); MPI's own collectives (native) run on the same private
-communicator. Also the MPI world the other MPI-based transports share: how ranks met, and
-their point-to-point messages.
-
-Unless COMMLIB_CHECK=0, the ranks agree on every call before it moves data: each sends its
-descriptor (and all_to_all's splits) to every other, then all raise
-CollectiveMismatchError alike if they differ.
+"""mpi: every rank through MPI (mpi4py). Schedules are compiled into plans (byte offsets,
+transfers cut into segments of at most SEGMENT_BYTES, cached per call shape) and run with
+non-blocking send/recv and the C++ kernels: the reduction of one segment overlaps the
+arrival of the next (both peers cut a transfer alike: from the same element count).
+MPI's own collectives (native) run on the same private communicator. Unless
+COMMLIB_CHECK=0, the ranks agree on every call before it moves data (Agreement).
 """
 from __future__ import annotations
 
-import functools
 import os
-from functools import cached_property
+import threading
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import _C
 from ..call import NONE, descriptor
-from ..errors import CommError
-from ..exchange import MpiGroup, allgather
-from ..executors.python import PythonExecutor
-from ..work import Deadline, RequestPoller, wait_all_requests, wait_request
-from .base import Transport, affinity
+from ..errors import CommError, CommTimeoutError
+from ..schedule import RecvReduce, Schedule
+from ..work import Deadline, _abandon, wait_all_requests, wait_request
+from .base import Transport
+from .mpi_world import MpiWorld
 
-AGREEMENT_TAG = 6  # on the collective communicator; the mpi4py executor uses 7
-
-
-class MpiWorld:
-    """A communicator's ranks as an MPI communicator ``mpi`` (the user's), with private
-    duplicates for collectives (``coll``) and point-to-point messages, so that neither
-    meets the user's own MPI traffic nor the other. Counts what MPI moves for us."""
-
-    offers = frozenset({"mpi"})
-
-    def __init__(self, mpi_comm: MPI.Comm, owned: bool = False):
-        self.mpi, self.owned = mpi_comm, owned  # owned: freed with this world
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.coll, self._p2p = mpi_comm.Dup(), mpi_comm.Dup()
-        self.group = MpiGroup(self.coll)
-        self._poller = RequestPoller(f"r{self.rank}of{self.size}")
-        self.bytes_sent = 0  # by MPI's own collectives (the least any algorithm sends) and sends
-
-    def count_sent(self, nbytes: float) -> None:
-        self.bytes_sent += int(nbytes)
-
-    def topology(self) -> "Topology":
-        return Topology(self.coll)
-
-    def crowded(self) -> bool:
-        return crowded_host()
-
-    @cached_property
-    def takes_device_memory(self) -> bool:
-        """Whether MPI moves GPU memory itself: a CUDA-aware MPI, other than Open MPI,
-        whose non-blocking collectives (ours, so that they time out) take no device
-        memory."""
-        from .. import cuda
-        return cuda.mpi_is_cuda_aware() and not _open_mpi()
-
-    def split(self, color, key) -> "MpiWorld | None":
-        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else MpiWorld(sub)
-
-    def dup(self) -> "MpiWorld":
-        return MpiWorld(self.mpi.Dup())
-
-    def make_transport(self):
-        from . import pick
-        return pick(self)
-
-    # point to point: posted at once on the caller's thread (so that paired sends and
-    # receives never deadlock), completed by the poller's thread when async
-    def send(self, buf, dst: int, tag: int, deadline: Deadline, async_op: bool, keep):
-        self.count_sent(buf.nbytes)
-        try:
-            if async_op:
-                return self._poller.track(self._p2p.Isend(buf.bytes, dst, tag),
-                                          f"send to rank {dst}", None, deadline=deadline,
-                                          keep=keep)
-            wait_request(self._p2p.Isend(buf.bytes, dst, tag), deadline,
-                         f"rank {dst} to receive (send, tag {tag})", keep=keep)
-        except MPI.Exception as e:
-            raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
-        return None
-
-    def recv(self, buf, src: int, tag: int, deadline: Deadline, async_op: bool, keep):
-        try:
-            if async_op:
-                return self._poller.track(self._p2p.Irecv(buf.bytes, src, tag),
-                                          f"recv from rank {src}", keep,
-                                          expect_bytes=buf.nbytes, deadline=deadline,
-                                          keep=keep)
-            status = MPI.Status()
-            wait_request(self._p2p.Irecv(buf.bytes, src, tag), deadline,
-                         f"rank {src} to send (recv, tag {tag})", status, keep=keep)
-        except MPI.Exception as e:
-            raise CommError(f"recv from rank {src} failed inside MPI (a message larger than "
-                            f"the {buf.nbytes}-byte tensor?): {e}") from e
-        got = status.Get_count(MPI.BYTE)
-        if got != buf.nbytes:
-            raise CommError(f"recv from rank {src}: got {got} bytes, tensor holds {buf.nbytes}")
-        return keep
-
-    def close(self) -> None:
-        self._poller.close()
-        for c in (self.coll, self._p2p, *((self.mpi,) if self.owned else ())):
-            if c != MPI.COMM_NULL:
-                c.Free()
+AGREEMENT_TAG = 6  # on the collective communicator; plans use 7
+SEGMENT_BYTES = int(os.environ.get("COMMLIB_SEGMENT_BYTES", 1 << 20))
+# Reductions land in a few scratch slots reused round-robin rather than one slot per
+# segment: the scratch stays in cache and its size no longer grows with the message.
+SCRATCH_SLOTS = int(os.environ.get("COMMLIB_SCRATCH_SLOTS", 4))
+_TAG = 7  # plans' transfers
+_ALIGN = 64
 
 
-@functools.lru_cache(maxsize=None)
-def _open_mpi() -> bool:
-    return "Open MPI" in MPI.Get_library_version()
+@dataclass(frozen=True, slots=True)
+class _Reduction:  # dst = src (op) scratch[scratch_offset:]
+    dst: str
+    dst_offset: int
+    src: str
+    src_offset: int
+    count: int
 
 
-class Topology:
-    """How a communicator's ranks lie on hosts, found when first asked (collective)."""
-
-    def __init__(self, coll: MPI.Comm):
-        self._coll = coll
-
-    @cached_property
-    def _counted(self) -> tuple[int, bool]:
-        colors = allgather(self._coll, host_color(self._coll))
-        return len(set(colors)), len({colors.count(c) for c in colors}) == 1
-
-    @property
-    def hosts(self) -> int:
-        return self._counted[0]
-
-    @property
-    def even(self) -> bool:
-        """Whether every host has the same number of ranks."""
-        return self._counted[1]
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    peer: int
+    buf: str
+    offset: int
+    nbytes: int
+    reduction: _Reduction | None = None
 
 
-def host_color(mpi_comm: MPI.Comm) -> int:
-    """An id shared exactly by the ranks of ``mpi_comm`` on this rank's (virtual) host.
-    COMMLIB_RANKS_PER_HOST=k pretends that world ranks [0, k), [k, 2k), ... are separate
-    hosts, so the multi-host path can be tested on one machine."""
-    per_host = os.environ.get("COMMLIB_RANKS_PER_HOST")
-    if per_host:
-        if not per_host.isdigit() or int(per_host) < 1:
-            raise ValueError(f"COMMLIB_RANKS_PER_HOST={per_host!r}; expected a positive int")
-        return MPI.COMM_WORLD.Get_rank() // int(per_host)
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:  # the lowest world rank on the node names it
-        lowest = np.array([MPI.COMM_WORLD.Get_rank()], np.int64)
-        node.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
-        return int(lowest[0])
-    finally:
-        node.Free()
+@dataclass(frozen=True, slots=True)
+class Plan:
+    schedule: Schedule
+    rounds: tuple  # (copies: ((src, src_off, dst, dst_off, nbytes), ...), recvs, sends)
+    tmp_bytes: int
+    slot_bytes: int  # one receive-scratch slot; SCRATCH_SLOTS of them follow tmp
+    sent_bytes: int  # what this rank sends to peers in one run
 
 
-@functools.lru_cache(maxsize=1)
-def crowded_host() -> bool:
-    """Whether this machine's MPI processes (all of them, whatever communicator or virtual
-    hosts) outnumber the cores they may run on: the union of their affinities, since a
-    launcher that binds each rank to its own core (Open MPI does) leaves each one core."""
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        cores = set().union(*allgather(node, affinity()))
-        return node.Get_size() > len(cores)
-    finally:
-        node.Free()
+def _segments(offset, count, itemsize):
+    per = max(1, SEGMENT_BYTES // itemsize)
+    for start in range(0, count, per):
+        yield offset + start, min(per, count - start)
+
+
+def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
+    tmp_bytes = -(-schedule.tmp_count * itemsize // _ALIGN) * _ALIGN
+    rounds = []
+    for rnd in schedule.rounds:
+        copies = tuple((c.src.buf, c.src.offset * itemsize, c.dst.buf, c.dst.offset * itemsize,
+                        c.src.count * itemsize) for c in rnd.copies)
+        sends = tuple(_Transfer(s.peer, s.src.buf, off * itemsize, n * itemsize)
+                      for s in rnd.sends
+                      for off, n in _segments(s.src.offset, s.src.count, itemsize))
+        recvs = []
+        for r in rnd.recvs:
+            for off, n in _segments(r.dst.offset, r.dst.count, itemsize):
+                if isinstance(r, RecvReduce):  # lands in a scratch slot chosen at run time
+                    src_off = r.src.offset + off - r.dst.offset
+                    red = _Reduction(r.dst.buf, off * itemsize, r.src.buf, src_off * itemsize, n)
+                    recvs.append(_Transfer(r.peer, "arena", 0, n * itemsize, red))
+                else:
+                    recvs.append(_Transfer(r.peer, r.dst.buf, off * itemsize, n * itemsize))
+        rounds.append((copies, tuple(recvs), sends))
+    slot_bytes = min(SEGMENT_BYTES, schedule.scratch_count * itemsize)
+    sent = sum(s.nbytes for _, _, sends in rounds for s in sends)
+    return Plan(schedule, tuple(rounds), tmp_bytes, slot_bytes, sent)
+
+
+@lru_cache(maxsize=4096)
+def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> Plan:
+    return compile_plan(algorithm.build(size, rank, count, itemsize, **dict(params)), itemsize)
+
 
 
 class Agreement:
@@ -208,49 +137,116 @@ class MpiTransport(Transport):
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)
-        self.executor = PythonExecutor(world.coll)
-        self._check = os.environ.get("COMMLIB_CHECK", "1") != "0"
-        self.agreement = Agreement(world.coll) if self._check else None
+        self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
+        self.agreement = Agreement(world.coll) if self.checks_calls else None
+        self._arena = np.empty(0, np.uint8)  # a plan's tmp, then its receive scratch
+        self._lock = threading.Lock()  # one plan at a time (they share the arena)
+        self._sent = 0  # by plans, to peers
 
     @staticmethod
-    def suits(topology) -> bool:
+    def suits(world) -> bool:
         return True
-
-    @property
-    def checks_calls(self) -> bool:
-        return self._check
 
     def agree(self, desc, splits=None, itemsize=1) -> None:
         self.agreement.check(desc, itemsize, splits, self.timeout)
 
     def agree_call(self, call, algo) -> None:
-        if self._check:
+        if self.checks_calls:
             super().agree_call(call, algo)
 
     def barrier(self) -> None:
-        if self._check:  # the agreement's exchange is a barrier too
+        if self.checks_calls:  # the agreement's exchange is a barrier too
             self.agree(descriptor("barrier", "native", 0, NONE, NONE, NONE))
         else:
             wait_request(self.world.coll.Ibarrier(), Deadline(self.timeout),
                          "its peers to arrive")
 
     def plan(self, algo, call):
-        return self.executor.plan(algo, self.size, self.rank, call.count, call.dtype.itemsize,
-                                  call.params)
+        return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
+                        call.params)
 
     def run_plan(self, plan, call) -> None:
-        self.executor.run(plan, call.bufs, call.dtype.code, call.op_code)
+        with self._lock:
+            if self._arena.size < plan.tmp_bytes + SCRATCH_SLOTS * plan.slot_bytes:
+                self._arena = np.empty(plan.tmp_bytes + SCRATCH_SLOTS * plan.slot_bytes,
+                                       np.uint8)
+            arena = self._arena
+            views = {name: b.bytes for name, b in call.bufs.items()}
+            views["tmp"] = views["arena"] = arena
+            ptrs = {name: b.ptr for name, b in call.bufs.items()}
+            ptrs["tmp"] = ptrs["arena"] = arena.ctypes.data
+            errors: list = []
+            deadline = Deadline(self.timeout)
+            for rnd in plan.rounds:
+                self._run_round(rnd, plan, views, ptrs, call.dtype.code, call.op_code, errors,
+                                deadline)
+            self._sent += plan.sent_bytes
+            if errors:
+                raise errors[0]
 
-    def set_timeout(self, seconds: float) -> None:
-        self.timeout = seconds
-        self.executor.set_timeout(seconds)
+    def _run_round(self, rnd, plan, views, ptrs, dtype_code, op_code, errors, deadline):
+        """One round. Receives are posted in schedule order (MPI matches in posting order);
+        one needing a scratch slot waits for a free one, freed as earlier ones are reduced.
+        A bad transfer is recorded, not raised at once: finishing the schedule keeps every
+        peer's transfers matched, so one disagreement cannot hang the others."""
+        copies, recvs, sends = rnd
+        for src, src_off, dst, dst_off, n in copies:
+            _C.copy(ptrs[dst] + dst_off, ptrs[src] + src_off, n)
+        mpi, arena = self.world.coll, views["arena"]
+        slots = [plan.tmp_bytes + i * plan.slot_bytes for i in range(SCRATCH_SLOTS)]
+        pending, posted = deque(), 0
+
+        def post():
+            nonlocal posted
+            while posted < len(recvs):
+                t = recvs[posted]
+                if t.reduction is None:
+                    slot, view = None, views[t.buf][t.offset:t.offset + t.nbytes]
+                elif slots:
+                    slot = slots.pop()
+                    view = arena[slot:slot + t.nbytes]
+                else:
+                    return
+                pending.append((mpi.Irecv(view, t.peer, _TAG), t, slot))
+                posted += 1
+
+        post()
+        sreqs = [mpi.Isend(views[t.buf][t.offset:t.offset + t.nbytes], t.peer, _TAG) for t in sends]
+        status = MPI.Status()
+        while pending:
+            req, t, slot = pending.popleft()
+            try:
+                wait_request(req, deadline, f"rank {t.peer} (a {t.nbytes}-byte receive)",
+                             status, views)
+            except CommTimeoutError:  # the peers' state is unknown: drop everything posted
+                for other in [p[0] for p in pending] + sreqs:
+                    _abandon(other, views)
+                raise
+            except MPI.Exception as e:  # e.g. a message longer than expected (truncated)
+                errors.append(CommError(f"receive from rank {t.peer} failed: {e}"))
+            else:
+                got = status.Get_count(MPI.BYTE)
+                red = t.reduction
+                if got != t.nbytes:
+                    errors.append(CommError(
+                        f"received {got} bytes from rank {t.peer}, expected {t.nbytes}: the "
+                        "ranks disagree on counts or splits"))
+                elif red is not None:
+                    _C.reduce(ptrs[red.dst] + red.dst_offset, ptrs[red.src] + red.src_offset,
+                              ptrs["arena"] + slot, red.count, dtype_code, op_code)
+            if slot is not None:
+                slots.append(slot)
+                post()
+        for req, t in zip(sreqs, sends):
+            wait_request(req, deadline, f"rank {t.peer} to take a {t.nbytes}-byte send",
+                         keep=views)
 
     def device_offers(self) -> frozenset:
         return frozenset({"cuda_mpi"}) if self.world.takes_device_memory else frozenset()
 
     @property
     def bytes_sent(self) -> int:
-        return self.executor.bytes_sent + self.world.bytes_sent
+        return self._sent + self.world.bytes_sent
 
     def close(self) -> None:
         if self.agreement is not None:

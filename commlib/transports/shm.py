@@ -1,19 +1,31 @@
-"""shm: the ranks of one host, over shared memory (csrc/shm.h, set up by
-commlib/executors/shm.py). Schedules run on the shared-memory executor and the direct
-collectives in C++; both publish every call's descriptor with it, so the ranks agree on
-each call without a message of its own. MPI's own collectives run beside them where the
-world is MPI's, and meet here first. Calls on numpy arrays take a C++ fast path
-(commlib/fast_path.py) unless COMMLIB_FAST_PATH=0.
+"""shm: the ranks of one host, over shared memory (csrc/shm.h). Schedules run flattened
+into the int64 plans csrc/shm_plan.cpp reads, the direct collectives in C++
+(csrc/shm_direct.cpp); both publish every call's descriptor (commlib/call.py) with it, so
+the ranks agree on each call without a message of its own and ranks that disagree fail
+with CollectiveMismatchError instead of exchanging wrong data. MPI's own collectives run
+beside them where the world is MPI's, and meet here first. Calls on numpy arrays take a
+C++ fast path (commlib/fast_path.py) unless COMMLIB_FAST_PATH=0.
+
+Set-up is collective: each rank creates its segment, the names travel through the world's
+group (MPI, or a store), every rank maps every segment, and once all have (a barrier)
+each unlinks its own, so nothing is left in /dev/shm whatever happens next.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from .. import _C
 from ..algorithms import Where
-from ..call import NONE
-from ..executors.shm import ShmExecutor
+from ..call import NONE, pack_name
+from ..errors import CommError
+from ..schedule import RecvReduce, Schedule
 from .base import Transport
+
+_BUFFERS = {"out": 0, "in": 1, "tmp": 2}
 
 
 class ShmTransport(Transport):
@@ -21,14 +33,14 @@ class ShmTransport(Transport):
 
     def __init__(self, world):
         super().__init__(world)
-        self.executor = ShmExecutor(world.group, world.crowded())
-        self.shm = self.executor.transport  # the C++ ShmComm
+        self.shm = _set_up(world.group, world.crowded())  # the C++ ShmComm
+        self.timeout = self.shm.timeout
         self.offers = frozenset({"shm", *world.offers})
         self.where = Where(self.name, staging_bytes=self.shm.staging_bytes)
 
     @staticmethod
-    def suits(topology) -> bool:
-        return topology.hosts == 1
+    def suits(world) -> bool:
+        return world.hosts[0] == 1
 
     def agree(self, desc, splits=None, itemsize=1) -> None:
         self.shm.agree(desc, *(splits or ([], [])), itemsize)
@@ -41,15 +53,16 @@ class ShmTransport(Transport):
         self.shm.barrier()
 
     def plan(self, algo, call):
-        return self.executor.plan(algo, self.size, self.rank, call.count, call.dtype.itemsize,
-                                  call.params)
+        return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
+                        call.params)
 
     def run_plan(self, plan, call) -> None:
-        self.executor.run(plan, call.bufs, call.dtype.code, call.op_code)
+        inp = call.inp.ptr if call.inp is not None else 0
+        self.shm.run_plan(plan.steps, call.out.ptr, inp, plan.tmp_bytes, call.dtype.code,
+                          call.op_code)
 
     def set_timeout(self, seconds: float) -> None:
-        self.timeout = seconds
-        self.executor.set_timeout(seconds)
+        self.timeout = self.shm.timeout = seconds
 
     def direct(self, call) -> None:
         """The call's direct collective (csrc/shm_direct.cpp)."""
@@ -78,4 +91,107 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         super().close()
-        self.executor = self.shm = None  # unmaps the segments
+        self.shm = None  # unmaps the segments
+
+
+def _set_up(group, crowded: bool):
+    """The ranks' ShmComm (``crowded``: this rank's machine has more processes than cores)."""
+    rank, size = group.rank, group.size
+    config = group.allgather(_config_from_env())[0]  # rank 0's: every rank must agree
+    # Spinning on a core that a peer needs only delays it: no spinning when ranks
+    # outnumber cores.
+    spin = 0 if any(group.allgather(crowded)) else int(os.environ.get("COMMLIB_SHM_SPIN", 20_000))
+    shm, error = None, None
+    try:
+        shm = _C.ShmComm(rank, size, spin=spin, yields=200, **config)
+    except (RuntimeError, ValueError) as e:
+        error = e
+    names = group.allgather(shm.name if shm else None)
+    if shm and None not in names:
+        try:
+            shm.attach(names)
+        except RuntimeError as e:
+            error = e
+    # every rank has mapped every segment (or given up): unlink, so a crash leaves nothing
+    failed = any(group.allgather(error is not None))
+    if shm:
+        shm.unlink_own()
+    if failed:
+        raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
+                        "set COMMLIB_TRANSPORT=mpi to run without it")
+    return shm
+
+
+def _config_from_env() -> dict:
+    def get(name, default):
+        value = os.environ.get(f"COMMLIB_SHM_{name.upper()}", default)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"COMMLIB_SHM_{name.upper()}={value!r}; expected an int") from None
+    return {"slot_bytes": get("slot_bytes", 64 << 10), "slots": get("slots", 8),
+            "staging_bytes": get("staging_bytes", 1 << 20)}
+
+
+
+@dataclass(frozen=True)
+class ShmPlan:
+    steps: np.ndarray  # int64, the format csrc/shm_plan.cpp documents
+    tmp_bytes: int
+
+
+def _deferrable(copy, rnd, user_aliased: bool) -> bool:
+    """Whether ``copy`` may run at any time during its round: no transfer of the round
+    reads or writes its destination, or writes its source. ``user_aliased``: "in" and "out"
+    may be the same memory (in-place forms), so any use of one conflicts with the other."""
+    def conflict(a, b):
+        if user_aliased and {a.buf, b.buf} <= {"in", "out"} and a.buf != b.buf:
+            return a.count > 0 and b.count > 0
+        return a.overlaps(b)
+    touched = [s.src for s in rnd.sends] + [r.dst for r in rnd.recvs] + [
+        r.src for r in rnd.recvs if isinstance(r, RecvReduce)]
+    written = [r.dst for r in rnd.recvs]
+    return (not any(conflict(copy.dst, t) for t in touched)
+            and not any(conflict(copy.src, w) for w in written))
+
+
+def flatten(schedule: Schedule, itemsize: int, user_aliased: bool = True) -> np.ndarray:
+    out = [len(schedule.rounds)]
+    b = lambda r: _BUFFERS[r.buf]  # noqa: E731
+    for rnd in schedule.rounds:
+        copies, sends, recvs = rnd.copies, rnd.sends, rnd.recvs
+        out += [len(copies), len(sends), len(recvs)]
+        for c in copies:
+            out += [b(c.src), c.src.offset * itemsize, b(c.dst), c.dst.offset * itemsize,
+                    c.src.count * itemsize, int(_deferrable(c, rnd, user_aliased))]
+        for s in sends:
+            out += [s.peer, b(s.src), s.src.offset * itemsize, s.src.count * itemsize]
+        for r in recvs:
+            reduce = isinstance(r, RecvReduce)
+            src = r.src if reduce else r.dst
+            out += [r.peer, b(r.dst), r.dst.offset * itemsize, b(src), src.offset * itemsize,
+                    r.dst.count * itemsize, int(reduce)]
+    return np.array(out, dtype=np.int64)
+
+
+def call_header(algorithm, size: int, count: int, itemsize: int, params: dict) -> list:
+    """The plan's head (csrc/shm_plan.cpp): the descriptor fields it fixes, then
+    all_to_all's bytes to and from each peer, which every rank checks as a matrix."""
+    collective = algorithm.collective
+    head = [_C.COLLECTIVES[collective], pack_name(algorithm.name),
+            NONE if collective == "all_to_all" else count, params.get("root", NONE), 0]
+    if collective != "all_to_all":
+        return head + [0]
+    return head + [size] + [s * itemsize for s in params["input_splits"]] + [
+        s * itemsize for s in params["output_splits"]]
+
+
+@lru_cache(maxsize=4096)
+def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> ShmPlan:
+    kwargs = dict(params)
+    schedule = algorithm.build(size, rank, count, itemsize, **kwargs)
+    # only reduce_scatter and all_gather accept in-place forms where "in" is part of "out"
+    aliased = algorithm.collective in ("reduce_scatter", "all_gather")
+    steps = flatten(schedule, itemsize, aliased)
+    head = np.array(call_header(algorithm, size, count, itemsize, kwargs), np.int64)
+    return ShmPlan(np.concatenate([head, steps]), schedule.tmp_count * itemsize)

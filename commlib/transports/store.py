@@ -61,41 +61,13 @@ class StoreGroup:
                 for r in range(self.size)]
 
 
-class StoreMailbox:
-    """send/recv of bytes through the store. A message is one key, numbered per (source,
+class StoreWorld:
+    """A communicator's ranks as members of a store group (an MpiWorld's counterpart).
+
+    send/recv move bytes through the store: a message is one key, numbered per (source,
     destination, tag) in the order the sends and receives are issued, so messages with one
     tag arrive in order and different tags do not block each other; the receiver deletes
     it. Sends complete at once (the store holds the bytes)."""
-
-    def __init__(self, store, rank: int, prefix: str):
-        self.store, self.rank, self.prefix = store, rank, prefix
-        self._sent: Counter = Counter()
-        self._posted: Counter = Counter()
-        self._lock = threading.Lock()
-
-    def _key(self, src: int, dst: int, tag: int, counter: Counter) -> str:
-        with self._lock:  # sends and receives may be issued from several threads
-            seq = counter[(src, dst, tag)]
-            counter[(src, dst, tag)] = seq + 1
-        return f"{self.prefix}/{src}->{dst}/{tag}/{seq}"
-
-    def send(self, data: bytes, dst: int, tag: int) -> None:
-        self.store.set(self._key(self.rank, dst, tag, self._sent), data)
-
-    def post_recv(self, src: int, tag: int):
-        """Claim the next message from ``src`` with ``tag`` now (so receives match in the
-        order issued); the returned function blocks until it is there and returns it."""
-        key = self._key(src, self.rank, tag, self._posted)
-
-        def receive() -> bytes:
-            data = wait_get(self.store, key, f"recv from rank {src} (tag {tag})")
-            self.store.delete_key(key)
-            return data
-        return receive
-
-
-class StoreWorld:
-    """A communicator's ranks as members of a store group (an MpiWorld's counterpart)."""
 
     offers = frozenset()  # no MPI library: no native
     takes_device_memory = False
@@ -103,8 +75,9 @@ class StoreWorld:
 
     def __init__(self, store, rank: int, size: int, prefix: str):
         self.group = StoreGroup(store, rank, size, prefix)
-        self.rank, self.size = rank, size
-        self._mailbox = StoreMailbox(store, rank, f"{prefix}/p2p")
+        self.rank, self.size, self.store, self._prefix = rank, size, store, f"{prefix}/p2p"
+        self._numbered: dict = {"sent": Counter(), "posted": Counter()}
+        self._lock = threading.Lock()
         self.bytes_sent = 0  # by sends
 
     def crowded(self) -> bool:
@@ -127,16 +100,24 @@ class StoreWorld:
     def make_transport(self):
         return StoreTransport(self)
 
+    def _key(self, src: int, dst: int, tag: int, which: str) -> str:
+        with self._lock:  # sends and receives may be issued from several threads
+            counter = self._numbered[which]
+            seq = counter[(src, dst, tag)]
+            counter[(src, dst, tag)] = seq + 1
+        return f"{self._prefix}/{src}->{dst}/{tag}/{seq}"
+
     def send(self, buf, dst: int, tag: int, deadline, async_op: bool, keep):
         self.bytes_sent += buf.nbytes
-        self._mailbox.send(buf.bytes.tobytes(), dst, tag)
+        self.store.set(self._key(self.rank, dst, tag, "sent"), buf.bytes.tobytes())
         return finished(f"send to rank {dst}") if async_op else None
 
     def recv(self, buf, src: int, tag: int, deadline, async_op: bool, keep):
-        receive = self._mailbox.post_recv(src, tag)  # claimed now: receives match in order
+        key = self._key(src, self.rank, tag, "posted")  # claimed now: receives match in order
 
         def task():
-            data = receive()
+            data = wait_get(self.store, key, f"recv from rank {src} (tag {tag})")
+            self.store.delete_key(key)
             if len(data) != buf.nbytes:
                 raise CommError(f"recv from rank {src}: got {len(data)} bytes, tensor holds "
                                 f"{buf.nbytes}")
@@ -152,7 +133,7 @@ class StoreTransport(ShmTransport):
     """The shm transport over a StoreWorld: all ranks on one host, checked at set-up."""
 
     @staticmethod
-    def suits(topology) -> bool:
+    def suits(world) -> bool:
         return False  # made from a store (Communicator.from_store), never picked for MPI
 
     @classmethod

@@ -1,8 +1,9 @@
 """Collectives and send/recv on GPU arrays through pinned host memory (commlib/cuda/staging.py),
 under mpiexec: results, stream order, async Works, errors.
 
-On a GPU the arrays are torch CUDA tensors. With COMMLIB_CUDA_SIMULATE=1 (no GPU) they are
-host arrays behind a __cuda_array_interface__ and streams are threads (cuda/simulator.py):
+On a GPU the arrays are torch CUDA tensors. On the simulated GPU (no GPU:
+COMMLIB_CUDA_STREAMS, tests/simulated_gpu.py) they are host arrays behind a
+__cuda_array_interface__ and streams are threads:
 that checks the ordering logic, not CUDA."""
 import ctypes
 import os
@@ -17,7 +18,7 @@ from harness import Checker, assert_equal, raises
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 check = Checker()
-SIMULATED = cuda.simulated()
+SIMULATED = bool(os.environ.get("COMMLIB_CUDA_STREAMS"))  # tests/simulated_gpu.py
 IPC = n > 1 and comm.transport == "shm" and os.environ.get("COMMLIB_CUDA_IPC") != "0"
 WAIT = 60
 
@@ -127,13 +128,15 @@ def all_reduce_every_size_dtype_op():
             for op in ops:
                 values = (np.arange(count) * 7 + rank * 5) % 9 - (0 if dtype == "uint8" else 4)
                 if op == "prod":
-                    values = np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if rank else -1 if dtype != "uint8" else 1)
+                    values = (np.array([1.0, 2.0, 1.0])[np.arange(count) % 3]
+                              * (1 if rank else -1 if dtype != "uint8" else 1))
                 t = device(values, dtype)
                 comm.all_reduce(t, op=op)
                 check_algorithm(through_slots(count, dtype))
                 every = [((np.arange(count) * 7 + r * 5) % 9 - (0 if dtype == "uint8" else 4))
                          if op != "prod" else
-                         np.array([1.0, 2.0, 1.0])[np.arange(count) % 3] * (1 if r else -1 if dtype != "uint8" else 1)
+                         np.array([1.0, 2.0, 1.0])[np.arange(count) % 3]
+                         * (1 if r else -1 if dtype != "uint8" else 1)
                          for r in range(n)]
                 want = {"sum": sum, "avg": lambda v: sum(v) / n,
                         "max": lambda v: np.max(v, axis=0), "min": lambda v: np.min(v, axis=0),

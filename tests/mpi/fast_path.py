@@ -80,6 +80,24 @@ def results_match_the_general_path():
         _twice(reduce)
 
 
+def naming_an_algorithm_keeps_the_fast_path():
+    """A call that names its algorithm runs on the fast path too (after the first), with
+    the algorithm it named: schedules and direct alike (MPI's own stays general)."""
+    for collective in ("all_reduce", "all_gather"):
+        for name in comm.algorithms(collective):
+            def call():
+                if collective == "all_reduce":
+                    t = np.full(5, rank + 1.0)
+                    comm.all_reduce(t, algorithm=name)
+                    assert_equal(t, np.full(5, n * (n + 1) / 2))
+                else:
+                    out = np.zeros(3 * n)
+                    comm.all_gather(out, np.full(3, float(rank)), algorithm=name)
+                    assert_equal(out, np.repeat(np.arange(n, dtype=float), 3))
+            _twice(call)
+            assert comm.flight_record()[-1]["algorithm"] == name, (name, comm.flight_record()[-1])
+
+
 def in_place_forms():
     def all_gather():
         whole = np.zeros(6 * n, np.float32)

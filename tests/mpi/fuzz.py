@@ -115,7 +115,8 @@ def cases(draw):
     api = draw(st.sampled_from(["method", "function"]))
     comm = draw(st.sampled_from(["world", "dup", "halves", "head"]))
     if bad(True):
-        comm = draw(st.sampled_from(["freed"] + (["mpi4py", "string"] if api == "function" else [])))
+        comm = draw(st.sampled_from(["freed"]
+                                    + (["mpi4py", "string"] if api == "function" else [])))
     spec = {"coll": coll, "api": api, "comm": comm, "comm_none": draw(st.booleans()),
             "async": draw(st.booleans()), "salt": draw(st.integers(0, 3)),
             "misalign": draw(st.sampled_from([0, 0, 1, 2, 4, 7]))}
@@ -165,7 +166,8 @@ def cases(draw):
         spec.update(even=even, unit=draw(st.sampled_from([1, 2, 7, 300])),
                     c=draw(st.integers(0, 3)),
                     matrix=tuple(draw(st.lists(st.integers(0, 3), min_size=16, max_size=16))),
-                    a2a_shape=draw(st.sampled_from(["flat", "col"] + (["stacked"] if even else []))),
+                    a2a_shape=draw(st.sampled_from(["flat", "col"]
+                                                   + (["stacked"] if even else []))),
                     indivisible=bool(even and bad()))
         for side in ("in_splits", "out_splits"):
             form = draw(st.sampled_from(SPLITS_GOOD + (["none"] if even else [])))
@@ -335,7 +337,8 @@ def plan(spec, size, rank):
     # what needs both buffers: same dtype, matching counts, no forbidden overlap
     if len(shapes) == 2 and all(role_ok.values()):
         out, inp = p["roles"]["out"], p["roles"]["in"]
-        overlap = (out["numel"] and inp["numel"] and out["origin"] < inp["origin"] + inp["numel"] * inp["e"]
+        overlap = (out["numel"] and inp["numel"]
+                   and out["origin"] < inp["origin"] + inp["numel"] * inp["e"]
                    and inp["origin"] < out["origin"] + out["numel"] * out["e"])
         if out["dtype"] != inp["dtype"]:
             errors["dtype mismatch"] = TypeError

@@ -30,9 +30,11 @@ def concurrent_subcommunicators():
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=loop, args=(sub, "ring", lambda i: sum(members) + i * len(members))),
+    threads = [threading.Thread(target=loop,
+                                args=(sub, "ring", lambda i: sum(members) + i * len(members))),
                threading.Thread(target=loop, args=(comm, "rhd", lambda i: n * (n - 1) / 2 + i * n)),
-               threading.Thread(target=loop, args=(twin, "native", lambda i: n * (n - 1) / 2 + i * n))]
+               threading.Thread(target=loop,
+                                args=(twin, "native", lambda i: n * (n - 1) / 2 + i * n))]
     for t in threads:
         t.start()
     for t in threads:

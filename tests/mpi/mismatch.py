@@ -44,7 +44,8 @@ CASES = {  # name: (what the message must name, the call each rank makes)
     "all_reduce sum vs avg": ("op", lambda c: c.all_reduce(ones(8), op="avg" if odd else "sum")),
     "all_reduce algorithm": ("algorithm", lambda c: c.all_reduce(
         ones(1000), algorithm=two_algorithms(c, "all_reduce")[odd])),
-    "reduce_scatter count": ("count", lambda c: c.reduce_scatter(ones(4 + odd), ones(n * (4 + odd)))),
+    "reduce_scatter count": ("count", lambda c: c.reduce_scatter(ones(4 + odd),
+                                                                 ones(n * (4 + odd)))),
     "reduce_scatter op": ("op", lambda c: c.reduce_scatter(ones(4), ones(4 * n),
                                                            op="min" if odd else "sum")),
     "all_gather count": ("count", lambda c: c.all_gather(ones(n * (3 + odd)), ones(3 + odd))),

@@ -1,13 +1,13 @@
-"""strategies.mesh and strategies.mappings under mpiexec: the mesh's groups, and every
-communication op's forward and backward against a single-process computation of the same
-total loss (each rank can rebuild every rank's inputs: they come from seeds). On the CPU, or
-(COMMLIB_TEST_DEVICE=cuda) on GPU 0, which the ranks share."""
+"""commlib_strategies.mesh and commlib_strategies.mappings under mpiexec: the mesh's groups, and
+every communication op's forward and backward against a single-process computation of the
+same total loss (each rank can rebuild every rank's inputs: they come from seeds). On the CPU,
+or (COMMLIB_TEST_DEVICE=cuda) on GPU 0, which the ranks share."""
 import torch
 
 import commlib
 from harness import Checker, raises, use_device
-from strategies import mappings as m
-from strategies.mesh import Mesh
+from commlib_strategies import mappings as m
+from commlib_strategies.mesh import Mesh
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -23,7 +23,8 @@ def data(who, shape, salt):
 
 def close(got, want):
     assert got.shape == want.shape, (got.shape, want.shape)
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got.flatten()[:4], want.flatten()[:4])
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got.flatten()[:4],
+                                                               want.flatten()[:4])
 
 
 def members(group):

@@ -1,4 +1,4 @@
-"""strategies.checkpoint under mpiexec.
+"""commlib_strategies.checkpoint under mpiexec.
 
     strategies_checkpoint.py [DIR]          the cases below, at this world size
     strategies_checkpoint.py save DIR ARGS  train 2 steps in layout ARGS, save in DIR/ckpt, and
@@ -21,10 +21,10 @@ import torch
 
 import commlib
 from harness import Checker, raises
-from strategies import checkpoint
-from strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from strategies.mappings import gather_along
-from strategies.train import Trainer, parse_args
+from commlib_strategies import checkpoint
+from commlib_strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from commlib_strategies.mappings import gather_along
+from commlib_strategies.train import Trainer, parse_args
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -188,7 +188,8 @@ def errors_case(base: Path):
             data[len(data) // 2] ^= 1
             shard.write_bytes(bytes(data))
         world.barrier()
-        raises(ValueError, f"{shard} fails its sha256 check", lambda: load_checkpoint(root, trainer))
+        raises(ValueError, f"{shard} fails its sha256 check",
+               lambda: load_checkpoint(root, trainer))
         trainer.mesh.free()
     return case
 

@@ -1,30 +1,30 @@
-"""strategies.moe under mpiexec (2 or 4 ranks): the uneven all-to-all mapping, the
+"""commlib_strategies.moe under mpiexec (2 or 4 ranks): the uneven all-to-all mapping, the
 expert-parallel MoE layer against the single-process layer on the global batch (outputs,
 routing, aux loss, gradients; at 4 ranks also EP 2 x TP 2, expert tensor parallelism, with
 and without Megatron SP), and the MoE GPT trained at EP = n, at DP = n (EP 1) and, at 4
 ranks, at EP 2 (each half of the ranks on its own), EP x DP = 2 x 2 (also with ZeRO 1, 2
 and 3: dense parameters sharded over all 4 ranks, experts over dp), EP x TP = 2 x 2 (also
 with Megatron SP and ZeRO 3), EP x CP = 2 x 2 (ring; Ulysses with ZeRO 2: routing groups
-spanning the cp ranks) and TP x CP = 2 x 2 (Ulysses; ep 1), against the single-process MoE GPT on the same global
-batch with the same routing groups: the same assignments dropped at every step, and losses
-and gathered parameters after 5 steps within 1e-4 relative (fp32), top-1 and top-2. At 4
-ranks also pipelines of MoE blocks: PP 2 x EP 2 (1f1b, zb-h1's split backward, ZeRO 3
-reducing during the schedule), PP 2 x DP 2 (ZeRO 1), PP 2 x TP 2 (1f1b; gpipe with
-Megatron SP) and PP 2 x CP 2 (ring, zb-h1), each microbatch a routing group, every stage's
-aux losses in the loss; zb-h1 refused for experts split over tp."""
+spanning the cp ranks) and TP x CP = 2 x 2 (Ulysses; ep 1), against the single-process MoE
+GPT on the same global batch with the same routing groups: the same assignments dropped at
+every step, and losses and gathered parameters after 5 steps within 1e-4 relative (fp32),
+top-1 and top-2. At 4 ranks also pipelines of MoE blocks: PP 2 x EP 2 (1f1b, zb-h1's split
+backward, ZeRO 3 reducing during the schedule), PP 2 x DP 2 (ZeRO 1), PP 2 x TP 2 (1f1b;
+gpipe with Megatron SP) and PP 2 x CP 2 (ring, zb-h1), each microbatch a routing group,
+every stage's aux losses in the loss; zb-h1 refused for experts split over tp."""
 import torch
 
 import commlib
 from harness import Checker, close, raises, same_as, use_device
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.mappings import all_to_all_uneven
-from strategies.mesh import Mesh
-from strategies.model import GPT, GPTConfig
-from strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
-                            gathered_state, moe_gpt, reduce_gradients, zero_arguments)
-from strategies.pipeline import Pipeline, PipelineStage
-from strategies.sequence_parallel import sequence_shard
-from strategies.zero import ZeRO
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.mappings import all_to_all_uneven
+from commlib_strategies.mesh import Mesh
+from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
+                                    gathered_state, moe_gpt, reduce_gradients, zero_arguments)
+from commlib_strategies.pipeline import Pipeline, PipelineStage
+from commlib_strategies.sequence_parallel import sequence_shard
+from commlib_strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()

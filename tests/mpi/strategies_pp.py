@@ -1,4 +1,4 @@
-"""strategies.pipeline under mpiexec, with pp = the world's size (2 or 4), and pp=2 x dp=2
+"""commlib_strategies.pipeline under mpiexec, with pp = the world's size (2 or 4), and pp=2 x dp=2
 (plain, and ZeRO 1-3 on dp), pp=2 x tp=2 (plain, and Megatron SP), pp=2 x cp=2 (Ulysses
 attention) at 4 ranks: every schedule
 trains the GPT like the single-process reference on the same global batches (losses and
@@ -11,15 +11,16 @@ import torch
 import commlib
 from harness import Checker, raises, use_device
 from harness import same_as as harness_same_as
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.mappings import gather_along
-from strategies.mesh import Mesh
-from strategies.model import GPT, GPTConfig
-from strategies.pipeline import Pipeline, PipelineStage, gathered_state
-from strategies.pipeline_schedules import Action, schedule
-from strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt, sequence_shard
-from strategies.tensor_parallel import tensor_parallel_gpt
-from strategies.zero import ZeRO
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.mappings import gather_along
+from commlib_strategies.mesh import Mesh
+from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.pipeline import Pipeline, PipelineStage, gathered_state
+from commlib_strategies.pipeline_schedules import Action, schedule
+from commlib_strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt,
+                                                  sequence_shard)
+from commlib_strategies.tensor_parallel import tensor_parallel_gpt
+from commlib_strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()

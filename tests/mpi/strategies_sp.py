@@ -1,4 +1,4 @@
-"""strategies.sequence_parallel under mpiexec at 2 and 4 ranks: ring and Ulysses attention
+"""commlib_strategies.sequence_parallel under mpiexec at 2 and 4 ranks: ring and Ulysses attention
 against plain causal attention over the world (forward and backward, float64); the
 Megatron-SP, Ulysses and ring GPTs against the single-process reference on the same global
 batches (first step's logits and gradients, every step's loss, parameters after 5 steps
@@ -6,24 +6,25 @@ within 1e-4 relative, fp32): at 2 ranks each over the world (tp 2, cp 2); at 4 r
 over cp 4, and each beside dp 2 (tp 2 x dp 2 through DataParallel and through ZeRO-3,
 cp 2 x dp 2 through DataParallel for Ulysses and an explicit all-reduce for ring, and
 cp 2 x tp 2 for both: each tp rank's heads attend across the cp shards); and the
-activation bytes each layout saves per layer against their accounting (bench.activations,
+activation bytes each layout saves per layer against their accounting (commlib_bench.activations,
 whose table rank 0 prints)."""
 import torch
 import torch.nn.functional as F
 
 import commlib
-from bench.activations import LAYOUTS, accounted_bytes, format_table, table
+from commlib_bench.activations import LAYOUTS, accounted_bytes, format_table, table
 from harness import Checker, leaf, raises, same_as, use_device
 from harness import close as harness_close
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.data_parallel import DataParallel
-from strategies.mappings import gather_along
-from strategies.mesh import Mesh
-from strategies.model import GPT, GPTConfig
-from strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt, ring_attention,
-                                          sequence_shard, ulysses_attention)
-from strategies.tensor_parallel import gathered_state
-from strategies.zero import ZeRO
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.mappings import gather_along
+from commlib_strategies.mesh import Mesh
+from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt,
+                                                  ring_attention, sequence_shard,
+                                                  ulysses_attention)
+from commlib_strategies.tensor_parallel import gathered_state
+from commlib_strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -257,7 +258,7 @@ def ring_trains_like_one_process():
 # ------------------------------------------------------------------------------ memory
 
 def activation_bytes_match_their_accounting():
-    """Bytes saved per layer in every layout equal the accounting in bench.activations (the
+    """Bytes saved per layer in every layout equal the accounting in commlib_bench.activations (the
     seed's formula without dropout, plus LayerNorm statistics), at t = cp = n."""
     config = GPTConfig(vocab_size=vocab_size(), seq_len=8 * n, d_model=32, n_heads=4, n_layers=1)
     rows = table(config, 2, world)

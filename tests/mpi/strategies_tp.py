@@ -1,4 +1,4 @@
-"""strategies.tensor_parallel under mpiexec, with tp = the world's size (and dp x tp = 2 x 2
+"""commlib_strategies.tensor_parallel under mpiexec, with tp = the world's size (and dp x tp = 2 x 2
 at 4 ranks): each layer against its single-process counterpart (values and gradients), the
 vocab-parallel cross-entropy against model.cross_entropy, and the tensor-parallel GPT
 training like the single-process reference (1e-4 relative after 5 steps, fp32)."""
@@ -8,15 +8,15 @@ from torch import nn
 
 import commlib
 from harness import Checker, close, leaf, raises, same_as, use_device
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.data_parallel import DataParallel
-from strategies.mappings import gather_along
-from strategies.mesh import Mesh
-from strategies.model import GPT, GPTConfig, cross_entropy
-from strategies.zero import ZeRO
-from strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding, gathered_state,
-                                        tensor_parallel_gpt, vocab_parallel_cross_entropy)
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.mappings import gather_along
+from commlib_strategies.mesh import Mesh
+from commlib_strategies.model import GPT, GPTConfig, cross_entropy
+from commlib_strategies.zero import ZeRO
+from commlib_strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                VocabParallelEmbedding, gathered_state,
+                                                tensor_parallel_gpt, vocab_parallel_cross_entropy)
 
 torch.set_num_threads(1)
 world = commlib.init()

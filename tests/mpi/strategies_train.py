@@ -5,10 +5,10 @@ import torch
 
 import commlib
 from harness import Checker, raises, use_device
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.data_parallel import DataParallel
-from strategies.model import GPT, GPTConfig, cross_entropy
-from strategies.zero import ZeRO
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.model import GPT, GPTConfig, cross_entropy
+from commlib_strategies.zero import ZeRO
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -156,7 +156,8 @@ def zero_stage_2_and_3_accumulate_micro_batches():
 
 
 def zero_errors():
-    raises(ValueError, "stage must be 1, 2 or 3", lambda: ZeRO(GPT(CONFIG, SEED), world, 4, optimizer))
+    raises(ValueError, "stage must be 1, 2 or 3",
+           lambda: ZeRO(GPT(CONFIG, SEED), world, 4, optimizer))
 
 
 check.run_cases(globals())

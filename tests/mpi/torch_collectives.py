@@ -52,7 +52,8 @@ def same(got, want, tol=0.0, path="result"):
         assert got.dtype == want.dtype and got.shape == want.shape, \
             f"{path}: {got.dtype}{list(got.shape)} vs gloo {want.dtype}{list(want.shape)}"
         ok = torch.allclose(got, want, rtol=tol, atol=0) if tol else torch.equal(got, want)
-        assert ok, f"{path}: commlib {got.flatten()[:8].tolist()} gloo {want.flatten()[:8].tolist()}"
+        assert ok, (f"{path}: commlib {got.flatten()[:8].tolist()} "
+                    f"gloo {want.flatten()[:8].tolist()}")
     else:
         assert got == want, f"{path}: commlib {got!r}, gloo {want!r}"
 

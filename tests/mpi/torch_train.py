@@ -117,7 +117,8 @@ def same_params(got, want, start, hook_dtype=None):
         else:
             diff = (g - w).abs().max().item()
             bound = torch.finfo(hook_dtype).eps * (w - w0).abs().max().item()
-            assert diff <= bound, f"param {i}: diff {diff:.3g} > {hook_dtype} eps * update {bound:.3g}"
+            assert diff <= bound, (f"param {i}: diff {diff:.3g} > {hook_dtype} eps * update "
+                                   f"{bound:.3g}")
 
 
 def versus_gloo(name, train, hook_dtype=None, **kwargs):

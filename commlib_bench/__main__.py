@@ -1,13 +1,13 @@
 """commlib's benchmarks. Run under mpiexec; rank 0 prints.
 
-    mpiexec -n 2 python -m bench compare                 # every implementation side by side
-    mpiexec -n 2 python -m bench all_reduce --algo all   # nccl-tests style sweep
-    mpiexec -n 2 python -m bench latency|bandwidth|bibw  # OSU point-to-point
-    mpiexec -n 2 python -m bench overlap                 # OSU osu_iallreduce overlap
-    mpiexec -n 2 python -m bench gpu-overlap             # a matmul with an all_reduce beside it
-    mpiexec -n 2 python -m bench calibrate               # fit the cost model, write tuning file
-    python -m bench kernels                              # reduce kernel vs numpy and memcpy
-    python -m bench gpu-kernels                          # GPU kernels vs a device copy
+    mpiexec -n 2 commlib-bench compare                 # every implementation side by side
+    mpiexec -n 2 commlib-bench all_reduce --algo all   # nccl-tests style sweep
+    mpiexec -n 2 commlib-bench latency|bandwidth|bibw  # OSU point-to-point
+    mpiexec -n 2 commlib-bench overlap                 # OSU osu_iallreduce overlap
+    mpiexec -n 2 commlib-bench gpu-overlap             # a matmul with an all_reduce beside it
+    mpiexec -n 2 commlib-bench calibrate               # fit the cost model, write tuning file
+    commlib-bench kernels                              # reduce kernel vs numpy and memcpy
+    commlib-bench gpu-kernels                          # GPU kernels vs a device copy
 """
 import argparse
 import sys
@@ -23,7 +23,7 @@ ONE_PROCESS = ("kernels", "gpu-kernels")  # no communicator
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="commlib-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():

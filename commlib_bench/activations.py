@@ -5,7 +5,8 @@ next to the seed's formulas (Korthikanti et al., 16-bit activations, 1-byte drop
     tensor parallel          sbh(10 + 24/t + 5as/(ht))
     tensor + sequence par.   sbh(34/t + 5as/(ht))
 
-    mpiexec -n 2 python -m bench.activations [--batch 4] [--seq-len 64] [--d-model 64] [--heads 4]
+    mpiexec -n 2 python -m commlib_bench.activations [--batch 4] [--seq-len 64] [--d-model 64]
+        [--heads 4]
 
 s: sequence length, b: batch, h: width, a: heads, t: ranks (the world's size). Measured: the
 first block's forward on its input under torch.autograd.graph.saved_tensors_hooks, each
@@ -39,9 +40,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import commlib
-from strategies.model import GPT, GPTConfig
-from strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt
-from strategies.tensor_parallel import tensor_parallel_gpt
+from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt
+from commlib_strategies.tensor_parallel import tensor_parallel_gpt
 
 LAYOUTS = ("none", "tp", "tp+sp", "ulysses", "ring")
 
@@ -134,7 +135,7 @@ def format_table(rows: list[dict], config: GPTConfig, batch: int, t: int) -> str
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.activations", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m commlib_bench.activations", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)

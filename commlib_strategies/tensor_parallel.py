@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from strategies.mappings import copy_to_group, gather_along, reduce_from_group, split_along
-from strategies.model import GPT, MLP
+from commlib_strategies.mappings import copy_to_group, gather_along, reduce_from_group, split_along
+from commlib_strategies.model import GPT, MLP
 
 
 def _check_divides(total: int, group: commlib.Communicator, what: str) -> None:

@@ -1,4 +1,4 @@
-"""commlib's microbenchmarks: ``mpiexec -n 2 python -m bench <command>`` (see __main__).
+"""commlib's microbenchmarks: ``mpiexec -n 2 python -m commlib_bench <command>`` (see __main__).
 
 Each rank is meant to own one core: math libraries must not start thread pools of their own
 (set before numpy loads, which is why it lives here)."""

@@ -119,7 +119,8 @@ class ZeRO(nn.Module):
             for t in list(module.parameters()) + list(module.buffers()):
                 group_of.get(t, group).broadcast(t.data, root=0)
         covered = {p for u in self.units for p in u.params}
-        missing = [name for name, p in module.named_parameters() if p.requires_grad and p not in covered]
+        missing = [name for name, p in module.named_parameters()
+                   if p.requires_grad and p not in covered]
         if missing:
             raise ValueError(f"ZeRO: parameters {missing[:3]} belong to no unit; pass units "
                              "that cover every trainable parameter")
@@ -155,7 +156,8 @@ class ZeRO(nn.Module):
             for i, u in enumerate(self.units):
                 self._free(u)
                 u.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
-                u.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+                u.module.register_forward_hook(
+                    lambda m, args, out, i=i: self._after_forward(i, out))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -1,6 +1,6 @@
 """GPU kernels: commlib.cuda reduce, scale, cast and copy vs a device-to-device copy (one process).
 
-    python -m bench gpu-kernels [--sizes 64M,256M] [--reps 21]
+    python -m commlib_bench gpu-kernels [--sizes 64M,256M] [--reps 21]
 
 GB/s counts bytes read + written: reduce 3 * n * itemsize (read a and b, write dst),
 copies 2 * nbytes, scale 2 * nbytes, cast n * (source + target itemsize). "% copy" is a
@@ -45,16 +45,18 @@ def bench_size(torch, nbytes: int, reps: int) -> None:
         ("f32 max  reduce", lambda: cuda.reduce(f32[2], f32[0], f32[1], "max"), 3 * nbytes),
         ("f32 sum  torch add", lambda: torch.add(f32[0], f32[1], out=f32[2]), 3 * nbytes),
         ("f32      scale", lambda: cuda.scale(f32[2], 0.5), 2 * nbytes),
-        ("f32>bf16 cast", lambda: cuda.cast(bf16[2][:n16 // 2], f32[0][:n32 // 2]), 3 * nbytes // 2),
-        ("bf16>f32 cast", lambda: cuda.cast(f32[2][:n32 // 2], bf16[0][:n16 // 2]), 3 * nbytes // 2),
+        ("f32>bf16 cast", lambda: cuda.cast(bf16[2][:n16 // 2], f32[0][:n32 // 2]),
+         3 * nbytes // 2),
+        ("bf16>f32 cast", lambda: cuda.cast(f32[2][:n32 // 2], bf16[0][:n16 // 2]),
+         3 * nbytes // 2),
     ]
     times = [median_ms(torch, fn, reps) for _, fn, _ in rows]
     copy_gbs = rows[0][2] / times[0] / 1e6
     size = f"{nbytes >> 20} MiB"
     for (name, _, moved), ms in zip(rows, times):
         gbs = moved / ms / 1e6
-        print(f"{size:>8} | {name:<20} | {ms * 1e3:10.1f} | {gbs:8.1f} | {100 * gbs / copy_gbs:6.1f}%",
-              flush=True)
+        print(f"{size:>8} | {name:<20} | {ms * 1e3:10.1f} | {gbs:8.1f} | "
+              f"{100 * gbs / copy_gbs:6.1f}%", flush=True)
 
 
 def add_arguments(p):

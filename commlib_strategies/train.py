@@ -1,28 +1,28 @@
 """Train the reference GPT on the embedded addition data, in any layout:
 
-    mpiexec -n 4 python -m strategies.train --dp 2 --tp 2 --zero 1 --steps 50
-    mpiexec -n 4 python -m strategies.train --pp 2 --schedule zb-h1 --micro-batches 4
-    mpiexec -n 4 python -m strategies.train --cp 2 --sp ring
-    mpiexec -n 4 python -m strategies.train --tp 2 --pp 2 --sp megatron
-    mpiexec -n 4 python -m strategies.train --cp 2 --tp 2 --sp ulysses
-    mpiexec -n 4 python -m strategies.train --ep 2 --experts 4 --topk 2
-    mpiexec -n 4 python -m strategies.train --pp 2 --ep 2 --experts 4 --zero 3
-    mpiexec -n 4 python -m strategies.train --tp 2 --ep 2 --experts 4 --sp megatron
-    mpiexec -n 4 python -m strategies.train --cp 2 --ep 2 --experts 4 --sp ring
-    mpiexec -n 4 python -m strategies.train --pp 2 --tp 2 --experts 4 --sp megatron
-    mpiexec -n 4 python -m strategies.train --cp 2 --tp 2 --experts 4 --sp ulysses
+    mpiexec -n 4 python -m commlib_strategies.train --dp 2 --tp 2 --zero 1 --steps 50
+    mpiexec -n 4 python -m commlib_strategies.train --pp 2 --schedule zb-h1 --micro-batches 4
+    mpiexec -n 4 python -m commlib_strategies.train --cp 2 --sp ring
+    mpiexec -n 4 python -m commlib_strategies.train --tp 2 --pp 2 --sp megatron
+    mpiexec -n 4 python -m commlib_strategies.train --cp 2 --tp 2 --sp ulysses
+    mpiexec -n 4 python -m commlib_strategies.train --ep 2 --experts 4 --topk 2
+    mpiexec -n 4 python -m commlib_strategies.train --pp 2 --ep 2 --experts 4 --zero 3
+    mpiexec -n 4 python -m commlib_strategies.train --tp 2 --ep 2 --experts 4 --sp megatron
+    mpiexec -n 4 python -m commlib_strategies.train --cp 2 --ep 2 --experts 4 --sp ring
+    mpiexec -n 4 python -m commlib_strategies.train --pp 2 --tp 2 --experts 4 --sp megatron
+    mpiexec -n 4 python -m commlib_strategies.train --cp 2 --tp 2 --experts 4 --sp ulysses
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
 --pp 2, --cp 2 --sp ulysses, ... (with --experts: the same MoE model in every layout; each
 sequence is its own routing group, so routing does not depend on the layout either).
-Which dimensions compose is in strategies/layout.py.
-With --save-dir the run saves sharded checkpoints (strategies/checkpoint.py), which
+Which dimensions compose is in commlib_strategies/layout.py.
+With --save-dir the run saves sharded checkpoints (commlib_strategies/checkpoint.py), which
 --resume continues from, in this layout or any other; in the same layout the resumed
 losses are bit-identical to an uninterrupted run's.
 
 Each step prints the loss (averaged over the data-parallel ranks), tokens/s and the most
-any rank holds of parameters, gradients and optimizer state (strategies/accounting.py).
+any rank holds of parameters, gradients and optimizer state (commlib_strategies/accounting.py).
 """
 from __future__ import annotations
 
@@ -35,24 +35,25 @@ import time
 import torch
 
 import commlib
-from strategies import accounting
-from strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.data_parallel import DataParallel
-from strategies.layout import SEQUENCE_KINDS, Layout, check
-from strategies.mesh import DIMS, Mesh
-from strategies.model import GPT, GPTConfig
-from strategies.moe import (data_shard, expert_parallel_gpt, moe_gpt, reduce_gradients,
-                            zero_arguments)
-from strategies.pipeline import Pipeline, PipelineStage
-from strategies.pipeline_schedules import SCHEDULES
-from strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt, sequence_shard
-from strategies.tensor_parallel import tensor_parallel_gpt
-from strategies.zero import ZeRO
+from commlib_strategies import accounting
+from commlib_strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.layout import SEQUENCE_KINDS, Layout, check
+from commlib_strategies.mesh import DIMS, Mesh
+from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.moe import (data_shard, expert_parallel_gpt, moe_gpt, reduce_gradients,
+                                    zero_arguments)
+from commlib_strategies.pipeline import Pipeline, PipelineStage
+from commlib_strategies.pipeline_schedules import SCHEDULES
+from commlib_strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt,
+                                                  sequence_shard)
+from commlib_strategies.tensor_parallel import tensor_parallel_gpt
+from commlib_strategies.zero import ZeRO
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m strategies.train", description=__doc__,
+    p = argparse.ArgumentParser(prog="commlib-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     layout = p.add_argument_group("layout (the product must equal the number of ranks)")
     layout.add_argument("--dp", type=int, default=None,
@@ -282,7 +283,8 @@ def main(argv=None) -> int:
                   f" grads {_mb(most['gradients'])} optim {_mb(most['optimizer'])}"
                   f" sent {_mb(most['sent'])}", flush=True)
         done = step + 1
-        if args.save_dir and (done == args.steps or args.save_every and done % args.save_every == 0):
+        if args.save_dir and (done == args.steps
+                              or args.save_every and done % args.save_every == 0):
             path = save_checkpoint(args.save_dir, done, trainer)
             if lead and not args.quiet:
                 print(f"# saved {path}", flush=True)

@@ -1,6 +1,6 @@
 """Kernels: commlib._C reduce and copy vs numpy and memcpy on the same arrays (one process).
 
-    python -m bench kernels [--reps 21]
+    python -m commlib_bench kernels [--reps 21]
 
 Reduce GB/s counts bytes read + written (3 * n * itemsize: read dst, read src,
 write dst); copies count 2 * n * itemsize. Times are medians over --reps
@@ -46,13 +46,18 @@ def bench_size(nbytes_per_array, reps):
     pa, pb, pha, phb, pba, pbb = (x.ctypes.data for x in (a, b, ha, hb, ba, bb))
     nb = a.nbytes
     rows = [  # (name, callable, elements, bytes moved, numpy baseline row name)
-        ("f32 sum  _C.reduce_into", lambda: _C.reduce_into(pb, pa, n, _C.DTYPES["float32"], SUM), n, 3 * nb, "f32 sum  np.add(out=)"),
+        ("f32 sum  _C.reduce_into", lambda: _C.reduce_into(pb, pa, n, _C.DTYPES["float32"], SUM),
+         n, 3 * nb, "f32 sum  np.add(out=)"),
         ("f32 sum  np.add(out=)", lambda: np.add(a, b, out=b), n, 3 * nb, None),
         ("copy     _C.copy", lambda: _C.copy(pb, pa, nb), n, 2 * nb, "copy     np.copyto"),
         ("copy     np.copyto", lambda: np.copyto(b, a), n, 2 * nb, None),
-        ("f16 sum  _C.reduce_into", lambda: _C.reduce_into(phb, pha, 2 * n, _C.DTYPES["float16"], SUM), 2 * n, 3 * nb, "f16 sum  np.add(out=)"),
+        ("f16 sum  _C.reduce_into",
+         lambda: _C.reduce_into(phb, pha, 2 * n, _C.DTYPES["float16"], SUM),
+         2 * n, 3 * nb, "f16 sum  np.add(out=)"),
         ("f16 sum  np.add(out=)", lambda: np.add(ha, hb, out=hb), 2 * n, 3 * nb, None),
-        ("bf16 sum _C.reduce_into", lambda: _C.reduce_into(pbb, pba, 2 * n, _C.DTYPES["bfloat16"], SUM), 2 * n, 3 * nb, None),
+        ("bf16 sum _C.reduce_into",
+         lambda: _C.reduce_into(pbb, pba, 2 * n, _C.DTYPES["bfloat16"], SUM),
+         2 * n, 3 * nb, None),
     ]
     times = dict(zip([r[0] for r in rows], median_seconds([r[1] for r in rows], nb, reps)))
     copy_gbs = 2 * nb / times["copy     _C.copy"] / 1e9
@@ -61,7 +66,8 @@ def bench_size(nbytes_per_array, reps):
         t = times[name]
         gbs = moved / t / 1e9
         vs_np = f"{times[base] / t:7.2f}" if base else "      -"
-        print(f"{size:>7} | {name:<24} | {t * 1e6:10.1f} | {gbs:7.1f} | {elems / t / 1e9:7.2f} | {vs_np} | {100 * gbs / copy_gbs:6.0f}%")
+        print(f"{size:>7} | {name:<24} | {t * 1e6:10.1f} | {gbs:7.1f} | {elems / t / 1e9:7.2f} | "
+              f"{vs_np} | {100 * gbs / copy_gbs:6.0f}%")
 
 
 def add_arguments(p):
@@ -70,8 +76,10 @@ def add_arguments(p):
 
 def main(args):
     info = _C.build_info()
-    print(f"commlib._C: {info['compiler']}, flags '{info['cxx_flags']}', simd: {info['simd']}; numpy {np.__version__}")
-    print(f"{'size':>7} | {'kernel':<24} | {'median us':>10} | {'GB/s':>7} | {'Gelem/s':>7} | x numpy | % copy")
+    print(f"commlib._C: {info['compiler']}, flags '{info['cxx_flags']}', simd: {info['simd']}; "
+          f"numpy {np.__version__}")
+    print(f"{'size':>7} | {'kernel':<24} | {'median us':>10} | {'GB/s':>7} | {'Gelem/s':>7} | "
+          "x numpy | % copy")
     print("-" * 88)
     for nbytes in (32 << 10, 64 << 20):
         bench_size(nbytes, args.reps)

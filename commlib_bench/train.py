@@ -1,9 +1,9 @@
 """Training throughput: strategies' DP and ZeRO-2/3 on commlib against torch DDP and FSDP2
 on gloo, the same GPT and data, in one run.
 
-    mpiexec -n 2 python bench/train.py [--rounds 3] [--steps 5] [--d-model 256] [--layers 4]
+    mpiexec -n 2 python commlib_bench/train.py [--rounds 3] [--steps 5] [--d-model 256] [--layers 4]
 
-Every contestant starts from the same weights (strategies.model.GPT, one seed) and trains
+Every contestant starts from the same weights (commlib_strategies.model.GPT, one seed) and trains
 on the same global batches with AdamW. Rounds alternate between the contestants so drifts
 of the machine hit all alike; a step is forward, backward, the contestant's gradient
 communication and the optimizer step, timed on the slowest rank. Reported: median
@@ -21,10 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib
 import commlib.torch_backend as tb
-from strategies.data import AdditionDataset, shard, vocab_size
-from strategies.data_parallel import DataParallel
-from strategies.model import GPT, GPTConfig, cross_entropy
-from strategies.zero import ZeRO
+from commlib_strategies.data import AdditionDataset, shard, vocab_size
+from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.model import GPT, GPTConfig, cross_entropy
+from commlib_strategies.zero import ZeRO
 
 
 class Contestant:

@@ -1,6 +1,6 @@
 """Implementations measured side by side ("peers"), and the buffers they share.
 
-A peer runs any collective of bench.specs on a Case; ``unsupported`` says why it cannot
+A peer runs any collective of commlib_bench.specs on a Case; ``unsupported`` says why it cannot
 (shown as n/a). Adding an implementation is a class with one method per collective.
 """
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Case:
 
     def __init__(self, spec, n, rank, count, dtype, op=None, root=0, inplace=False,
                  device="cpu"):
-        self.spec, self.n, self.rank, self.dtype, self.op, self.root = spec, n, rank, dtype, op, root
+        (self.spec, self.n, self.rank, self.dtype, self.op,
+         self.root) = spec, n, rank, dtype, op, root
         self.inplace = inplace and spec.name in ("reduce_scatter", "all_gather")
         self.count, self.device = count, device
         n_in, n_out = spec.buffer_counts(n, count)

@@ -1,6 +1,7 @@
 """A simulated GPU with the calls of commlib._cuda that the collectives make (streams.cu,
-ipc.cu, reduce_n and scale), chosen by COMMLIB_CUDA_SIMULATE=1: it lets the staged and
-IPC collectives' ordering (staging.py, ipc.py) be tested on machines without a GPU.
+ipc.cu, reduce_n and scale), plugged in by COMMLIB_CUDA_STREAMS=SIMULATED below: it lets
+the staged and IPC collectives' ordering (commlib/cuda/staging.py,
+commlib/transports/cuda_ipc.py) be tested on machines without a GPU.
 "Device" memory is host memory, so any object with a ``__cuda_array_interface__`` over
 host memory serves as a device array (on device 0, the legacy default stream 0); memory
 from device_alloc is POSIX shared memory, which peers map by its name (the IPC handle).
@@ -21,7 +22,10 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from ..dtypes import BY_CODE
+from commlib.dtypes import BY_CODE
+
+# what a launch's environment sets to run commlib's GPU calls on this simulated device
+SIMULATED = "tests.simulated_gpu:SimulatedDevice"
 
 # numpy's reductions by op code
 _REDUCE = (np.add, np.multiply, np.minimum, np.maximum, np.add)

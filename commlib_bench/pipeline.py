@@ -1,7 +1,7 @@
 """Pipeline schedules on real stages: each schedule's step time and measured idle fraction,
 next to the simulator's (with the step's measured action costs, and with unit costs).
 
-    mpiexec -n 2 python bench/pipeline.py [--d-model 256 --layers 8 --micro-batches 8]
+    mpiexec -n 2 python commlib_bench/pipeline.py [--d-model 256 --layers 8 --micro-batches 8]
 
 Every stage computes with one thread; the median of --steps steps after one warm-up step.
 """
@@ -12,9 +12,9 @@ import argparse
 import torch
 
 import commlib
-from strategies.data import AdditionDataset, vocab_size
-from strategies.model import GPT, GPTConfig
-from strategies.pipeline import Pipeline, PipelineStage
+from commlib_strategies.data import AdditionDataset, vocab_size
+from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.pipeline import Pipeline, PipelineStage
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
 

@@ -73,15 +73,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from strategies.data import shard
-from strategies.mappings import (all_to_all_uneven, copy_to_group, gather_along,
-                                 gather_for_partial, reduce_from_group, reduce_scatter_along)
-from strategies.mesh import Mesh
-from strategies.model import GPT, MLP, cross_entropy, init_normal_
-from strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
-                                          sum_gradients, sum_replicated_gradients)
-from strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelGPT
-from strategies.zero import default_units
+from commlib_strategies.data import shard
+from commlib_strategies.mappings import (all_to_all_uneven, copy_to_group, gather_along,
+                                         gather_for_partial, reduce_from_group,
+                                         reduce_scatter_along)
+from commlib_strategies.mesh import Mesh
+from commlib_strategies.model import GPT, MLP, cross_entropy, init_normal_
+from commlib_strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
+                                                  sum_gradients, sum_replicated_gradients)
+from commlib_strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                TensorParallelGPT)
+from commlib_strategies.zero import default_units
 
 
 @dataclass

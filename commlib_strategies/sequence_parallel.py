@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from strategies.mappings import all_to_all, gather_along, reduce_from_group, reduce_scatter_along
-from strategies.model import GPT, MLP
-from strategies.tensor_parallel import (TensorParallelGPT, VocabParallelEmbedding,
-                                        vocab_parallel_cross_entropy)
+from commlib_strategies.mappings import (all_to_all, gather_along, reduce_from_group,
+                                         reduce_scatter_along)
+from commlib_strategies.model import GPT, MLP
+from commlib_strategies.tensor_parallel import (TensorParallelGPT, VocabParallelEmbedding,
+                                                vocab_parallel_cross_entropy)
 
 _KV_TAG, _GRAD_TAG = 1, 2  # ring messages: K/V blocks, and their dK/dV accumulators
 

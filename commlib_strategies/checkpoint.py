@@ -1,5 +1,5 @@
 """Sharded, atomic, reshardable checkpoints of a training run (DP, ZeRO-1/2/3, TP, PP, CP,
-MoE/EP, and the layouts strategies/layout.py composes from them).
+MoE/EP, and the layouts commlib_strategies/layout.py composes from them).
 
 On disk, inside a root directory::
 
@@ -168,7 +168,7 @@ def _named_parameters(trainer):
 
 
 def _experts(trainer) -> set:
-    from strategies.moe import expert_parameters  # (moe imports torch's heavier parts)
+    from commlib_strategies.moe import expert_parameters  # (moe imports torch's heavier parts)
     return expert_parameters(trainer.model)
 
 
@@ -356,7 +356,8 @@ def _read_manifest(path: Path, trainer) -> dict:
     if manifest["byteorder"] != sys.byteorder:
         raise ValueError(f"{path} was written on a {manifest['byteorder']}-endian machine")
     mismatch = [f"{k}={v} (here {getattr(trainer.model.config, k, None)})"
-                for k, v in manifest["config"].items() if getattr(trainer.model.config, k, None) != v]
+                for k, v in manifest["config"].items()
+                if getattr(trainer.model.config, k, None) != v]
     here = _data_settings(trainer)
     mismatch += [f"--{k} {v} (here {here.get(k)})"
                  for k, v in manifest["data"].items() if here.get(k) != v]

@@ -1,6 +1,6 @@
 """DDP step time, commlib backend vs gloo, in one run on the same data.
 
-    mpiexec -n 2 python bench/ddp.py [--rounds 5] [--steps 10] [--batch 32]
+    mpiexec -n 2 python commlib_bench/ddp.py [--rounds 5] [--steps 10] [--batch 32]
 
 A ~25M-parameter MLP is wrapped twice, once per backend, from the same initial weights.
 Rounds alternate between the two (commlib, gloo, commlib, ...) so that drifts of the
@@ -62,7 +62,8 @@ def main():
     models["no comm"] = (local, torch.optim.SGD(local.parameters(), lr=1e-3))
     params = sum(p.numel() for p in models["commlib"][0].parameters())
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(args.batch, 2048, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    x, y = (torch.randn(args.batch, 2048, generator=g),
+            torch.randint(0, 10, (args.batch,), generator=g))
 
     for name, (ddp, opt) in models.items():  # warm up: DDP rebuilds its buckets after step 1
         timed_steps(ddp, opt, x, y, 3, groups[name])

@@ -4,8 +4,9 @@ For each collective and size, repetitions interleave the implementations so mach
 hits all alike; each reports the median over all its iterations of the max over ranks, and
 is then checked once on exact data. The table gives busbw per implementation, the ratio
 of commlib's best (and of auto) to the best peer (MPI or gloo), and commlib's best as a
-fraction of this machine's memcpy bandwidth at that size (one rank copying alone). --json writes every number,
---plot a PNG of busbw against size with the measured memcpy bandwidth drawn as a bound.
+fraction of this machine's memcpy bandwidth at that size (one rank copying alone). --json
+writes every number, --plot a PNG of busbw against size with the measured memcpy bandwidth
+drawn as a bound.
 """
 from __future__ import annotations
 

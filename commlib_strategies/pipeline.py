@@ -1,7 +1,7 @@
 """Pipeline parallelism: the GPT cut into pieces over the stages of a pipeline group (the
 mesh's "pp" group), and a runtime that executes a schedule on them.
 
-Vocabulary and schedules as in ``strategies.pipeline_schedules``: p stages, v chunks per
+Vocabulary and schedules as in ``commlib_strategies.pipeline_schedules``: p stages, v chunks per
 stage, p * v *pieces* (chunk c of stage s is piece c * p + s), m microbatches, and the
 actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
 
@@ -55,14 +55,16 @@ import torch
 from torch import nn
 
 import commlib
-from strategies.model import GPT, cross_entropy
-from strategies.moe import MoE, MoEGPT, TensorParallelExpert
-from strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
-                                           simulate)
-from strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
-                                          context_parallel_cross_entropy, positions_of_shard,
-                                          rehook_gradient_sums, shard_positions)
-from strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
+from commlib_strategies.model import GPT, cross_entropy
+from commlib_strategies.moe import MoE, MoEGPT, TensorParallelExpert
+from commlib_strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
+                                                   simulate)
+from commlib_strategies.sequence_parallel import (ContextParallelGPT,
+                                                  MegatronSequenceParallelGPT,
+                                                  context_parallel_cross_entropy,
+                                                  positions_of_shard, rehook_gradient_sums,
+                                                  shard_positions)
+from commlib_strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
 
 _TAG_LIMIT = 32767  # commlib's largest tag
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strategies.mesh import check_sizes
-from strategies.pipeline_schedules import SCHEDULES
+from commlib_strategies.mesh import check_sizes
+from commlib_strategies.pipeline_schedules import SCHEDULES
 
 SEQUENCE_KINDS = ("megatron", "ulysses", "ring")
 

@@ -1,4 +1,4 @@
-"""``python -m bench <collective>``: nccl-tests style sweep of one collective.
+"""``python -m commlib_bench <collective>``: nccl-tests style sweep of one collective.
 
 Columns: size count type redop root impl time algbw busbw #wrong. #wrong counts elements
 that differ from the exact expected result after the timed loop (summed over ranks); any

@@ -1,7 +1,7 @@
 """GPU overlap: a large matmul while an all_reduce runs on commlib's side stream, against the
 matmul alone.
 
-    mpiexec -n 2 python -m bench gpu-overlap [--matmul 8192] [-b 64M] [--reps 11]
+    mpiexec -n 2 python -m commlib_bench gpu-overlap [--matmul 8192] [-b 64M] [--reps 11]
 
 Every rank multiplies two --matmul square bfloat16 matrices on its current stream. In the
 "with" samples it first issues an async all_reduce of -b bytes of float32 (which runs on

@@ -1,1 +1,0 @@
-"""Executors run schedules: ``python`` over mpi4py non-blocking point-to-point."""

@@ -1,0 +1,138 @@
+"""The MPI world the MPI-based transports (mpi, shm, hosts) share: how a communicator's ranks
+met (an mpi4py communicator), which host each is on, and their point-to-point messages."""
+from __future__ import annotations
+
+import functools
+import os
+from functools import cached_property
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import CommError
+from ..exchange import MpiGroup, allgather
+from ..work import Deadline, RequestPoller, wait_request
+from .base import affinity
+
+
+class MpiWorld:
+    """A communicator's ranks as an MPI communicator ``mpi`` (the user's), with private
+    duplicates for collectives (``coll``) and point-to-point messages, so that neither
+    meets the user's own MPI traffic nor the other. Counts what MPI moves for us."""
+
+    offers = frozenset({"mpi"})
+
+    def __init__(self, mpi_comm: MPI.Comm, owned: bool = False):
+        self.mpi, self.owned = mpi_comm, owned  # owned: freed with this world
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.coll, self._p2p = mpi_comm.Dup(), mpi_comm.Dup()
+        self.group = MpiGroup(self.coll)
+        self._poller = RequestPoller(f"r{self.rank}of{self.size}")
+        self.bytes_sent = 0  # by MPI's own collectives (the least any algorithm sends) and sends
+
+    def count_sent(self, nbytes: float) -> None:
+        self.bytes_sent += int(nbytes)
+
+    @cached_property
+    def hosts(self) -> tuple[int, bool]:
+        """(the hosts the ranks are on, whether each has as many ranks), found when first
+        asked: collective."""
+        colors = allgather(self.coll, host_color(self.coll))
+        return len(set(colors)), len({colors.count(c) for c in colors}) == 1
+
+    def crowded(self) -> bool:
+        return crowded_host()
+
+    @cached_property
+    def takes_device_memory(self) -> bool:
+        """Whether MPI moves GPU memory itself: a CUDA-aware MPI, other than Open MPI,
+        whose non-blocking collectives (ours, so that they time out) take no device
+        memory."""
+        from .. import cuda
+        return cuda.mpi_is_cuda_aware() and not _open_mpi()
+
+    def split(self, color, key) -> "MpiWorld | None":
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else MpiWorld(sub)
+
+    def dup(self) -> "MpiWorld":
+        return MpiWorld(self.mpi.Dup())
+
+    def make_transport(self):
+        from . import pick
+        return pick(self)
+
+    # point to point: posted at once on the caller's thread (so that paired sends and
+    # receives never deadlock), completed by the poller's thread when async
+    def send(self, buf, dst: int, tag: int, deadline: Deadline, async_op: bool, keep):
+        self.count_sent(buf.nbytes)
+        try:
+            if async_op:
+                return self._poller.track(self._p2p.Isend(buf.bytes, dst, tag),
+                                          f"send to rank {dst}", None, deadline=deadline,
+                                          keep=keep)
+            wait_request(self._p2p.Isend(buf.bytes, dst, tag), deadline,
+                         f"rank {dst} to receive (send, tag {tag})", keep=keep)
+        except MPI.Exception as e:
+            raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
+        return None
+
+    def recv(self, buf, src: int, tag: int, deadline: Deadline, async_op: bool, keep):
+        try:
+            if async_op:
+                return self._poller.track(self._p2p.Irecv(buf.bytes, src, tag),
+                                          f"recv from rank {src}", keep,
+                                          expect_bytes=buf.nbytes, deadline=deadline,
+                                          keep=keep)
+            status = MPI.Status()
+            wait_request(self._p2p.Irecv(buf.bytes, src, tag), deadline,
+                         f"rank {src} to send (recv, tag {tag})", status, keep=keep)
+        except MPI.Exception as e:
+            raise CommError(f"recv from rank {src} failed inside MPI (a message larger than "
+                            f"the {buf.nbytes}-byte tensor?): {e}") from e
+        got = status.Get_count(MPI.BYTE)
+        if got != buf.nbytes:
+            raise CommError(f"recv from rank {src}: got {got} bytes, tensor holds {buf.nbytes}")
+        return keep
+
+    def close(self) -> None:
+        self._poller.close()
+        for c in (self.coll, self._p2p, *((self.mpi,) if self.owned else ())):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+
+@functools.lru_cache(maxsize=None)
+def _open_mpi() -> bool:
+    return "Open MPI" in MPI.Get_library_version()
+
+
+def host_color(mpi_comm: MPI.Comm) -> int:
+    """An id shared exactly by the ranks of ``mpi_comm`` on this rank's (virtual) host.
+    COMMLIB_RANKS_PER_HOST=k pretends that world ranks [0, k), [k, 2k), ... are separate
+    hosts, so the multi-host path can be tested on one machine."""
+    per_host = os.environ.get("COMMLIB_RANKS_PER_HOST")
+    if per_host:
+        if not per_host.isdigit() or int(per_host) < 1:
+            raise ValueError(f"COMMLIB_RANKS_PER_HOST={per_host!r}; expected a positive int")
+        return MPI.COMM_WORLD.Get_rank() // int(per_host)
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:  # the lowest world rank on the node names it
+        lowest = np.array([MPI.COMM_WORLD.Get_rank()], np.int64)
+        node.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
+        return int(lowest[0])
+    finally:
+        node.Free()
+
+
+@functools.lru_cache(maxsize=1)
+def crowded_host() -> bool:
+    """Whether this machine's MPI processes (all of them, whatever communicator or virtual
+    hosts) outnumber the cores they may run on: the union of their affinities, since a
+    launcher that binds each rank to its own core (Open MPI does) leaves each one core."""
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        cores = set().union(*allgather(node, affinity()))
+        return node.Get_size() > len(cores)
+    finally:
+        node.Free()
