@@ -27,12 +27,9 @@ _OP_CODES = {op: _C.OPS[op.value] for op in ReduceOp}
 
 
 class Call:
-    """One rank's validated collective call. ``out`` is the output (or the only buffer),
-    ``inp`` the input or None; ``count`` the primary count that plans key on (the tensor,
-    reduce_scatter's output block, all_gather's and all_to_all's input); ``splits`` all_to_all's
-    (input_splits, output_splits) in elements; ``device`` the cuda.DeviceArray the buffers
-    live on, None for host memory; ``scale`` what an average multiplies this rank's result
-    by (None: nothing)."""
+    """One rank's validated collective call: ``out`` (or the only buffer), ``inp`` (or None),
+    ``count`` (the primary count: csrc/call.h), all_to_all's ``splits`` (input, output), the
+    ``device`` array (None: host memory), the ``scale`` an average applies here (or None)."""
 
     __slots__ = ("collective", "out", "inp", "count", "dtype", "op", "op_code", "root",
                  "splits", "device", "scale")

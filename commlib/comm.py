@@ -33,11 +33,9 @@ class Communicator:
 
     @classmethod
     def from_store(cls, store, rank: int, size: int, prefix: str = "commlib") -> "Communicator":
-        """A communicator of ``size`` processes of this host that meet through ``store``
-        (a torch.distributed Store, or anything with its set/get/delete_key), without MPI:
-        for launchers such as torchrun that form no MPI world. Collective over the ranks;
-        each passes its own ``rank``. Collectives run on shared memory as usual;
-        send/recv go through the store (see commlib/transports/store.py)."""
+        """A communicator of ``size`` processes of this host that meet through ``store`` (a
+        torch.distributed Store) instead of MPI, for launchers such as torchrun; collective,
+        each rank passing its own ``rank`` (see commlib/transports/store.py)."""
         return cls.__new__(cls)._over(transports.load("store").create(store, rank, size, prefix))
 
     def _over(self, transport) -> "Communicator":
@@ -76,11 +74,9 @@ class Communicator:
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes this rank has handed to its peers on this communicator: what its
-        transport moved (sent over MPI, pushed into a peer's shared-memory channel, or
-        staged there and read by a peer: once per reader), plus point-to-point sends. For
-        MPI's own collectives (native), whose internals are hidden, the least that any
-        algorithm sends (nccl-tests' bus bytes)."""
+        """Bytes this rank handed to its peers here: what its transport moved (over MPI, or
+        through shared memory: once per reader) and sent; for MPI's own collectives, whose
+        internals are hidden, the least any algorithm sends (nccl-tests' bus bytes)."""
         return self._transport.bytes_sent
 
     def algorithms(self, collective: str, device: bool = False) -> list[str]:
@@ -185,9 +181,8 @@ class Communicator:
 
     def register(self, t, timeout=None, required: bool = True):
         """GPU memory the ranks of one host read and write directly (zero-copy collectives);
-        collective. Returns a RegisteredMemory: close() it, or use it as a context manager.
-        Not ``required``: None where this communicator cannot register ``t`` (host memory,
-        ranks of several hosts, no CUDA IPC), the same on every rank."""
+        collective. Returns a RegisteredMemory to close() (or use in a ``with`` block), or,
+        not ``required``, None where ``t`` cannot be registered, alike on every rank."""
         from .cuda.registered import register
         return register(self._calls, t, timeout, required)
 

@@ -156,8 +156,7 @@ class Dispatcher:
 
     def gpu(self, device: int, desc: list, itemsize: int, seconds: float):
         """The CUDA IPC transport on ``device`` (None where some rank cannot map the others'
-        memory), set up at its first call (``desc``): after the ranks agree on that call,
-        so that a rank that made another one cannot leave the others waiting."""
+        memory), set up at its first call ``desc`` once the ranks agree on that call."""
         if device not in self._gpus:
             gpu = transports.load("cuda_ipc")(self.transport, device, self.staging.runtime)
             t = self.transport
@@ -232,10 +231,8 @@ class Dispatcher:
         return error
 
     def tell_peers(self, collective: str, error: Exception) -> None:
-        """``error`` (ValueError/TypeError: this rank's arguments are invalid) is about to be
-        raised; first tell the peers, where calls are checked at all. Ranks whose arguments
-        are all invalid agree and raise their own errors; valid peers raise
-        CollectiveMismatchError naming the invalid ranks."""
+        """Before raising ``error`` (this rank's arguments are invalid), tell the peers, where
+        calls are checked: valid ones then raise CollectiveMismatchError naming this rank."""
         t = self.transport
         if t.size == 1 or not t.checks_calls:
             return

@@ -8,26 +8,24 @@ from .call import check_rank, check_timeout
 from .work import Deadline
 
 
-def _check_peer(size: int, rank: int, peer, what: str) -> None:
-    check_rank(peer, what, size)
-    if peer == rank:
-        raise ValueError(f"{what}={peer} is this rank itself; a message to self would block "
+def _checked(calls, t, peer, tag, timeout, role: str, writable: bool):
+    """(world, deadline, Buffer) of a message to or from ``peer``; ValueError/TypeError
+    before anything is sent."""
+    calls.check_open()
+    world = calls.transport.world
+    deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
+    buf = as_buffer(t, "t", writable)
+    if check_rank(peer, role, world.size) == world.rank:
+        raise ValueError(f"{role}={peer} is this rank itself; a message to self would block "
                          "forever; copy locally instead")
-
-
-def _check_tag(tag) -> None:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= 32767:
         raise ValueError(f"tag must be an int in [0, 32767], got {tag!r}")
+    return world, deadline, buf
 
 
 def send(calls, t, dst, tag, async_op, timeout):
     """Send ``t`` to rank ``dst`` (``calls``: the communicator's dispatch.Dispatcher)."""
-    calls.check_open()
-    world = calls.transport.world
-    deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
-    buf = as_buffer(t, "t", writable=False)
-    _check_peer(world.size, world.rank, dst, "dst")
-    _check_tag(tag)
+    world, deadline, buf = _checked(calls, t, dst, tag, timeout, "dst", False)
     if buf.device is not None and world.takes_device_memory:
         buf = _on_device(buf, deadline, f"send to rank {dst}")
     elif buf.device is not None:  # sent from a host copy, made once its stream gets there
@@ -37,12 +35,7 @@ def send(calls, t, dst, tag, async_op, timeout):
 
 def recv(calls, t, src, tag, async_op, timeout):
     """Receive into ``t`` from rank ``src``; the message must fill ``t`` exactly."""
-    calls.check_open()
-    world = calls.transport.world
-    deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
-    buf = as_buffer(t, "t")
-    _check_peer(world.size, world.rank, src, "src")
-    _check_tag(tag)
+    world, deadline, buf = _checked(calls, t, src, tag, timeout, "src", True)
     if buf.device is not None and world.takes_device_memory:  # Work.wait() blocks
         buf = _on_device(buf, deadline, f"recv from rank {src}")
     elif buf.device is not None:  # received into a host copy; the stream copies it in after

@@ -115,10 +115,9 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
            model: CostModel | None = None, transport: str | None = None,
            local: int | None = None, offers: frozenset | None = None,
            where: Where | None = None) -> Algorithm:
-    """The algorithm for a call on host memory: ``requested`` if given, then the
-    environment, then the cheapest (among those a communicator offering ``offers`` can run:
-    by default, a transport's own and MPI's). ``where`` describes the transport (else
-    ``transport``, default mpi, and ``local``)."""
+    """The algorithm for a call on host memory: ``requested``, then the environment, then
+    the cheapest that ``offers`` allows (default: the transport's own and MPI's) at
+    ``where`` (else ``transport``, default mpi, with ``local`` ranks per host)."""
     where = where or Where(transport or "mpi", local)
     if offers is None:
         offers = frozenset({where.transport, "mpi"})
@@ -136,9 +135,8 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
 def choose_on_device(call, requested: str | None, n: int, where: Where, offers: frozenset,
                      on=None, model: CostModel | None = None) -> Algorithm | None:
     """The cheapest algorithm that works on ``call``'s GPU arrays themselves (``on``: the
-    transport that would run the CUDA IPC ones) and is ``requested`` (a name or family;
-    None: any), or None: then the call's arrays are staged through host memory for a host
-    algorithm. Raises where ``requested`` names only GPU algorithms and none applies."""
+    CUDA IPC transport) and is ``requested`` (a name or family; None: any), or None (staged
+    through host memory instead); raises where only GPU algorithms are named and none fits."""
     device = [a for a in candidates(call.collective, offers, device=True) if a.memory == "device"
               and (requested is None or requested in (a.name, a.family))]
     fits = [a for a in device if a.applies is None or a.applies(on, call) is None]

@@ -40,9 +40,8 @@ class Algorithm:
 
 @dataclass(frozen=True)
 class Where:
-    """What a cost depends on besides n and the bytes: the transport, the ranks of each host
-    (hier), and the sizes its data paths cut calls into. The defaults serve costs computed
-    away from a transport (tests, bench calibrate); transports describe themselves."""
+    """What a cost depends on besides n and the bytes: the transport, its ranks per host,
+    the sizes its data paths cut calls into (defaults: for costs away from a transport)."""
     transport: str = "mpi"
     local: Optional[int] = None
     staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
@@ -130,18 +129,16 @@ def candidates(collective: str, offers: frozenset | None, device: bool = False) 
 
 
 def algorithms(collective: str, comm=None, device: bool = False) -> list[str]:
-    """Names of the algorithms for ``collective``, sorted: those that run on ``comm`` (every
-    one registered when None); ``device``: for calls on GPU arrays (the GPU's own, and the
-    host ones staged through host memory)."""
+    """Names of the algorithms for ``collective`` that run on ``comm`` (None: any), for host
+    memory or (``device``) GPU arrays (the GPU's own, and the host ones staged)."""
     offers = None if comm is None else comm.offers
     return sorted({a.name for a in candidates(collective, offers, device)})
 
 
 def get(collective: str, name: str, offers: frozenset | None = None,
         device: bool = False) -> Algorithm:
-    """The algorithm ``name`` that runs on a communicator offering ``offers`` (None: any),
-    for a call on host memory or (``device``) GPU arrays, its GPU entry first; else
-    ValueError naming what it needs and what is valid here."""
+    """The algorithm ``name`` that runs where ``offers`` (None: anywhere), on GPU arrays
+    (``device``: its GPU entry first) or host memory; else ValueError saying why."""
     here = [a for a in candidates(collective, offers, device) if a.name == name]
     if here:
         return max(here, key=lambda a: a.memory == "device")

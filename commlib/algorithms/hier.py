@@ -8,10 +8,8 @@ MPI between them, so each byte crosses the network once per host, not once per r
     all_gather      all-gather among the same-shard ranks -> host all-gather (regrouped)
     broadcast       broadcast among the root's shard ranks -> broadcast inside every host
 
-Runners take the several-hosts transport (commlib/transports/hosts.py): ``local`` is this
-rank's host (shared memory), ``cross`` the ranks with the same local rank on every host
-(MPI); ``owner[i][h]`` is the rank with local rank i at position h of its cross group.
-Each stage is a call of its own, run by ``local.execute`` or ``cross.execute``.
+Runners take the several-hosts transport (commlib/transports/hosts.py, whose vocabulary
+they use); each stage is a call of its own, run by ``local.execute`` or ``cross.execute``.
 """
 from dataclasses import replace
 

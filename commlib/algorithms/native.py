@@ -2,13 +2,9 @@
 
 MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats reduce through a
 user-defined MPI op that calls commlib's own kernels. Each runs as MPI's non-blocking
-collective, waited for with the transport's timeout (a blocking one cannot time out).
-Runners take a transport whose world is MPI's (commlib/transports/mpi.py): the world's
-``coll`` communicator and ``count_sent``, the transport's ``timeout``.
-
-On GPU arrays with a CUDA-aware MPI, the same calls run on the device memory itself (the
-"device" entries), except where the host must touch the data: 16-bit float reductions
-(our kernels) and in-place reduce_scatter (a copy).
+collective, waited for with the transport's timeout (a blocking one cannot time out), on
+the world's ``coll`` communicator. With a CUDA-aware MPI the same calls run on GPU arrays
+themselves (the "device" entries), except where the host must touch the data.
 """
 from functools import lru_cache
 

@@ -138,11 +138,8 @@ class RegisteredMemory:
 
 
 def register(calls, t, timeout=None, required: bool = True) -> "RegisteredMemory | None":
-    """Share ``t``'s GPU memory with the communicator's peers (every rank calls it, each
-    with its own array, in the same order); ``calls`` is the communicator's
-    dispatch.Dispatcher. A collective whose input is ``t`` or a part of it at every rank
-    then reads the peers' inputs where they lie. Not ``required``: None where registering
-    cannot work (host memory, ranks of several hosts, no CUDA IPC), the same answer on
+    """Share ``t``'s GPU memory with the peers (Communicator.register; ``calls``: its
+    dispatch.Dispatcher). Not ``required``: None where registering cannot work, alike on
     every rank, so that a caller can fall back to plain calls."""
     try:
         return _register(calls, t, timeout)

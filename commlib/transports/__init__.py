@@ -1,16 +1,5 @@
-"""Transports: what a communicator's calls run over, one module each (the interface is
-base.Transport's).
-
-    mpi       every rank through MPI (mpi4py): schedules on the Python executor, and MPI's
-              own collectives
-    shm       the ranks of one host: schedules and direct collectives on shared memory
-              (csrc/shm*.cpp), MPI's own collectives beside them
-    hosts     ranks on several hosts: mpi, plus hier, which runs a shm transport inside
-              each host and an mpi one between them
-    store     shm set up through a key-value store, for launchers that form no MPI world
-              (torchrun); send/recv through the store
-    cuda_ipc  the GPU ranks of one host, on device memory the peers map: beside a shm
-              transport, for calls on GPU arrays
+"""Transports: what a communicator's calls run over, one module each (mpi, shm, hosts,
+store, cuda_ipc; each module's header says what it is), behind base.Transport's interface.
 
 A new transport is a module here with a Transport subclass, and its name below. ``auto``
 takes the first of PREFERENCE whose ``suits(world)`` holds for an MPI communicator's

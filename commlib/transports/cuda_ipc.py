@@ -21,11 +21,9 @@ Vocabulary:
              (cuStreamWaitValue32): ``go`` (one per meeting of a step: steps allowed past
              it) and ``free`` (steps every rank is done with, so that their slot may be
              written again; a step's first meeting frees the step before it).
-  one-shot   all_reduce where every rank reduces the whole chunk from every slot (2 ranks,
-             small chunks: one meeting).
-  two-shot   all_reduce where rank r reduces part r of the chunk into its own slot and its
-             output, and after a second meeting every rank copies the other parts from
-             their owners' slots (at 3+ ranks each rank reads less).
+  one-shot   all_reduce where every rank reduces the whole chunk from every slot; two-shot:
+             rank r reduces part r, and every rank copies the others after a second
+             meeting (commlib/algorithms/ipc.py chooses).
   on the host  a call of one step whose work the host enqueues on our stream (``side``)
              between its two meetings, once the ranks have agreed on it, and waits for:
              all_to_all, whose steps depend on every rank's splits, and the zero-copy calls.
@@ -59,9 +57,8 @@ ALIGN = 256
 
 
 class CudaIpc(Transport):
-    """A communicator's workspaces on one device, mapped by every rank, its counters, and
-    the collectives over them. Made collectively (``set_up``) on the communicator's engine
-    thread."""
+    """A communicator's workspaces and counters on one device, and the collectives over
+    them; set up collectively on the communicator's engine thread."""
 
     name = "cuda_ipc"
     offers = frozenset({"cuda_ipc"})

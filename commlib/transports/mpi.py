@@ -97,11 +97,9 @@ def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params:
 
 
 class Agreement:
-    """Checks that every rank of an MPI communicator makes the same call: each sends its
-    descriptor (and all_to_all's splits) to every other. Point to point rather than one
-    allgather so that a timeout can name the ranks that never arrived. Calls on a
-    communicator run one at a time, so one table and one set of persistent requests serve
-    them all (starting those costs far less than posting new ones)."""
+    """Every rank sends its call's descriptor (and all_to_all's splits) to every other:
+    point to point, so that a timeout names the ranks that never arrived, over one table
+    and one set of persistent requests (calls run one at a time; starting those is cheap)."""
 
     def __init__(self, mpi_comm):
         size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()

@@ -45,9 +45,8 @@ class MpiWorld:
 
     @cached_property
     def takes_device_memory(self) -> bool:
-        """Whether MPI moves GPU memory itself: a CUDA-aware MPI, other than Open MPI,
-        whose non-blocking collectives (ours, so that they time out) take no device
-        memory."""
+        """Whether MPI moves GPU memory itself: CUDA-aware, and not Open MPI (whose
+        non-blocking collectives, ours, take no device memory)."""
         from .. import cuda
         return cuda.mpi_is_cuda_aware() and not _open_mpi()
 

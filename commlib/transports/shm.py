@@ -1,14 +1,9 @@
 """shm: the ranks of one host, over shared memory (csrc/shm.h). Schedules run flattened
 into the int64 plans csrc/shm_plan.cpp reads, the direct collectives in C++
-(csrc/shm_direct.cpp); both publish every call's descriptor (commlib/call.py) with it, so
-the ranks agree on each call without a message of its own and ranks that disagree fail
-with CollectiveMismatchError instead of exchanging wrong data. MPI's own collectives run
-beside them where the world is MPI's, and meet here first. Calls on numpy arrays take a
-C++ fast path (commlib/fast_path.py) unless COMMLIB_FAST_PATH=0.
-
-Set-up is collective: each rank creates its segment, the names travel through the world's
-group (MPI, or a store), every rank maps every segment, and once all have (a barrier)
-each unlinks its own, so nothing is left in /dev/shm whatever happens next.
+(csrc/shm_direct.cpp); both publish every call's descriptor with it, so the ranks agree on
+each call without a message of its own. MPI's own collectives run beside them where the
+world is MPI's, and meet here first. Calls on numpy arrays take the C++ fast path
+(commlib/fast_path.py) unless COMMLIB_FAST_PATH=0.
 """
 from __future__ import annotations
 
@@ -95,7 +90,9 @@ class ShmTransport(Transport):
 
 
 def _set_up(group, crowded: bool):
-    """The ranks' ShmComm (``crowded``: this rank's machine has more processes than cores)."""
+    """The ranks' ShmComm, collectively: each creates its segment, the names travel through
+    ``group``, every rank maps every segment, then each unlinks its own, so that nothing
+    is left in /dev/shm whatever happens next (``crowded``: more processes than cores)."""
     rank, size = group.rank, group.size
     config = group.allgather(_config_from_env())[0]  # rank 0's: every rank must agree
     # Spinning on a core that a peer needs only delays it: no spinning when ranks

@@ -1,13 +1,9 @@
 """store: the shm transport among processes that meet through a key-value store instead of
-MPI, for launchers such as torchrun, whose processes are each alone in their MPI world but
-share a store (torch.distributed's TCPStore). The shared-memory segments' names are
-exchanged through the store; every collective then runs on shared memory as under
-mpiexec. Point-to-point messages travel through the store itself: correct (MPI's order per
-source and tag is kept) but slow, since every byte crosses the store's server; launch with
-mpiexec where send/recv speed matters.
-
-Values put in the store are JSON (set-up facts) or raw bytes (messages): nothing received
-from a peer is unpickled.
+MPI, for launchers such as torchrun (each process alone in its MPI world, all sharing
+torch.distributed's TCPStore). Set-up facts travel through the store, then collectives run
+on shared memory as under mpiexec. Point-to-point messages go through the store itself:
+correct (MPI's order per source and tag is kept) but slow. Values put in the store are
+JSON or raw bytes: nothing received from a peer is unpickled.
 """
 from __future__ import annotations
 
@@ -62,12 +58,9 @@ class StoreGroup:
 
 
 class StoreWorld:
-    """A communicator's ranks as members of a store group (an MpiWorld's counterpart).
-
-    send/recv move bytes through the store: a message is one key, numbered per (source,
-    destination, tag) in the order the sends and receives are issued, so messages with one
-    tag arrive in order and different tags do not block each other; the receiver deletes
-    it. Sends complete at once (the store holds the bytes)."""
+    """A communicator's ranks as members of a store group (an MpiWorld's counterpart). A
+    message is one key, numbered per (source, destination, tag) in issue order, so that
+    messages of one tag arrive in order; the receiver deletes it; sends complete at once."""
 
     offers = frozenset()  # no MPI library: no native
     takes_device_memory = False
