@@ -7,6 +7,7 @@ current stream of the array's framework on the array's device and returns at onc
 NCCL's calls do; synchronise that stream before reading the result on the host.
 """
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,6 @@ FLOATING = tuple(d.name for d in BY_CODE if d.floating)
 OPS = tuple(_C.OPS)
 KERNEL_DTYPES = tuple(d.kernel for d in BY_CODE)
 KERNEL_OPS = tuple("sum" if op == "avg" else op for op in OPS)
-MAX_POINTERS = 16  # reduce_n's targets and sources (kernels.cu kMaxPointers)
 
 
 class CudaUnavailable(RuntimeError):
@@ -31,6 +31,10 @@ class CudaUnavailable(RuntimeError):
 def source() -> str:
     """The kernels' CUDA C++ source, as both compilers see it."""
     return (Path(__file__).parent / "kernels.cu").read_text()
+
+
+# reduce_n's targets and sources at most, as kernels.cu fixes it
+MAX_POINTERS = int(re.search(r"kMaxPointers = (\d+);", source())[1])
 
 
 def _prefer_cupy() -> bool:
@@ -68,7 +72,6 @@ def mpi_is_cuda_aware() -> bool:
     if said in ("0", "1"):
         return said == "1"
     import ctypes
-    import re
     with open("/proc/self/maps") as maps:
         libmpi = next((line.split()[-1] for line in maps
                        if re.search(r"/libmpi[^/]*\.so", line)), None)
