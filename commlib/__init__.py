@@ -5,12 +5,11 @@
     comm.all_reduce(t)
 """
 from . import _C
+from .call import ReduceOp
 from .algorithms import algorithms
-from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, recv, reduce,
-                          reduce_scatter, send)
-from .comm import Communicator, init
+from .comm import (Communicator, all_gather, all_reduce, all_to_all, barrier, broadcast, init,
+                   recv, reduce, reduce_scatter, send)
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError
-from .ops import ReduceOp
 from .work import Work, wait_all
 
 __all__ = ["CollectiveMismatchError", "Communicator", "CommError", "CommTimeoutError",

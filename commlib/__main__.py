@@ -4,7 +4,7 @@ import time
 import numpy as np
 
 import commlib
-from commlib.exchange import allgather
+from commlib.transports.mpi_world import allgather
 
 
 def main():

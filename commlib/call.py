@@ -11,12 +11,35 @@ from __future__ import annotations
 
 import operator
 import os
+from enum import Enum
 
 from . import _C
 from .buffers import Buffer, as_buffer
 from .dtypes import DType
-from .ops import ReduceOp
 
+
+class ReduceOp(str, Enum):
+    """Reduction operators."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"  # reduces as sum, then scaled by 1/size; floating dtypes only
+
+    @classmethod
+    def parse(cls, op) -> "ReduceOp":
+        """Accept a ReduceOp or its name (any case)."""
+        parsed = _BY_NAME.get(op) if isinstance(op, str) else None  # also ReduceOp itself
+        if parsed is None:
+            parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
+        if parsed is None:
+            raise ValueError(f"unknown reduce op {op!r}; valid: "
+                             f"{', '.join(o.value for o in cls)}")
+        return parsed
+
+
+_BY_NAME = {o.value: o for o in ReduceOp}
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 CODES = {c: _C.COLLECTIVES[c] for c in COLLECTIVES}
 NAMES = {code: name for name, code in _C.COLLECTIVES.items()}
@@ -104,8 +127,7 @@ def make(collective: str, size: int, rank: int, out, inp=None, op=None, root=Non
 
 
 def check_rank(value, what: str, size: int | None = None) -> int:
-    """An int rank, inside a communicator of ``size`` where given (a root's range is
-    csrc/call.h's to check)."""
+    """An int rank, inside ``size`` where given (a root's range is csrc/call.h's)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
     if size is not None and not 0 <= value < size:

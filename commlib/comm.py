@@ -1,5 +1,6 @@
-"""Communicator: a group of ranks and the collectives among them, over one transport
-(commlib/transports/), every call through one route (commlib/dispatch.py)."""
+"""Communicator: a group of ranks and the collectives among them (also as functions of the
+world), over one transport (commlib/transports/), every call through one route
+(commlib/dispatch.py)."""
 from __future__ import annotations
 
 import mpi4py
@@ -18,13 +19,9 @@ ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL, BROADCAST, REDUCE = (
 
 
 class Communicator:
-    """Wraps an mpi4py communicator; every rank of it must construct this together.
-
-    Collectives and point-to-point messages travel on private duplicates of the MPI
-    communicator, so they never match the user's own MPI traffic or each other. Every
-    operation takes ``async_op``: then it returns a Work at once; collectives on one
-    communicator complete in issue order, driven by its own progress thread.
-    """
+    """Wraps an mpi4py communicator; every rank of it must construct this together. Its
+    traffic never matches the user's own MPI traffic. With ``async_op`` an operation
+    returns a Work at once; a communicator's collectives complete in issue order."""
 
     def __init__(self, mpi_comm: MPI.Comm):
         if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL:
@@ -66,7 +63,7 @@ class Communicator:
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        self._calls.timeout = seconds
+        self._calls.set_timeout(seconds)
 
     def flight_record(self) -> list[dict]:
         """The last calls on this communicator, oldest first (recorder.FlightRecorder)."""
@@ -80,8 +77,7 @@ class Communicator:
         return self._transport.bytes_sent
 
     def algorithms(self, collective: str, device: bool = False) -> list[str]:
-        """The algorithms ``collective`` can use on this communicator: for calls on host
-        memory, or (``device``) on GPU arrays."""
+        """The algorithms ``collective`` can use here, on host memory or (``device``) GPUs."""
         from .algorithms import candidates
         offers = self.offers | (self._transport.device_offers() if device else frozenset())
         return sorted({a.name for a in candidates(collective, offers, device)})
@@ -201,3 +197,58 @@ def init() -> Communicator:
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
     return _world
+
+
+# The collectives as functions: each is its communicator's method (and shows that method's
+# docstring), ``comm=None`` meaning the world.
+def _comm(comm):
+    if comm is None:
+        return init()
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a commlib.Communicator (or None for the world), got "
+                        f"{type(comm).__name__}")
+    return comm
+
+
+def all_reduce(t, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
+    return _comm(comm).all_reduce(t, op, algorithm, async_op, timeout)
+
+
+def reduce_scatter(output, input, op="sum", algorithm=None, comm=None, async_op=False,
+                   timeout=None):
+    return _comm(comm).reduce_scatter(output, input, op, algorithm, async_op, timeout)
+
+
+def all_gather(output, input, algorithm=None, comm=None, async_op=False, timeout=None):
+    return _comm(comm).all_gather(output, input, algorithm, async_op, timeout)
+
+
+def all_to_all(output, input, output_splits=None, input_splits=None, algorithm=None, comm=None,
+               async_op=False, timeout=None):
+    return _comm(comm).all_to_all(output, input, output_splits, input_splits, algorithm,
+                                  async_op, timeout)
+
+
+def broadcast(t, root=0, algorithm=None, comm=None, async_op=False, timeout=None):
+    return _comm(comm).broadcast(t, root, algorithm, async_op, timeout)
+
+
+def reduce(t, root=0, op="sum", algorithm=None, comm=None, async_op=False, timeout=None):
+    return _comm(comm).reduce(t, root, op, algorithm, async_op, timeout)
+
+
+def barrier(comm=None, async_op=False, timeout=None):
+    return _comm(comm).barrier(async_op, timeout)
+
+
+def send(t, dst, tag=0, comm=None, async_op=False, timeout=None):
+    return _comm(comm).send(t, dst, tag, async_op, timeout)
+
+
+def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):
+    return _comm(comm).recv(t, src, tag, async_op, timeout)
+
+
+for _fn in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce, barrier,
+            send, recv):
+    _fn.__doc__ = getattr(Communicator, _fn.__name__).__doc__

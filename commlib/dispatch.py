@@ -1,8 +1,7 @@
 """One route for every collective call of a communicator: validate (commlib/call.py),
-choose the algorithm, record the call, agree on it with the peers, run it on the
-transport, in issue order on the communicator's progress engine. A rank whose arguments
-fail validation still joins the call's agreement (``tell_peers``), so that its peers raise
-CollectiveMismatchError at once instead of waiting for it until the timeout.
+choose, record, agree with the peers, run on the transport, in issue order on the
+progress engine. A rank whose arguments are invalid still joins the call's agreement
+(``tell_peers``), so that its peers raise at once instead of waiting until the timeout.
 
 Calls on GPU arrays take the GPU's own algorithms where one applies: CUDA IPC (work on the
 caller's stream, meetings on the engine) or a CUDA-aware MPI on the device memory itself;
@@ -33,8 +32,8 @@ class Dispatcher:
         self.transport = transport
         self.recorder = FlightRecorder(owner)
         self.failure: str | None = None  # why the communicator can no longer be used
-        self._timeout = default_timeout()
-        self.fast = FastPath.create(transport, self, self._timeout)
+        self.timeout = default_timeout()  # (set_timeout: also the fast path's)
+        self.fast = FastPath.create(transport, self, self.timeout)
         self.recorder.fast = self.fast
         self.call_fast = self.fast.call if self.fast is not None else _decline
         name = f"r{transport.rank}of{transport.size}"
@@ -44,15 +43,10 @@ class Dispatcher:
         self._gpus: dict = {}  # device -> transports.cuda_ipc.CudaIpc, set up at first use
         self.closed = False
 
-    @property
-    def timeout(self) -> float:
-        return self._timeout
-
-    @timeout.setter
-    def timeout(self, seconds) -> None:
-        self._timeout = check_timeout(seconds)
+    def set_timeout(self, seconds) -> None:
+        self.timeout = check_timeout(seconds)
         if self.fast is not None:
-            self.fast.native.timeout = self._timeout
+            self.fast.native.timeout = self.timeout
 
     @property
     def staging(self):
@@ -70,7 +64,7 @@ class Dispatcher:
         t = self.transport
         try:
             call = make(collective, t.size, t.rank, **args)
-            seconds = self._timeout if timeout is None else check_timeout(timeout)
+            seconds = self.timeout if timeout is None else check_timeout(timeout)
             if call.device is not None:
                 return self._on_device(call, algorithm, async_op, seconds, result)
             algo, plan, new = t.choose(call, algorithm)
@@ -82,12 +76,13 @@ class Dispatcher:
         return self.engine.run(collective, self._task(call, algo, plan, seconds), async_op,
                                result)
 
+    def _record(self, call, algo):
+        return self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,
+                                   call.op.value if call.op else None, call.root)
+
     def _task(self, call, algo, plan, seconds):
-        """The call as a task for the engine: recorded (from now), bounded by ``seconds``,
-        agreed on, run."""
-        t = self.transport
-        record = self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,
-                                     call.op.value if call.op else None, call.root)
+        """The call as the engine's task: recorded now, bounded, agreed on, run."""
+        t, record = self.transport, self._record(call, algo)
 
         def body():
             if t.timeout != seconds:
@@ -106,9 +101,10 @@ class Dispatcher:
         if "cuda_ipc" in offers and self._asks_ipc(call, algorithm):
             device = call.device.device
             gpu = self.gpu(device, call.descriptor("ipcsetup"), call.dtype.itemsize, seconds)
-            if gpu is None and algorithm is not None:
+            if not gpu.usable and algorithm is not None:
                 raise CommError(f"{call.collective}: algorithm={algorithm!r} is unavailable "
-                                f"here: {self.gpu_problem(device)}")
+                                f"here: {gpu.problem}")
+            gpu = gpu if gpu.usable else None
         where = gpu.where if gpu is not None else t.where
         algo = choose_on_device(call, algorithm, t.size, where,
                                 offers if gpu is not None else offers - {"cuda_ipc"}, gpu)
@@ -134,15 +130,12 @@ class Dispatcher:
             for a in entries(call.collective, "device").values())
 
     def _through(self, gpu, call, algo, async_op, seconds, result):
-        """A call through CUDA IPC: its work enqueued on the stream now, its meetings on
-        the engine."""
+        """Through CUDA IPC: the work on the stream now, the meetings on the engine."""
         staging = self.staging
         stream = staging.stream_for(call.device, async_op)
         meet, release, done = gpu.issue(call, algo.name, stream, seconds)
         staging.keep_until(done, [b.obj for b in call.bufs.values()])
-        record = self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,
-                                     call.op.value if call.op else None, call.root)
-        desc = call.descriptor(algo.name)
+        record, desc = self._record(call, algo), call.descriptor(algo.name)
         what = f"{call.collective} (ipc)"
 
         def task():
@@ -155,7 +148,7 @@ class Dispatcher:
         return staging.submit(self.engine, what, task, done, call.device, async_op, result)
 
     def gpu(self, device: int, desc: list, itemsize: int, seconds: float):
-        """The CUDA IPC transport on ``device`` (None where some rank cannot map the others'
+        """The CUDA IPC transport on ``device`` (``usable``: every rank could map the others'
         memory), set up at its first call ``desc`` once the ranks agree on that call."""
         if device not in self._gpus:
             gpu = transports.load("cuda_ipc")(self.transport, device, self.staging.runtime)
@@ -164,16 +157,10 @@ class Dispatcher:
             def set_up():
                 t.set_timeout(seconds)
                 t.agree(desc, None, itemsize)
-                gpu.set_up(t.world.group)
+                gpu.set_up(t.world)
             self.engine.run("ipc set-up", set_up, async_op=False)
             self._gpus[device] = gpu
-        gpu = self._gpus[device]
-        return gpu if gpu.usable else None
-
-    def gpu_problem(self, device: int) -> str | None:
-        """Why the CUDA IPC transport on ``device`` is unavailable (after its set-up)."""
-        gpu = self._gpus.get(device)
-        return gpu.problem if gpu is not None else None
+        return self._gpus[device]
 
     # ------------------------------------------------------------------ around a call
     def barrier(self, async_op: bool, timeout):
@@ -181,7 +168,7 @@ class Dispatcher:
         self.check_open()
         t = self.transport
         try:
-            seconds = self._timeout if timeout is None else check_timeout(timeout)
+            seconds = self.timeout if timeout is None else check_timeout(timeout)
         except (ValueError, TypeError) as e:
             self.tell_peers("barrier", e)
             raise
@@ -239,7 +226,7 @@ class Dispatcher:
         record = self.recorder.issue(collective, "invalid", None, None)
 
         def body():
-            t.set_timeout(self._timeout)
+            t.set_timeout(self.timeout)
             t.agree(invalid_descriptor(collective))
 
         try:

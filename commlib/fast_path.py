@@ -11,9 +11,8 @@ from __future__ import annotations
 import weakref
 
 from . import _C
-from .call import CODES, NAMES, NONE
+from .call import CODES, NAMES, NONE, ReduceOp
 from .dtypes import BY_CODE
-from .ops import ReduceOp
 
 # what a reducing collective's op may be given as (as ReduceOp.parse takes it)
 _OP_CODES = {**{o.value: _C.OPS[o.value] for o in ReduceOp},
@@ -32,8 +31,7 @@ class FastPath:
 
     @classmethod
     def create(cls, transport, calls, timeout: float) -> "FastPath | None":
-        """The fast path of ``transport``'s calls, recording into ``calls`` (a
-        dispatch.Calls), or None where the transport has none."""
+        """``transport``'s fast path, recording into ``calls`` (a dispatch.Dispatcher)."""
         # (through a weak reference: the collector cannot see what C++ holds, so a bound
         # method there would keep the Calls, and the transport, alive for good)
         owner = weakref.ref(calls)
@@ -44,14 +42,9 @@ class FastPath:
             on_failure=lambda *failure: _failed(owner(), *failure))
         return None if native is None else cls(native, algorithms)
 
-    @property
-    def taken(self) -> int:
-        """Calls run on this path so far."""
-        return self.native.taken
-
     def learn(self, call, requested: str | None, algo, plan) -> None:
-        """The general path runs ``algo`` (``plan``, or a runner when None) for ``call``,
-        asked for ``requested`` (None: auto)."""
+        """The general path runs ``algo`` (``plan``, or a runner) for ``call``, asked for
+        ``requested`` (None: auto)."""
         if call.collective == "all_to_all" and len(set(call.splits[0] + call.splits[1])) > 1:
             return  # the fast path knows equal parts only
         if plan is None and algo.name != "direct":
@@ -77,8 +70,7 @@ class FastPath:
 
 def _failed(calls, collective: int, op: int, root: int, issued: float, kind: str,
             message: str) -> Exception:
-    """A call on the fast path failed: record it as the general path would; the error to
-    raise."""
+    """A fast-path call failed: record it as the general path would; the error to raise."""
     record = calls.recorder.issue(NAMES[collective], None, None, None, _OP_NAMES.get(op),
                                   None if root == NONE else root)
     record[8] = issued

@@ -1,6 +1,5 @@
-"""Point-to-point messages: send and recv of a whole tensor between two ranks, through the
-communicator's world (MPI, or a store); GPU arrays go to a CUDA-aware MPI as they are,
-else through a pinned host copy once their stream gets there."""
+"""send and recv of a whole tensor through the communicator's world (MPI, or a store); GPU
+arrays go to a CUDA-aware MPI as they are, else through a pinned host copy."""
 from __future__ import annotations
 
 from .buffers import as_buffer
@@ -9,8 +8,7 @@ from .work import Deadline
 
 
 def _checked(calls, t, peer, tag, timeout, role: str, writable: bool):
-    """(world, deadline, Buffer) of a message to or from ``peer``; ValueError/TypeError
-    before anything is sent."""
+    """(world, deadline, Buffer) of a message to or from ``peer``, checked."""
     calls.check_open()
     world = calls.transport.world
     deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
@@ -44,9 +42,8 @@ def recv(calls, t, src, tag, async_op, timeout):
 
 
 def _on_device(buf, deadline, what: str):
-    """For a CUDA-aware MPI: ``buf``'s device memory as MPI takes it, once the stream has
-    done the work before the call (its producer, or the last reader of what a recv
-    overwrites)."""
+    """``buf``'s device memory for a CUDA-aware MPI, once its stream has done the work
+    before the call (its producer, or the last reader of what a recv overwrites)."""
     from . import cuda
     from .cuda.staging import device_view, wait_event
     reached = cuda.streams().Event(buf.device.device)

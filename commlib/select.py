@@ -6,9 +6,7 @@ by least squares (``commlib-bench calibrate``, which writes a tuning file; witho
 defaults fitted on a 2-core machine with 2 ranks apply).
 
 A call on GPU arrays takes the cheapest algorithm that works on the device memory itself
-(CUDA IPC, a CUDA-aware MPI) where one applies, and only otherwise a host algorithm, its
-arrays staged through host memory: staging's copies are not priced, as no constant for
-them was ever measured on a GPU.
+where one applies, else a host one, staged (staging's copies, never measured, are unpriced).
 """
 from __future__ import annotations
 
@@ -141,9 +139,8 @@ def choose_on_device(call, requested: str | None, n: int, where: Where, offers: 
               and (requested is None or requested in (a.name, a.family))]
     fits = [a for a in device if a.applies is None or a.applies(on, call) is None]
     if not fits:
-        host_name = requested is None or any(
-            a.name == requested for a in candidates(call.collective, offers))
-        if host_name:
+        if requested is None or requested in {a.name for a in candidates(call.collective,
+                                                                      offers)}:
             return None
         why = next((a.applies(on, call) for a in device if a.applies), None)
         raise unavailable(call.collective, requested, offers, True, why)

@@ -36,7 +36,7 @@ from .comm import Communicator
 from .torch_ops import (byte_view, contiguous, copy_back, fold, in_order, only, per_element,
                         reduce_view, reduction, row_splits)
 from .errors import CommError
-from .exchange import allgather
+from .transports.mpi_world import allgather
 from .torch_work import TorchWork, dist_error
 
 BACKEND = "commlib"

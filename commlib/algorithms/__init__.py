@@ -61,9 +61,8 @@ def register(name: str, collective: str, cost, **fields) -> None:
 
 
 def schedule(name: str, collective: str, formula):
-    """Decorator: register a schedule builder under ``name``. ``formula(n, N)`` gives
-    (rounds, bytes moved, bytes reduced) on the critical path for n ranks and N bytes over
-    MPI; on shared memory the schedule's own copies are counted (shm_terms)."""
+    """Decorator: register a schedule builder, whose ``formula(n, N)`` gives (rounds, bytes
+    moved, bytes reduced) over MPI; on shared memory its own copies count (shm_terms)."""
     def wrap(build):
         register(name, collective, lambda model, where, n, nbytes: schedule_terms(
             collective, name, formula, where, n, nbytes), build=build)

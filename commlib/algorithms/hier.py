@@ -14,15 +14,13 @@ they use); each stage is a call of its own, run by ``local.execute`` or ``cross.
 from dataclasses import replace
 
 from .. import _C
-from ..call import Call
-from ..ops import ReduceOp
+from ..call import Call, ReduceOp
 from . import candidates, register
 from .direct import terms as direct_terms
 
 
 def _stage(call, collective, out, inp=None, count=None, root=None) -> Call:
-    """A stage of ``call``: the top-level call checked agreement and scales an average
-    once, at the end."""
+    """A stage of ``call`` (which agreed, and scales an average once, at the end)."""
     op = ReduceOp.SUM if call.op is ReduceOp.AVG else call.op
     return Call(collective, out, inp, out.numel if count is None else count, call.dtype, op,
                 root, None, None)
@@ -84,7 +82,6 @@ BYTES = {
 
 
 def terms(collective, model, where, n, nbytes) -> dict | None:
-    """The host stage's direct terms plus the cheapest cross stage's."""
     local = where.local or n
     if local >= n:
         return None

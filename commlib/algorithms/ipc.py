@@ -1,6 +1,5 @@
-"""The GPU's own algorithms among the ranks of one host: CUDA IPC (the transport in
-commlib/transports/cuda_ipc.py). Every one belongs to the family "ipc", which asks for the
-cheapest that applies.
+"""The GPU's own algorithms among the ranks of one host (commlib/transports/cuda_ipc.py),
+all of the family "ipc", which asks for the cheapest that applies.
 
     oneshot   all_reduce: every rank reduces each chunk from every rank's slot
     twoshot   all_reduce: rank r reduces part r of each chunk, then gathers the others

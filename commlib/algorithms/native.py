@@ -118,8 +118,7 @@ def on_device(transport, call) -> str | None:
 
 RUNNERS = {f.__name__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all,
                                    broadcast, reduce)}
-def device_terms(collective, n, nbytes) -> dict:
-    """On GPU arrays: a call also waits for the stream, and MPI for the device."""
+def device_terms(collective, n, nbytes) -> dict:  # the stream's and the device's waits too
     return {**terms(collective, n, nbytes), "alpha_cuda_mpi": 1}
 
 

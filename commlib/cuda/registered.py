@@ -162,16 +162,15 @@ def _register(calls, t, timeout) -> RegisteredMemory:
     seconds = calls.timeout if timeout is None else check_timeout(timeout)
     desc = descriptor("all_reduce", "register", 0, NONE, NONE, NONE)
     gpu = calls.gpu(buf.device.device, desc, 1, seconds)
-    if gpu is None:
-        raise CommError(f"register: CUDA IPC is unavailable here: "
-                        f"{calls.gpu_problem(buf.device.device)}")
+    if not gpu.usable:
+        raise CommError(f"register: CUDA IPC is unavailable here: {gpu.problem}")
     made = []
 
     def body():
         transport.set_timeout(seconds)
         transport.agree(desc)
         try:
-            made.append(gpu.registered.add(transport.world.group, buf.ptr, buf.nbytes))
+            made.append(gpu.registered.add(transport.world, buf.ptr, buf.nbytes))
         except RuntimeError as e:
             raise CommError(f"register: {e}") from None
     calls.engine.run("register", body, async_op=False)

@@ -1,9 +1,6 @@
-"""The interface every transport implements (see commlib/transports/__init__.py).
-
-A transport's *world* is how its ranks found each other (an MpiWorld under mpiexec, a
-StoreWorld under torchrun): ``group.allgather`` exchanges set-up facts as JSON,
-``send``/``recv`` move point-to-point messages, ``split``/``dup`` make new worlds.
-"""
+"""The interface every transport implements. Its *world* is how its ranks met (MpiWorld,
+StoreWorld): ``allgather`` exchanges set-up facts as JSON, ``send``/``recv`` move
+messages, ``split``/``dup`` make new worlds."""
 from __future__ import annotations
 
 import os
@@ -56,9 +53,8 @@ class Transport:
         self.world.close()
 
     def choose(self, call, requested: str | None):
-        """(algorithm, plan or None for runners, whether this is the first such call) for
-        ``call`` with ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached
-        per call shape."""
+        """(algorithm, plan or None, whether new) for ``call`` asked for ``requested`` (None:
+        COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape."""
         key = (call.collective, requested, call.count, call.dtype.itemsize, call.params)
         hit = self._plans.get(key)
         if hit is not None:
@@ -72,8 +68,7 @@ class Transport:
         return algo, plan, True
 
     def run(self, algo, plan, call) -> None:
-        """Run ``call`` with ``algo`` (its ``plan``, or its runner) now, then scale an
-        average."""
+        """Run ``call`` with ``algo`` (its ``plan``, or its runner), then scale an average."""
         if plan is None:
             algo.run(self, call)
         else:

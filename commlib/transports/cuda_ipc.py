@@ -1,10 +1,8 @@
-"""cuda_ipc: all_reduce, reduce_scatter, all_gather, all_to_all, broadcast and reduce among
-the GPU ranks of one host through CUDA IPC: kernels and copies read the peers' device
-memory directly. Ranks may share a GPU (NCCL refuses that; it is how one-GPU machines test
-this). One transport per device, beside the communicator's shm transport (the *host*),
-whose agreement and barriers are its meetings; its algorithms are registered in
-commlib/algorithms/ipc.py. Issuing a call enqueues its work on the stream and returns what
-the host does later (the meetings), which the communicator queues on its engine.
+"""cuda_ipc: the collectives among the GPU ranks of one host through CUDA IPC: kernels and
+copies read the peers' device memory directly. Ranks may share a GPU (NCCL refuses that;
+it is how one-GPU machines test this). One transport per device, beside the communicator's
+shm transport (the *host*), whose agreement and barriers are its meetings; its algorithms
+are registered in commlib/algorithms/ipc.py.
 
 Vocabulary:
   workspace  device memory of each rank, two *slots* of ``slot_bytes``, which every peer
@@ -14,8 +12,7 @@ Vocabulary:
   phase      what a step does on the stream before the ranks first meet (fill my slot),
              between meetings, and after the last (read the peers' slots).
   meeting    every rank's stream has finished the phase before: the host sees its event
-             pass, the ranks meet on the shared-memory transport (its agreement for a
-             call's first meeting, which checks that they made the same call, then
+             pass, the ranks meet on the host (agreement for a call's first meeting, then
              barriers), and a counter goes up that lets the streams go on.
   counters   words of pinned host memory the host raises and the streams wait for
              (cuStreamWaitValue32): ``go`` (one per meeting of a step: steps allowed past
@@ -25,14 +22,11 @@ Vocabulary:
              rank r reduces part r, and every rank copies the others after a second
              meeting (commlib/algorithms/ipc.py chooses).
   on the host  a call of one step whose work the host enqueues on our stream (``side``)
-             between its two meetings, once the ranks have agreed on it, and waits for:
-             all_to_all, whose steps depend on every rank's splits, and the zero-copy calls.
-             It may use both slots: by call order, the calls before it are done on every
-             rank, and those after it wait for its second meeting.
+             between its two meetings and waits for: all_to_all (its steps depend on every
+             rank's splits) and zero-copy. It may use both slots: by call order, the calls
+             before it are done on every rank, and those after it wait for it.
   zero-copy  a call whose input lies in registered memory (Communicator.register) at every
-             rank: each rank reads the peers' inputs where they lie and writes its own
-             output, with no slot in between. all_reduce (in place) has rank r reduce part
-             r of every rank's buffer and write it into all of them, in one kernel.
+             rank: each rank reads the peers' inputs where they lie, with no slot between.
   call order the calls of a communicator share the slots and counters, so they run in call
              order on the GPU too: a call on another stream than the last waits for it.
 
@@ -83,8 +77,7 @@ class CudaIpc(Transport):
 
     @staticmethod
     def suits(host) -> bool:
-        """Whether a shm transport's calls on GPU arrays may come here (the same answer on
-        every rank): 2 to 16 ranks, and COMMLIB_CUDA_IPC not 0."""
+        """Whether ``host``'s GPU calls may come here: shm, 2 to 16 ranks, COMMLIB_CUDA_IPC."""
         return ("shm" in host.offers and 2 <= host.size <= MAX_RANKS
                 and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
 
@@ -160,10 +153,9 @@ class CudaIpc(Transport):
     # phase (before the first meeting of the ranks, after it, after the second); or, with
     # its input registered at every rank, enqueues its zero-copy work on the host.
     def issue(self, call, algorithm: str, stream: int, seconds: float):
-        """Enqueue ``call`` by ``algorithm`` (an entry of commlib/algorithms/ipc.py) on
-        ``stream``. Returns (``meet(descriptor)``: what the host does later, on the
-        communicator's engine; ``release()``: what lets the streams go on if that fails;
-        the event after the call's last work on the stream)."""
+        """Enqueue ``call`` by ``algorithm`` (commlib/algorithms/ipc.py) on ``stream``; returns
+        (``meet(desc)``: the host's part, for the engine; ``release()``: lets the streams go
+        on if that fails; the event after the call's work)."""
         if algorithm == "zerocopy":
             buf = call.inp if call.inp is not None else call.out
             return self._zero_copy(call, self.registered.of(buf), stream, seconds)
@@ -306,9 +298,8 @@ class CudaIpc(Transport):
         return self._on_host(call, stream, seconds, work)
 
     def _zero_copy(self, call, placed, stream, seconds):
-        """A call on registered memory, on the host: once ``ptrs`` says where every rank's
-        input lies (``placed``: where mine does, in which registration), rank r reads its
-        peers' inputs in place on our stream and writes its own output."""
+        """A call on registered memory (``placed``: where my input lies in which), on the
+        host: rank r reads its peers' inputs in place and writes its own output."""
         rt, device, size, rank, side = self.rt, self.device, self.size, self.rank, self.side
         out, itemsize, code, op = call.out, call.dtype.itemsize, call.dtype.code, call.op_code
 
@@ -353,9 +344,8 @@ class CudaIpc(Transport):
                                         self.device, st)
 
     def _on_host(self, call, stream, seconds, work, after=None):
-        """A call of one step whose ``work(group)`` the host does between its meetings,
-        enqueueing on our stream; the caller's stream waits for the second meeting, which
-        follows our stream's end of that work on every rank."""
+        """A call of one step whose ``work(group)`` the host enqueues on our stream between
+        its meetings; the caller's stream waits for the second, after that work."""
         def between(group):
             work(group)
             self._drain(call, seconds)
@@ -371,10 +361,9 @@ class CudaIpc(Transport):
 
     def run(self, call, stream: int, seconds: float, nsteps: int, step, after=None,
             between=None):
-        """Enqueue ``nsteps`` steps (``step(i, my slot, every rank's slot)`` gives step i's
-        phases, each a function of the stream) and then ``after`` on ``stream``; returns
-        what ``issue`` does. ``between(group)``, if given, is host work of a one-step call
-        between its two meetings."""
+        """Enqueue ``nsteps`` steps (``step(i, my slot, every slot)`` gives step i's phases,
+        functions of the stream), then ``after``; returns what ``issue`` does.
+        ``between(group)``: host work of a one-step call between its two meetings."""
         rt, device, host = self.rt, self.device, self.host
         if self.tail is not None and self.tail[1] != stream:
             # the calls share the slots and counters, so they run in call order on the GPU
@@ -418,7 +407,7 @@ class CudaIpc(Transport):
                     if k == 0:  # every rank is past step s - 1: its slot may be refilled
                         rt.store_counter(self.free, s)
                         if between is not None:  # host work, then the ranks meet again
-                            between(host.world.group)
+                            between(host.world)
                             host.barrier()
                     rt.store_counter(self.go[k], s + 1)
 

@@ -1,6 +1,5 @@
-"""hosts: ranks on several hosts, each with the same number of ranks. Everything the mpi
-transport runs, plus hier (commlib/algorithms/hier.py), which runs a shm transport inside
-each host and an mpi transport between them.
+"""hosts: ranks on several hosts, as many on each: the mpi transport, plus hier
+(commlib/algorithms/hier.py) over a shm transport inside each host and an mpi one between.
 
 Vocabulary: ``local`` holds this rank's host-mates ordered by rank, ``cross`` the ranks
 with the same local rank on every host; ``position[r]`` is rank r's (local rank, cross
@@ -29,7 +28,7 @@ class HostsTransport(MpiTransport):
         cross = coll.Split(local.Get_rank(), me)
         self.local = ShmTransport(MpiWorld(local, owned=True))
         self.cross = MpiTransport(MpiWorld(cross, owned=True))
-        self.position = world.group.allgather((self.local.rank, self.cross.rank))
+        self.position = world.allgather((self.local.rank, self.cross.rank))
         self.owner = [[0] * self.cross.size for _ in range(self.local.size)]
         for r, (i, h) in enumerate(self.position):
             self.owner[i][h] = r
@@ -42,8 +41,7 @@ class HostsTransport(MpiTransport):
         return hosts > 1 and even
 
     def scratch(self, slot: int, numel: int, dtype) -> Buffer:
-        """Reused working buffer number ``slot`` (fresh pages every call would cost more
-        than the copies); one collective at a time uses them."""
+        """Reused working buffer ``slot`` (fresh pages would cost more than the copies)."""
         nbytes = numel * dtype.itemsize
         raw = self._scratch.get(slot)
         if raw is None or raw.size < nbytes:

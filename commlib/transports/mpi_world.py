@@ -3,6 +3,7 @@ met (an mpi4py communicator), which host each is on, and their point-to-point me
 from __future__ import annotations
 
 import functools
+import json
 import os
 from functools import cached_property
 
@@ -10,7 +11,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CommError
-from ..exchange import MpiGroup, allgather
 from ..work import Deadline, RequestPoller, wait_request
 from .base import affinity
 
@@ -26,17 +26,19 @@ class MpiWorld:
         self.mpi, self.owned = mpi_comm, owned  # owned: freed with this world
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.coll, self._p2p = mpi_comm.Dup(), mpi_comm.Dup()
-        self.group = MpiGroup(self.coll)
         self._poller = RequestPoller(f"r{self.rank}of{self.size}")
         self.bytes_sent = 0  # by MPI's own collectives (the least any algorithm sends) and sends
+
+    def allgather(self, value) -> list:
+        """Every rank's JSON-able ``value``, in rank order (set-up facts)."""
+        return allgather(self.coll, value)
 
     def count_sent(self, nbytes: float) -> None:
         self.bytes_sent += int(nbytes)
 
     @cached_property
     def hosts(self) -> tuple[int, bool]:
-        """(the hosts the ranks are on, whether each has as many ranks), found when first
-        asked: collective."""
+        """(hosts the ranks are on, whether each has as many), found at first ask: collective."""
         colors = allgather(self.coll, host_color(self.coll))
         return len(set(colors)), len({colors.count(c) for c in colors}) == 1
 
@@ -135,3 +137,16 @@ def crowded_host() -> bool:
         return node.Get_size() > len(cores)
     finally:
         node.Free()
+
+
+def allgather(mpi_comm: MPI.Comm, value) -> list:
+    """Every rank's JSON-able ``value``, in rank order (tuples come back as lists): as JSON,
+    since mpi4py's lowercase allgather would unpickle whatever a peer sends."""
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.empty(mpi_comm.Get_size(), np.int64)
+    mpi_comm.Allgather(np.array([data.size], np.int64), lengths)
+    gathered = np.empty(int(lengths.sum()), np.uint8)
+    mpi_comm.Allgatherv(data, [gathered, lengths])
+    ends = np.cumsum(lengths)
+    return [json.loads(gathered[end - n:end].tobytes()) for n, end in zip(lengths, ends)]
+

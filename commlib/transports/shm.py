@@ -28,7 +28,7 @@ class ShmTransport(Transport):
 
     def __init__(self, world):
         super().__init__(world)
-        self.shm = _set_up(world.group, world.crowded())  # the C++ ShmComm
+        self.shm = _set_up(world, world.crowded())  # the C++ ShmComm
         self.timeout = self.shm.timeout
         self.offers = frozenset({"shm", *world.offers})
         self.where = Where(self.name, staging_bytes=self.shm.staging_bytes)

@@ -23,9 +23,8 @@ from .shm import ShmTransport
 
 
 def wait_get(store, key: str, what: str) -> bytes:
-    """``store.get(key)`` once the key exists, within the store's timeout. Polled, because
-    a blocking get would hold the store's one connection and stall every other thread's
-    use of it (a send cannot go out while a receive waits)."""
+    """``store.get(key)`` once the key exists, within the store's timeout: polled, as a
+    blocking get would hold the store's one connection (a send could not go out)."""
     timeout = getattr(store, "timeout", timedelta(minutes=5)).total_seconds()
     deadline, nap = time.monotonic() + timeout, 50e-6
     while not store.check([key]):
@@ -35,26 +34,6 @@ def wait_get(store, key: str, what: str) -> bytes:
         time.sleep(nap)
         nap = min(2 * nap, 5e-3)
     return store.get(key)
-
-
-class StoreGroup:
-    """``rank`` of ``size`` processes sharing ``store`` under the key ``prefix``; every
-    member must make the same sequence of calls."""
-
-    def __init__(self, store, rank: int, size: int, prefix: str):
-        if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is outside a group of size {size}")
-        self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
-        self.rounds = 0  # allgathers so far: names each one's keys
-
-    def allgather(self, value) -> list:
-        """Every member's JSON-able ``value``, in rank order."""
-        self.rounds += 1
-        key = f"{self.prefix}/gather{self.rounds}"
-        self.store.set(f"{key}/{self.rank}", json.dumps(value))
-        return [json.loads(wait_get(self.store, f"{key}/{r}", f"set-up waiting for rank {r} "
-                                    "(did every process of the group start?)"))
-                for r in range(self.size)]
 
 
 class StoreWorld:
@@ -67,25 +46,36 @@ class StoreWorld:
     mpi = coll = None
 
     def __init__(self, store, rank: int, size: int, prefix: str):
-        self.group = StoreGroup(store, rank, size, prefix)
-        self.rank, self.size, self.store, self._prefix = rank, size, store, f"{prefix}/p2p"
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of size {size}")
+        self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
+        self.rounds = 0  # allgathers so far: names each one's keys
         self._numbered: dict = {"sent": Counter(), "posted": Counter()}
         self._lock = threading.Lock()
         self.bytes_sent = 0  # by sends
 
+    def allgather(self, value) -> list:
+        """Every member's JSON-able ``value``, in rank order (each member makes the same
+        sequence of calls)."""
+        self.rounds += 1
+        key = f"{self.prefix}/gather{self.rounds}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(value))
+        return [json.loads(wait_get(self.store, f"{key}/{r}", f"set-up waiting for rank {r} "
+                                    "(did every process of the group start?)"))
+                for r in range(self.size)]
+
     def crowded(self) -> bool:
         """Whether the group's processes outnumber the cores they may run on (the group is
         all that is known of the machine)."""
-        return self.size > len(set().union(*self.group.allgather(affinity())))
+        return self.size > len(set().union(*self.allgather(affinity())))
 
     def split(self, color, key) -> "StoreWorld | None":
-        group = self.group
-        choices = group.allgather([color, key])
+        choices = self.allgather([color, key])
         if color is None:
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
-        return StoreWorld(group.store, members.index((key, self.rank)), len(members),
-                          f"{group.prefix}/split{group.rounds}/{color}")
+        return StoreWorld(self.store, members.index((key, self.rank)), len(members),
+                          f"{self.prefix}/split{self.rounds}/{color}")
 
     def dup(self) -> "StoreWorld":
         return self.split(0, self.rank)
@@ -98,7 +88,7 @@ class StoreWorld:
             counter = self._numbered[which]
             seq = counter[(src, dst, tag)]
             counter[(src, dst, tag)] = seq + 1
-        return f"{self._prefix}/{src}->{dst}/{tag}/{seq}"
+        return f"{self.prefix}/p2p/{src}->{dst}/{tag}/{seq}"
 
     def send(self, buf, dst: int, tag: int, deadline, async_op: bool, keep):
         self.bytes_sent += buf.nbytes
@@ -132,7 +122,7 @@ class StoreTransport(ShmTransport):
     @classmethod
     def create(cls, store, rank: int, size: int, prefix: str) -> "StoreTransport":
         world = StoreWorld(store, rank, size, prefix)
-        hosts = world.group.allgather(socket.gethostname())
+        hosts = world.allgather(socket.gethostname())
         if len(set(hosts)) > 1:
             raise CommError(f"a communicator made from a store needs all its ranks on one "
                             f"host (shared memory); these are on {sorted(set(hosts))}. "

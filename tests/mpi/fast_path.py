@@ -14,7 +14,7 @@ from harness import Checker, assert_equal, raises, torch
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 check = Checker()
-fast = comm._calls.fast  # (white-box: which path a call took)
+fast = comm._calls.fast.native  # (white-box: which path a call took)
 
 
 def _twice(call) -> None:
@@ -175,7 +175,7 @@ def flight_record_numbers_both_paths_in_order():
         c.all_reduce(t, timeout=30)  # general
         c.broadcast(t, 0)  # general, then fast
         c.broadcast(t, 0)
-        taken = c._calls.fast.taken
+        taken = c._calls.fast.native.taken
         rows = c.flight_record()
         assert [r["seq"] for r in rows] == list(range(3, 8)), rows  # the last 5 of 7
         assert [r["collective"] for r in rows] == ["all_reduce", "all_gather", "all_reduce",
@@ -216,10 +216,10 @@ def timeout_on_the_fast_path_ends_the_communicator():
         c.all_reduce(t)
     try:
         if rank == 0:  # its peers never join
-            taken = c._calls.fast.taken
+            taken = c._calls.fast.native.taken
             raises(CommTimeoutError, "collective #3 on rank 0 (all_reduce)",
                    lambda: c.all_reduce(t))
-            assert c._calls.fast.taken == taken
+            assert c._calls.fast.native.taken == taken
             last, before = c.flight_record()[-2:][::-1]
             assert (last["seq"], last["state"], last["op"]) == (3, "failed", "sum"), last
             assert "CommTimeoutError" in last["error"] and before["state"] == "done"
