@@ -30,9 +30,7 @@ class ReduceOp(str, Enum):
     @classmethod
     def parse(cls, op) -> "ReduceOp":
         """Accept a ReduceOp or its name (any case)."""
-        parsed = _BY_NAME.get(op) if isinstance(op, str) else None  # also ReduceOp itself
-        if parsed is None:
-            parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
+        parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
         if parsed is None:
             raise ValueError(f"unknown reduce op {op!r}; valid: "
                              f"{', '.join(o.value for o in cls)}")
@@ -85,8 +83,7 @@ class Call:
 
     def descriptor(self, algorithm: str) -> list:
         return descriptor(self.collective, algorithm, self.count, self.dtype.code,
-                          self.op_code if self.op is not None else NONE,
-                          NONE if self.root is None else self.root)
+                          self.op_code, self.root)
 
     def split_bytes(self) -> tuple[list, list] | None:
         """all_to_all's bytes to and from each peer, which the ranks check as a matrix."""
