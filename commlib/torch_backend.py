@@ -33,8 +33,8 @@ from mpi4py import MPI
 
 from . import abort
 from .comm import Communicator
-from .torch_ops import (byte_view, contiguous, copy_back, fold, in_order, only, per_element,
-                        reduce_view, reduction, row_splits)
+from .torch_ops import (alike, byte_view, contiguous, copy_back, fold, in_order, only,
+                        per_element, reduce_view, reduction, row_splits)
 from .errors import CommError
 from .transports.mpi_world import allgather
 from .torch_work import TorchWork, dist_error
@@ -312,6 +312,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if len(inputs) != self.size():
             raise ValueError(f"commlib backend: reduce_scatter needs {self.size()} input "
                              f"tensors, got {len(inputs)}")
+        alike(inputs, out, "reduce_scatter input")
         flat = torch.cat([x.reshape(-1) for x in inputs])
         works, finish = self._reduce_scatter(out, flat, opts, "reduce_scatter")
         return self._work("reduce_scatter", works, [out], finish, keep=flat)
@@ -364,8 +365,16 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     @_stream_ordered
     def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``output_lists[r][i]`` receives rank r's ``input_list[i]``: one list per rank."""
         opts = opts or dist.AllgatherOptions()
-        return self._coalesced("allgather_coalesced", self._all_gather_list, output_lists,
+        if len(output_lists) != self.size() or any(len(outs) != len(input_list)
+                                                   for outs in output_lists):
+            raise ValueError(
+                f"commlib backend: allgather_coalesced needs {self.size()} output lists (one "
+                f"per rank) of {len(input_list)} tensors (one per input), got lists of "
+                f"{[len(outs) for outs in output_lists]}")
+        per_input = [list(outs) for outs in zip(*output_lists)] if input_list else []
+        return self._coalesced("allgather_coalesced", self._all_gather_list, per_input,
                                input_list, opts.asyncOp, [t for outs in output_lists for t in outs])
 
     def _coalesced(self, name, one, outputs, inputs, async_op, results):
@@ -382,6 +391,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if len(outs) != self.size():
             raise ValueError(f"commlib backend: allgather needs {self.size()} output tensors, "
                              f"got {len(outs)}")
+        alike(outs, inp, "allgather output")
         rows = inp.new_empty((self.size(),) + inp.shape)
         works = self._issue(async_op, self.comm.all_gather, byte_view(rows), byte_view(inp))
         return works, copy_back(list(zip(outs, rows)))
@@ -417,6 +427,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if at_root and len(outs) != size:
             raise ValueError(f"commlib backend: gather needs {size} output tensors on the "
                              f"root, got {len(outs)}")
+        alike(outs, inp, "gather output")
         rows = inp.new_empty(((size,) if at_root else (0,)) + inp.shape)
         works = self._issue(opts.asyncOp, self.comm.all_to_all, byte_view(rows), byte_view(inp),
                             [n if at_root else 0] * size,
@@ -438,6 +449,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             if len(pieces) != size:
                 raise ValueError(f"commlib backend: scatter needs {size} input tensors on the "
                                  f"root, got {len(pieces)}")
+            alike(pieces, out, "scatter input")
             flat = torch.cat([byte_view(contiguous(p)) for p in pieces])
         else:
             flat = byte_view(c).new_empty(0)
@@ -466,8 +478,12 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise ValueError(f"commlib backend: all_to_all needs {self.size()} input and output "
                              f"tensors, got {len(input_tensors)} and {len(output_tensors)}")
-        flat_in = torch.cat([byte_view(contiguous(t)) for t in input_tensors])
         dtype = output_tensors[0].dtype
+        for i, t in enumerate(list(output_tensors) + list(input_tensors)):
+            if t.dtype != dtype:
+                raise ValueError(f"commlib backend: all_to_all takes one dtype; tensor {i} of "
+                                 f"outputs + inputs is {t.dtype}, the first output {dtype}")
+        flat_in = torch.cat([byte_view(contiguous(t)) for t in input_tensors])
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype,
                                device=output_tensors[0].device)
         k = per_element(dtype)

@@ -83,6 +83,16 @@ def only(tensors, what: str) -> torch.Tensor:
     return tensors[0]
 
 
+def alike(tensors, ref: torch.Tensor, what: str) -> None:
+    """Each of ``tensors`` holds as many elements of the same dtype as ``ref`` (a copy
+    between them would otherwise convert, or fail with a message about views)."""
+    for i, t in enumerate(tensors):
+        if t.dtype != ref.dtype or t.numel() != ref.numel():
+            raise ValueError(f"commlib backend: {what} {i} is {t.dtype}{list(t.shape)}, "
+                             f"which does not match {ref.dtype}{list(ref.shape)}; pass "
+                             f"tensors of the same dtype and number of elements")
+
+
 def copy_back(pairs):
     """Finish step: copy each staged result into the user's tensor it stands in for."""
     def finish():

@@ -224,6 +224,34 @@ def movement(ours=WORLD, theirs=GLOO, tag=""):
             versus_gloo(f"{tag}{fn.__name__}-{str(dtype)[6:]}", fn, ours, theirs)
 
 
+def list_layouts():
+    """Ops whose arguments are lists of lists: all_gather_coalesced (output_lists[r][i] is
+    rank r's input i) with 1, 2 and world-size inputs of different shapes, against gloo (at
+    world-size inputs a transposed pairing looks plausible); and list entries that do not
+    match refused, not reshaped or converted."""
+    k = n
+    for count in sorted({1, 2, k}):
+        for dtype, shapes in ((torch.float32, [(3,), (2, 2), (1,), (4, 1)]),
+                              (torch.int64, [(2,)] * 4)):
+            def all_gather_coalesced(g, a, count=count, dtype=dtype, shapes=shapes):
+                ins = [data(shapes[i], dtype, 30 + i) for i in range(count)]
+                outs = [[torch.zeros(shapes[i], dtype=dtype) for i in range(count)]
+                        for _ in range(k)]
+                finish(dist.all_gather_coalesced(outs, ins, group=g, async_op=a), a)
+                return outs
+            versus_gloo(f"all_gather_coalesced-{count}-{str(dtype)[6:]}", all_gather_coalesced)
+
+    def refused():
+        raises(ValueError, "does not match torch.float32[3]",
+               lambda: dist.all_gather([torch.zeros(4)] * k, torch.ones(3)))
+        raises(ValueError, "output lists", lambda: dist.all_gather_coalesced(
+            [[torch.zeros(3)]] * (k + 1), [torch.ones(3)]))
+        raises(ValueError, "does not match", lambda: dist.reduce_scatter(
+            torch.zeros(3), [torch.ones(4)] * k))
+        dist.barrier()
+    check.check("list_layouts-refused", refused)
+
+
 def beyond_gloo():
     """What gloo refuses or gets wrong, checked against each rank's known data: dtypes gloo
     cannot move (int16, complex gather), non-contiguous tensors (gloo ignores them
@@ -281,9 +309,15 @@ def objects_and_barrier():
         dist.all_gather_object(got, {"rank": rank, "list": list(range(rank))}, group=g)
         objs = [f"from {rank}", rank * 1.5, None] if rank == 0 else [None] * 3
         dist.broadcast_object_list(objs, src=0, group=g)
+        last = dist.get_global_rank(g, dist.get_world_size(g) - 1)
+        gathered = [None] * dist.get_world_size(g) if rank == last else None
+        dist.gather_object(("gathered", rank), gathered, dst=last, group=g)
+        scattered = [None]
+        pieces = [{"to": r} for r in range(dist.get_world_size(g))] if rank == last else None
+        dist.scatter_object_list(scattered, pieces, src=last, group=g)
         dist.barrier(group=g)
         finish(dist.barrier(group=g, async_op=True), True)
-        return got, objs
+        return got, objs, gathered, scattered
     check.check("objects_and_barrier", lambda: same(objects(WORLD, False), objects(GLOO, False)))
 
 
@@ -463,6 +497,7 @@ def timed(name, fn):
 
 timed("reductions", reductions)
 timed("reduction_extras", reduction_extras)
+timed("list_layouts", list_layouts)
 timed("movement", movement)
 timed("objects_and_barrier", objects_and_barrier)
 timed("point_to_point", point_to_point)
