@@ -20,7 +20,7 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
     if launch is None or launch is mpirun:
         code, out = mpirun(n, script, *args, timeout=timeout, env=env)
     else:
-        code, out = launch(n, script, timeout=timeout, env=env)
+        code, out = launch(n, script, *args, timeout=timeout, env=env)
     summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
     name = getattr(launch, "__name__", "mpirun")
     assert code == 0 and summary, (f"{name} {n} {script} {' '.join(args)} exited {code}:\n"
@@ -55,11 +55,29 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | No
                    env)
 
 
-def torchrun(n: int, script: str, timeout: float = 300, env: dict | None = None):
+def torchrun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
     """Run ``script`` on ``n`` processes of this host started by torchrun (no MPI world)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(n), str(ROOT / script)]
+           str(n), str(ROOT / script), *args]
     return _launch(cmd, timeout, {"OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def on_hosts(hosts, per_host: list):
+    """A launch for run_checked: ``per_host[i]`` ranks on namespace host i + 1 of ``hosts``
+    (commlib.testing.NamespaceHosts). The job must leave nothing behind on any host."""
+    def launch(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None,
+               options: tuple = ()):
+        assert n == sum(per_host), (n, per_host)
+        target = [script] if script == "-m" else [str(ROOT / script)]
+        code, out = hosts.mpiexec(per_host, [sys.executable, *target, *args], timeout,
+                                  env={**os.environ, **checkout_env(), **(env or {})},
+                                  options=options, cwd=ROOT)
+        left = hosts.leftovers()
+        hosts.kill_strays()
+        assert not left, f"left behind on the hosts: {left}\n{out[-3000:]}"
+        return code, out
+    launch.__name__ = f"mpiexec on hosts {per_host}"
+    return launch
 
 
 def _launch(cmd: list, timeout: float, env: dict | None):

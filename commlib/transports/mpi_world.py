@@ -43,7 +43,7 @@ class MpiWorld:
         return len(set(colors)), len({colors.count(c) for c in colors}) == 1
 
     def crowded(self) -> bool:
-        return crowded_host()
+        return crowded_host(self.coll)
 
     @cached_property
     def takes_device_memory(self) -> bool:
@@ -126,17 +126,30 @@ def host_color(mpi_comm: MPI.Comm) -> int:
         node.Free()
 
 
-@functools.lru_cache(maxsize=1)
-def crowded_host() -> bool:
-    """Whether this machine's MPI processes (all of them, whatever communicator or virtual
-    hosts) outnumber the cores they may run on: the union of their affinities, since a
-    launcher that binds each rank to its own core (Open MPI does) leaves each one core."""
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+def crowded_host(mpi_comm: MPI.Comm) -> bool:
+    """Whether this machine's MPI processes outnumber the cores they may run on.
+    Collective over ``mpi_comm`` only (a subgroup's creation does not involve the other
+    ranks). Its ranks on this machine share their affinities: where they all have the same
+    cores (nothing bound them), the job's processes on this machine (the launcher says how
+    many) share those cores; where a launcher bound them apart (Open MPI binds each to its
+    own core), only this communicator's ranks are known to share the union."""
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        cores = set().union(*allgather(node, affinity()))
-        return node.Get_size() > len(cores)
+        cores = [frozenset(c) for c in allgather(node, affinity())]
+        if len(set(cores)) == 1:
+            return max(node.Get_size(), _local_processes()) > len(cores[0])
+        return node.Get_size() > len(frozenset().union(*cores))
     finally:
         node.Free()
+
+
+def _local_processes() -> int:
+    """How many processes of the job run on this machine, as the launcher says (MPICH's
+    hydra, Open MPI); 0 if it does not."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
 
 
 def allgather(mpi_comm: MPI.Comm, value) -> list:

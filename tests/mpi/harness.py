@@ -1,10 +1,11 @@
 """Shared by the scripts that run under mpiexec: exact test data, and a checker that
 gathers failures from every rank and sets the exit code."""
 import os
+import socket
 import sys
 import time
 import traceback
-
+from collections import Counter
 from functools import lru_cache
 
 import numpy as np
@@ -58,6 +59,28 @@ def make(x: np.ndarray, dtype: str, backend: str):
         import torch
         return torch.tensor(x, dtype=getattr(torch, dtype))  # always a copy
     return x.astype(dtype)
+
+
+def ranks_per_host() -> list:
+    """How many ranks each host has, hosts in order of their lowest rank: the virtual
+    hosts of COMMLIB_RANKS_PER_HOST, else the real ones (by hostname)."""
+    world = MPI.COMM_WORLD
+    per_host = int(os.environ.get("COMMLIB_RANKS_PER_HOST", 0))
+    names = ([r // per_host for r in range(world.size)] if per_host
+             else world.allgather(socket.gethostname()))
+    return list(Counter(names).values())  # a Counter keeps first-seen order
+
+
+def expected_transport() -> str:
+    """The transport commlib's auto choice must pick for this launch: shared memory on one
+    host, hosts for equal ranks on each of several, else mpi (or COMMLIB_TRANSPORT's)."""
+    forced = os.environ.get("COMMLIB_TRANSPORT")
+    if forced and forced != "auto":
+        return forced
+    layout = ranks_per_host()
+    if len(layout) == 1:
+        return "shm"
+    return "hosts" if len(set(layout)) == 1 else "mpi"
 
 
 def assert_equal(got, want) -> None:

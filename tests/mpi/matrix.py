@@ -1,16 +1,17 @@
 """Every algorithm x collective x dtype x op x count (x in-place), checked exactly.
 
 Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large]
-(COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST select the path; see commlib/transports/)
+(the layout of hosts, or COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST, selects the path;
+see commlib/transports/)
 """
-import os
 import sys
 from functools import lru_cache
 
 import numpy as np
 
 import commlib
-from harness import ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, make, to_f64, values
+from harness import (ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, expected_transport, make,
+                     to_f64, values)
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
 comm = commlib.init()
@@ -119,15 +120,6 @@ def run(collective, algo, dtype, op, count, inplace):
             expect_equal(got, np.concatenate([np.arange(rank * 3, rank * 3 + 3) + 10 * r
                                               for r in range(n)]), dtype, None)
     check.check(name, case)
-
-
-def expected_transport():
-    per_host = int(os.environ.get("COMMLIB_RANKS_PER_HOST", 0))
-    if os.environ.get("COMMLIB_TRANSPORT") == "mpi":
-        return "mpi"
-    if per_host and n > per_host:
-        return "hosts" if n % per_host == 0 else "mpi"
-    return "shm"
 
 
 def on_expected_transport():

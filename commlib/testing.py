@@ -1,0 +1,243 @@
+"""Real hosts on one Linux machine, for tests and benchmarks across hosts.
+
+A *host* is a process holding its own network, hostname, IPC, mount and pid namespaces:
+its own network stack with one interface (eth0), its own /dev/shm (a private tmpfs),
+/proc and /sys, and an /etc/hosts that names every host. The hosts' eth0 are veth pairs
+plugged into a bridge that lives in one more namespace, the *switch*, so the machine's own
+network gets no new interface or address. mpiexec runs in the switch (as host
+"launcher", which every host resolves: hydra's proxies connect back to it) and starts its
+proxies on the hosts through a launcher-exec script that enters the named host, the way
+``ssh HOST COMMAND`` would. Traffic between hosts goes over TCP; ranks of one host share
+memory. Files are shared, as on a cluster with one network file system.
+
+    with NamespaceHosts(2) as hosts:            # needs root and namespaces (usable())
+        code, out = hosts.mpiexec([2, 2], [sys.executable, "script.py"], timeout=60)
+        hosts.leftovers()                        # segments or processes left on any host
+
+Teardown kills each holder by pid; a host's namespaces go with its last process, and the
+veth pairs with them, so nothing is left: no namespace, interface, process or file.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SUBNET = "10.77.0"  # private to the switch's network namespace: it cannot clash
+LAUNCHER = "launcher"
+
+# Run by each host's holder inside its new namespaces; it ends as the host's pid 1.
+_HOST_SETUP = """
+hostname "$1"
+mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm
+mount -t sysfs sysfs /sys
+mount --bind "$2" /etc/hosts
+echo ready
+exec sleep infinity
+"""
+
+# hydra's ssh launcher runs: SCRIPT [ssh options] HOST COMMAND..., COMMAND quoted for a
+# remote shell: enter HOST's namespaces and let a shell there unquote and run it.
+_LAUNCH = """#!/bin/sh
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+case $host in
+%s
+*) echo "no namespace host named $host" >&2; exit 255;;
+esac
+exec nsenter -t "$pid" --net --uts --ipc --mount --pid --wd="$PWD" -- sh -c "exec $*"
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def usable() -> str | None:
+    """None when namespace hosts can be made here, else why not (for a skip message)."""
+    if sys.platform != "linux":
+        return "namespace hosts need Linux"
+    if os.geteuid() != 0:
+        return "namespace hosts need root (network, mount and pid namespaces)"
+    missing = [t for t in ("unshare", "nsenter", "ip") if not shutil.which(t)]
+    if missing:
+        return f"namespace hosts need {', '.join(missing)} (util-linux, iproute2)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--ipc", "--mount", "--pid", "--fork",
+                            "--mount-proc", "ip", "link", "add", "b0", "type", "bridge"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        return f"cannot create namespaces here: {probe.stderr.strip() or probe.returncode}"
+    return None
+
+
+class NamespaceHosts:
+    """``count`` namespace hosts named host1, host2, ... at 10.77.0.1, .2, ..."""
+
+    def __init__(self, count: int):
+        if count < 1:
+            raise ValueError(f"NamespaceHosts({count}): need at least one host")
+        self.names = [f"host{i + 1}" for i in range(count)]
+        self.pids: dict[str, int] = {}  # host -> its pid 1, as this machine sees it
+        self._holders: list[subprocess.Popen] = []
+        self._dir: Path | None = None
+
+    # ------------------------------------------------------------------ bring up, tear down
+    def __enter__(self) -> "NamespaceHosts":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        reason = usable()
+        if reason:
+            raise RuntimeError(reason)
+        self._dir = Path(tempfile.mkdtemp(prefix="commlib-hosts-"))
+        hosts_file = self._dir / "hosts"
+        hosts_file.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{SUBNET}.{i + 1} {name}\n" for i, name in enumerate(self.names))
+            + f"{SUBNET}.254 {LAUNCHER}\n")
+        setup = self._dir / "setup.sh"
+        setup.write_text(_HOST_SETUP)
+        # the switch keeps the machine's pid namespace: mpiexec must not run inside a host's
+        self.switch = self._hold(["--net", "--uts", "--mount"], setup, LAUNCHER, hosts_file)
+        self._in(self.switch, "ip link add br0 type bridge && ip link set br0 up && "
+                 f"ip addr add {SUBNET}.254/24 dev br0 && ip link set lo up")
+        for i, name in enumerate(self.names):
+            pid = self.pids[name] = self._hold(
+                ["--net", "--uts", "--ipc", "--mount", "--pid", "--fork", "--mount-proc"],
+                setup, name, hosts_file)
+            self._in(self.switch, f"ip link add v{i + 1} type veth peer name eth0 netns {pid} "
+                     f"&& ip link set v{i + 1} master br0 up")
+            self._in(pid, f"ip addr add {SUBNET}.{i + 1}/24 dev eth0 && ip link set eth0 up "
+                     "&& ip link set lo up")
+        script = self._dir / "enter-host"
+        script.write_text(_LAUNCH % "\n".join(f"{n}) pid={p};;" for n, p in self.pids.items()))
+        script.chmod(0o755)
+        self.launch_script = str(script)
+
+    def _hold(self, namespaces: list, setup: Path, name: str, hosts_file: Path) -> int:
+        """Start a holder in new ``namespaces``; returns the pid of its sleeping process."""
+        holder = subprocess.Popen(["unshare", *namespaces, "sh", str(setup), name,
+                                   str(hosts_file)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        self._holders.append(holder)
+        if holder.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"namespace host {name} did not come up (exit {holder.wait()})")
+        if "--fork" not in namespaces:
+            return holder.pid
+        children = Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split()
+        return int(children[0])
+
+    @staticmethod
+    def _in(pid: int, command: str) -> None:
+        subprocess.run(["nsenter", "-t", str(pid), "--net", "--", "sh", "-c", command],
+                       check=True, capture_output=True, text=True)
+
+    def close(self) -> None:
+        """Kill every holder (a host's pid 1 takes all its processes along) and wait."""
+        for pid in self.pids.values():
+            _kill(pid)
+        for holder in self._holders:
+            _kill(holder.pid)
+            holder.wait()
+            holder.stdout.close()
+        self._holders.clear()
+        self.pids.clear()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # ------------------------------------------------------------------ running
+    def command(self, per_host: list[int], argv: list[str], mpiexec: str | None = None,
+                options: tuple = ()) -> list[str]:
+        """The mpiexec command line (to run in the switch: see popen) that starts
+        ``per_host[i]`` ranks of ``argv`` on host i+1."""
+        if len(per_host) > len(self.names) or min(per_host, default=0) < 1:
+            raise ValueError(f"ranks per host {per_host}: need 1 to {len(self.names)} hosts "
+                             "with at least one rank each")
+        hosts = ",".join(f"{name}:{k}" for name, k in zip(self.names, per_host))
+        return [mpiexec or default_mpiexec(), "-launcher", "ssh", "-launcher-exec",
+                self.launch_script, "-hosts", hosts, "-n", str(sum(per_host)), *options, *argv]
+
+    def popen(self, argv: list[str], cwd=None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` in the switch namespace (as host "launcher"), in its own session."""
+        return subprocess.Popen(["nsenter", "-t", str(self.switch), "--net", "--uts",
+                                 "--mount", f"--wd={cwd or os.getcwd()}", "--", *argv],
+                                start_new_session=True, **kwargs)
+
+    def mpiexec(self, per_host: list[int], argv: list[str], timeout: float = 300,
+                env: dict | None = None, options: tuple = (), cwd=None) -> tuple[int | None, str]:
+        """Run ``argv`` on ``per_host`` ranks per host; (exit code or None on timeout,
+        output). On timeout everything the job started is killed, on every host."""
+        proc = self.popen(self.command(per_host, argv, options=options), env=env, cwd=cwd,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return proc.returncode, out
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            self.kill_strays()
+            return None, f"TIMEOUT after {timeout}s\n{out}"
+
+    # ------------------------------------------------------------------ looking inside hosts
+    def shm_files(self) -> dict[str, list[str]]:
+        """Each host's /dev/shm entries."""
+        return {name: sorted(os.listdir(f"/proc/{pid}/root/dev/shm"))
+                for name, pid in self.pids.items()}
+
+    def processes(self) -> dict[str, list[str]]:
+        """Each host's processes but its pid 1: pid and command line."""
+        found = {}
+        for name, pid in self.pids.items():
+            proc = Path(f"/proc/{pid}/root/proc")
+            found[name] = [f"{p.name} {_cmdline(p)}" for p in proc.iterdir()
+                           if p.name.isdigit() and p.name != "1" and _cmdline(p)]
+        return found
+
+    def leftovers(self, grace: float = 2.0) -> dict[str, list[str]]:
+        """What any host still holds after a job: /dev/shm files and processes, given
+        ``grace`` seconds to go (ranks told to abort are still exiting when mpiexec ends)."""
+        deadline = time.monotonic() + grace
+        while True:
+            shm, procs = self.shm_files(), self.processes()
+            left = {h: shm[h] + procs[h] for h in self.names if shm[h] or procs[h]}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
+
+    def kill_strays(self) -> None:
+        """SIGKILL every process on every host but its pid 1, and clear its /dev/shm."""
+        for name, pid in self.pids.items():
+            subprocess.run(["nsenter", "-t", str(pid), "--pid", "--mount", "--", "sh", "-c",
+                            "kill -9 -1; rm -rf /dev/shm/*"], capture_output=True)
+
+
+def default_mpiexec() -> str:
+    """MPICH's mpiexec next to this interpreter (the mpich wheel puts it there): its hydra
+    launcher takes -launcher-exec."""
+    here = Path(sys.prefix) / "bin" / "mpiexec"
+    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,88 @@
+"""Across real hosts: namespace hosts on this machine (commlib/testing.py), each with its
+own network stack, hostname, /dev/shm and pids, joined over TCP, mpiexec starting ranks on
+them as over ssh. The layouts: 2x1, 2x2, 3x1 and an uneven 2+1. After every job, nothing
+may be left on any host (no rank, no /dev/shm file). Run just these with
+``python -m pytest -m multihost``; they skip, saying why, where namespaces cannot be made
+(not root, no unshare)."""
+import json
+import re
+import time
+
+import pytest
+
+from commlib.testing import NamespaceHosts, usable
+from mpirun import checkout_env, mpirun, on_hosts, run_checked
+
+pytestmark = [pytest.mark.multihost,
+              pytest.mark.skipif(usable() is not None, reason=str(usable()))]
+LAYOUTS = [[1, 1], [2, 2], [1, 1, 1], [2, 1]]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with NamespaceHosts(3) as h:
+        yield h
+
+
+@pytest.mark.parametrize("per_host", LAYOUTS, ids=str)
+def test_collective_matrix(hosts, per_host):
+    """Every collective, dtype, op and algorithm (hier among them where the layout is
+    even); the transport must be the one the real layout calls for."""
+    start = time.monotonic()
+    out = run_checked(sum(per_host), "tests/mpi/matrix.py", "numpy", "large",
+                      launch=on_hosts(hosts, per_host), timeout=400)
+    print(per_host, f"{time.monotonic() - start:.1f} s", out.splitlines()[-1])
+
+
+def test_collective_matrix_torch(hosts):
+    """torch tensors (bfloat16 among the dtypes), uneven chunks over 3 hosts."""
+    run_checked(3, "tests/mpi/matrix.py", "torch", launch=on_hosts(hosts, [1, 1, 1]))
+
+
+@pytest.mark.parametrize("per_host", [[1, 1], [2, 1]], ids=str)
+def test_disagreements_raise_on_every_rank(hosts, per_host):
+    out = run_checked(sum(per_host), "tests/mpi/mismatch.py", launch=on_hosts(hosts, per_host),
+                      timeout=200)
+    print(re.search(r"mismatch figures.*", out).group(0))
+
+
+def test_every_wait_is_bounded(hosts):
+    run_checked(4, "tests/mpi/timeouts.py", launch=on_hosts(hosts, [2, 2]), timeout=200)
+
+
+@pytest.mark.parametrize("per_host", [[2, 1], [1, 1, 1]], ids=str)
+def test_a_rank_killed_on_another_host_ends_the_job(hosts, per_host, tmp_path):
+    """The last rank, alone on its host, is SIGKILLed inside a collective: the job ends
+    non-zero and promptly, and nothing is left on any host (on_hosts checks)."""
+    start = time.monotonic()
+    code, out = on_hosts(hosts, per_host)(
+        sum(per_host), "tests/mpi/kill_rank.py", timeout=60, options=("-disable-auto-cleanup",),
+        env={"COMMLIB_TIMEOUT": "3", "REPORT_DIR": str(tmp_path)})
+    took = time.monotonic() - start
+    assert code not in (None, 0), out[-3000:]
+    assert "RETURNED" not in out
+    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+    for seconds, message in re.findall(r"SURVIVOR rank \d raised after ([\d.]+) s: (.*)", reports):
+        assert float(seconds) < 3.5 and f"rank {sum(per_host) - 1}" in message, message
+    assert took < 40, f"the job took {took:.0f} s to end"
+
+
+def test_torch_backend_collectives_and_ddp_like_gloo(hosts):
+    """The torch backend's store and groups across hosts: every collective against gloo
+    (2 + 1 ranks), DDP and FSDP2 training like gloo (2 x 1)."""
+    run_checked(3, "tests/mpi/torch_collectives.py", launch=on_hosts(hosts, [2, 1]), timeout=300)
+    run_checked(2, "tests/mpi/torch_train.py", launch=on_hosts(hosts, [1, 1]), timeout=300)
+
+
+def test_training_dp_across_hosts_tp_inside_them(hosts, tmp_path):
+    """The strategies' CLI at dp 2 x tp 2 (tp's ranks on one host, dp's across the two)
+    prints the single-process run's losses."""
+    def losses(launch, n, *layout):
+        log = tmp_path / f"log-{n}.json"
+        code, out = launch(n, "-m", "commlib_strategies.train", *layout, "--steps", "4",
+                           "--quiet", "--log", str(log), timeout=300, env=checkout_env())
+        assert code == 0, out[-4000:]
+        return [r["loss"] for r in json.loads(log.read_text())]
+    want = losses(mpirun, 1)
+    got = losses(on_hosts(hosts, [2, 2]), 4, "--dp", "2", "--tp", "2", "--sp", "megatron")
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
