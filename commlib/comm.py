@@ -3,6 +3,8 @@ world), over one transport (commlib/transports/), every call through one route
 (commlib/dispatch.py)."""
 from __future__ import annotations
 
+import os
+
 import mpi4py
 
 mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
@@ -30,9 +32,10 @@ class Communicator:
 
     @classmethod
     def from_store(cls, store, rank: int, size: int, prefix: str = "commlib") -> "Communicator":
-        """A communicator of ``size`` processes of this host that meet through ``store`` (a
+        """A communicator of ``size`` processes that meet through ``store`` (a
         torch.distributed Store) instead of MPI, for launchers such as torchrun; collective,
-        each rank passing its own ``rank`` (see commlib/transports/store.py)."""
+        each rank passing its own ``rank``. On one host they share memory
+        (commlib/transports/store.py); across hosts gloo joins them (transports/gloo.py)."""
         return cls.__new__(cls)._over(transports.load("store").create(store, rank, size, prefix))
 
     def _over(self, transport) -> "Communicator":
@@ -187,8 +190,11 @@ _world: Communicator | None = None
 
 
 def init() -> Communicator:
-    """The world communicator over MPI.COMM_WORLD (created on first call, then reused)."""
+    """The world communicator (created on first call, then reused): over MPI.COMM_WORLD, or
+    under torchrun (each process alone in its MPI world) through torchrun's store."""
     global _world
+    if _world is None and MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        _world = _torchrun_world()
     if _world is None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
@@ -197,6 +203,21 @@ def init() -> Communicator:
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
     return _world
+
+
+def _torchrun_world() -> Communicator:
+    """The ranks torchrun started, meeting through its store (MASTER_ADDR, MASTER_PORT:
+    served by torchrun's agent, or by rank 0 where the agent's store is not in use)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                          is_master=serves, timeout=timedelta(minutes=5))
+    world = Communicator.from_store(store, rank, size, "commlib/world")
+    world.store = store  # the server, where this rank serves it, lives as long as the world
+    return world
 
 
 # The collectives as functions: each is its communicator's method (and shows that method's

@@ -41,6 +41,8 @@ class CostModel:
     beta_direct: float = 2.0e-11  # s per byte direct copies (staging, gathers)
     gamma_shm: float = 2.76e-11   # s per byte reduced there
     alpha_native: float = 4e-6  # s per latency round of the MPI library's own collectives
+    alpha_gloo: float = 50e-6  # gloo's, between torchrun's nodes (never fitted: its TCP's)
+    beta_gloo: float = 1e-9
     native_per_byte: tuple = field(default=(  # s per byte its traffic moves, per collective
         ("all_reduce", 3.4e-10), ("reduce_scatter", 1.6e-10), ("all_gather", 0.75e-10),
         ("all_to_all", 1.6e-10), ("broadcast", 0.3e-10), ("reduce", 7e-10)))
@@ -118,7 +120,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
     ``where`` (else ``transport``, default mpi, with ``local`` ranks per host)."""
     where = where or Where(transport or "mpi", local)
     if offers is None:
-        offers = frozenset({where.transport, "mpi"})
+        offers = frozenset({where.transport, "mpi", "schedules"})
     name = requested or os.environ.get(f"COMMLIB_ALGO_{collective.upper()}")
     if name and name != "auto":
         found = [a for a in candidates(collective, offers) if a.name == name]

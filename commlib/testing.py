@@ -174,6 +174,12 @@ class NamespaceHosts:
                                  "--mount", f"--wd={cwd or os.getcwd()}", "--", *argv],
                                 start_new_session=True, **kwargs)
 
+    def popen_on(self, host: str, argv: list[str], cwd=None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on ``host`` (in all its namespaces), in its own session."""
+        return subprocess.Popen(["nsenter", "-t", str(self.pids[host]), "--net", "--uts",
+                                 "--ipc", "--mount", "--pid", f"--wd={cwd or os.getcwd()}",
+                                 "--", *argv], start_new_session=True, **kwargs)
+
     def mpiexec(self, per_host: list[int], argv: list[str], timeout: float = 300,
                 env: dict | None = None, options: tuple = (), cwd=None) -> tuple[int | None, str]:
         """Run ``argv`` on ``per_host`` ranks per host; (exit code or None on timeout,

@@ -80,6 +80,36 @@ def on_hosts(hosts, per_host: list):
     return launch
 
 
+def torchrun_on_hosts(hosts, nodes: int, per_node: int):
+    """A launch for run_checked: torchrun on each of ``nodes`` namespace hosts, ``per_node``
+    processes each, meeting at host1 (torchrun --nnodes with a static rendezvous)."""
+    def launch(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
+        assert n == nodes * per_node, (n, nodes, per_node)
+        env = {**os.environ, **checkout_env(), "OMP_NUM_THREADS": "1", **(env or {})}
+        procs = [hosts.popen_on(hosts.names[i], [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            "--nproc-per-node", str(per_node), "--node-rank", str(i), "--master-addr",
+            hosts.names[0], "--master-port", "29400", str(ROOT / script), *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(nodes)]
+        outs, codes = [], []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=timeout)[0])
+                codes.append(p.returncode)
+            except subprocess.TimeoutExpired:
+                hosts.kill_strays()
+                outs.append(f"TIMEOUT after {timeout}s\n{p.communicate()[0]}")
+                codes.append(None)
+        left = hosts.leftovers()
+        hosts.kill_strays()
+        out = "\n".join(outs)
+        assert not left, f"left behind on the hosts: {left}\n{out[-3000:]}"
+        return (None if None in codes else max(codes, key=abs)), out
+    launch.__name__ = f"torchrun on {nodes} hosts x {per_node}"
+    return launch
+
+
 def _launch(cmd: list, timeout: float, env: dict | None):
     shm_before = _mpich_segments()
     # this checkout's code, whatever the environment has installed

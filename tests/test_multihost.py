@@ -11,7 +11,7 @@ import time
 import pytest
 
 from commlib.testing import NamespaceHosts, usable
-from mpirun import checkout_env, mpirun, on_hosts, run_checked
+from mpirun import checkout_env, mpirun, on_hosts, run_checked, torchrun_on_hosts
 
 pytestmark = [pytest.mark.multihost,
               pytest.mark.skipif(usable() is not None, reason=str(usable()))]
@@ -86,3 +86,20 @@ def test_training_dp_across_hosts_tp_inside_them(hosts, tmp_path):
     want = losses(mpirun, 1)
     got = losses(on_hosts(hosts, [2, 2]), 4, "--dp", "2", "--tp", "2", "--sp", "megatron")
     assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+def test_torchrun_across_nodes(hosts):
+    """torchrun --nnodes 2 --nproc-per-node 2: the backend's groups join the nodes with gloo
+    and share memory inside each (every collective against gloo, subgroups, a 2-D mesh);
+    uneven subgroups run on gloo alone. Then DDP and FSDP2 at 2 nodes x 1."""
+    run_checked(4, "tests/mpi/torch_collectives.py", launch=torchrun_on_hosts(hosts, 2, 2),
+                timeout=400)
+    run_checked(2, "tests/mpi/torch_train.py", launch=torchrun_on_hosts(hosts, 2, 1),
+                timeout=300)
+
+
+def test_collective_matrix_under_torchrun_across_nodes(hosts):
+    """commlib.init() under torchrun on 2 nodes x 2: every collective, dtype, op and
+    algorithm (gloo's own across all four, and hier: shared memory, then gloo)."""
+    run_checked(4, "tests/mpi/matrix.py", "numpy", "large", launch=torchrun_on_hosts(hosts, 2, 2),
+                timeout=400)

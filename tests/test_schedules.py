@@ -95,8 +95,9 @@ def test_large_broadcast_pipelines_in_segments():
     run_case("broadcast", "ring", 5, 300_000, root=3)
 
 
-OFFERS = {"shm": frozenset({"shm", "mpi"}), "mpi": frozenset({"mpi"}),  # as the transports'
-          "hosts": frozenset({"hosts", "mpi"})}
+OFFERS = {"shm": frozenset({"shm", "mpi", "schedules"}),  # as the transports'
+          "mpi": frozenset({"mpi", "schedules"}), "hosts": frozenset({"hosts", "mpi", "schedules"}),
+          "gloo": frozenset({"gloo"}), "gloo-hosts": frozenset({"hosts", "gloo"})}
 
 
 class _On:  # stands in for a communicator whose transport offers these
@@ -105,18 +106,22 @@ class _On:  # stands in for a communicator whose transport offers these
 
 
 def test_registry_lists_expected_names():
-    assert algorithms("all_reduce") == ["direct", "hier", "native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce") == ["direct", "gloo", "hier", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("shm")) == ["direct", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("hosts")) == ["hier", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("mpi")) == ["native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("shm", mpi=False)) == ["direct", "rhd", "ring", "tree"]
-    assert algorithms("all_to_all") == ["direct", "native", "pairwise"]
-    with pytest.raises(ValueError, match="valid: direct, native, pairwise"):
+    assert algorithms("all_reduce", _On("gloo")) == ["gloo"]  # torchrun's nodes: no schedules
+    assert algorithms("all_reduce", _On("gloo-hosts")) == ["gloo", "hier"]
+    assert algorithms("all_to_all") == ["direct", "gloo", "native", "pairwise"]
+    with pytest.raises(ValueError, match="valid: direct, gloo, native, pairwise"):
         get("all_to_all", "ring")
     with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: native, rhd"):
         get("all_reduce", "direct", OFFERS["mpi"])
     with pytest.raises(ValueError, match="needs the MPI library.*valid here: direct, rhd"):
         get("all_reduce", "native", _On("shm", mpi=False).offers)
+    with pytest.raises(ValueError, match="needs a transport that runs schedules.*valid here: gloo"):
+        get("all_reduce", "ring", OFFERS["gloo"])
 
 
 def _sched(*rounds):

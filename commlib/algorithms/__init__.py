@@ -18,9 +18,12 @@ from ..call import COLLECTIVES
 
 # What an entry may need, as a transport offers it (commlib/transports/), and how an error
 # names it.
-NEEDS = {"shm": "all ranks on one host with shared memory",
+NEEDS = {"schedules": "a transport that runs schedules (shared memory or MPI; not gloo, which "
+                      "joins the nodes of a torchrun job)",
+         "shm": "all ranks on one host with shared memory",
          "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)",
          "mpi": "the MPI library (a communicator made under mpiexec, not from a store)",
+         "gloo": "torch's gloo (ranks that met through a store on several hosts)",
          "cuda_ipc": "CUDA arrays on one device and 2 to 16 ranks of one host sharing memory",
          "cuda_mpi": "CUDA arrays and a CUDA-aware MPI"}
 
@@ -32,7 +35,7 @@ class Algorithm:
     cost: Callable  # cost(model, where, n, nbytes) -> {constant: coefficient}
     build: Optional[Callable] = None  # schedule builder
     run: Optional[Callable] = None    # runner: run(transport, call)
-    needs: Optional[str] = None       # a capability (NEEDS); None: any transport's executor
+    needs: Optional[str] = None       # a capability (NEEDS) a transport offers; None: any
     memory: str = "host"
     family: Optional[str] = None  # a name that asks for the cheapest of several (ipc)
     applies: Optional[Callable] = None  # applies(transport, call) -> why it cannot, or None
@@ -44,6 +47,7 @@ class Where:
     the sizes its data paths cut calls into (defaults: for costs away from a transport)."""
     transport: str = "mpi"
     local: Optional[int] = None
+    cross: str = "mpi"  # what joins the hosts (hier's cross stage): mpi, or gloo
     staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
     slot_bytes: int = 16 << 20      # a CUDA IPC slot (commlib/transports/cuda_ipc.py)
     one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
@@ -65,7 +69,7 @@ def schedule(name: str, collective: str, formula):
     moved, bytes reduced) over MPI; on shared memory its own copies count (shm_terms)."""
     def wrap(build):
         register(name, collective, lambda model, where, n, nbytes: schedule_terms(
-            collective, name, formula, where, n, nbytes), build=build)
+            collective, name, formula, where, n, nbytes), build=build, needs="schedules")
         return build
     return wrap
 
@@ -156,4 +160,4 @@ def unavailable(collective: str, name: str, offers, device: bool, why: str | Non
                       f"which this call lacks; valid here: {valid}")
 
 
-from . import direct, hier, ipc, native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)
+from . import direct, gloo, hier, ipc, native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)

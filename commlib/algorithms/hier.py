@@ -1,5 +1,6 @@
 """hier: collectives across hosts in three stages, shared memory inside each host and
-MPI between them, so each byte crosses the network once per host, not once per rank.
+MPI (or gloo, between torchrun's nodes) between them, so each byte crosses the network
+once per host, not once per rank.
 
     all_reduce      host reduce-scatter -> all-reduce of each shard among the ranks that
                     own it on every host -> host all-gather
@@ -72,6 +73,9 @@ def broadcast(t, call):
     t.local.execute(_stage(call, "broadcast", call.out, root=root_local))
 
 
+# what the cross stage's transport offers, by what joins the hosts (Where.cross)
+CROSS_OFFERS = {"mpi": frozenset({"mpi", "schedules"}), "gloo": frozenset({"gloo"})}
+
 # L ranks on each of H hosts: per-rank bytes of the host stage and of the cross stage
 BYTES = {
     "all_reduce": lambda L, H, N: (N, N / L),
@@ -87,9 +91,9 @@ def terms(collective, model, where, n, nbytes) -> dict | None:
         return None
     hosts = n // local
     host_bytes, cross_bytes = BYTES[collective](local, hosts, nbytes)
-    cross_where = replace(where, transport="mpi")
+    cross_where = replace(where, transport=where.cross)
     cross = min((a.cost(model, cross_where, hosts, int(cross_bytes))
-                 for a in candidates(collective, frozenset({"mpi"}))), key=model.price)
+                 for a in candidates(collective, CROSS_OFFERS[where.cross])), key=model.price)
     total = dict(direct_terms(collective, replace(where, transport="shm"), local, int(host_bytes)))
     for name, coefficient in cross.items():
         total[name] = total.get(name, 0) + coefficient

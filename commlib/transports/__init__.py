@@ -1,5 +1,5 @@
 """Transports: what a communicator's calls run over, one module each (mpi, shm, hosts,
-store, cuda_ipc; each module's header says what it is), behind base.Transport's interface.
+store, gloo, cuda_ipc; each module's header says what it is), behind base.Transport's interface.
 
 A new transport is a module here with a Transport subclass, and its name below. ``auto``
 takes the first of PREFERENCE whose ``suits(world)`` holds for an MPI communicator's
@@ -13,7 +13,7 @@ import os
 # name -> (module, class): imported on first use, so that importing commlib loads no CUDA
 TRANSPORTS = {"mpi": ("mpi", "MpiTransport"), "shm": ("shm", "ShmTransport"),
               "hosts": ("hosts", "HostsTransport"), "store": ("store", "StoreTransport"),
-              "cuda_ipc": ("cuda_ipc", "CudaIpc")}
+              "gloo": ("gloo", "GlooTransport"), "cuda_ipc": ("cuda_ipc", "CudaIpc")}
 PREFERENCE = ("shm", "hosts", "mpi")
 
 

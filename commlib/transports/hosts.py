@@ -1,5 +1,7 @@
 """hosts: ranks on several hosts, as many on each: the mpi transport, plus hier
 (commlib/algorithms/hier.py) over a shm transport inside each host and an mpi one between.
+HostLayout is what hier's runners use, shared with gloo's hosts transport (transports/gloo.py,
+torchrun's nodes).
 
 Vocabulary: ``local`` holds this rank's host-mates ordered by rank, ``cross`` the ranks
 with the same local rank on every host; ``position[r]`` is rank r's (local rank, cross
@@ -17,28 +19,22 @@ from .mpi_world import MpiWorld, host_color
 from .shm import ShmTransport
 
 
-class HostsTransport(MpiTransport):
-    name = "hosts"
-    offers = frozenset({"hosts", "mpi"})
+class HostLayout:
+    """Mixed into a transport of the whole world: its ranks as ``local`` x ``cross``."""
 
-    def __init__(self, world: MpiWorld):
-        super().__init__(world)
-        coll, me = world.coll, world.rank
-        local = coll.Split(host_color(coll), me)
-        cross = coll.Split(local.Get_rank(), me)
-        self.local = ShmTransport(MpiWorld(local, owned=True))
-        self.cross = MpiTransport(MpiWorld(cross, owned=True))
+    def join_hosts(self, world, color: int, local_cls, cross_cls, cross: str) -> None:
+        """Split ``world`` by host (``color``: shared exactly by host-mates) into a
+        ``local_cls`` transport per host and a ``cross_cls`` one per local rank. Collective."""
+        local = world.split(color, world.rank)
+        self.local = local_cls(local)
+        self.cross = cross_cls(world.split(local.rank, world.rank))
         self.position = world.allgather((self.local.rank, self.cross.rank))
         self.owner = [[0] * self.cross.size for _ in range(self.local.size)]
         for r, (i, h) in enumerate(self.position):
             self.owner[i][h] = r
-        self.where = replace(self.local.where, transport=self.name, local=self.local.size)
+        self.where = replace(self.local.where, transport=self.name, local=self.local.size,
+                             cross=cross)
         self._scratch: dict = {}
-
-    @staticmethod
-    def suits(world) -> bool:
-        hosts, even = world.hosts
-        return hosts > 1 and even
 
     def scratch(self, slot: int, numel: int, dtype) -> Buffer:
         """Reused working buffer ``slot`` (fresh pages would cost more than the copies)."""
@@ -62,3 +58,17 @@ class HostsTransport(MpiTransport):
         for t in (self.local, self.cross):
             t.close()
         super().close()
+
+
+class HostsTransport(HostLayout, MpiTransport):
+    name = "hosts"
+    offers = frozenset({"hosts", "mpi", "schedules"})
+
+    def __init__(self, world: MpiWorld):
+        super().__init__(world)
+        self.join_hosts(world, host_color(world.coll), ShmTransport, MpiTransport, "mpi")
+
+    @staticmethod
+    def suits(world) -> bool:
+        hosts, even = world.hosts
+        return hosts > 1 and even

@@ -131,7 +131,7 @@ class Agreement:
 
 class MpiTransport(Transport):
     name = "mpi"
-    offers = frozenset({"mpi"})
+    offers = frozenset({"mpi", "schedules"})
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)

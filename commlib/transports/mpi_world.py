@@ -53,11 +53,12 @@ class MpiWorld:
         return cuda.mpi_is_cuda_aware() and not _open_mpi()
 
     def split(self, color, key) -> "MpiWorld | None":
+        """A world of the ranks with equal ``color``; its MPI communicator is freed with it."""
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else MpiWorld(sub)
+        return None if sub == MPI.COMM_NULL else MpiWorld(sub, owned=True)
 
     def dup(self) -> "MpiWorld":
-        return MpiWorld(self.mpi.Dup())
+        return MpiWorld(self.mpi.Dup(), owned=True)
 
     def make_transport(self):
         from . import pick

@@ -30,7 +30,7 @@ class ShmTransport(Transport):
         super().__init__(world)
         self.shm = _set_up(world, world.crowded())  # the C++ ShmComm
         self.timeout = self.shm.timeout
-        self.offers = frozenset({"shm", *world.offers})
+        self.offers = frozenset({"shm", "schedules", *world.offers})
         self.where = Where(self.name, staging_bytes=self.shm.staging_bytes)
 
     @staticmethod

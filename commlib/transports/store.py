@@ -113,18 +113,22 @@ class StoreWorld:
 
 
 class StoreTransport(ShmTransport):
-    """The shm transport over a StoreWorld: all ranks on one host, checked at set-up."""
+    """The shm transport over a StoreWorld: all ranks on one host."""
 
     @staticmethod
     def suits(world) -> bool:
         return False  # made from a store (Communicator.from_store), never picked for MPI
 
     @classmethod
-    def create(cls, store, rank: int, size: int, prefix: str) -> "StoreTransport":
+    def create(cls, store, rank: int, size: int, prefix: str):
+        """The transport of ranks that meet through ``store``: this one on one host; on
+        several, gloo between them (transports/gloo.py), with hier where every host has as
+        many ranks. Collective."""
         world = StoreWorld(store, rank, size, prefix)
         hosts = world.allgather(socket.gethostname())
-        if len(set(hosts)) > 1:
-            raise CommError(f"a communicator made from a store needs all its ranks on one "
-                            f"host (shared memory); these are on {sorted(set(hosts))}. "
-                            "Launch with mpiexec to run across hosts")
-        return cls(world)
+        if len(set(hosts)) == 1:
+            return cls(world)
+        from .gloo import GlooHostsTransport, GlooTransport
+        if len(set(Counter(hosts).values())) > 1:
+            return GlooTransport(world)
+        return GlooHostsTransport(world, sorted(set(hosts)).index(hosts[rank]))

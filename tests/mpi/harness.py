@@ -61,26 +61,35 @@ def make(x: np.ndarray, dtype: str, backend: str):
     return x.astype(dtype)
 
 
+def torchrun() -> bool:
+    """Whether torchrun started this rank (alone in its MPI world)."""
+    return MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def ranks_per_host() -> list:
     """How many ranks each host has, hosts in order of their lowest rank: the virtual
     hosts of COMMLIB_RANKS_PER_HOST, else the real ones (by hostname)."""
-    world = MPI.COMM_WORLD
     per_host = int(os.environ.get("COMMLIB_RANKS_PER_HOST", 0))
-    names = ([r // per_host for r in range(world.size)] if per_host
-             else world.allgather(socket.gethostname()))
+    if per_host:
+        names = [r // per_host for r in range(MPI.COMM_WORLD.size)]
+    elif torchrun():
+        names = _store_allgather("harness/host", socket.gethostname())
+    else:
+        names = MPI.COMM_WORLD.allgather(socket.gethostname())
     return list(Counter(names).values())  # a Counter keeps first-seen order
 
 
 def expected_transport() -> str:
     """The transport commlib's auto choice must pick for this launch: shared memory on one
-    host, hosts for equal ranks on each of several, else mpi (or COMMLIB_TRANSPORT's)."""
+    host, hosts for equal ranks on each of several, else what joins the hosts: mpi, or
+    gloo under torchrun (or COMMLIB_TRANSPORT's)."""
     forced = os.environ.get("COMMLIB_TRANSPORT")
     if forced and forced != "auto":
         return forced
     layout = ranks_per_host()
     if len(layout) == 1:
         return "shm"
-    return "hosts" if len(set(layout)) == 1 else "mpi"
+    return "hosts" if len(set(layout)) == 1 else "gloo" if torchrun() else "mpi"
 
 
 def assert_equal(got, want) -> None:
@@ -178,17 +187,29 @@ class Checker:
         sys.exit(1 if failed else 0)
 
 
+def _store():
+    """torchrun's store, as a client."""
+    import torch.distributed as dist
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False)
+
+
+def _store_allgather(key: str, value: str) -> list:
+    """Every torchrun rank's ``value``, through the store (not the code under test)."""
+    store, size = _store(), int(os.environ["WORLD_SIZE"])
+    store.set(f"{key}/{os.environ['RANK']}", value)
+    return [store.get(f"{key}/{r}").decode() for r in range(size)]
+
+
 def _over_ranks(value: int):
     """(sum of ``value`` over ranks, this rank, a barrier): over MPI, or through torchrun's
     store when torchrun started the ranks (each alone in its MPI world), so that the
     verdict needs no process group of the code under test."""
     world = MPI.COMM_WORLD
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world.size > 1 or size == 1:
+    if not torchrun():
         return world.allreduce(value), world.rank, world.Barrier
-    import torch.distributed as dist
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False)
+    store = _store()
     store.add("harness/failures", value)
 
     def arrive_and_wait(key):

@@ -2,12 +2,16 @@
 same processes (default group commlib, a gloo group over the same ranks beside it).
 Also: subgroups, a 2-D device mesh (4 ranks), async ops that really run in the
 background, wait() timeouts, p2p, object collectives, and clear errors. Under mpiexec."""
+import socket
 import time
 import warnings
+from collections import Counter
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from mpi4py import MPI
 
 import commlib.torch_backend as tb
 from harness import Checker, raises
@@ -18,6 +22,8 @@ tb.init_process_group()
 rank, n = dist.get_rank(), dist.get_world_size()
 WORLD = dist.group.WORLD
 GLOO = dist.new_group(backend="gloo")
+HOSTS = [None] * n  # each rank's host: which transport each group must get
+dist.all_gather_object(HOSTS, socket.gethostname(), group=GLOO)
 R = dist.ReduceOp
 check = Checker()
 INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -432,9 +438,20 @@ def errors():
 
 # ---------------------------------------------------------------- subgroups and a 2-D mesh
 
+def expected_transport(ranks):
+    """On one host shared memory; on several, hosts where each has as many of ``ranks``,
+    else what joins them: MPI under mpiexec, gloo under torchrun."""
+    per_host = Counter(HOSTS[r] for r in ranks).values()
+    if len(per_host) == 1:
+        return "shm"
+    return "hosts" if len(set(per_host)) == 1 else "mpi" if MPI.COMM_WORLD.size > 1 else "gloo"
+
+
 def is_commlib(group):
     assert dist.get_backend(group) == "commlib", dist.get_backend(group)
     assert isinstance(group, tb.ProcessGroupCommlib), repr(group)
+    want = expected_transport(dist.get_process_group_ranks(group))
+    assert group.comm.transport == want, (group.comm.transport, want)
 
 
 def subgroups():
@@ -495,6 +512,7 @@ def timed(name, fn):
         print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
+check.check("world-backend", lambda: is_commlib(WORLD))
 timed("reductions", reductions)
 timed("reduction_extras", reduction_extras)
 timed("list_layouts", list_layouts)
