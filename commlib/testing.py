@@ -2,9 +2,10 @@
 
 A *host* is a process holding its own network, hostname, IPC, mount and pid namespaces:
 its own network stack with one interface (eth0), its own /dev/shm (a private tmpfs),
-/proc and /sys, and an /etc/hosts that names every host. The hosts' eth0 are veth pairs
-plugged into a bridge that lives in one more namespace, the *switch*, so the machine's own
-network gets no new interface or address. mpiexec runs in the switch (as host
+/proc and /sys, an /etc/hosts that names every host, and its own share of this machine's
+cores (what runs there is bound to them), as a real host has cores of its own. The hosts'
+eth0 are veth pairs plugged into a bridge that lives in one more namespace, the *switch*,
+so the machine's own network gets no new interface or address. mpiexec runs in the switch (as host
 "launcher", which every host resolves: hydra's proxies connect back to it) and starts its
 proxies on the hosts through a launcher-exec script that enters the named host, the way
 ``ssh HOST COMMAND`` would. Traffic between hosts goes over TCP; ranks of one host share
@@ -51,7 +52,8 @@ case $host in
 %s
 *) echo "no namespace host named $host" >&2; exit 255;;
 esac
-exec nsenter -t "$pid" --net --uts --ipc --mount --pid --wd="$PWD" -- sh -c "exec $*"
+exec nsenter -t "$pid" --net --uts --ipc --mount --pid --wd="$PWD" -- \
+    taskset -c "$cores" sh -c "exec $*"
 """
 
 
@@ -80,6 +82,7 @@ class NamespaceHosts:
         if count < 1:
             raise ValueError(f"NamespaceHosts({count}): need at least one host")
         self.names = [f"host{i + 1}" for i in range(count)]
+        self.cores = dict(zip(self.names, _share(sorted(os.sched_getaffinity(0)), count)))
         self.pids: dict[str, int] = {}  # host -> its pid 1, as this machine sees it
         self._holders: list[subprocess.Popen] = []
         self._dir: Path | None = None
@@ -120,7 +123,8 @@ class NamespaceHosts:
             self._in(pid, f"ip addr add {SUBNET}.{i + 1}/24 dev eth0 && ip link set eth0 up "
                      "&& ip link set lo up")
         script = self._dir / "enter-host"
-        script.write_text(_LAUNCH % "\n".join(f"{n}) pid={p};;" for n, p in self.pids.items()))
+        script.write_text(_LAUNCH % "\n".join(f"{n}) pid={p} cores={self.cores[n]};;"
+                                              for n, p in self.pids.items()))
         script.chmod(0o755)
         self.launch_script = str(script)
 
@@ -178,7 +182,8 @@ class NamespaceHosts:
         """Start ``argv`` on ``host`` (in all its namespaces), in its own session."""
         return subprocess.Popen(["nsenter", "-t", str(self.pids[host]), "--net", "--uts",
                                  "--ipc", "--mount", "--pid", f"--wd={cwd or os.getcwd()}",
-                                 "--", *argv], start_new_session=True, **kwargs)
+                                 "--", "taskset", "-c", self.cores[host], *argv],
+                                start_new_session=True, **kwargs)
 
     def mpiexec(self, per_host: list[int], argv: list[str], timeout: float = 300,
                 env: dict | None = None, options: tuple = (), cwd=None) -> tuple[int | None, str]:
@@ -233,6 +238,20 @@ def default_mpiexec() -> str:
     launcher takes -launcher-exec."""
     here = Path(sys.prefix) / "bin" / "mpiexec"
     return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def _share(cores: list, hosts: int) -> list[str]:
+    """Each host's cores (taskset's list form): contiguous equal parts, or with more hosts
+    than cores, one core each, round robin."""
+    if hosts > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(hosts)]
+    per, extra = divmod(len(cores), hosts)
+    parts, start = [], 0
+    for i in range(hosts):
+        end = start + per + (i < extra)
+        parts.append(",".join(map(str, cores[start:end])))
+        start = end
+    return parts
 
 
 def _cmdline(proc: Path) -> str:

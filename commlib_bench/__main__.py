@@ -8,8 +8,14 @@
     mpiexec -n 2 commlib-bench calibrate               # fit the cost model, write tuning file
     commlib-bench kernels                              # reduce kernel vs numpy and memcpy
     commlib-bench gpu-kernels                          # GPU kernels vs a device copy
+    commlib-bench compare --hosts 2 --per-host 1       # across 2 namespace hosts (as root)
+
+``--hosts N`` (any command that runs on ranks; not under mpiexec) brings up N namespace
+hosts on this machine (commlib/testing.py: own network stack, hostname and /dev/shm each,
+joined over TCP), runs the command across them under mpiexec, and tears them down.
 """
 import argparse
+import os
 import sys
 
 from . import (calibrate, collective, compare, gpu_kernels, gpu_overlap, kernels, overlap,
@@ -27,12 +33,42 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.__doc__.strip().splitlines()[0]))
+        p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0])
+        module.add_arguments(p)
+        if name not in ONE_PROCESS:
+            add_host_arguments(p)
     args = parser.parse_args(argv)
     if args.command in ONE_PROCESS:
         return COMMANDS[args.command].main(args) or 0
+    if args.hosts:
+        return across_hosts(args.hosts, args.per_host, sys.argv[1:] if argv is None else argv)
     import commlib
     return COMMANDS[args.command].main(args, commlib.init()) or 0
+
+
+def add_host_arguments(p) -> argparse.ArgumentParser:
+    p.add_argument("--hosts", type=int, default=0, metavar="N",
+                   help="run across N namespace hosts on this machine (root; not under mpiexec)")
+    p.add_argument("--per-host", type=int, default=1, metavar="K", help="ranks per host "
+                   "with --hosts (default 1)")
+    return p
+
+
+def across_hosts(hosts: int, per_host: int, argv: list) -> int:
+    """Run this command (``argv`` without --hosts/--per-host) on ``per_host`` ranks on
+    each of ``hosts`` namespace hosts; returns mpiexec's exit code."""
+    from commlib.testing import NamespaceHosts, usable
+    if usable():
+        raise SystemExit(f"commlib-bench --hosts: {usable()}")
+    if hosts < 1 or per_host < 1:
+        raise SystemExit("commlib-bench: --hosts and --per-host take positive counts")
+    _, rest = add_host_arguments(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
+    with NamespaceHosts(hosts) as h:
+        print(f"commlib-bench: {hosts} namespace hosts x {per_host} ranks: {' '.join(rest)}",
+              flush=True)
+        job = h.popen(h.command([per_host] * hosts, [sys.executable, "-m", "commlib_bench",
+                                                      *rest]), cwd=os.getcwd())
+        return job.wait()
 
 
 if __name__ == "__main__":

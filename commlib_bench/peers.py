@@ -170,6 +170,7 @@ class MPIPeer:
 class GlooPeer:
     """torch.distributed's gloo backend on the same buffers (as torch tensors)."""
     name = "gloo"
+    root_only = True  # its reduce leaves partial sums elsewhere (torch: only dst receives)
 
     def __init__(self, group):
         import torch.distributed as dist

@@ -51,15 +51,15 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | No
     The job runs in its own process group; on timeout the whole group is SIGKILLed so a
     hang fails one test instead of the suite."""
     target = [script] if script == "-m" else [str(ROOT / script)]
-    return _launch([mpiexec(), *options, "-n", str(n), sys.executable, *target, *args], timeout,
-                   env)
+    return run_command([mpiexec(), *options, "-n", str(n), sys.executable, *target, *args],
+                       timeout, env)
 
 
 def torchrun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
     """Run ``script`` on ``n`` processes of this host started by torchrun (no MPI world)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(n), str(ROOT / script), *args]
-    return _launch(cmd, timeout, {"OMP_NUM_THREADS": "1", **(env or {})})
+    return run_command(cmd, timeout, {"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def on_hosts(hosts, per_host: list):
@@ -110,7 +110,9 @@ def torchrun_on_hosts(hosts, nodes: int, per_node: int):
     return launch
 
 
-def _launch(cmd: list, timeout: float, env: dict | None):
+def run_command(cmd: list, timeout: float, env: dict | None = None):
+    """Run ``cmd`` from this checkout in its own process group; (exit code, or None when
+    it ran past ``timeout`` and was killed with all it started; output)."""
     shm_before = _mpich_segments()
     # this checkout's code, whatever the environment has installed
     full_env = {**os.environ, **checkout_env(), **(env or {})}

@@ -6,12 +6,16 @@ may be left on any host (no rank, no /dev/shm file). Run just these with
 (not root, no unshare)."""
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from commlib.testing import NamespaceHosts, usable
-from mpirun import checkout_env, mpirun, on_hosts, run_checked, torchrun_on_hosts
+from mpirun import (checkout_env, mpirun, on_hosts, run_checked, run_command,
+                    torchrun_on_hosts)
 
 pytestmark = [pytest.mark.multihost,
               pytest.mark.skipif(usable() is not None, reason=str(usable()))]
@@ -103,3 +107,31 @@ def test_collective_matrix_under_torchrun_across_nodes(hosts):
     algorithm (gloo's own across all four, and hier: shared memory, then gloo)."""
     run_checked(4, "tests/mpi/matrix.py", "numpy", "large", launch=torchrun_on_hosts(hosts, 2, 2),
                 timeout=400)
+
+
+def test_hosts_come_and_go_leaving_nothing():
+    """Bring two hosts up, leave a process and a /dev/shm file on one, tear down: every
+    holder and process is gone, and this machine has no new interface."""
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    with NamespaceHosts(2) as h:
+        pids = list(h.pids.values()) + [h.switch]
+        stray = h.popen_on("host2", ["sh", "-c", "touch /dev/shm/stray; exec sleep 600"],
+                           stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while "stray" not in h.shm_files()["host2"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.leftovers(grace=0)["host2"], "the stray process and file are not seen"
+        assert h.shm_files()["host1"] == [], "a host sees another host's /dev/shm"
+    stray.wait(timeout=10)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a host outlived teardown"
+    assert subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout == links
+
+
+def test_benchmark_across_hosts():
+    """commlib-bench compare --hosts 2 --per-host 2: the cross-host comparison anyone can
+    rerun, every implementation's result checked."""
+    code, out = run_command([sys.executable, "-m", "commlib_bench", "compare", "all_reduce",
+                             "all_to_all", "--hosts", "2", "--per-host", "2", "-b", "64K",
+                             "-e", "64K", "--reps", "1", "--plot", ""], timeout=120)
+    assert code == 0, out[-3000:]
+    assert "4 ranks" in out and "FAILED" not in out and "commlib:hier" in out, out[-3000:]
