@@ -11,10 +11,11 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
-    """After the whole suite: no commlib segment in /dev/shm, no rank still running."""
+    """After the whole suite: no commlib segment in /dev/shm, no rank still running, no
+    namespace host (commlib/testing.py) still up."""
     yield
     left = sorted(str(p) for p in Path("/dev/shm").glob("commlib-*"))
     assert not left, f"shared-memory segments left behind: {left}"
-    ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m commlib_bench|-m commlib_strategies"],
-                           capture_output=True, text=True).stdout.strip()
+    ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m commlib_bench|-m commlib_strategies"
+                            "|commlib-hosts-"], capture_output=True, text=True).stdout.strip()
     assert not ranks, f"processes left running: {ranks}"
