@@ -84,6 +84,7 @@ class NamespaceHosts:
         self.names = [f"host{i + 1}" for i in range(count)]
         self.cores = dict(zip(self.names, _share(sorted(os.sched_getaffinity(0)), count)))
         self.pids: dict[str, int] = {}  # host -> its pid 1, as this machine sees it
+        self.switch: int | None = None  # the switch's holder (mpiexec runs there)
         self._holders: list[subprocess.Popen] = []
         self._dir: Path | None = None
 
@@ -147,15 +148,21 @@ class NamespaceHosts:
                        check=True, capture_output=True, text=True)
 
     def close(self) -> None:
-        """Kill every holder (a host's pid 1 takes all its processes along) and wait."""
-        for pid in self.pids.values():
-            _kill(pid)
+        """Kill each host's pid 1 (its processes go with it), which its holder reaps before
+        exiting; kill the switch; wait for every holder."""
+        for pid in [*self.pids.values(), self.switch]:
+            if pid:
+                _kill(pid)
         for holder in self._holders:
-            _kill(holder.pid)
-            holder.wait()
+            try:
+                holder.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # (never seen) its child would outlive it
+                _kill(holder.pid)
+                holder.wait()
             holder.stdout.close()
         self._holders.clear()
         self.pids.clear()
+        self.switch = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
