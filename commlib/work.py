@@ -111,17 +111,17 @@ _abandoned: list = []
 
 
 def wait_request(request: MPI.Request, deadline: Deadline, waiting_for: str,
-                 status: MPI.Status | None = None, keep=None) -> None:
+                 status: MPI.Status | None = None, keep=None, cancel: bool = True) -> None:
     """Wait for an MPI request until ``deadline``. MPI has no timed wait, and a
     non-blocking operation progresses only while MPI is called, so this polls back to
     back (as MPI's own blocking wait spins), letting other threads run in between. On
-    expiry a receive is cancelled, anything else abandoned with ``keep`` (its buffers), and
-    CommTimeoutError names ``waiting_for``."""
+    expiry the request is abandoned with ``keep`` (its buffers; a receive is cancelled
+    first, a send, ``cancel=False``, not), and CommTimeoutError names ``waiting_for``."""
     polls = 0
     while not request.Test(status):
         polls += 1
         if polls % 64 == 0 and deadline.expired():
-            _abandon(request, keep)
+            _abandon(request, keep, cancel)
             raise CommTimeoutError(f"timed out after {deadline.seconds:g} s waiting for "
                                    f"{waiting_for}")
         os.sched_yield()  # lets the GIL go (time.sleep(0) would nap for ~0.4 ms)
@@ -145,11 +145,15 @@ def wait_all_requests(requests: list, peers: list, deadline: Deadline, what: str
                                    f"{', '.join(late)} {what}") from None
 
 
-def _abandon(request: MPI.Request, keep) -> None:
-    try:
-        request.Cancel()  # succeeds for a receive nobody matched; harmless otherwise
-    except MPI.Exception:
-        pass
+def _abandon(request: MPI.Request, keep, cancel: bool = True) -> None:
+    """Leave ``request`` to MPI with ``keep`` (its buffers) alive; a receive nobody matched
+    is cancelled first (not a send: cancelling one, deprecated since MPI 4.1, crashed
+    MPICH here)."""
+    if cancel:
+        try:
+            request.Cancel()
+        except MPI.Exception:
+            pass
     _abandoned.append((request, keep))
 
 
@@ -316,8 +320,8 @@ class RequestPoller(_Background):
                        and now >= p[3].at]
             gone = {id(p) for p in expired}
             self._pending = [p for p in self._pending if id(p) not in gone]
-        for request, work, _, deadline, keep in expired:
-            _abandon(request, keep)
+        for request, work, expect_bytes, deadline, keep in expired:
+            _abandon(request, keep, cancel=expect_bytes is not None)  # receives only
             work._finish(None, CommTimeoutError(f"{work.what} did not complete within "
                                                 f"{deadline.seconds:g} s"))
 

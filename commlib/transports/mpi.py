@@ -217,8 +217,10 @@ class MpiTransport(Transport):
                 wait_request(req, deadline, f"rank {t.peer} (a {t.nbytes}-byte receive)",
                              status, views)
             except CommTimeoutError:  # the peers' state is unknown: drop everything posted
-                for other in [p[0] for p in pending] + sreqs:
+                for other, _, _ in pending:
                     _abandon(other, views)
+                for other in sreqs:
+                    _abandon(other, views, cancel=False)
                 raise
             except MPI.Exception as e:  # e.g. a message longer than expected (truncated)
                 errors.append(CommError(f"receive from rank {t.peer} failed: {e}"))
@@ -237,7 +239,7 @@ class MpiTransport(Transport):
                 post()
         for req, t in zip(sreqs, sends):
             wait_request(req, deadline, f"rank {t.peer} to take a {t.nbytes}-byte send",
-                         keep=views)
+                         keep=views, cancel=False)
 
     def device_offers(self) -> frozenset:
         return frozenset({"cuda_mpi"}) if self.world.takes_device_memory else frozenset()

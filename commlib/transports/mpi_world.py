@@ -74,7 +74,7 @@ class MpiWorld:
                                           f"send to rank {dst}", None, deadline=deadline,
                                           keep=keep)
             wait_request(self._p2p.Isend(buf.bytes, dst, tag), deadline,
-                         f"rank {dst} to receive (send, tag {tag})", keep=keep)
+                         f"rank {dst} to receive (send, tag {tag})", keep=keep, cancel=False)
         except MPI.Exception as e:
             raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
         return None

@@ -62,6 +62,15 @@ CASES = {  # name: (what the message must name, the call each rank makes)
                               else c.all_reduce(ones(8))),
     "all_gather vs all_to_all": ("collective", lambda c: c.all_to_all(ones(2 * n), ones(2 * n))
                                  if odd else c.all_gather(ones(2 * n), ones(2))),
+    # schedules with large, segmented transfers: the disagreeing rank's would be longer,
+    # shorter or of another collective
+    "ring all_reduce count, moving": ("count", lambda c: c.all_reduce(
+        ones(300_000 + 7 * odd), algorithm="ring")),
+    "ring vs tree, moving": ("algorithm", lambda c: c.all_reduce(
+        ones(300_000), algorithm="tree" if odd else "ring")),
+    "ring all_gather vs reduce_scatter, moving": ("collective", lambda c: c.reduce_scatter(
+        ones(50_000), ones(50_000 * n), algorithm="ring") if odd else c.all_gather(
+        ones(50_000 * n), ones(50_000), algorithm="ring")),
 }
 
 INVALID_CASES = {  # arguments valid on every rank but the last
