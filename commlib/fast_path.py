@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 
 from . import _C
-from .call import CODES, NAMES, NONE, ReduceOp
+from .call import CODES, NAMES, NONE, ROOTED, ReduceOp
 from .dtypes import BY_CODE
 
 # what a reducing collective's op may be given as (as ReduceOp.parse takes it)
@@ -49,6 +49,8 @@ class FastPath:
             return  # the fast path knows equal parts only
         if plan is None and algo.name != "direct":
             return  # other runners (MPI's own, hier) stay on the general path
+        if plan is not None and call.collective in ROOTED:
+            return  # rooted plans agree first (transports/shm.py), on the general path
         algorithm = 0 if requested is None else self.algorithms.setdefault(
             requested, len(self.algorithms) + 1)
         steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if plan is not None else ([], 0)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _C
 from ..algorithms import Where
-from ..call import NONE, pack_name
+from ..call import NONE, ROOTED, pack_name
 from ..errors import CommError
 from ..schedule import RecvReduce, Schedule
 from .base import Transport
@@ -41,7 +41,12 @@ class ShmTransport(Transport):
         self.shm.agree(desc, *(splits or ([], [])), itemsize)
 
     def agree_call(self, call, algo) -> None:
-        if algo.build is None and algo.needs != "shm":  # its plans and direct ops check
+        """Direct ops check every peer's call, and plans the peers they meet, so that a
+        disagreement reaches every rank whose result depends on all the others. In a
+        rooted plan (tree or ring broadcast and reduce) some ranks' parts end without
+        that: they agree first, as runners do."""
+        if (algo.needs != "shm" and algo.build is None) or (
+                algo.build is not None and call.collective in ROOTED):
             super().agree_call(call, algo)
 
     def barrier(self) -> None:

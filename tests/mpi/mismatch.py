@@ -68,6 +68,14 @@ CASES = {  # name: (what the message must name, the call each rank makes)
         ones(300_000 + 7 * odd), algorithm="ring")),
     "ring vs tree, moving": ("algorithm", lambda c: c.all_reduce(
         ones(300_000), algorithm="tree" if odd else "ring")),
+    # rooted plans: a leaf's or the root's part ends without meeting every peer; after warm
+    # calls, which a fast path could have learned
+    "tree reduce root, warm": ("root", lambda c: [c.reduce(ones(6), algorithm="tree")
+                                                  for _ in range(3)] and c.reduce(
+        ones(6), root=1 if odd else 0, algorithm="tree")),
+    "ring broadcast count, warm": ("count", lambda c: [c.broadcast(ones(6), algorithm="ring")
+                                                       for _ in range(3)] and c.broadcast(
+        ones(6 + odd), algorithm="ring")),
     "ring all_gather vs reduce_scatter, moving": ("collective", lambda c: c.reduce_scatter(
         ones(50_000), ones(50_000 * n), algorithm="ring") if odd else c.all_gather(
         ones(50_000 * n), ones(50_000), algorithm="ring")),
