@@ -10,7 +10,7 @@ import mpi4py
 mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
 from mpi4py import MPI  # noqa: E402
 
-from . import abort, p2p, transports  # noqa: E402
+from . import abort, p2p, transports, tuning  # noqa: E402
 from .call import CODES  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
 from .transports.mpi_world import MpiWorld  # noqa: E402
@@ -43,6 +43,7 @@ class Communicator:
         self.rank, self.size, self.mpi = transport.rank, transport.size, transport.world.mpi
         self._calls = Dispatcher(transport, repr(self))
         self._fast = self._calls.call_fast
+        tuning.attach(self, transport)  # the algorithm table measured for this layout
         return self
 
     def __repr__(self):
@@ -67,6 +68,13 @@ class Communicator:
     @timeout.setter
     def timeout(self, seconds: float) -> None:
         self._calls.set_timeout(seconds)
+
+    @property
+    def algorithm_table(self):
+        """The algorithm table measured for this communicator's layout (tuning.Table:
+        ``times[collective][algorithm]`` is [[bytes, seconds], ...]), or None where auto
+        uses the cost model (COMMLIB_TUNING=off, one rank)."""
+        return self._transport.measured
 
     def flight_record(self) -> list[dict]:
         """The last calls on this communicator, oldest first (recorder.FlightRecorder)."""

@@ -24,8 +24,9 @@ TUNING_ENV = "COMMLIB_TUNING"
 
 
 def tuning_path() -> Path:
-    """Where the tuning file lives: $COMMLIB_TUNING, else a per-user default."""
-    if os.environ.get(TUNING_ENV):
+    """Where the tuning file lives: $COMMLIB_TUNING (unless off or refresh: see
+    commlib/tuning.py), else a per-user default."""
+    if os.environ.get(TUNING_ENV, "").lower() not in ("", "off", "refresh"):
         return Path(os.environ[TUNING_ENV])
     base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     return base / "commlib" / "tuning.json"
@@ -83,9 +84,9 @@ class CostModel:
 
     @classmethod
     def load(cls, path: Path | None = None) -> "CostModel":
-        """The tuning file's model, or the defaults when there is none."""
+        """The tuning file's model, or the defaults when there is none (or tuning is off)."""
         path = path or tuning_path()
-        if not path.exists():
+        if os.environ.get(TUNING_ENV, "").lower() == "off" or not path.exists():
             return cls()
         try:
             data = json.loads(path.read_text())
@@ -114,10 +115,11 @@ ALL_TO_ALL_DECIDING_BYTES = 1 << 20
 def choose(collective: str, requested: str | None, n: int, nbytes: int,
            model: CostModel | None = None, transport: str | None = None,
            local: int | None = None, offers: frozenset | None = None,
-           where: Where | None = None) -> Algorithm:
+           where: Where | None = None, measured=None) -> Algorithm:
     """The algorithm for a call on host memory: ``requested``, then the environment, then
-    the cheapest that ``offers`` allows (default: the transport's own and MPI's) at
-    ``where`` (else ``transport``, default mpi, with ``local`` ranks per host)."""
+    the fastest that ``offers`` allows (default: the transport's own and MPI's) in the
+    ``measured`` table (commlib/tuning.py), else the cheapest by the model at ``where``
+    (else ``transport``, default mpi, with ``local`` ranks per host)."""
     where = where or Where(transport or "mpi", local)
     if offers is None:
         offers = frozenset({where.transport, "mpi", "schedules"})
@@ -129,6 +131,11 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         return found[0]
     if collective == "all_to_all":
         nbytes = ALL_TO_ALL_DECIDING_BYTES
+    if measured is not None:
+        found = candidates(collective, offers)
+        fastest = measured.fastest(collective, nbytes, [a.name for a in found])
+        if fastest is not None:
+            return next(a for a in found if a.name == fastest)
     return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, where, offers)
 
 

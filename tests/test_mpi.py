@@ -157,3 +157,8 @@ def test_a_killed_rank_makes_every_survivor_raise_at_once(tmp_path):
     for _, seconds, message in survivors:
         assert float(seconds) < 1 and "rank 2" in message and "exited" in message, message
     assert _segments() <= before, "the killed rank left shared memory behind"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_self_tuning_measures_caches_and_agrees(n, tmp_path):
+    run_checked(n, "tests/mpi/tuning.py", str(tmp_path), timeout=200)

@@ -33,6 +33,7 @@ class Transport:
         self.checks_calls = True
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
+        self.measured = None  # this layout's tuning.Table, once attached
 
     def agree_call(self, call, algo) -> None:
         """Agree on ``call`` before ``algo`` runs it, unless running it checks that itself."""
@@ -60,7 +61,8 @@ class Transport:
         if hit is not None:
             return hit[0], hit[1], False
         algo = choose(call.collective, requested or self._overrides.get(call.collective, "auto"),
-                      self.size, call.nbytes, where=self.where, offers=self.offers)
+                      self.size, call.nbytes, where=self.where, offers=self.offers,
+                      measured=self.measured)
         plan = None if algo.run is not None else self.plan(algo, call)
         if len(self._plans) >= 4096:
             self._plans.clear()

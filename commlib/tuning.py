@@ -1,0 +1,181 @@
+"""Self-tuning: the algorithm table, measured on the machine and layout it runs on.
+
+The first communicator of a layout (transport, ranks on each host, CPU model, cores, the
+algorithms on offer) times every algorithm of every collective at a few sizes: each rank
+takes the median of a few batches, and the table keeps the slowest rank's time, so every
+rank computes the same table. It is cached in the user's cache directory (a versioned
+JSON file) and reused by every later communicator of that layout, in this process and
+the next. ``auto`` then takes the algorithm with the least time at the call's size,
+interpolated in log size between measured sizes (beyond the largest, time grows with
+the bytes); collectives or algorithms the table lacks fall back to the cost model
+(commlib/select.py). Rank 0's table is the one every rank uses, so two ranks never
+choose differently.
+
+COMMLIB_TUNING=off keeps the cost model's choice; COMMLIB_TUNING=refresh measures again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from .call import COLLECTIVES
+
+VERSION = 1
+SIZES = (256, 16 << 10, 256 << 10, 2 << 20)  # primary bytes measured per rank
+BATCHES = 5
+_tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
+
+
+class Table:
+    """Measured seconds per (collective, algorithm) at SIZES' primary bytes."""
+
+    def __init__(self, times: dict):
+        self.times = times  # collective -> algorithm -> [[nbytes, seconds], ...]
+
+    def fastest(self, collective: str, nbytes: int, names) -> str | None:
+        """The measured algorithm among ``names`` with the least time at ``nbytes``."""
+        measured = self.times.get(collective, {})
+        timed = [(self.seconds(measured[n], nbytes), n) for n in names if n in measured]
+        return min(timed)[1] if timed else None
+
+    @staticmethod
+    def seconds(points: list, nbytes: int) -> float:
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                w = math.log(nbytes / b0) / math.log(b1 / b0)
+                return t0 + w * (t1 - t0)
+        b, t = points[-1]
+        return t * nbytes / b
+
+
+def mode() -> str:
+    """COMMLIB_TUNING: "off", "refresh", or anything else (on)."""
+    return os.environ.get("COMMLIB_TUNING", "").strip().lower()
+
+
+def attach(comm, transport) -> None:
+    """Give ``comm``'s ``transport`` the table of its layout (measured now if there is
+    none yet), unless tuning is off. Collective over ``comm``."""
+    if mode() == "off" or comm.size == 1:
+        return
+    layout = describe(comm, transport)
+    digest = hashlib.sha1(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+    table = None
+    if comm.rank == 0 and mode() != "refresh":
+        table = _tables.get(digest) or _load(digest, layout)
+    table = transport.world.allgather(table.times if table else None)[0]  # rank 0's
+    if table is None:
+        started = time.perf_counter()
+        table = measure(comm)
+        if comm.rank == 0:
+            _save(digest, layout, table, time.perf_counter() - started)
+    else:
+        table = Table(table)
+    _tables[digest] = table
+    transport.measured = table
+
+
+def describe(comm, transport) -> dict:
+    """What a table is valid for (rank 0's is the one looked up)."""
+    hosts = Counter(transport.world.allgather(socket.gethostname()))
+    return {"version": VERSION, "transport": comm.transport, "ranks": comm.size,
+            "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "algorithms": {c: comm.algorithms(c) for c in COLLECTIVES}}
+
+
+def measure(comm) -> Table:
+    """Time every algorithm of every collective at SIZES on ``comm``; collective."""
+    keys, mine = [], []
+    for collective in COLLECTIVES:
+        for name in comm.algorithms(collective):
+            for nbytes in SIZES:
+                keys.append((collective, name, nbytes))
+                mine.append(_time(comm, collective, name, nbytes))
+    slowest = np.array(mine)
+    comm.all_reduce(slowest, op="max")
+    times: dict = {}
+    for (collective, name, nbytes), seconds in zip(keys, slowest.tolist()):
+        times.setdefault(collective, {}).setdefault(name, []).append([nbytes, seconds])
+    return Table(times)
+
+
+def _time(comm, collective: str, name: str, nbytes: int) -> float:
+    """Seconds per call: the median of BATCHES batches, after one warm-up call."""
+    n = comm.size
+    count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
+    a, b = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
+    call = {
+        "all_reduce": lambda: comm.all_reduce(a[:count], algorithm=name),
+        "reduce": lambda: comm.reduce(a[:count], algorithm=name),
+        "broadcast": lambda: comm.broadcast(a[:count], algorithm=name),
+        "reduce_scatter": lambda: comm.reduce_scatter(b[:count], a, algorithm=name),
+        "all_gather": lambda: comm.all_gather(b, a[:count], algorithm=name),
+        "all_to_all": lambda: comm.all_to_all(b[:count], a[:count], algorithm=name),
+    }[collective]
+    calls = max(1, min(50, (4 << 20) // nbytes))
+    call()
+    batches = []
+    for _ in range(BATCHES):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        batches.append((time.perf_counter() - start) / calls)
+    return statistics.median(batches)
+
+
+def _path(digest: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "commlib" / "tables" / f"{digest}.json"
+
+
+def _load(digest: str, layout: dict) -> Table | None:
+    path = _path(digest)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("layout") != layout:
+            raise ValueError("it was measured for another machine or layout")
+        return Table(data["times"])
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"commlib: ignoring the algorithm table {path} ({e}); measuring "
+                      "again", stacklevel=2)
+        return None
+
+
+def _save(digest: str, layout: dict, table: Table, seconds: float) -> None:
+    path = _path(digest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"layout": layout, "measured_in_seconds": round(seconds, 3),
+                                   "times": table.times}, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as e:  # a read-only home: the table lives in this process only
+        warnings.warn(f"commlib: cannot cache the algorithm table in {path}: {e}",
+                      stacklevel=2)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,128 @@
+"""Self-tuning (commlib/tuning.py): the table measured at the first communicator of a
+layout, cached, reused; every rank chooses the same algorithm even when their own caches
+say otherwise; a cached table of another layout is ignored with a warning; off is off.
+
+Usage: mpiexec -n N python tests/mpi/tuning.py CACHE_DIR   (N >= 2; each rank caches under
+CACHE_DIR/rank<r>, as ranks on different hosts would)
+"""
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+rank = MPI.COMM_WORLD.rank
+os.environ["XDG_CACHE_HOME"] = str(Path(sys.argv[1]) / f"rank{rank}")
+os.environ.pop("COMMLIB_TUNING", None)
+
+import commlib  # noqa: E402
+from commlib import tuning  # noqa: E402
+from commlib.call import COLLECTIVES  # noqa: E402
+from harness import Checker  # noqa: E402
+
+world = commlib.init()
+n = world.size
+check = Checker()
+tables = Path(os.environ["XDG_CACHE_HOME"]) / "commlib" / "tables"
+
+
+def auto_choices(comm):
+    """The algorithm auto takes for each collective at a few sizes (flight recorder)."""
+    chosen = []
+    for count in (16, 5000, 300_000):
+        a, b = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
+        comm.all_reduce(a[:count])
+        comm.reduce_scatter(b[:count], a)
+        comm.all_gather(b, a[:count])
+        comm.broadcast(a[:count])
+        comm.reduce(a[:count])
+        comm.all_to_all(b[:count * n], a[:count * n])
+        chosen += [(r["collective"], r["count"], r["algorithm"])
+                   for r in comm.flight_record()[-6:]]
+    return chosen
+
+
+def measured_and_cached():
+    table = world.algorithm_table
+    assert table is not None, "no table attached to the world"
+    for collective in COLLECTIVES:
+        assert set(table.times[collective]) == set(world.algorithms(collective)), collective
+    files = sorted(tables.glob("*.json"))
+    if rank == 0:
+        assert len(files) == 1, files
+        data = json.loads(files[0].read_text())
+        assert data["layout"]["version"] == tuning.VERSION and data["layout"]["ranks"] == n
+    else:
+        assert not files, "only rank 0 writes the table"
+
+
+def the_choice_is_the_tables_and_the_same_everywhere():
+    chosen = auto_choices(world)
+    every = world.mpi.allgather(chosen)
+    assert all(c == every[0] for c in every), every
+    table = world.algorithm_table
+    for collective, count, name in chosen:
+        nbytes = {"all_to_all": 1 << 20}.get(collective, count * 4)
+        assert name == table.fastest(collective, nbytes, world.algorithms(collective)), \
+            (collective, count, name)
+
+
+def rank_0s_table_wins():
+    """The other ranks' caches hold a forged table (only the slowest algorithm fast): a
+    new communicator of the layout still takes rank 0's, and so the same choices."""
+    mine = sorted(Path(sys.argv[1], "rank0", "commlib", "tables").glob("*.json"))
+    data = json.loads(world.mpi.bcast(mine[0].read_text() if rank == 0 else None))
+    name = world.mpi.bcast(mine[0].name if rank == 0 else None)
+    if rank != 0:
+        for collective, algos in data["times"].items():
+            slowest = max(algos, key=lambda a: algos[a][-1][1])
+            for a, points in algos.items():
+                for p in points:
+                    p[1] = 1e-9 if a == slowest else 1.0
+        tables.mkdir(parents=True, exist_ok=True)
+        (tables / name).write_text(json.dumps(data))
+    tuning._tables.clear()  # as in a new process: read from the caches
+    fresh = world.dup()
+    every = world.mpi.allgather(auto_choices(fresh))
+    assert all(c == every[0] for c in every), every
+    assert fresh.algorithm_table.times == world.algorithm_table.times
+    fresh.free()
+
+
+def another_layouts_table_is_ignored():
+    """Rank 0's cached file says another layout: a warning, a new measurement, a new file."""
+    path = sorted(Path(sys.argv[1], "rank0", "commlib", "tables").glob("*.json"))[0] \
+        if rank == 0 else None
+    if rank == 0:
+        data = json.loads(path.read_text())
+        data["layout"]["cpu"] = "some other CPU"
+        path.write_text(json.dumps(data))
+    tuning._tables.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh = world.dup()
+    if rank == 0:
+        assert any("another machine or layout" in str(w.message) for w in caught), caught
+        assert json.loads(path.read_text())["layout"]["cpu"] != "some other CPU"
+    assert fresh.algorithm_table is not None
+    fresh.free()
+
+
+def off_is_off():
+    os.environ["COMMLIB_TUNING"] = "off"
+    try:
+        fresh = world.dup()
+        assert fresh.algorithm_table is None
+        fresh.free()
+    finally:
+        del os.environ["COMMLIB_TUNING"]
+
+
+if n >= 2:
+    for case in (measured_and_cached, the_choice_is_the_tables_and_the_same_everywhere,
+                 rank_0s_table_wins, another_layouts_table_is_ignored, off_is_off):
+        check.check(case.__name__, case)
+check.finish()
