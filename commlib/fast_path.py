@@ -49,14 +49,15 @@ class FastPath:
             return  # the fast path knows equal parts only
         if plan is None and algo.name != "direct":
             return  # other runners (MPI's own, hier) stay on the general path
-        if plan is not None and call.collective in ROOTED:
-            return  # rooted plans agree first (transports/shm.py), on the general path
         algorithm = 0 if requested is None else self.algorithms.setdefault(
             requested, len(self.algorithms) + 1)
         steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if plan is not None else ([], 0)
+        # rooted plans agree first (transports/shm.py): dtype and op are filled in per call
+        agree = call.descriptor(algo.name) if plan is not None and call.collective in ROOTED \
+            else []
         self.native.learn(CODES[call.collective], algorithm, call.count, call.dtype.itemsize,
                           NONE if call.root is None else call.root, steps, tmp,
-                          len(self.entries))
+                          len(self.entries), agree)
         self.entries.append((algo.name, call.count))
 
     def records(self) -> list[list]:

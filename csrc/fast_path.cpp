@@ -89,11 +89,15 @@ class FastPath {
 
   // What the general path runs for this call: `plan` (with its scratch bytes), or the
   // direct collective when `plan` is empty. `id` names the entry to the caller.
+  // `agree_first`: the call's descriptor (dtype and op filled in per call), which the
+  // ranks agree on before the plan runs (rooted plans: transports/shm.py); empty: none.
   void learn(int collective, int algorithm, int64_t count, int64_t itemsize, int64_t root,
-             std::vector<int64_t> plan, int64_t tmp_bytes, int id) {
+             std::vector<int64_t> plan, int64_t tmp_bytes, int id,
+             std::vector<int64_t> agree_first) {
     if (entries_.size() >= kMaxEntries) return;  // the general path runs the rest
     entries_.emplace(Key{collective, algorithm, count, itemsize, root},
-                     std::make_unique<const Entry>(Entry{std::move(plan), tmp_bytes, id}));
+                     std::make_unique<const Entry>(Entry{std::move(plan), tmp_bytes, id,
+                                                         std::move(agree_first)}));
   }
 
   int64_t taken() const { return taken_; }  // calls run here so far
@@ -147,7 +151,7 @@ class FastPath {
     std::string why;
     try {
       py::gil_scoped_release nogil;
-      run(*entry, collective, out, in, checked, reduces ? int(op) : SUM, root);
+      run(*entry, collective, out, in, checked, reduces ? int(op) : SUM, root, op);
     } catch (const TimeoutError& e) {
       failed = "CommTimeoutError", why = e.what();
     } catch (const MismatchError& e) {
@@ -184,6 +188,7 @@ class FastPath {
     std::vector<int64_t> plan;  // empty: the direct collective
     int64_t tmp_bytes;
     int id;
+    std::vector<int64_t> agree_first;  // a descriptor to agree on first (learn), or empty
   };
   struct Record {
     int64_t seq = 0;  // 0: an empty slot
@@ -210,7 +215,12 @@ class FastPath {
   }
 
   void run(const Entry& e, int collective, const Operand& out, const Operand& in,
-           const CheckedCall& checked, int op, int64_t root) {
+           const CheckedCall& checked, int op, int64_t root, int64_t op_given) {
+    if (!e.agree_first.empty()) {  // the descriptor's dtype and op fields are this call's
+      std::vector<int64_t> desc = e.agree_first;
+      desc[DTYPE] = out.dtype, desc[OP] = op_given;
+      comm_.agree(desc, {}, {}, itemsize(out.dtype));
+    }
     if (!e.plan.empty())
       comm_.run_plan(e.plan.data(), int64_t(e.plan.size()), {out.ptr, in.ptr}, e.tmp_bytes,
                      out.dtype, op);
@@ -276,7 +286,7 @@ void bind_fast_path(py::module_& m) {
            py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("algorithm"),
            py::arg("count"), py::arg("itemsize"), py::arg("root"), py::arg("plan"),
-           py::arg("tmp_bytes"), py::arg("id"))
+           py::arg("tmp_bytes"), py::arg("id"), py::arg("agree_first"))
       .def_property_readonly("call", [](py::object self) {
         auto bound = py::make_tuple(self, py::capsule(self.cast<FastPath*>()));
         return py::reinterpret_steal<py::object>(PyCFunction_New(&call_def, bound.ptr()));

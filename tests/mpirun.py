@@ -30,8 +30,11 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
 
 
 def checkout_env() -> dict:
-    """Environment that puts this checkout first on the launched processes' path."""
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    """Environment that puts this checkout first on the launched processes' path, with
+    the measured algorithm table off (COMMLIB_TUNING=off: the cost model chooses, the same
+    on every machine; tests/mpi/tuning.py turns it on)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "COMMLIB_TUNING": "off"}
 
 
 def mpiexec() -> str:

@@ -162,3 +162,6 @@ def test_a_killed_rank_makes_every_survivor_raise_at_once(tmp_path):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_self_tuning_measures_caches_and_agrees(n, tmp_path):
     run_checked(n, "tests/mpi/tuning.py", str(tmp_path), timeout=200)
+    if n == 3:  # auto from a measured table, on every collective (the suite runs without)
+        run_checked(n, "tests/mpi/matrix.py", "numpy", env={
+            "COMMLIB_TUNING": "on", "XDG_CACHE_HOME": str(tmp_path / "matrix")})
