@@ -3,7 +3,8 @@
 stage between hosts (commlib/transports/gloo.py). Buffers go to gloo as torch views of
 their memory; an average is a sum the caller scales.
 """
-from . import COLLECTIVES, log2_rounds, register
+from . import COLLECTIVES, register
+from .native import FORMULAS
 
 
 def _tensor(buf):
@@ -70,18 +71,8 @@ def reduce(t, call):
     t.wait(t.group.reduce([x], _options("ReduceOptions", call, rootRank=call.root)))
 
 
-# (latency rounds, bytes its traffic moves) per collective
-FORMULAS = {
-    "all_reduce": lambda n, N: (2 * log2_rounds(n), 2 * (n - 1) / n * N),
-    "reduce_scatter": lambda n, N: (log2_rounds(n), (n - 1) * N),
-    "all_gather": lambda n, N: (log2_rounds(n), (n - 1) * N),
-    "all_to_all": lambda n, N: (n - 1, (n - 1) / n * N),
-    "broadcast": lambda n, N: (log2_rounds(n), N),
-    "reduce": lambda n, N: (log2_rounds(n), N),
-}
-
-
 def terms(collective, n, nbytes) -> dict:
+    """A library's own collective, like MPI's (native.FORMULAS), at gloo's constants."""
     rounds, moved = FORMULAS[collective](n, nbytes)
     return {"alpha_gloo": max(1, rounds), "beta_gloo": moved}
 

@@ -29,6 +29,7 @@ class GlooTransport(Transport):
                                            world.rank, world.size, timeout)
         # a row per rank: the descriptor's 8 fields, then all_to_all's bytes per peer
         self._table = np.zeros((world.size, 8 + 2 * world.size), np.int64)
+        self._mine = np.zeros(self._table.shape[1], np.int64)  # reused by every call
         self._sent = 0
 
     @staticmethod
@@ -48,7 +49,7 @@ class GlooTransport(Transport):
 
     def agree(self, desc, splits=None, itemsize=1) -> None:
         import torch
-        mine = np.zeros(self._table.shape[1], np.int64)
+        mine = self._mine
         mine[:8] = desc
         if splits:
             mine[8:] = list(splits[0]) + list(splits[1])
