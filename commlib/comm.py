@@ -3,16 +3,19 @@ world), over one transport (commlib/transports/), every call through one route
 (commlib/dispatch.py)."""
 from __future__ import annotations
 
+import math
 import os
 
 import mpi4py
+import numpy as np
 
 mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, p2p, transports, tuning  # noqa: E402
-from .call import CODES  # noqa: E402
+from .call import CODES, NONE, descriptor  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
+from .host_memory import as_array  # noqa: E402
 from .transports.mpi_world import MpiWorld  # noqa: E402
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL, BROADCAST, REDUCE = (
@@ -75,6 +78,11 @@ class Communicator:
         ``times[collective][algorithm]`` is [[bytes, seconds], ...]), or None where auto
         uses the cost model (COMMLIB_TUNING=off, one rank)."""
         return self._transport.measured
+
+    def measure_algorithms(self) -> None:
+        """Measure this layout's algorithm table again and cache it for later runs
+        (collective; what ``commlib-bench calibrate`` and COMMLIB_TUNING=refresh do)."""
+        tuning.attach(self, self._transport, refresh=True)
 
     def flight_record(self) -> list[dict]:
         """The last calls on this communicator, oldest first (recorder.FlightRecorder)."""
@@ -185,6 +193,30 @@ class Communicator:
         Blocking (returns ``t``), or a Work if ``async_op``. Fails with CommTimeoutError if
         nothing arrives within ``timeout`` seconds (default: the communicator's)."""
         return p2p.recv(self._calls, t, src, tag, async_op, timeout)
+
+    def empty(self, shape, dtype=np.float32):
+        """An uninitialised array of ``shape`` (numpy; a torch tensor for a torch dtype) in
+        host memory that every rank of the host maps, so that one_copy collectives on it
+        read the peers' data where it lies (commlib/host_memory.py). Collective: every rank
+        asks for the same shape and dtype. Where the ranks share no memory (not the shm
+        transport), an ordinary array."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        torch_dtype = type(dtype).__module__ == "torch"
+        itemsize = dtype.itemsize if torch_dtype else np.dtype(dtype).itemsize
+        memory = self._transport.memory
+        if memory is None:
+            raw = bytearray(math.prod(shape) * itemsize)
+        else:
+            nbytes, made = math.prod(shape) * itemsize, []
+            desc = descriptor("barrier", "empty", nbytes, NONE, NONE, NONE)
+
+            def allocate():  # once the ranks agree on the size (else all raise, none hangs)
+                self._transport.set_timeout(self.timeout)
+                self._transport.agree(desc)
+                made.append(memory.allocate(nbytes))
+            self._calls.engine.run("empty", allocate, async_op=False)
+            raw = made[0]
+        return as_array(raw, shape, dtype)
 
     def register(self, t, timeout=None, required: bool = True):
         """GPU memory the ranks of one host read and write directly (zero-copy collectives);

@@ -47,7 +47,7 @@ class FastPath:
         ``requested`` (None: auto)."""
         if call.collective == "all_to_all" and len(set(call.splits[0] + call.splits[1])) > 1:
             return  # the fast path knows equal parts only
-        if plan is None and algo.name != "direct":
+        if plan is None and algo.name not in ("direct", "one_copy"):
             return  # other runners (MPI's own, hier) stay on the general path
         algorithm = 0 if requested is None else self.algorithms.setdefault(
             requested, len(self.algorithms) + 1)
@@ -57,7 +57,7 @@ class FastPath:
             else []
         self.native.learn(CODES[call.collective], algorithm, call.count, call.dtype.itemsize,
                           NONE if call.root is None else call.root, steps, tmp,
-                          len(self.entries), agree)
+                          algo.name == "one_copy", len(self.entries), agree)
         self.entries.append((algo.name, call.count))
 
     def records(self) -> list[list]:

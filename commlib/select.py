@@ -40,6 +40,7 @@ class CostModel:
     alpha_shm: float = 3.7e-6     # s per round (schedules) or barrier (direct) on shared memory
     beta_shm: float = 2.25e-11    # s per byte a schedule copies (into or out of a slot, locally)
     beta_direct: float = 2.0e-11  # s per byte direct copies (staging, gathers)
+    beta_one_copy: float = 4.0e-11  # s per byte one_copy reads from a peer (process_vm_readv)
     gamma_shm: float = 2.76e-11   # s per byte reduced there
     alpha_native: float = 4e-6  # s per latency round of the MPI library's own collectives
     alpha_gloo: float = 50e-6  # gloo's, between torchrun's nodes (never fitted: its TCP's)

@@ -1,15 +1,15 @@
 """Self-tuning: the algorithm table, measured on the machine and layout it runs on.
 
 The first communicator of a layout (transport, ranks on each host, CPU model, cores, the
-algorithms on offer) times every algorithm of every collective at a few sizes: each rank
-takes the median of a few batches, and the table keeps the slowest rank's time, so every
-rank computes the same table. It is cached in the user's cache directory (a versioned
-JSON file) and reused by every later communicator of that layout, in this process and
-the next. ``auto`` then takes the algorithm with the least time at the call's size,
-interpolated in log size between measured sizes (beyond the largest, time grows with
-the bytes); collectives or algorithms the table lacks fall back to the cost model
-(commlib/select.py). Rank 0's table is the one every rank uses, so two ranks never
-choose differently.
+algorithms on offer) times every algorithm of every collective at a few sizes, each call
+from a common start as the benchmark does: each rank takes the median of a few calls, and
+the table keeps the slowest rank's time, so every rank computes the same table. It is
+cached in the user's cache directory (a versioned JSON file) and reused by every later
+communicator of that layout, in this process and the next. ``auto`` then takes the
+algorithm with the least time at the call's size, interpolated in log size between
+measured sizes (beyond the largest, time grows with the bytes); collectives or algorithms
+the table lacks fall back to the cost model (commlib/select.py). Rank 0's table is the one
+every rank uses, so two ranks never choose differently.
 
 COMMLIB_TUNING=off keeps the cost model's choice; COMMLIB_TUNING=refresh measures again.
 """
@@ -31,9 +31,9 @@ import numpy as np
 
 from .call import COLLECTIVES
 
-VERSION = 1
-SIZES = (256, 16 << 10, 256 << 10, 2 << 20)  # primary bytes measured per rank
-BATCHES = 5
+VERSION = 2  # 2: per call from a barrier, up to 16 MiB
+SIZES = (256, 16 << 10, 256 << 10, 2 << 20, 16 << 20)  # primary bytes measured per rank
+CALLS = 16  # timed per size (half of it from 1 MiB)
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
@@ -66,15 +66,15 @@ def mode() -> str:
     return os.environ.get("COMMLIB_TUNING", "").strip().lower()
 
 
-def attach(comm, transport) -> None:
+def attach(comm, transport, refresh: bool = False) -> None:
     """Give ``comm``'s ``transport`` the table of its layout (measured now if there is
-    none yet), unless tuning is off. Collective over ``comm``."""
-    if mode() == "off" or comm.size == 1:
+    none yet, or ``refresh``), unless tuning is off. Collective over ``comm``."""
+    if (mode() == "off" and not refresh) or comm.size == 1:
         return
     layout = describe(comm, transport)
     digest = hashlib.sha1(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
     table = None
-    if comm.rank == 0 and mode() != "refresh":
+    if comm.rank == 0 and mode() != "refresh" and not refresh:
         table = _tables.get(digest) or _load(digest, layout)
     table = transport.world.allgather(table.times if table else None)[0]  # rank 0's
     if table is None:
@@ -115,7 +115,8 @@ def measure(comm) -> Table:
 
 
 def _time(comm, collective: str, name: str, nbytes: int) -> float:
-    """Seconds per call: the median of BATCHES batches, after one warm-up call."""
+    """Seconds of one call from a common start (after a barrier), as the benchmark times
+    it: this rank's median over a few calls, after a warm-up."""
     n = comm.size
     count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
     a, b = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
@@ -127,15 +128,14 @@ def _time(comm, collective: str, name: str, nbytes: int) -> float:
         "all_gather": lambda: comm.all_gather(b, a[:count], algorithm=name),
         "all_to_all": lambda: comm.all_to_all(b[:count], a[:count], algorithm=name),
     }[collective]
-    calls = max(1, min(50, (4 << 20) // nbytes))
     call()
-    batches = []
-    for _ in range(BATCHES):
+    times = []
+    for _ in range(CALLS if nbytes < (1 << 20) else CALLS // 2):
+        comm.barrier()
         start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        batches.append((time.perf_counter() - start) / calls)
-    return statistics.median(batches)
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _path(digest: str) -> Path:

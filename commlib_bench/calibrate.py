@@ -1,4 +1,5 @@
-"""calibrate: fit the cost model's constants to this machine; write the tuning file.
+"""calibrate: fit the cost model's constants to this machine; write the tuning file; and
+measure the algorithm table that auto uses (commlib/tuning.py) again.
 
 Each algorithm prices itself as terms linear in the constants (commlib/algorithms/:
 rounds*alpha + moved*beta + reduced*gamma on MPI, their shared-memory counterparts, MPI's
@@ -90,6 +91,8 @@ def main(args, comm) -> int:
                 t = float(np.median(iteration_times(comm.mpi, lambda: peer.run(case),
                                                     args.iters, 2)))
                 samples.append((name, algo, n, model_bytes, t))
+    if not args.dry_run:
+        comm.measure_algorithms()  # auto's measured table too (commlib/tuning.py)
     if comm.rank != 0:
         return 0
     model = fit(samples, comm.transport, DEFAULT_MODEL)
@@ -112,4 +115,5 @@ def main(args, comm) -> int:
         from pathlib import Path
         path = model.save(Path(args.out) if args.out else None)
         print(f"# wrote {path} (commlib loads it at import; COMMLIB_TUNING overrides the path)")
+        print("# measured this layout's algorithm table again (auto's choice)")
     return 0

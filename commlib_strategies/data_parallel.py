@@ -13,7 +13,9 @@ the optimizer can step.
 
 On GPUs whose ranks share a host, each bucket is registered with the group
 (Communicator.register) once: its all-reduce then reads and writes the peers' buckets
-directly (zero-copy), with no copy through the IPC workspace.
+directly (zero-copy), with no copy through the IPC workspace. Host buckets of ranks that
+share memory live in memory every rank maps (Communicator.empty), and their all-reduce
+(one_copy) reads the peers' buckets in place, with no copy through staging.
 """
 from __future__ import annotations
 
@@ -25,13 +27,22 @@ import commlib
 
 
 class _Bucket:
-    def __init__(self, params: list, dtype: torch.dtype):
+    def __init__(self, params: list, dtype: torch.dtype, group: commlib.Communicator):
         self.params = params
         self.offsets, total = {}, 0
         for p in params:
             self.offsets[p] = total
             total += p.numel()
-        self.flat = torch.zeros(total, dtype=dtype, device=params[0].device)
+        device = params[0].device
+        # host buckets in memory every rank maps: the all-reduce reads the peers' buckets
+        # where they lie (one_copy), with no copy through staging
+        self.algorithm = "one_copy" if device.type == "cpu" and "one_copy" in \
+            group.algorithms("all_reduce") else None
+        if self.algorithm:
+            self.flat = group.empty(total, dtype)
+            self.flat.zero_()
+        else:
+            self.flat = torch.zeros(total, dtype=dtype, device=device)
         self.ready: set = set()
         self.work = None
 
@@ -50,7 +61,7 @@ class DataParallel(torch.nn.Module):
             for t in list(module.parameters()) + list(module.buffers()):
                 group.broadcast(t.data, root=0)
         self.buckets = _make_buckets([p for p in module.parameters() if p.requires_grad],
-                                     bucket_bytes)
+                                     bucket_bytes, group)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.registered = _register(group, self.buckets) if register_buckets else []
         self._sync = True
@@ -98,7 +109,8 @@ class DataParallel(torch.nn.Module):
                         bucket.view(p).zero_()
             elif until_incomplete:
                 self.launched_during_backward += 1
-            bucket.work = self.group.all_reduce(bucket.flat, op="avg", async_op=True)
+            bucket.work = self.group.all_reduce(bucket.flat, op="avg", async_op=True,
+                                                algorithm=bucket.algorithm)
             self._next_launch += 1
 
     def _finish(self):
@@ -113,16 +125,16 @@ class DataParallel(torch.nn.Module):
         self._pending = False
 
 
-def _make_buckets(params: list, bucket_bytes: int) -> list:
+def _make_buckets(params: list, bucket_bytes: int, group) -> list:
     buckets, current, size = [], [], 0
     for p in reversed(params):
         if current and (p.dtype != current[0].dtype or size + p.nbytes > bucket_bytes):
-            buckets.append(_Bucket(current, current[0].dtype))
+            buckets.append(_Bucket(current, current[0].dtype, group))
             current, size = [], 0
         current.append(p)
         size += p.nbytes
     if current:
-        buckets.append(_Bucket(current, current[0].dtype))
+        buckets.append(_Bucket(current, current[0].dtype, group))
     return buckets
 
 

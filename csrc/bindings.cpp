@@ -186,6 +186,14 @@ PYBIND11_MODULE(_C, m) {
       .def("direct", &ShmComm::direct, py::arg("collective"), py::arg("out"), py::arg("in"),
            py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
            py::arg("in_splits"), py::arg("out_splits"), nogil())
+      .def("one_copy", &ShmComm::one_copy, py::arg("collective"), py::arg("out"),
+           py::arg("in"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
+           py::arg("in_splits"), py::arg("out_splits"), nogil())
+      .def("add_region", &ShmComm::add_region, py::arg("owner"), py::arg("index"),
+           py::arg("owner_base"), py::arg("local"), py::arg("bytes"))
+      .def("remove_region", &ShmComm::remove_region, py::arg("owner"), py::arg("index"))
+      .def("probe_one_copy", &ShmComm::probe_one_copy,
+           "Why one-copy collectives cannot run here ('' when they can); after attach.")
       .def("agree", &ShmComm::agree, py::arg("fields"), py::arg("send"), py::arg("recv"),
            py::arg("itemsize"), nogil())
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)

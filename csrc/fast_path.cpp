@@ -87,17 +87,18 @@ class FastPath {
         algorithms_(std::move(algorithms)), on_failure_(std::move(on_failure)),
         ring_(records) {}
 
-  // What the general path runs for this call: `plan` (with its scratch bytes), or the
-  // direct collective when `plan` is empty. `id` names the entry to the caller.
+  // What the general path runs for this call: `plan` (with its scratch bytes), or when
+  // `plan` is empty the direct collective (or the one-copy one: `one_copy`). `id` names
+  // the entry to the caller.
   // `agree_first`: the call's descriptor (dtype and op filled in per call), which the
   // ranks agree on before the plan runs (rooted plans: transports/shm.py); empty: none.
   void learn(int collective, int algorithm, int64_t count, int64_t itemsize, int64_t root,
-             std::vector<int64_t> plan, int64_t tmp_bytes, int id,
+             std::vector<int64_t> plan, int64_t tmp_bytes, bool one_copy, int id,
              std::vector<int64_t> agree_first) {
     if (entries_.size() >= kMaxEntries) return;  // the general path runs the rest
     entries_.emplace(Key{collective, algorithm, count, itemsize, root},
-                     std::make_unique<const Entry>(Entry{std::move(plan), tmp_bytes, id,
-                                                         std::move(agree_first)}));
+                     std::make_unique<const Entry>(Entry{std::move(plan), tmp_bytes, one_copy,
+                                                         id, std::move(agree_first)}));
   }
 
   int64_t taken() const { return taken_; }  // calls run here so far
@@ -185,8 +186,9 @@ class FastPath {
 
  private:
   struct Entry {
-    std::vector<int64_t> plan;  // empty: the direct collective
+    std::vector<int64_t> plan;  // empty: the direct collective, or the one-copy one
     int64_t tmp_bytes;
+    bool one_copy;
     int id;
     std::vector<int64_t> agree_first;  // a descriptor to agree on first (learn), or empty
   };
@@ -224,6 +226,8 @@ class FastPath {
     if (!e.plan.empty())
       comm_.run_plan(e.plan.data(), int64_t(e.plan.size()), {out.ptr, in.ptr}, e.tmp_bytes,
                      out.dtype, op);
+    else if (e.one_copy)
+      comm_.one_copy(collective, out.ptr, in.ptr, checked.primary, out.dtype, op, root);
     else
       comm_.direct(collective, out.ptr, in.ptr, checked.primary, out.dtype, op, root);
     if (checked.scale != 0)
@@ -286,7 +290,7 @@ void bind_fast_path(py::module_& m) {
            py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("algorithm"),
            py::arg("count"), py::arg("itemsize"), py::arg("root"), py::arg("plan"),
-           py::arg("tmp_bytes"), py::arg("id"), py::arg("agree_first"))
+           py::arg("tmp_bytes"), py::arg("one_copy"), py::arg("id"), py::arg("agree_first"))
       .def_property_readonly("call", [](py::object self) {
         auto bound = py::make_tuple(self, py::capsule(self.cast<FastPath*>()));
         return py::reinterpret_steal<py::object>(PyCFunction_New(&call_def, bound.ptr()));

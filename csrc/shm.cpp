@@ -43,7 +43,8 @@ std::string unique_name(int rank) {
 // channel per peer, staging, directory, splits.
 constexpr size_t kDoorbellAt = kLine, kPublishedAt = 2 * kLine;
 constexpr size_t kReasonAt = kPublishedAt + sizeof(Published);
-constexpr size_t kHeaderBytes = kReasonAt + sizeof(Reason);
+constexpr size_t kExposedAt = kReasonAt + sizeof(Reason);
+constexpr size_t kHeaderBytes = kExposedAt + sizeof(Exposed);
 
 // A futex in memory shared between processes (so not FUTEX_PRIVATE).
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, long nanoseconds) {
@@ -128,6 +129,10 @@ ShmComm::ShmComm(int rank, int size, const Config& config)
   peers_[rank].base = static_cast<char*>(base);
   me_ = reinterpret_cast<Control*>(base);
   me_->pid = getpid();
+  regions_.resize(size);
+  auto* exposed = reinterpret_cast<Exposed*>(peers_[rank].base + kExposedAt);
+  exposed->self = reinterpret_cast<uint64_t>(exposed);
+  exposed->nonce = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
 }
 
 ShmComm::~ShmComm() {
@@ -159,6 +164,7 @@ void ShmComm::attach(const std::vector<std::string>& names) {
     p.bell = reinterpret_cast<Doorbell*>(p.base + kDoorbellAt);
     p.published = reinterpret_cast<Published*>(p.base + kPublishedAt);
     p.reason = reinterpret_cast<Reason*>(p.base + kReasonAt);
+    p.exposed = reinterpret_cast<Exposed*>(p.base + kExposedAt);
     p.pid = p.control->pid;
   }
 }

@@ -14,6 +14,12 @@
 //              hands them back through the channel's `consumed` counter.
 //   staging    two halves in each segment where direct collectives publish a piece of
 //              their input for the peers to read in place.
+//   exposed    the addresses of this call's buffers in the owner's address space, which
+//              one-copy collectives (shm_one_copy.cpp) read with process_vm_readv, or
+//              through the shared mapping where they lie in a region.
+//   region     host memory every rank of the communicator maps (Communicator.empty),
+//              numbered alike on every rank; the owner publishes which region a buffer
+//              lies in, so a freed region (and an address reused after it) is never read.
 //   piece      the part of a direct collective that fits in one staging half; pieces
 //              alternate halves so staging piece g+1 overlaps peers reading piece g.
 //   descriptor what every rank must agree on about a call (agreement.h), published per
@@ -62,6 +68,13 @@ struct alignas(kLine) Published {  // descriptor of call k in call[k % 2], like 
 
 struct alignas(kLine) Reason {  // why this rank poisoned the communicator
   char text[4 * kLine];
+};
+
+struct alignas(kLine) Exposed {
+  uint64_t in, out;  // this call's buffers, in the owner's address space
+  int64_t in_region, out_region;  // the shared regions they lie in (-1: none)
+  uint64_t self;     // where this struct lies in the owner's address space (the probe)
+  uint64_t nonce;    // random: what the probe expects to read there
 };
 
 struct alignas(kLine) Doorbell {
@@ -135,6 +148,21 @@ class ShmComm {
               int op, int64_t root, const std::vector<int64_t>& in_splits = {},
               const std::vector<int64_t>& out_splits = {});
 
+  // One-copy collectives (shm_one_copy.cpp): each rank reads the peers' buffers where
+  // they lie with process_vm_readv, instead of staging them. Same arguments as direct();
+  // all but reduce. probe_one_copy() (set-up, after attach) says why they cannot run
+  // here ("" when they can); one_copy() raises unless the probe succeeded.
+  void one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
+                int op, int64_t root, const std::vector<int64_t>& in_splits = {},
+                const std::vector<int64_t>& out_splits = {});
+  std::string probe_one_copy();
+  // Region `index` of rank `owner`: at `owner_base` in the owner's address space, mapped
+  // here at `local` (the owner's own: the same address). Removed by the owner before it
+  // frees the memory, and by the others then.
+  void add_region(int owner, int64_t index, uintptr_t owner_base, uintptr_t local,
+                  int64_t bytes);
+  void remove_region(int owner, int64_t index);
+
   // A call that moves its data elsewhere (MPI's own collectives) first meets its peers
   // here, so that ranks that disagree fail alike instead of one waiting inside MPI.
   // send/recv: all_to_all's bytes to and from each peer (else empty).
@@ -166,6 +194,7 @@ class ShmComm {
     Doorbell* bell = nullptr;
     Published* published = nullptr;
     Reason* reason = nullptr;
+    Exposed* exposed = nullptr;
     int pid = 0;
   };
   struct Block {  // one rank's block of a direct collective
@@ -249,6 +278,25 @@ class ShmComm {
                      int gather_root);
   void gather_pieces(const std::vector<Block>& blocks);
   void all_reduce_small(char* buf, int64_t count, int dtype, int op);
+
+  // one-copy collectives (shm_one_copy.cpp)
+  void expose(uintptr_t in, uintptr_t out);
+  void meet();  // a barrier inside a call: every peer arrived, signatures checked
+  // Where the peer's exposed buffer `which` (+ offset, nbytes) is mapped here, or null.
+  const char* view(int peer, uint64_t Exposed::*which, int64_t offset, int64_t nbytes) const;
+  // Copies from the peer's exposed buffer `which` (+ offset): from the mapping where it
+  // lies in a region, else with process_vm_readv.
+  void read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t offset,
+                 int64_t nbytes);
+  void reduce_from_peers(char* out, const char* own, int64_t first, int64_t n, int dtype,
+                         int op, uint64_t Exposed::*which);
+  bool one_copy_ok_ = false;
+  struct Region {
+    int64_t index;
+    uintptr_t owner_base, local;
+    int64_t bytes;
+  };
+  std::vector<std::vector<Region>> regions_;  // by owner
   void reduce_sources(char* acc, const std::vector<const char*>& src, int64_t count,
                       int dtype, int op);
 

@@ -26,9 +26,10 @@ def test_collectives_numpy_over_mpi_transport(n):
 
 
 # (ranks, ranks per virtual host): even hosts offer hier; 3 ranks as 2 + 1 fall back to mpi
+# (large counts across hosts run on namespace hosts: tests/test_multihost.py)
 @pytest.mark.parametrize("n,per_host", [(2, 1), (3, 1), (3, 2), (4, 2)])
 def test_collectives_numpy_on_virtual_hosts(n, per_host):
-    run_checked(n, "tests/mpi/matrix.py", "numpy", "large",
+    run_checked(n, "tests/mpi/matrix.py", "numpy",
                 env={"COMMLIB_RANKS_PER_HOST": str(per_host)})
 
 
@@ -37,6 +38,21 @@ def test_collectives_numpy_with_small_staging():
     of a 3-rank all_to_all), as on a host whose ranks get little shared memory."""
     run_checked(3, "tests/mpi/matrix.py", "numpy", "large",
                 env={"COMMLIB_SHM_STAGING_BYTES": "4096"})
+
+
+def test_one_copy_off_where_the_host_forbids_process_vm_readv():
+    """(seccomp, as in Docker's default profile) the staged collectives run instead, and
+    set-up says why."""
+    run_checked(3, "tests/mpi/one_copy_forbidden.py")
+
+
+@pytest.mark.parametrize("n,env", [(1, {}), (2, {}), (3, {}), (4, {}),
+                                   (3, {"COMMLIB_TRANSPORT": "mpi"})], ids=str)
+def test_shared_host_memory(n, env):
+    """Communicator.empty and the one_copy collectives reading peers' memory in place
+    (ordinary arrays where the ranks share no memory)."""
+    pytest.importorskip("torch")
+    run_checked(n, "tests/mpi/host_memory.py", env=env)
 
 
 @pytest.mark.parametrize("n", RANKS)
@@ -92,7 +108,7 @@ def _segments() -> set:
 def test_hung_job_is_killed_with_its_ranks():
     segments = _segments
     before = segments()  # this process has MPI up too, with a segment of its own
-    code, out = mpirun(2, "tests/mpi/hang.py", timeout=10)
+    code, out = mpirun(2, "tests/mpi/hang.py", timeout=6)
     assert code is None and "TIMEOUT" in out
     left = subprocess.run(["pgrep", "-f", "tests/mpi/hang.py"], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"ranks survived the timeout: {left.stdout}"

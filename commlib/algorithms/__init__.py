@@ -21,6 +21,9 @@ from ..call import COLLECTIVES
 NEEDS = {"schedules": "a transport that runs schedules (shared memory or MPI; not gloo, which "
                       "joins the nodes of a torchrun job)",
          "shm": "all ranks on one host with shared memory",
+         "one_copy": "all ranks on one host, each able to read the others' memory with "
+                     "process_vm_readv (probed at set-up; off where the host forbids it, "
+                     "or with COMMLIB_ONE_COPY=0)",
          "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)",
          "mpi": "the MPI library (a communicator made under mpiexec, not from a store)",
          "gloo": "torch's gloo (ranks that met through a store on several hosts)",
@@ -160,4 +163,4 @@ def unavailable(collective: str, name: str, offers, device: bool, why: str | Non
                       f"which this call lacks; valid here: {valid}")
 
 
-from . import direct, gloo, hier, ipc, native, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)
+from . import direct, gloo, hier, ipc, native, one_copy, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)

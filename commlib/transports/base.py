@@ -34,6 +34,7 @@ class Transport:
         self._overrides = algorithm_overrides()
         self._plans: dict = {}
         self.measured = None  # this layout's tuning.Table, once attached
+        self.memory = None  # host_memory.SharedHostMemory where the ranks share memory
 
     def agree_call(self, call, algo) -> None:
         """Agree on ``call`` before ``algo`` runs it, unless running it checks that itself."""

@@ -3,11 +3,14 @@ into the int64 plans csrc/shm_plan.cpp reads, the direct collectives in C++
 (csrc/shm_direct.cpp); both publish every call's descriptor with it, so the ranks agree on
 each call without a message of its own. MPI's own collectives run beside them where the
 world is MPI's, and meet here first. Calls on numpy arrays take the C++ fast path
-(commlib/fast_path.py) unless COMMLIB_FAST_PATH=0.
+(commlib/fast_path.py) unless COMMLIB_FAST_PATH=0. One-copy collectives
+(csrc/shm_one_copy.cpp) are offered where every rank can read its peers' memory with
+process_vm_readv (probed at set-up; COMMLIB_ONE_COPY=0 turns them off).
 """
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,6 +20,7 @@ from .. import _C
 from ..algorithms import Where
 from ..call import NONE, ROOTED, pack_name
 from ..errors import CommError
+from ..host_memory import SharedHostMemory
 from ..schedule import RecvReduce, Schedule
 from .base import Transport
 
@@ -30,7 +34,9 @@ class ShmTransport(Transport):
         super().__init__(world)
         self.shm = _set_up(world, world.crowded())  # the C++ ShmComm
         self.timeout = self.shm.timeout
-        self.offers = frozenset({"shm", "schedules", *world.offers})
+        self.memory = SharedHostMemory(self.shm, world)  # Communicator.empty's
+        one_copy = _probe_one_copy(world, self.shm)
+        self.offers = frozenset({"shm", "schedules", *one_copy, *world.offers})
         self.where = Where(self.name, staging_bytes=self.shm.staging_bytes)
 
     @staticmethod
@@ -45,7 +51,7 @@ class ShmTransport(Transport):
         disagreement reaches every rank whose result depends on all the others. In a
         rooted plan (tree or ring broadcast and reduce) some ranks' parts end without
         that: they agree first, as runners do."""
-        if (algo.needs != "shm" and algo.build is None) or (
+        if (algo.needs not in ("shm", "one_copy") and algo.build is None) or (
                 algo.build is not None and call.collective in ROOTED):
             super().agree_call(call, algo)
 
@@ -71,6 +77,13 @@ class ShmTransport(Transport):
                         call.dtype.code, call.op_code, NONE if call.root is None else call.root,
                         *(call.splits or ((), ())))
 
+    def one_copy(self, call) -> None:
+        """The call's one-copy collective (csrc/shm_one_copy.cpp)."""
+        inp = call.inp.ptr if call.inp is not None else 0
+        self.shm.one_copy(_C.COLLECTIVES[call.collective], call.out.ptr, inp, call.count,
+                          call.dtype.code, call.op_code, NONE if call.root is None else call.root,
+                          *(call.splits or ((), ())))
+
     def all_reduce_phase(self, call, phase: int) -> None:
         """The direct all_reduce's reduce-scatter (1) or all-gather (2) alone (hier)."""
         self.shm.all_reduce(call.out.ptr, call.out.numel, call.dtype.code, call.op_code, phase)
@@ -91,6 +104,7 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         super().close()
+        self.memory.close()
         self.shm = None  # unmaps the segments
 
 
@@ -122,6 +136,18 @@ def _set_up(group, crowded: bool):
         raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
                         "set COMMLIB_TRANSPORT=mpi to run without it")
     return shm
+
+
+def _probe_one_copy(group, shm) -> set:
+    """{"one_copy"} where every rank can read its peers' memory (process_vm_readv), else
+    an empty set, and rank 0 warns why (collective over ``group``)."""
+    if os.environ.get("COMMLIB_ONE_COPY", "1") == "0":
+        return set()
+    why = [w for w in group.allgather(shm.probe_one_copy()) if w]
+    if why and group.rank == 0:
+        warnings.warn(f"commlib: one-copy collectives are off, staged ones run instead: "
+                      f"{why[0]}", RuntimeWarning, stacklevel=2)
+    return set() if why else {"one_copy"}
 
 
 def _config_from_env() -> dict:

@@ -76,14 +76,16 @@ def train_ddp(group, hook=None, no_sync=False, unused_branch=False, state=None, 
 
 
 def train_ddp_zero_copy(group):
-    """commlib.torch_hooks.zero_copy_hook (on CPU tensors: DDP's default all-reduce), against
-    gloo's default hook."""
+    """commlib.torch_hooks.zero_copy_hook (on CPU tensors: buckets divided into twins in
+    shared host memory, all-reduced in place there), against gloo's default hook."""
     if group is not COMMLIB:
         return train_ddp(group, hook=default_hooks.allreduce_hook)
     raises(TypeError, "group of the commlib backend", lambda: RegisteredBuckets(GLOO))
     state = RegisteredBuckets(group)
     params = train_ddp(group, hook=zero_copy_hook, state=state, bucket_cap_mb=0.001)
     assert state.registered == {} and state.possible  # host memory: nothing to register
+    assert bool(state.twins) == ("one_copy" in group.comm.algorithms("all_reduce"))
+    assert state.twins or group.comm.transport != "shm", "no shared twins on shared memory"
     return params
 
 

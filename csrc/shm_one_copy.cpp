@@ -1,0 +1,257 @@
+// One-copy collectives: every rank exposes the addresses of its buffers, and after a
+// barrier reads what it needs from the peers' buffers where they lie: through the shared
+// mapping where a buffer lies in a region (Communicator.empty: zero copies, reductions
+// read the peers' data in place), else with process_vm_readv (the kernel copies straight
+// from one process's pages into the other's). One copy per byte where the direct
+// collectives (shm_direct.cpp) make two (into staging, out of it), at the price of a
+// system call and the kernel pinning the pages: cheap on huge pages, dear on 4 KiB ones,
+// so which wins depends on the machine and the memory, and self-tuning measures both.
+//
+//   meet            a barrier inside a call: arrive, wait for every peer, check its
+//                   signature. Every collective ends with one, so no rank leaves (and
+//                   changes its buffers) while a peer may still read them.
+//   all_gather      read block j from rank j's input into the output.
+//   broadcast       the others read the root's buffer.
+//   all_to_all      read rank j's part for this rank (its offset: the sum of the parts j
+//                   sends to lower ranks, from the published splits).
+//   reduce_scatter  read block r of every peer's input a chunk at a time, and reduce them
+//                   into the own block (own first: the output may be that block).
+//   all_reduce      as reduce_scatter, each rank's block (chunks(count, n)) reduced into
+//                   its own buffer; meet; then read the other reduced blocks from their
+//                   owners (three meetings).
+//
+// Nothing is staged, so there are no pieces: one read per peer and block. probe_one_copy
+// reads a nonce from every peer at set-up; where the host forbids the system call (a
+// container's seccomp profile, Yama's ptrace_scope) or the ranks cannot see each other's
+// pids, it says why and these collectives are not offered.
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+
+#include "kernels.h"
+#include "shm.h"
+
+namespace commlib::shm {
+
+namespace {
+
+constexpr int64_t kOneCopy = pack_name("one_copy");
+constexpr int64_t kChunkBytes = 64 << 10;  // per peer and step of a reduction: stays in L2
+
+Desc descriptor(Collective collective, int64_t count, int dtype, int64_t op, int64_t root) {
+  return {{collective, kOneCopy, count, dtype, op, root, 0, 0}};
+}
+
+// (offset, count) of block i when `count` is cut into `parts` as schedule.py's chunks()
+std::pair<int64_t, int64_t> block(int64_t count, int parts, int i) {
+  int64_t base = count / parts, extra = count % parts;
+  return {i * base + std::min<int64_t>(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+std::string forbidden_hint(int error) {
+  if (error == EPERM || error == EACCES)
+    return " (this host forbids reading another process's memory: a container's seccomp "
+           "profile, or /proc/sys/kernel/yama/ptrace_scope above 0)";
+  if (error == ENOSYS) return " (the kernel lacks process_vm_readv)";
+  return "";
+}
+
+}  // namespace
+
+std::string ShmComm::probe_one_copy() {
+  one_copy_ok_ = false;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const Exposed* seen = peers_[r].exposed;  // through the shared mapping
+    uint64_t got = 0;
+    iovec local{&got, sizeof(got)};
+    iovec remote{reinterpret_cast<void*>(seen->self + offsetof(Exposed, nonce)), sizeof(got)};
+    ssize_t n = process_vm_readv(peers_[r].pid, &local, 1, &remote, 1, 0);
+    std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(peers_[r].pid) + ")";
+    if (n != ssize_t(sizeof(got)))
+      return "process_vm_readv from " + who + ": " + std::strerror(errno) + forbidden_hint(errno);
+    if (got != seen->nonce)
+      return "process_vm_readv from " + who + " read another process (the ranks do not share "
+             "a pid namespace)";
+  }
+  one_copy_ok_ = true;
+  return "";
+}
+
+void ShmComm::add_region(int owner, int64_t index, uintptr_t owner_base, uintptr_t local,
+                         int64_t bytes) {
+  if (owner < 0 || owner >= size_ || bytes < 0) throw std::invalid_argument("bad region");
+  std::lock_guard<std::mutex> lock(mutex_);
+  regions_[owner].push_back({index, owner_base, local, bytes});
+}
+
+void ShmComm::remove_region(int owner, int64_t index) {
+  if (owner < 0 || owner >= size_) throw std::invalid_argument("bad region owner");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& list = regions_[owner];
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const Region& r) { return r.index == index; }),
+             list.end());
+}
+
+void ShmComm::expose(uintptr_t in, uintptr_t out) {
+  auto region_of = [&](uintptr_t p) -> int64_t {
+    for (const Region& r : regions_[rank_])
+      if (p >= r.owner_base && p < r.owner_base + r.bytes) return r.index;
+    return -1;
+  };
+  Exposed* mine = peers_[rank_].exposed;  // published by the next arrive()'s release
+  mine->in = in, mine->out = out;
+  mine->in_region = region_of(in), mine->out_region = region_of(out);
+}
+
+void ShmComm::meet() { wait_arrivals(arrive(), [](int) { return true; }); }
+
+const char* ShmComm::view(int peer, uint64_t Exposed::*which, int64_t offset,
+                          int64_t nbytes) const {
+  const Exposed* e = peers_[peer].exposed;
+  int64_t index = which == &Exposed::in ? e->in_region : e->out_region;
+  if (index < 0) return nullptr;
+  uint64_t at = e->*which + offset;
+  for (const Region& r : regions_[peer])
+    if (r.index == index && at >= r.owner_base && at + nbytes <= r.owner_base + r.bytes)
+      return reinterpret_cast<const char*>(r.local + (at - r.owner_base));
+  return nullptr;  // a region this rank has not mapped (yet): read it the other way
+}
+
+void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t offset,
+                        int64_t nbytes) {
+  if (nbytes <= 0) return;
+  if (const char* mapped = view(peer, which, offset, nbytes)) {
+    (nbytes >= kStreamingBytes ? copy_streaming : copy)(dst, mapped, nbytes);
+    return;
+  }
+  uint64_t src = peers_[peer].exposed->*which + offset;
+  while (nbytes > 0) {
+    iovec local{dst, size_t(nbytes)}, remote{reinterpret_cast<void*>(src), size_t(nbytes)};
+    ssize_t got = process_vm_readv(peers_[peer].pid, &local, 1, &remote, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0)
+      fail(FAILED, "rank " + std::to_string(rank_) + " could not read rank " +
+                       std::to_string(peer) + "'s buffer in " + describe(desc_) +
+                       ": process_vm_readv: " + std::strerror(got < 0 ? errno : EFAULT));
+    dst += got, src += got, nbytes -= got;
+  }
+}
+
+// Elements [first, first + n) of every rank's buffer, reduced into `out` (which may be
+// `own` itself, so own comes first): this rank's from `own`, then the peers' in rank
+// order, read at their exposed address `which` (in or out), a chunk at a time.
+void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64_t n,
+                                int dtype, int op, uint64_t Exposed::*which) {
+  const int64_t isz = itemsize(dtype), step = kChunkBytes / isz;
+  tmp_.resize(size_t(kChunkBytes) * size_);
+  std::vector<const char*> src(size_);
+  for (int64_t c = 0; c < n; c += step) {
+    int64_t m = std::min(step, n - c), at = (first + c) * isz;
+    src.assign(1, own + c * isz);
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const char* mapped = view(j, which, at, m * isz);  // reduced where it lies
+      char* into = tmp_.data() + j * kChunkBytes;
+      if (!mapped) read_peer(j, into, which, at, m * isz);
+      src.push_back(mapped ? mapped : into);
+    }
+    reduce_sources(out + c * isz, src, m, dtype, op);
+  }
+  count_sent(uint64_t(n * isz) * (size_ - 1));  // the peers read as much of this rank's
+}
+
+void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
+                       int dtype, int op, int64_t root, const std::vector<int64_t>& in_splits,
+                       const std::vector<int64_t>& out_splits) {
+  if (!one_copy_ok_)
+    throw std::invalid_argument("one-copy collectives are unavailable here (probe_one_copy)");
+  const int64_t isz = itemsize(dtype), nbytes = count * isz;
+  char* output = reinterpret_cast<char*>(out);
+  const char* input = reinterpret_cast<const char*>(in);
+  std::lock_guard<std::mutex> lock(mutex_);
+  switch (collective) {
+    case ALL_REDUCE:
+      begin(descriptor(ALL_REDUCE, count, dtype, op, kNone));
+      if (size_ == 1 || count == 0) return;
+      expose(out, out);
+      meet();
+      {
+        auto [first, n] = block(count, size_, rank_);
+        reduce_from_peers(output + first * isz, output + first * isz, first, n, dtype, op,
+                          &Exposed::out);
+      }
+      meet();  // every block reduced by its owner: gather them
+      for (int j = 0; j < size_; ++j) {
+        auto [first, n] = block(count, size_, j);
+        if (j != rank_)
+          read_peer(j, output + first * isz, &Exposed::out, first * isz, n * isz);
+      }
+      break;
+    case REDUCE_SCATTER:
+      begin(descriptor(REDUCE_SCATTER, count, dtype, op, kNone));
+      if (size_ == 1) return copy(output, input, nbytes);
+      if (count == 0) return;
+      expose(in, out);
+      meet();
+      reduce_from_peers(output, input + rank_ * nbytes, rank_ * count, count, dtype, op,
+                        &Exposed::in);
+      break;
+    case ALL_GATHER:
+      begin(descriptor(ALL_GATHER, count, dtype, kNone, kNone));
+      expose(in, out);
+      meet();
+      if (output + rank_ * nbytes != input) copy(output + rank_ * nbytes, input, nbytes);
+      for (int j = 0; j < size_; ++j)
+        if (j != rank_) read_peer(j, output + j * nbytes, &Exposed::in, 0, nbytes);
+      count_sent(uint64_t(nbytes) * (size_ - 1));
+      break;
+    case BROADCAST:
+      begin(descriptor(BROADCAST, count, dtype, kNone, root));
+      if (size_ == 1) return;
+      expose(out, out);
+      meet();
+      if (rank_ != root) read_peer(int(root), output, &Exposed::out, 0, nbytes);
+      else count_sent(uint64_t(nbytes) * (size_ - 1));
+      break;
+    case ALL_TO_ALL: {
+      // bytes to and from each peer: equal parts of `count`, or the splits (elements)
+      std::vector<int64_t> send(size_, count / size_ * isz), recv(send);
+      for (int j = 0; j < size_; ++j) {
+        if (!in_splits.empty()) send[j] = in_splits.at(j) * isz;
+        if (!out_splits.empty()) recv[j] = out_splits.at(j) * isz;
+      }
+      publish_splits(send, recv);
+      begin(descriptor(ALL_TO_ALL, kNone, dtype, kNone, kNone));
+      expose(in, out);
+      meet();
+      check_splits(isz);
+      int64_t at = 0;
+      for (int j = 0; j < size_; ++j) {
+        int64_t from = 0;  // where peer j's part for this rank starts in its input
+        for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
+        if (j == rank_) {
+          int64_t own = 0;
+          for (int i = 0; i < rank_; ++i) own += send[i];
+          copy(output + at, input + own, recv[j]);
+        } else {
+          read_peer(j, output + at, &Exposed::in, from, recv[j]);
+          count_sent(send[j]);
+        }
+        at += recv[j];
+      }
+      break;
+    }
+    default:
+      throw std::invalid_argument("no one-copy collective for code " +
+                                  std::to_string(collective));
+  }
+  meet();  // no rank leaves while a peer may still read its buffers
+}
+
+}  // namespace commlib::shm

@@ -1,0 +1,129 @@
+"""Communicator.empty: host memory every rank maps (commlib/host_memory.py), and the
+one_copy collectives reading it where it lies; mixed with ordinary memory on some ranks;
+freed regions unpublished and unmapped; refused shapes; other transports.
+
+Usage: mpiexec -n N python tests/mpi/host_memory.py
+"""
+import gc
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+from commlib.errors import CollectiveMismatchError
+from harness import Checker, assert_equal, raises, torch
+
+comm = commlib.init()
+n, rank = comm.size, comm.rank
+check = Checker()
+SHARED = comm.transport == "shm"
+ALGORITHMS = ["one_copy", "auto"] if "one_copy" in comm.algorithms("all_reduce") else ["auto"]
+
+
+def _mapped(path_part: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return path_part in maps.read()
+
+
+def _own_segments() -> set:
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-2] if line.endswith("(deleted)\n") else line.split()[-1]
+                for line in maps if f"commlib-{os.getuid()}-{os.getpid()}-m" in line}
+
+
+def arrays_of_every_kind():
+    a = comm.empty((3, 4), np.int32)
+    assert a.shape == (3, 4) and a.dtype == np.int32
+    t = comm.empty(5, torch.bfloat16)
+    assert t.shape == (5,) and t.dtype == torch.bfloat16
+    t.fill_(rank + 1)
+    comm.all_reduce(t)
+    assert_equal(t.float().numpy(), np.full(5, n * (n + 1) / 2))
+    if SHARED:
+        assert _own_segments(), "comm.empty is not in shared memory"
+
+
+def collectives_on_shared_memory():
+    """Every one_copy collective with inputs and outputs in comm.empty memory; on odd
+    ranks the output (or input) is ordinary memory, read with process_vm_readv."""
+    for count in (0, 1, 13, (1 << 16) + 3):
+        for algo in ALGORITHMS:
+            a = None if algo == "auto" else algo
+            def alloc(c):  # (collective: every rank allocates, the odd ones use their own)
+                shared = comm.empty(c, np.float64)
+                return np.empty(c, np.float64) if rank % 2 else shared
+            buf = alloc(count)
+            buf[:] = np.arange(count) + rank
+            comm.all_reduce(buf, algorithm=a)
+            assert_equal(buf, n * np.arange(count) + n * (n - 1) / 2)
+            src, out = comm.empty(count * n, np.float64), alloc(count)
+            src[:] = np.arange(count * n) * (rank + 1)
+            comm.reduce_scatter(out, src, algorithm=a)
+            assert_equal(out, (np.arange(count * n) * n * (n + 1) / 2)[rank * count:][:count])
+            mine, gathered = alloc(count), comm.empty(count * n, np.float64)
+            mine[:] = rank
+            comm.all_gather(gathered, mine, algorithm=a)
+            assert_equal(gathered, np.repeat(np.arange(n, dtype=float), count))
+            b = alloc(count)
+            b[:] = rank
+            comm.broadcast(b, root=n - 1, algorithm=a)
+            assert_equal(b, np.full(count, n - 1.0))
+            send = [(rank + j) % 3 * (count % 5 + 1) for j in range(n)]
+            recv = [(j + rank) % 3 * (count % 5 + 1) for j in range(n)]
+            most = 2 * n * (count % 5 + 1)  # (allocations are collective: one size)
+            x, y = comm.empty(most, np.float64)[:sum(send)], alloc(most)[:sum(recv)]
+            x[:] = np.repeat([100 * rank + j for j in range(n)], send)
+            comm.all_to_all(y, x, recv, send, algorithm=a)
+            assert_equal(y, np.repeat([100 * j + rank for j in range(n)], recv))
+
+
+def in_place_forms():
+    count = 1000
+    g = comm.empty(count * n, np.float32)
+    g[rank * count:(rank + 1) * count] = rank
+    comm.all_gather(g, g[rank * count:(rank + 1) * count], algorithm=ALGORITHMS[0])
+    assert_equal(g, np.repeat(np.arange(n, dtype=np.float32), count))
+    r = comm.empty(count * n, np.float32)
+    r[:] = 1
+    comm.reduce_scatter(r[rank * count:(rank + 1) * count], r, algorithm=ALGORITHMS[0])
+    assert_equal(r[rank * count:(rank + 1) * count], np.full(count, float(n)))
+
+
+def freed_memory_is_unpublished_and_unmapped():
+    """The owner unmaps a region once nothing uses it (a torch view keeps it alive), and
+    the peers drop their mappings of it at the next allocation."""
+    if not SHARED:
+        return
+    before = _own_segments()
+    t = torch.from_numpy(comm.empty(100, np.float32))[10:20]
+    mine = _own_segments() - before
+    assert len(mine) == 1
+    t.fill_(rank)
+    comm.all_reduce(t, algorithm=ALGORITHMS[0])
+    gc.collect()
+    assert _mapped(next(iter(mine))), "unmapped while a tensor still uses it"
+    assert_equal(t.numpy(), np.full(10, n * (n - 1) / 2))
+    name = next(iter(mine)).rsplit("/", 1)[-1]
+    del t
+    gc.collect()
+    assert not _mapped(name), "freed memory is still mapped"
+    names = MPI.COMM_WORLD.allgather(name)
+    fresh = comm.empty(10, np.float32)  # the peers hear of the freed regions here
+    for peer, theirs in enumerate(names):
+        assert not _mapped(theirs), f"rank {peer}'s freed memory is still mapped here"
+    fresh[:] = 1  # ordinary memory now where the freed region was: read the other way
+    plain = np.full(1 << 12, rank + 1.0)
+    comm.all_reduce(plain, algorithm=ALGORITHMS[0])
+    assert_equal(plain, np.full(1 << 12, n * (n + 1) / 2))
+
+
+def different_shapes_are_refused():  # (last: a disagreement ends the communicator)
+    if not SHARED or n == 1:
+        return
+    MPI.COMM_WORLD.Barrier()  # (a rank still finishing the last call would hear of it there)
+    raises(CollectiveMismatchError, "(count differs)",
+           lambda: comm.empty(100 + rank * 4096, np.uint8))
+
+
+check.run_cases(globals())
