@@ -129,11 +129,15 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         found = [a for a in candidates(collective, offers) if a.name == name]
         if not found:
             raise unavailable(collective, name, offers, False)
+        why = found[0].refuses and found[0].refuses(n, nbytes)
+        if why:
+            raise ValueError(f"{collective}: algorithm={name!r} cannot run this call: {why}")
         return found[0]
     if collective == "all_to_all":
         nbytes = ALL_TO_ALL_DECIDING_BYTES
     if measured is not None:
-        found = candidates(collective, offers)
+        found = [a for a in candidates(collective, offers)
+                 if a.refuses is None or not a.refuses(n, nbytes)]
         fastest = measured.fastest(collective, nbytes, [a.name for a in found])
         if fastest is not None:
             return next(a for a in found if a.name == fastest)

@@ -187,6 +187,7 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
                           &Exposed::out);
       }
       meet();  // every block reduced by its owner: gather them
+      count_sent(uint64_t(block(count, size_, rank_).second * isz) * (size_ - 1));
       for (int j = 0; j < size_; ++j) {
         auto [first, n] = block(count, size_, j);
         if (j != rank_)

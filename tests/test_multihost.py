@@ -105,8 +105,8 @@ def test_torchrun_across_nodes(hosts):
 def test_collective_matrix_under_torchrun_across_nodes(hosts):
     """commlib.init() under torchrun on 2 nodes x 2: every collective, dtype, op and
     algorithm (gloo's own across all four, and hier: shared memory, then gloo)."""
-    run_checked(4, "tests/mpi/matrix.py", "numpy", "large", launch=torchrun_on_hosts(hosts, 2, 2),
-                timeout=400)
+    run_checked(4, "tests/mpi/matrix.py", "numpy", "large-float32",
+                launch=torchrun_on_hosts(hosts, 2, 2), timeout=400)
 
 
 def test_hosts_come_and_go_leaving_nothing():

@@ -97,7 +97,8 @@ def test_large_broadcast_pipelines_in_segments():
 
 OFFERS = {"shm": frozenset({"shm", "mpi", "schedules"}),  # as the transports'
           "shm-one-copy": frozenset({"shm", "one_copy", "mpi", "schedules"}),
-          "mpi": frozenset({"mpi", "schedules"}), "hosts": frozenset({"hosts", "mpi", "schedules"}),
+          "mpi": frozenset({"mpi", "schedules", "eager"}),
+          "hosts": frozenset({"hosts", "mpi", "schedules", "eager"}),
           "gloo": frozenset({"gloo"}), "gloo-hosts": frozenset({"hosts", "gloo"})}
 
 
@@ -107,21 +108,22 @@ class _On:  # stands in for a communicator whose transport offers these
 
 
 def test_registry_lists_expected_names():
-    assert algorithms("all_reduce") == ["direct", "gloo", "hier", "native", "one_copy", "rhd",
-                                        "ring", "tree"]
+    assert algorithms("all_reduce") == ["direct", "eager", "gloo", "hier", "native", "one_copy",
+                                        "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("shm")) == ["direct", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("shm-one-copy")) == ["direct", "native", "one_copy",
                                                              "rhd", "ring", "tree"]
     assert algorithms("reduce", _On("shm-one-copy")) == ["direct", "native", "tree"]
-    assert algorithms("all_reduce", _On("hosts")) == ["hier", "native", "rhd", "ring", "tree"]
-    assert algorithms("all_reduce", _On("mpi")) == ["native", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("hosts")) == ["eager", "hier", "native", "rhd", "ring",
+                                                      "tree"]
+    assert algorithms("all_reduce", _On("mpi")) == ["eager", "native", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("shm", mpi=False)) == ["direct", "rhd", "ring", "tree"]
     assert algorithms("all_reduce", _On("gloo")) == ["gloo"]  # torchrun's nodes: no schedules
     assert algorithms("all_reduce", _On("gloo-hosts")) == ["gloo", "hier"]
     assert algorithms("all_to_all") == ["direct", "gloo", "native", "one_copy", "pairwise"]
     with pytest.raises(ValueError, match="valid: direct, gloo, native, one_copy, pairwise"):
         get("all_to_all", "ring")
-    with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: native, rhd"):
+    with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: eager, native"):
         get("all_reduce", "direct", OFFERS["mpi"])
     with pytest.raises(ValueError, match="needs the MPI library.*valid here: direct, rhd"):
         get("all_reduce", "native", _On("shm", mpi=False).offers)

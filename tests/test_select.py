@@ -37,9 +37,11 @@ def test_every_algorithm_has_a_cost():
             for n in (1, 2, 5, 16):
                 if name == "hier" and n == 1:  # needs two hosts at least
                     continue
-                cost = DEFAULTS.predict(collective, name, n, 1 << 16,
-                                        "shm" if name == "direct" else "mpi", 1)
+                nbytes = 256 if name == "eager" else 1 << 16  # (eager: small calls only)
+                cost = DEFAULTS.predict(collective, name, n, nbytes,
+                                        "shm" if name in ("direct", "one_copy") else "mpi", 1)
                 assert 0 < cost < math.inf, (collective, name, n)
+    assert DEFAULTS.predict("all_reduce", "eager", 2, 8192) == math.inf  # beyond its limit
 
 
 def test_tuning_file_round_trip(tmp_path, monkeypatch):

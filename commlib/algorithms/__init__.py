@@ -21,6 +21,8 @@ from ..call import COLLECTIVES
 NEEDS = {"schedules": "a transport that runs schedules (shared memory or MPI; not gloo, which "
                       "joins the nodes of a torchrun job)",
          "shm": "all ranks on one host with shared memory",
+         "eager": "ranks that agree on each call through MPI messages (the mpi and hosts "
+                  "transports)",
          "one_copy": "all ranks on one host, each able to read the others' memory with "
                      "process_vm_readv (probed at set-up; off where the host forbids it, "
                      "or with COMMLIB_ONE_COPY=0)",
@@ -42,6 +44,8 @@ class Algorithm:
     memory: str = "host"
     family: Optional[str] = None  # a name that asks for the cheapest of several (ipc)
     applies: Optional[Callable] = None  # applies(transport, call) -> why it cannot, or None
+    refuses: Optional[Callable] = None  # refuses(n, nbytes) -> why not at that size, or None
+    agrees: bool = False  # its run checks that the ranks made the same call (no agreement)
 
 
 @dataclass(frozen=True)
@@ -163,4 +167,4 @@ def unavailable(collective: str, name: str, offers, device: bool, why: str | Non
                       f"which this call lacks; valid here: {valid}")
 
 
-from . import direct, gloo, hier, ipc, native, one_copy, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)
+from . import direct, eager, gloo, hier, ipc, native, one_copy, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)

@@ -27,4 +27,4 @@ def run(transport, call):
 
 for _collective in FORMULAS:
     register("one_copy", _collective, lambda model, where, n, nbytes, c=_collective:
-             terms(c, n, nbytes), run=run, needs="one_copy")
+             terms(c, n, nbytes), run=run, needs="one_copy", agrees=True)

@@ -62,7 +62,7 @@ class HostLayout:
 
 class HostsTransport(HostLayout, MpiTransport):
     name = "hosts"
-    offers = frozenset({"hosts", "mpi", "schedules"})
+    offers = frozenset({"hosts", "mpi", "schedules", "eager"})
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)

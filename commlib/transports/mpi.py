@@ -99,28 +99,52 @@ def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params:
 class Agreement:
     """Every rank sends its call's descriptor (and all_to_all's splits) to every other:
     point to point, so that a timeout names the ranks that never arrived, over one table
-    and one set of persistent requests (calls run one at a time; starting those is cheap)."""
+    and one set of persistent requests (calls run one at a time; starting those is cheap).
+    A row may carry a payload of up to PAYLOAD_BYTES after its header (``exchange``: the
+    eager algorithm's data ride with the descriptor)."""
+
+    PAYLOAD_BYTES = 4096
 
     def __init__(self, mpi_comm):
         size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
-        # one message size for every call: a row is 8 fields, then bytes sent and
-        # received per peer (all_to_all only); no message is ever truncated
-        self.table = np.zeros((size, 8 + 2 * size), np.int64)
-        self.mine = self.table[me]
-        peers = [p for p in range(size) if p != me]
-        self.requests = ([mpi_comm.Recv_init(self.table[p], p, AGREEMENT_TAG) for p in peers]
-                         + [mpi_comm.Send_init(self.mine, p, AGREEMENT_TAG) for p in peers])
-        self.peers = [f"rank {p}" for p in peers] * 2
+        # a row is 8 fields, then bytes sent and received per peer (all_to_all only), then
+        # the payload; receives take a whole row, so no message is ever truncated
+        self.header = 8 + 2 * size
+        self.inbox = np.zeros((size, self.header + self.PAYLOAD_BYTES // 8), np.int64)
+        self.table = self.inbox[:, :self.header]
+        self.mine = self.inbox[me]
+        self.me, self.comm = me, mpi_comm
+        self.peer_ranks = [p for p in range(size) if p != me]
+        self.receives = [mpi_comm.Recv_init(self.inbox[p], p, AGREEMENT_TAG)
+                         for p in self.peer_ranks]
+        self.requests = self.receives + [
+            mpi_comm.Send_init(self.mine[:self.header], p, AGREEMENT_TAG)
+            for p in self.peer_ranks]
+        self.peers = [f"rank {p}" for p in self.peer_ranks] * 2
 
     def check(self, desc: list, itemsize: int, splits=None, timeout=0.0) -> None:
         self.mine[:8] = desc
         if splits:
-            self.mine[8:] = list(splits[0]) + list(splits[1])
+            self.mine[8:self.header] = list(splits[0]) + list(splits[1])
         MPI.Prequest.Startall(self.requests)
-        if not MPI.Request.Testall(self.requests):
-            wait_all_requests(self.requests, self.peers, Deadline(timeout),
-                              "to start the same collective", keep=self.table)
-        _C.check_agreement(self.table, itemsize, bool(splits))
+        self._finish(self.requests, itemsize, bool(splits), timeout)
+
+    def exchange(self, desc: list, itemsize: int, payload: np.ndarray, timeout=0.0) -> list:
+        """Agree on ``desc`` while sending ``payload`` (uint8, at most PAYLOAD_BYTES) to
+        every peer; returns every rank's payload area (uint8 rows, this rank's too)."""
+        self.mine[:8] = desc
+        words = self.header + -(-payload.nbytes // 8)
+        self.mine[self.header:].view(np.uint8)[:payload.nbytes] = payload
+        MPI.Prequest.Startall(self.receives)
+        sends = [self.comm.Isend(self.mine[:words], p, AGREEMENT_TAG) for p in self.peer_ranks]
+        self._finish(self.receives + sends, itemsize, False, timeout)
+        return [row[self.header:].view(np.uint8) for row in self.inbox]
+
+    def _finish(self, requests, itemsize: int, splits: bool, timeout: float) -> None:
+        if not MPI.Request.Testall(requests):
+            wait_all_requests(requests, self.peers, Deadline(timeout),
+                              "to start the same collective", keep=self.inbox)
+        _C.check_agreement(self.table, itemsize, splits)
 
     def free(self) -> None:
         for request in self.requests:
@@ -131,12 +155,12 @@ class Agreement:
 
 class MpiTransport(Transport):
     name = "mpi"
-    offers = frozenset({"mpi", "schedules"})
+    offers = frozenset({"mpi", "schedules", "eager"})
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)
         self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
-        self.agreement = Agreement(world.coll) if self.checks_calls else None
+        self.agreement = Agreement(world.coll)  # (eager's exchange, even unchecked)
         self._arena = np.empty(0, np.uint8)  # a plan's tmp, then its receive scratch
         self._lock = threading.Lock()  # one plan at a time (they share the arena)
         self._sent = 0  # by plans, to peers
@@ -148,8 +172,12 @@ class MpiTransport(Transport):
     def agree(self, desc, splits=None, itemsize=1) -> None:
         self.agreement.check(desc, itemsize, splits, self.timeout)
 
+    def exchange(self, desc, itemsize: int, payload: np.ndarray) -> list:
+        """Agree on ``desc`` and hand every peer ``payload`` in the same message (eager)."""
+        return self.agreement.exchange(desc, itemsize, payload, self.timeout)
+
     def agree_call(self, call, algo) -> None:
-        if self.checks_calls:
+        if self.checks_calls and not algo.agrees:
             super().agree_call(call, algo)
 
     def barrier(self) -> None:
@@ -249,6 +277,5 @@ class MpiTransport(Transport):
         return self._sent + self.world.bytes_sent
 
     def close(self) -> None:
-        if self.agreement is not None:
-            self.agreement.free()
+        self.agreement.free()
         super().close()

@@ -51,7 +51,7 @@ class ShmTransport(Transport):
         disagreement reaches every rank whose result depends on all the others. In a
         rooted plan (tree or ring broadcast and reduce) some ranks' parts end without
         that: they agree first, as runners do."""
-        if (algo.needs not in ("shm", "one_copy") and algo.build is None) or (
+        if (not algo.agrees and algo.build is None) or (
                 algo.build is not None and call.collective in ROOTED):
             super().agree_call(call, algo)
 

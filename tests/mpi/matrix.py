@@ -1,6 +1,6 @@
 """Every algorithm x collective x dtype x op x count (x in-place), checked exactly.
 
-Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large]
+Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large|large-float32]
 (the layout of hosts, or COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST, selects the path;
 see commlib/transports/)
 """
@@ -12,7 +12,7 @@ import numpy as np
 
 import commlib
 from harness import (ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, expected_transport, make,
-                     to_f64, values)
+                     raises, to_f64, values)
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
 comm = commlib.init()
@@ -27,6 +27,8 @@ if "large" in sys.argv:
     # torch's large counts only where numpy has no such dtype (numpy runs the others)
     SIZES += [((1 << 18) + 7, DTYPES if BACKEND == "numpy" else ["bfloat16"], OPS),
               ((1 << 21) + 3, ["float32"], ["sum"])]
+elif "large-float32" in sys.argv:  # (where every byte crosses TCP: the large counts once)
+    SIZES += [((1 << 18) + 7, ["float32"], ["sum", "max"]), ((1 << 21) + 3, ["float32"], ["sum"])]
 REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "avg": np.add}
 check = Checker()
@@ -65,6 +67,14 @@ def run(collective, algo, dtype, op, count, inplace):
                 raise AssertionError("avg on an integer dtype was accepted")
         if collective in ("all_reduce", "reduce"):
             check.check(name, refused)
+        return
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    if algo == "eager" and count * itemsize * (n if collective == "reduce_scatter" else 1) \
+            > 4096:
+        if collective == "all_reduce" and op == "sum":  # refused, alike on every rank
+            check.check(name, lambda: raises(ValueError, "eager sends at most", lambda: (
+                comm.all_reduce(make(values(count, rank, "sum", dtype), dtype, BACKEND),
+                                algorithm="eager"))))
         return
 
     def case():

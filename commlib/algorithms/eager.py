@@ -1,0 +1,74 @@
+"""eager: small collectives whose data ride in the agreement's messages
+(transports/mpi.py, Agreement.exchange). Each rank sends its call's descriptor and its
+data to every other rank in one message and computes its result from what arrives, so a
+small call across hosts costs one exchange, where checking the call and then running MPI's
+own collective costs two or more. Every rank reduces the rows in rank order, so the
+results are bitwise equal everywhere. What a rank sends: all_reduce and reduce its buffer,
+all_gather its input, reduce_scatter its whole input, broadcast the root's buffer (the
+others only their descriptor); at most Agreement.PAYLOAD_BYTES, and it goes to all n - 1
+peers, so it pays only while the messages are small.
+"""
+import numpy as np
+
+from .. import _C
+from ..transports.mpi import Agreement
+from . import register
+
+
+def _payload_bytes(collective: str, n: int, nbytes: int) -> int:
+    return n * nbytes if collective == "reduce_scatter" else nbytes
+
+
+def _refuses(collective):
+    def refuses(n, nbytes):
+        sent = _payload_bytes(collective, n, nbytes)
+        if sent > Agreement.PAYLOAD_BYTES:
+            return (f"eager sends at most {Agreement.PAYLOAD_BYTES} bytes with its "
+                    f"descriptor, and this call would send {sent}")
+        return None
+    return refuses
+
+
+def _terms(collective):
+    def terms(model, where, n, nbytes):
+        if _refuses(collective)(n, nbytes):
+            return None
+        sent = _payload_bytes(collective, n, nbytes)
+        return {"alpha_native": 1, "beta": (n - 1) * sent, "gamma": n * nbytes}
+    return terms
+
+
+def _reduce_rows(call, rows, offset: int) -> None:
+    """call.out = rows[0] (op) rows[1] (op) ... from ``offset`` bytes into each row."""
+    out, n = call.out, len(rows)
+    ptrs = [row.ctypes.data + offset for row in rows]
+    if n == 1:
+        _C.copy(out.ptr, ptrs[0], out.nbytes)
+        return
+    _C.reduce(out.ptr, ptrs[0], ptrs[1], out.numel, call.dtype.code, call.op_code)
+    for p in ptrs[2:]:
+        _C.reduce(out.ptr, out.ptr, p, out.numel, call.dtype.code, call.op_code)
+
+
+def run(t, call):
+    collective, rank = call.collective, t.rank
+    sends = collective != "broadcast" or rank == call.root
+    data = (call.inp if collective in ("all_gather", "reduce_scatter") else call.out).bytes
+    rows = t.exchange(call.descriptor("eager"), call.dtype.itemsize,
+                      data if sends else np.empty(0, np.uint8))
+    t.world.count_sent((t.size - 1) * data.nbytes if sends else 0)
+    if collective == "all_reduce" or (collective == "reduce" and rank == call.root):
+        _reduce_rows(call, rows, 0)
+    elif collective == "reduce_scatter":
+        _reduce_rows(call, rows, rank * call.out.nbytes)
+    elif collective == "broadcast" and rank != call.root:
+        call.out.bytes[:] = rows[call.root][:call.out.nbytes]
+    elif collective == "all_gather":
+        block = call.inp.nbytes
+        for r, row in enumerate(rows):
+            call.out.bytes[r * block:(r + 1) * block] = row[:block]
+
+
+for _collective in ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast"):
+    register("eager", _collective, _terms(_collective), run=run, needs="eager",
+             refuses=_refuses(_collective), agrees=True)
