@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
+from commlib.algorithms import get as algorithm_entry
 
 from .specs import count_wrong, itemsize
 
@@ -88,9 +89,15 @@ class CommlibPeer:
         self.name = f"commlib:{algorithm}"
 
     def unsupported(self, case):
-        if self.algorithm != "auto" and self.algorithm not in self.comm.algorithms(case.spec.name):
-            return f"no {self.algorithm} {case.spec.name}"
-        return None
+        name = case.spec.name
+        if self.algorithm == "auto":
+            return None
+        if self.algorithm not in self.comm.algorithms(name):
+            return f"no {self.algorithm} {name}"
+        # (the primary buffer's bytes, as commlib chooses by: the smaller of in and out)
+        primary = min(len(case.inp), len(case.out)) * itemsize(case.dtype)
+        refuses = algorithm_entry(name, self.algorithm).refuses
+        return refuses and refuses(case.n, primary)
 
     def run(self, c):
         a = None if self.algorithm == "auto" else self.algorithm

@@ -100,17 +100,20 @@ class Agreement:
     """Every rank sends its call's descriptor (and all_to_all's splits) to every other:
     point to point, so that a timeout names the ranks that never arrived, over one table
     and one set of persistent requests (calls run one at a time; starting those is cheap).
-    A row may carry a payload of up to PAYLOAD_BYTES after its header (``exchange``: the
-    eager algorithm's data ride with the descriptor)."""
+    A row may carry a payload of up to ``payload_bytes(size)`` after its header
+    (``exchange``: the eager algorithm's data ride with the descriptor)."""
 
-    PAYLOAD_BYTES = 4096
+    @staticmethod
+    def payload_bytes(size: int) -> int:
+        """64 KiB per row, less where the ranks are many (the rows take at most 4 MiB)."""
+        return max(4096, min(64 << 10, (4 << 20) // size)) // 8 * 8
 
     def __init__(self, mpi_comm):
         size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
         # a row is 8 fields, then bytes sent and received per peer (all_to_all only), then
         # the payload; receives take a whole row, so no message is ever truncated
         self.header = 8 + 2 * size
-        self.inbox = np.zeros((size, self.header + self.PAYLOAD_BYTES // 8), np.int64)
+        self.inbox = np.zeros((size, self.header + self.payload_bytes(size) // 8), np.int64)
         self.table = self.inbox[:, :self.header]
         self.mine = self.inbox[me]
         self.me, self.comm = me, mpi_comm
@@ -121,6 +124,10 @@ class Agreement:
             mpi_comm.Send_init(self.mine[:self.header], p, AGREEMENT_TAG)
             for p in self.peer_ranks]
         self.peers = [f"rank {p}" for p in self.peer_ranks] * 2
+        # each rank's payload area, as bytes and as an address (what exchange returns)
+        self.payloads = [row[self.header:].view(np.uint8) for row in self.inbox]
+        self.payload_ptrs = [p.ctypes.data for p in self.payloads]
+        self._sends: dict = {}  # words sent -> persistent sends of that many to every peer
 
     def check(self, desc: list, itemsize: int, splits=None, timeout=0.0) -> None:
         self.mine[:8] = desc
@@ -130,15 +137,20 @@ class Agreement:
         self._finish(self.requests, itemsize, bool(splits), timeout)
 
     def exchange(self, desc: list, itemsize: int, payload: np.ndarray, timeout=0.0) -> list:
-        """Agree on ``desc`` while sending ``payload`` (uint8, at most PAYLOAD_BYTES) to
-        every peer; returns every rank's payload area (uint8 rows, this rank's too)."""
+        """Agree on ``desc`` while sending ``payload`` (uint8, at most payload_bytes) to
+        every peer; returns the address of every rank's payload as it arrived here (this
+        rank's too)."""
         self.mine[:8] = desc
         words = self.header + -(-payload.nbytes // 8)
-        self.mine[self.header:].view(np.uint8)[:payload.nbytes] = payload
-        MPI.Prequest.Startall(self.receives)
-        sends = [self.comm.Isend(self.mine[:words], p, AGREEMENT_TAG) for p in self.peer_ranks]
-        self._finish(self.receives + sends, itemsize, False, timeout)
-        return [row[self.header:].view(np.uint8) for row in self.inbox]
+        self.payloads[self.me][:payload.nbytes] = payload
+        sends = self._sends.get(words)
+        if sends is None:
+            sends = self._sends[words] = [self.comm.Send_init(self.mine[:words], p, AGREEMENT_TAG)
+                                          for p in self.peer_ranks]
+        requests = self.receives + sends
+        MPI.Prequest.Startall(requests)
+        self._finish(requests, itemsize, False, timeout)
+        return self.payload_ptrs
 
     def _finish(self, requests, itemsize: int, splits: bool, timeout: float) -> None:
         if not MPI.Request.Testall(requests):
@@ -147,7 +159,7 @@ class Agreement:
         _C.check_agreement(self.table, itemsize, splits)
 
     def free(self) -> None:
-        for request in self.requests:
+        for request in self.requests + [r for sends in self._sends.values() for r in sends]:
             if request and not request.Test():  # abandoned after a timeout: MPI keeps it
                 continue
             request.Free()
@@ -173,7 +185,8 @@ class MpiTransport(Transport):
         self.agreement.check(desc, itemsize, splits, self.timeout)
 
     def exchange(self, desc, itemsize: int, payload: np.ndarray) -> list:
-        """Agree on ``desc`` and hand every peer ``payload`` in the same message (eager)."""
+        """Agree on ``desc`` and hand every peer ``payload`` in the same message (eager);
+        returns the addresses of every rank's payload here."""
         return self.agreement.exchange(desc, itemsize, payload, self.timeout)
 
     def agree_call(self, call, algo) -> None:

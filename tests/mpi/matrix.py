@@ -11,6 +11,7 @@ from functools import lru_cache
 import numpy as np
 
 import commlib
+from commlib.transports.mpi import Agreement
 from harness import (ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, expected_transport, make,
                      raises, to_f64, values)
 
@@ -70,7 +71,7 @@ def run(collective, algo, dtype, op, count, inplace):
         return
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
     if algo == "eager" and count * itemsize * (n if collective == "reduce_scatter" else 1) \
-            > 4096:
+            > Agreement.payload_bytes(n):
         if collective == "all_reduce" and op == "sum":  # refused, alike on every rank
             check.check(name, lambda: raises(ValueError, "eager sends at most", lambda: (
                 comm.all_reduce(make(values(count, rank, "sum", dtype), dtype, BACKEND),
