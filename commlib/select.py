@@ -109,7 +109,7 @@ def algorithm_overrides() -> dict:
 
 
 # all_to_all's counts differ per rank, so its choice must not depend on them: every rank
-# decides at this size.
+# decides at this size (the cost model), or by the measured table over all sizes.
 ALL_TO_ALL_DECIDING_BYTES = 1 << 20
 
 
@@ -138,7 +138,8 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
     if measured is not None:
         found = [a for a in candidates(collective, offers)
                  if a.refuses is None or not a.refuses(n, nbytes)]
-        fastest = measured.fastest(collective, nbytes, [a.name for a in found])
+        fastest = measured.fastest(collective, None if collective == "all_to_all" else nbytes,
+                                   [a.name for a in found])
         if fastest is not None:
             return next(a for a in found if a.name == fastest)
     return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, where, offers)

@@ -45,11 +45,20 @@ class Table:
     def __init__(self, times: dict):
         self.times = times  # collective -> algorithm -> [[nbytes, seconds], ...]
 
-    def fastest(self, collective: str, nbytes: int, names) -> str | None:
-        """The measured algorithm among ``names`` with the least time at ``nbytes``."""
+    def fastest(self, collective: str, nbytes: int | None, names) -> str | None:
+        """The measured algorithm among ``names`` with the least time at ``nbytes``, or
+        (None: a choice that may not depend on the size) the least geometric mean over
+        the measured sizes of its time relative to the fastest's there."""
         measured = self.times.get(collective, {})
-        timed = [(self.seconds(measured[n], nbytes), n) for n in names if n in measured]
-        return min(timed)[1] if timed else None
+        names = [n for n in names if n in measured]
+        if not names:
+            return None
+        if nbytes is not None:
+            return min((self.seconds(measured[n], nbytes), n) for n in names)[1]
+        sizes = sorted({b for n in names for b, _ in measured[n]})
+        at = {n: [self.seconds(measured[n], b) for b in sizes] for n in names}
+        best = [min(at[n][i] for n in names) for i in range(len(sizes))]
+        return min((sum(math.log(t / b) for t, b in zip(at[n], best)), n) for n in names)[1]
 
     @staticmethod
     def seconds(points: list, nbytes: int) -> float:
@@ -101,16 +110,22 @@ def describe(comm, transport) -> dict:
 
 
 def measure(comm) -> Table:
-    """Time every algorithm of every collective at SIZES on ``comm``; collective."""
+    """Time every algorithm of every collective at SIZES on ``comm``; collective. The
+    algorithms of a collective and size share their buffers, so that none is timed on
+    memory in another state (fresh pages, huge pages: what the kernel's copies between
+    processes depend on)."""
     keys, mine = [], []
-    for collective in COLLECTIVES:
-        for name in comm.algorithms(collective):
-            refuses = entries(collective)[name].refuses
-            for nbytes in SIZES:
-                if refuses and refuses(comm.size, nbytes):
+    n = comm.size
+    for nbytes in SIZES:
+        count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
+        a, b = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
+        for collective in COLLECTIVES:
+            for name in comm.algorithms(collective):
+                refuses = entries(collective)[name].refuses
+                if refuses and refuses(n, nbytes):
                     continue  # (never chosen there: select.choose asks it too)
                 keys.append((collective, name, nbytes))
-                mine.append(_time(comm, collective, name, nbytes))
+                mine.append(_time(comm, _call(comm, collective, name, a, b, count), nbytes))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     times: dict = {}
@@ -119,13 +134,9 @@ def measure(comm) -> Table:
     return Table(times)
 
 
-def _time(comm, collective: str, name: str, nbytes: int) -> float:
-    """Seconds of one call from a common start (after a barrier), as the benchmark times
-    it: this rank's median over a few calls, after a warm-up."""
-    n = comm.size
-    count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-    a, b = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
-    call = {
+def _call(comm, collective: str, name: str, a, b, count: int):
+    """``collective`` with algorithm ``name`` on ``count`` elements of ``a`` (and ``b``)."""
+    return {
         "all_reduce": lambda: comm.all_reduce(a[:count], algorithm=name),
         "reduce": lambda: comm.reduce(a[:count], algorithm=name),
         "broadcast": lambda: comm.broadcast(a[:count], algorithm=name),
@@ -133,6 +144,11 @@ def _time(comm, collective: str, name: str, nbytes: int) -> float:
         "all_gather": lambda: comm.all_gather(b, a[:count], algorithm=name),
         "all_to_all": lambda: comm.all_to_all(b[:count], a[:count], algorithm=name),
     }[collective]
+
+
+def _time(comm, call, nbytes: int) -> float:
+    """Seconds of one call from a common start (after a barrier), as the benchmark times
+    it: this rank's median over a few calls, after a warm-up."""
     call()
     times = []
     for _ in range(max(4, min(CALLS, CALLS * (1 << 20) // nbytes))):

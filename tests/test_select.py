@@ -56,3 +56,24 @@ def test_tuning_file_round_trip(tmp_path, monkeypatch):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="calibrate"):
         CostModel.load()
+
+
+def test_measured_table_choice():
+    """The fastest at a size, interpolated in log size; a choice that may not depend on the
+    size (all_to_all) takes the least geometric-mean loss over the sizes; refused sizes and
+    missing entries are passed over."""
+    from commlib.tuning import Table
+    table = Table({"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 10.0], [1 << 24, 100.0]],
+                                  "b": [[1 << 16, 2.5], [1 << 20, 9.0], [1 << 24, 95.0]]},
+                   "all_reduce": {"eager": [[256, 1.0], [4096, 2.0]],
+                                  "ring": [[256, 3.0], [4096, 4.0], [1 << 20, 40.0]]}})
+    assert table.fastest("all_to_all", 1 << 16, ["a", "b"]) == "a"
+    assert table.fastest("all_to_all", 1 << 20, ["a", "b"]) == "b"
+    assert table.fastest("all_to_all", None, ["a", "b"]) == "a"  # b loses 2.5x at 64 KiB
+    assert table.fastest("all_to_all", None, ["c"]) is None
+    offers = frozenset({"mpi", "schedules", "eager"})
+    assert choose("all_to_all", None, 2, 10, offers=offers, measured=table).name in (
+        "native", "pairwise")  # neither measured: the cost model
+    assert choose("all_reduce", None, 2, 1024, offers=offers, measured=table).name == "eager"
+    # beyond eager's limit it is never chosen, however its time extrapolates
+    assert choose("all_reduce", None, 2, 1 << 20, offers=offers, measured=table).name == "ring"
