@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import platform
 import socket
@@ -111,14 +112,15 @@ def describe(comm, transport) -> dict:
 
 def measure(comm) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm``; collective. The
-    algorithms of a collective and size share their buffers, so that none is timed on
-    memory in another state (fresh pages, huge pages: what the kernel's copies between
-    processes depend on)."""
+    algorithms of a size share their buffers, so that none is timed on memory in another
+    state (fresh pages, huge pages: what the kernel's copies between processes depend
+    on)."""
     keys, mine = [], []
     n = comm.size
     for nbytes in SIZES:
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-        a, b = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
+        a, b = _small_pages(count * n), _small_pages(count * n)
+        a[:], b[:] = 1, 0
         for collective in COLLECTIVES:
             for name in comm.algorithms(collective):
                 refuses = entries(collective)[name].refuses
@@ -132,6 +134,18 @@ def measure(comm) -> Table:
     for (collective, name, nbytes), seconds in zip(keys, slowest.tolist()):
         times.setdefault(collective, {}).setdefault(name, []).append([nbytes, seconds])
     return Table(times)
+
+
+def _small_pages(count: int) -> np.ndarray:
+    """float32 memory on 4 KiB pages. Reading a peer's memory with process_vm_readv
+    (one_copy) costs per page, several times more on 4 KiB pages than on huge ones, and a
+    user's buffers may lie on either (numpy asks for huge pages from 4 MiB, torch does
+    not): the table times the costlier case, so that auto never picks one_copy where it
+    would lose on the user's memory."""
+    raw = mmap.mmap(-1, max(1, count * 4))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        raw.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(raw, np.float32, count)
 
 
 def _call(comm, collective: str, name: str, a, b, count: int):

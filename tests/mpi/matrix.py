@@ -1,6 +1,6 @@
 """Every algorithm x collective x dtype x op x count (x in-place), checked exactly.
 
-Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large|large-float32]
+Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large|large-float32] [only=ALGO,...]
 (the layout of hosts, or COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST, selects the path;
 see commlib/transports/)
 """
@@ -30,6 +30,9 @@ if "large" in sys.argv:
               ((1 << 21) + 3, ["float32"], ["sum"])]
 elif "large-float32" in sys.argv:  # (where every byte crosses TCP: the large counts once)
     SIZES += [((1 << 18) + 7, ["float32"], ["sum", "max"]), ((1 << 21) + 3, ["float32"], ["sum"])]
+# "only=a,b": just those algorithms (where only they use what a test varies)
+ONLY = next((arg.removeprefix("only=").split(",") for arg in sys.argv if arg.startswith("only=")),
+            None)
 REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "avg": np.add}
 check = Checker()
@@ -155,7 +158,8 @@ for count, dtypes, ops in SIZES:
                                "all_to_all", "broadcast"):
                 if (op is None) == (collective in ("all_reduce", "reduce_scatter", "reduce")):
                     continue
-                for algo in comm.algorithms(collective) + ["auto"]:
+                for algo in [a for a in comm.algorithms(collective) + ["auto"]
+                             if ONLY is None or a in ONLY]:
                     for inplace in ([False, True] if collective in ("reduce_scatter",
                                                                     "all_gather") else [False]):
                         run(collective, algo, dtype, op, count, inplace)
