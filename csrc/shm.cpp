@@ -279,6 +279,14 @@ void ShmComm::check_deadline(const std::vector<int>& waited_for) {
                       describe(desc_) + " waiting for " + (peers.empty() ? "its peers" : peers));
 }
 
+std::vector<int64_t> ShmComm::part_bytes(int64_t count, int64_t itemsize,
+                                         const std::vector<int64_t>& splits) const {
+  std::vector<int64_t> bytes(size_, count / size_ * itemsize);
+  if (!splits.empty())
+    for (int j = 0; j < size_; ++j) bytes[j] = splits.at(j) * itemsize;
+  return bytes;
+}
+
 void ShmComm::publish_splits(const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
   int64_t* table = splits(rank_, call_ + 1);
   std::copy(send.begin(), send.end(), table);

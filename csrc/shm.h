@@ -223,6 +223,9 @@ class ShmComm {
   void wait_all_begun();
   void check_splits(int64_t itemsize);
   int64_t* splits(int owner, uint64_t call) const;  // send[n], then recv[n]
+  // all_to_all's bytes to or from each peer: `splits` (elements), or equal parts of `count`
+  std::vector<int64_t> part_bytes(int64_t count, int64_t itemsize,
+                                  const std::vector<int64_t>& splits) const;
   void notify(int peer);  // rings the peer's doorbell if it sleeps
   void notify_peers();     // notify() to every peer
   void ring(int peer);     // notify() without its fence

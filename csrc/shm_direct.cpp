@@ -310,18 +310,14 @@ void ShmComm::direct(int64_t collective, uintptr_t out, uintptr_t in, int64_t co
     case REDUCE_SCATTER: return reduce_scatter(out, in, count, dtype, op);
     case ALL_TO_ALL: {
       const int64_t isz = itemsize(dtype);
-      // (byte offsets and lengths of each peer's part of a buffer cut by `splits`)
-      auto parts = [&](const std::vector<int64_t>& splits, std::vector<int64_t>& offsets,
-                       std::vector<int64_t>& lengths) {
-        offsets.assign(size_, 0), lengths.assign(size_, count / size_ * isz);
-        for (int j = 0; j < size_; ++j) {
-          if (!splits.empty()) lengths[j] = splits.at(j) * isz;
-          if (j) offsets[j] = offsets[j - 1] + lengths[j - 1];
-        }
+      auto send_lengths = part_bytes(count, isz, in_splits);
+      auto recv_lengths = part_bytes(count, isz, out_splits);
+      auto offsets = [](const std::vector<int64_t>& lengths) {
+        std::vector<int64_t> at(lengths.size(), 0);
+        for (size_t j = 1; j < lengths.size(); ++j) at[j] = at[j - 1] + lengths[j - 1];
+        return at;
       };
-      std::vector<int64_t> send_offsets, send_lengths, recv_offsets, recv_lengths;
-      parts(in_splits, send_offsets, send_lengths);
-      parts(out_splits, recv_offsets, recv_lengths);
+      auto send_offsets = offsets(send_lengths), recv_offsets = offsets(recv_lengths);
       return all_to_all(out, in, dtype, send_offsets, send_lengths, recv_offsets, recv_lengths);
     }
   }

@@ -150,7 +150,8 @@ void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64
                                 int dtype, int op, uint64_t Exposed::*which) {
   const int64_t isz = itemsize(dtype), step = kChunkBytes / isz;
   tmp_.resize(size_t(kChunkBytes) * size_);
-  std::vector<const char*> src(size_);
+  std::vector<const char*> src;
+  src.reserve(size_);
   for (int64_t c = 0; c < n; c += step) {
     int64_t m = std::min(step, n - c), at = (first + c) * isz;
     src.assign(1, own + c * isz);
@@ -182,12 +183,12 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
       expose(out, out);
       meet();
       {
-        auto [first, n] = block(count, size_, rank_);
-        reduce_from_peers(output + first * isz, output + first * isz, first, n, dtype, op,
+        auto [mine, n] = block(count, size_, rank_);
+        reduce_from_peers(output + mine * isz, output + mine * isz, mine, n, dtype, op,
                           &Exposed::out);
+        meet();  // every block reduced by its owner: gather them
+        count_sent(uint64_t(n * isz) * (size_ - 1));
       }
-      meet();  // every block reduced by its owner: gather them
-      count_sent(uint64_t(block(count, size_, rank_).second * isz) * (size_ - 1));
       for (int j = 0; j < size_; ++j) {
         auto [first, n] = block(count, size_, j);
         if (j != rank_)
@@ -221,12 +222,7 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
       else count_sent(uint64_t(nbytes) * (size_ - 1));
       break;
     case ALL_TO_ALL: {
-      // bytes to and from each peer: equal parts of `count`, or the splits (elements)
-      std::vector<int64_t> send(size_, count / size_ * isz), recv(send);
-      for (int j = 0; j < size_; ++j) {
-        if (!in_splits.empty()) send[j] = in_splits.at(j) * isz;
-        if (!out_splits.empty()) recv[j] = out_splits.at(j) * isz;
-      }
+      auto send = part_bytes(count, isz, in_splits), recv = part_bytes(count, isz, out_splits);
       publish_splits(send, recv);
       begin(descriptor(ALL_TO_ALL, kNone, dtype, kNone, kNone));
       expose(in, out);
@@ -234,12 +230,10 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
       check_splits(isz);
       int64_t at = 0;
       for (int j = 0; j < size_; ++j) {
-        int64_t from = 0;  // where peer j's part for this rank starts in its input
+        int64_t from = 0;  // where rank j's part for this rank starts in its input
         for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
         if (j == rank_) {
-          int64_t own = 0;
-          for (int i = 0; i < rank_; ++i) own += send[i];
-          copy(output + at, input + own, recv[j]);
+          copy(output + at, input + from, recv[j]);
         } else {
           read_peer(j, output + at, &Exposed::in, from, recv[j]);
           count_sent(send[j]);

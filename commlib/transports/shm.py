@@ -72,17 +72,11 @@ class ShmTransport(Transport):
 
     def direct(self, call) -> None:
         """The call's direct collective (csrc/shm_direct.cpp)."""
-        inp = call.inp.ptr if call.inp is not None else 0
-        self.shm.direct(_C.COLLECTIVES[call.collective], call.out.ptr, inp, call.count,
-                        call.dtype.code, call.op_code, NONE if call.root is None else call.root,
-                        *(call.splits or ((), ())))
+        self.shm.direct(*_arguments(call))
 
     def one_copy(self, call) -> None:
         """The call's one-copy collective (csrc/shm_one_copy.cpp)."""
-        inp = call.inp.ptr if call.inp is not None else 0
-        self.shm.one_copy(_C.COLLECTIVES[call.collective], call.out.ptr, inp, call.count,
-                          call.dtype.code, call.op_code, NONE if call.root is None else call.root,
-                          *(call.splits or ((), ())))
+        self.shm.one_copy(*_arguments(call))
 
     def all_reduce_phase(self, call, phase: int) -> None:
         """The direct all_reduce's reduce-scatter (1) or all-gather (2) alone (hier)."""
@@ -136,6 +130,13 @@ def _set_up(group, crowded: bool):
         raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
                         "set COMMLIB_TRANSPORT=mpi to run without it")
     return shm
+
+
+def _arguments(call) -> tuple:
+    """``call`` as ShmComm.direct and ShmComm.one_copy take it."""
+    return (_C.COLLECTIVES[call.collective], call.out.ptr,
+            call.inp.ptr if call.inp is not None else 0, call.count, call.dtype.code,
+            call.op_code, NONE if call.root is None else call.root, *(call.splits or ((), ())))
 
 
 def _probe_one_copy(group, shm) -> set:
