@@ -21,8 +21,9 @@ _OP_NAMES = {code: name for name, code in _C.OPS.items()}
 
 
 class FastPath:
-    def __init__(self, native, algorithms: dict):
+    def __init__(self, native, algorithms: dict, kinds: frozenset):
         self.native = native
+        self.kinds = kinds  # the entries the transport runs (csrc/fast_path.h)
         # call(collective code, a, b, op, root, algorithm) -> True, or False: the general
         # path's call
         self.call = native.call
@@ -40,24 +41,26 @@ class FastPath:
             op_codes=_OP_CODES, algorithms=algorithms, timeout=timeout,
             records=calls.recorder.calls.maxlen,
             on_failure=lambda *failure: _failed(owner(), *failure))
-        return None if native is None else cls(native, algorithms)
+        return None if native is None else cls(native, algorithms, transport.fast_kinds)
 
     def learn(self, call, requested: str | None, algo, plan) -> None:
         """The general path runs ``algo`` (``plan``, or a runner) for ``call``, asked for
         ``requested`` (None: auto)."""
         if call.collective == "all_to_all" and len(set(call.splits[0] + call.splits[1])) > 1:
             return  # the fast path knows equal parts only
-        if plan is None and algo.name not in ("direct", "one_copy"):
-            return  # other runners (MPI's own, hier) stay on the general path
+        kind = "plan" if plan is not None else algo.name
+        if kind not in self.kinds:
+            return  # other runners (MPI's own, hier, MPI's plans) stay on the general path
         algorithm = 0 if requested is None else self.algorithms.setdefault(
             requested, len(self.algorithms) + 1)
-        steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if plan is not None else ([], 0)
-        # rooted plans agree first (transports/shm.py): dtype and op are filled in per call
-        agree = call.descriptor(algo.name) if plan is not None and call.collective in ROOTED \
-            else []
+        steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if kind == "plan" else ([], 0)
+        # eager sends its descriptor; rooted plans agree first (transports/shm.py): dtype
+        # and op are filled in per call
+        needs_descriptor = kind == "eager" or (kind == "plan" and call.collective in ROOTED)
         self.native.learn(CODES[call.collective], algorithm, call.count, call.dtype.itemsize,
-                          NONE if call.root is None else call.root, steps, tmp,
-                          algo.name == "one_copy", len(self.entries), agree)
+                          NONE if call.root is None else call.root, kind, steps, tmp,
+                          len(self.entries), call.descriptor(algo.name) if needs_descriptor
+                          else [])
         self.entries.append((algo.name, call.count))
 
     def records(self) -> list[list]:

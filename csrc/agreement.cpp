@@ -129,4 +129,16 @@ std::string split_disagreement(int size, int64_t itemsize,
          "must equal output_splits of rank j, entry i): " + out;
 }
 
+std::string check_table(const int64_t* table, int n, int64_t stride, int64_t itemsize,
+                        bool splits) {
+  std::vector<const Desc*> rows(n);
+  for (int r = 0; r < n; ++r) rows[r] = reinterpret_cast<const Desc*>(table + r * stride);
+  std::string reason = disagreement(rows);
+  if (!reason.empty() || !splits) return reason;
+  auto split = [&](int r, int i) { return table[r * stride + kDescFields + i]; };
+  return split_disagreement(
+      n, itemsize, [&](int i, int j) { return split(i, j); },
+      [&](int j, int i) { return split(j, n + i); });
+}
+
 }  // namespace commlib

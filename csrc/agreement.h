@@ -57,12 +57,22 @@ std::string split_disagreement(int size, int64_t itemsize,
                                const std::function<int64_t(int, int)>& sent,
                                const std::function<int64_t(int, int)>& expected);
 
+// check_table's rows: `n` rows `stride` words apart, each a descriptor, then (all_to_all,
+// `splits`) the bytes it sends to each rank and receives from each. "" when they agree,
+// else what disagreement() or split_disagreement() says.
+std::string check_table(const int64_t* table, int n, int64_t stride, int64_t itemsize,
+                        bool splits);
+
 // Raised as commlib.CollectiveMismatchError and commlib.CommTimeoutError. Messages do not
 // number the call: Python prefixes its own sequence number (calls.py).
 struct MismatchError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A peer that died or failed, or MPI's own error (commlib.CommError).
+struct PeerError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "call.h"
+#include "fast_path.h"
 #include "kernels.h"
 #include "shm.h"
 
@@ -22,7 +23,8 @@ constexpr int NPY_ARRAY_WRITEABLE_ = 0x0400;  // numpy's flag bit (pybind11 does
 }  // namespace
 
 namespace commlib {
-void bind_fast_path(py::module_& m);  // fast_path.cpp
+void bind_fast_path(py::module_& m);     // fast_path.cpp
+void bind_mpi_exchange(py::module_& m);  // mpi_exchange.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -122,7 +124,7 @@ PYBIND11_MODULE(_C, m) {
   // Failures raise subclasses of commlib's own errors, so callers need no translation
   // (errors.py imports nothing, so importing it here is safe).
   py::module_ errors = py::module_::import("commlib.errors");
-  py::register_exception<commlib::shm::PeerError>(m, "CommError", errors.attr("CommError"));
+  py::register_exception<commlib::PeerError>(m, "CommError", errors.attr("CommError"));
   py::register_exception<commlib::MismatchError>(m, "CollectiveMismatchError",
                                                  errors.attr("CollectiveMismatchError"));
   py::register_exception<commlib::TimeoutError>(m, "CommTimeoutError",
@@ -130,31 +132,24 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "check_agreement",
-      [](py::array_t<int64_t, py::array::c_style> table, int64_t itemsize, bool splits) {
+      [](py::array_t<int64_t> table, int64_t itemsize, bool splits) {
         // one row per rank: the descriptor's 8 fields, then (all_to_all) the bytes it
         // sends to each peer and the bytes it receives from each (agreement.h)
-        int n = int(table.shape(0));
-        if (table.ndim() != 2 || table.shape(1) != commlib::kDescFields + 2 * n)
+        const int n = int(table.shape(0));
+        if (table.ndim() != 2 || table.shape(1) != commlib::kDescFields + 2 * n ||
+            table.strides(1) != sizeof(int64_t))
           throw std::invalid_argument("the table must have one row of 8 + 2n fields per rank");
-        std::vector<commlib::Desc> rows(n);
-        std::vector<const commlib::Desc*> ptrs(n);
-        for (int r = 0; r < n; ++r) {
-          std::copy(table.data(r), table.data(r) + commlib::kDescFields, rows[r].f);
-          ptrs[r] = &rows[r];
-        }
-        std::string reason = commlib::disagreement(ptrs);
-        if (reason.empty() && splits) {
-          auto split = [&](int r, int i) { return *table.data(r, commlib::kDescFields + i); };
-          reason = commlib::split_disagreement(
-              n, itemsize, [&](int i, int j) { return split(i, j); },
-              [&](int j, int i) { return split(j, n + i); });
-        }
+        std::string reason = commlib::check_table(table.data(), n,
+                                                  table.strides(0) / sizeof(int64_t),
+                                                  itemsize, splits);
         if (!reason.empty()) throw commlib::MismatchError(reason);
       },
       py::arg("table"), py::arg("itemsize"), py::arg("splits"),
       "Raise CollectiveMismatchError naming what differs if the ranks' calls disagree.");
+  commlib::bind_fast_path(m);  // (FastTransport: the base of ShmComm and MpiExchange)
+  commlib::bind_mpi_exchange(m);
   using nogil = py::call_guard<py::gil_scoped_release>;
-  py::class_<ShmComm>(m, "ShmComm",
+  py::class_<ShmComm, commlib::FastTransport>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "
                       "construct on every rank, exchange .name, attach(names), barrier, "
                       "unlink_own(). Methods release the GIL; ptrs are raw addresses.")
@@ -201,7 +196,6 @@ PYBIND11_MODULE(_C, m) {
                              [](const ShmComm& c) { return c.config().staging_bytes; })
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
                     "seconds a call may wait for its peers before CommTimeoutError (0: none)");
-  commlib::bind_fast_path(m);
 
   m.def(
       "array_info",

@@ -1,5 +1,5 @@
-// The fast path: a whole collective on numpy arrays in one call from Python, on the
-// shared-memory transport. The general path (commlib/dispatch.py) validates in
+// The fast path: a whole collective on numpy arrays in one call from Python, on a
+// transport that runs whole collectives in C++ (fast_path.h). The general path (commlib/dispatch.py) validates in
 // Python and costs a few microseconds per call, more than a small collective itself.
 //
 // Vocabulary:
@@ -7,7 +7,7 @@
 //           the algorithm and its plan. The rules of a call are call.h's, checked here
 //           too; a call that breaks them is declined, and the general path raises.
 //   entry   what the general path decided for a call (commlib/fast_path.py teaches it):
-//           a flattened schedule (csrc/shm_plan.cpp), or empty for the direct collective.
+//           a FastEntry (fast_path.h), which the transport runs.
 //           The fast path runs only calls it has an entry for, so it always runs exactly
 //           what the general path would.
 //   decline anything this path does not take (not numpy, not contiguous, a call that
@@ -36,8 +36,8 @@
 
 #include "agreement.h"
 #include "call.h"
+#include "fast_path.h"
 #include "kernels.h"
-#include "shm.h"
 
 namespace py = pybind11;
 
@@ -81,24 +81,27 @@ class FastPath {
   // `algorithms`: the algorithm names callers may ask for -> the ids entries are learned
   // under (None, auto, is 0; Python adds names as it teaches them); `records`: the ring's
   // size.
-  FastPath(shm::ShmComm& comm, py::dict op_codes, py::dict algorithms, double timeout,
+  FastPath(FastTransport& comm, py::dict op_codes, py::dict algorithms, double timeout,
            size_t records, py::function on_failure)
       : timeout(timeout), comm_(comm), op_codes_(std::move(op_codes)),
         algorithms_(std::move(algorithms)), on_failure_(std::move(on_failure)),
         ring_(records) {}
 
-  // What the general path runs for this call: `plan` (with its scratch bytes), or when
-  // `plan` is empty the direct collective (or the one-copy one: `one_copy`). `id` names
-  // the entry to the caller.
-  // `agree_first`: the call's descriptor (dtype and op filled in per call), which the
-  // ranks agree on before the plan runs (rooted plans: transports/shm.py); empty: none.
+  // What the general path runs for this call: an entry of `kind` ("plan", "direct",
+  // "one_copy" or "eager": fast_path.h), with `plan` and its scratch bytes for a plan and
+  // the call's `descriptor` where the entry needs it. `id` names the entry to the caller.
   void learn(int collective, int algorithm, int64_t count, int64_t itemsize, int64_t root,
-             std::vector<int64_t> plan, int64_t tmp_bytes, bool one_copy, int id,
-             std::vector<int64_t> agree_first) {
+             const std::string& kind, std::vector<int64_t> plan, int64_t tmp_bytes, int id,
+             std::vector<int64_t> descriptor) {
+    static const std::map<std::string, EntryKind> kinds = {
+        {"plan", EntryKind::PLAN}, {"direct", EntryKind::DIRECT},
+        {"one_copy", EntryKind::ONE_COPY}, {"eager", EntryKind::EAGER}};
+    auto found = kinds.find(kind);
+    if (found == kinds.end()) throw std::invalid_argument("no fast-path entry of kind " + kind);
     if (entries_.size() >= kMaxEntries) return;  // the general path runs the rest
     entries_.emplace(Key{collective, algorithm, count, itemsize, root},
-                     std::make_unique<const Entry>(Entry{std::move(plan), tmp_bytes, one_copy,
-                                                         id, std::move(agree_first)}));
+                     std::make_unique<const FastEntry>(FastEntry{
+                         found->second, std::move(plan), tmp_bytes, id, std::move(descriptor)}));
   }
 
   int64_t taken() const { return taken_; }  // calls run here so far
@@ -146,18 +149,21 @@ class FastPath {
       if (found == entries_.end()) return false;
       last_key_ = key, last_ = found->second.get();  // entries are never removed
     }
-    const Entry* entry = last_;
+    const FastEntry* entry = last_;
     const double issued = now();
     const char* failed = nullptr;  // the kind of error, named as in commlib/errors.py
     std::string why;
     try {
       py::gil_scoped_release nogil;
-      run(*entry, collective, out, in, checked, reduces ? int(op) : SUM, root, op);
+      comm_.run(*entry, {collective, out, in, checked.primary, reduces ? int(op) : SUM, root,
+                         op});
+      if (checked.scale != 0)
+        scale(reinterpret_cast<void*>(out.ptr), out.count, out.dtype, checked.scale);
     } catch (const TimeoutError& e) {
       failed = "CommTimeoutError", why = e.what();
     } catch (const MismatchError& e) {
       failed = "CollectiveMismatchError", why = e.what();
-    } catch (const shm::PeerError& e) {
+    } catch (const PeerError& e) {
       failed = "CommError", why = e.what();
     }
     if (failed) {
@@ -185,13 +191,6 @@ class FastPath {
   }
 
  private:
-  struct Entry {
-    std::vector<int64_t> plan;  // empty: the direct collective, or the one-copy one
-    int64_t tmp_bytes;
-    bool one_copy;
-    int id;
-    std::vector<int64_t> agree_first;  // a descriptor to agree on first (learn), or empty
-  };
   struct Record {
     int64_t seq = 0;  // 0: an empty slot
     int collective, entry, dtype;
@@ -216,34 +215,16 @@ class FastPath {
     if (!ring_.empty()) ring_[slot_++ % ring_.size()] = r;
   }
 
-  void run(const Entry& e, int collective, const Operand& out, const Operand& in,
-           const CheckedCall& checked, int op, int64_t root, int64_t op_given) {
-    if (!e.agree_first.empty()) {  // the descriptor's dtype and op fields are this call's
-      std::vector<int64_t> desc = e.agree_first;
-      desc[DTYPE] = out.dtype, desc[OP] = op_given;
-      comm_.agree(desc, {}, {}, itemsize(out.dtype));
-    }
-    if (!e.plan.empty())
-      comm_.run_plan(e.plan.data(), int64_t(e.plan.size()), {out.ptr, in.ptr}, e.tmp_bytes,
-                     out.dtype, op);
-    else if (e.one_copy)
-      comm_.one_copy(collective, out.ptr, in.ptr, checked.primary, out.dtype, op, root);
-    else
-      comm_.direct(collective, out.ptr, in.ptr, checked.primary, out.dtype, op, root);
-    if (checked.scale != 0)
-      scale(reinterpret_cast<void*>(out.ptr), out.count, out.dtype, checked.scale);
-  }
-
-  shm::ShmComm& comm_;
+  FastTransport& comm_;
   py::dict op_codes_, algorithms_;
   py::function on_failure_;
   std::atomic<int> holds_{0};
   int64_t taken_ = 0, seq_ = 0;
   size_t slot_ = 0;  // where the next record goes
   std::vector<Record> ring_;
-  std::map<Key, std::unique_ptr<const Entry>> entries_;
+  std::map<Key, std::unique_ptr<const FastEntry>> entries_;
   Key last_key_{-1, -1, -1, -1, -1};
-  const Entry* last_ = nullptr;
+  const FastEntry* last_ = nullptr;
 };
 
 namespace {
@@ -282,15 +263,17 @@ PyMethodDef call_def = {
 }  // namespace
 
 void bind_fast_path(py::module_& m) {
+  py::class_<FastTransport>(m, "FastTransport",
+                            "A transport that runs whole collectives in C++ (fast_path.h).");
   py::class_<FastPath>(m, "FastPath",
                        "Whole collectives on numpy arrays in one call (csrc/fast_path.cpp).")
-      .def(py::init<shm::ShmComm&, py::dict, py::dict, double, size_t, py::function>(),
+      .def(py::init<FastTransport&, py::dict, py::dict, double, size_t, py::function>(),
            py::arg("transport"), py::arg("op_codes"), py::arg("algorithms"),
            py::arg("timeout"), py::arg("records"), py::arg("on_failure"),
            py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("algorithm"),
-           py::arg("count"), py::arg("itemsize"), py::arg("root"), py::arg("plan"),
-           py::arg("tmp_bytes"), py::arg("one_copy"), py::arg("id"), py::arg("agree_first"))
+           py::arg("count"), py::arg("itemsize"), py::arg("root"), py::arg("kind"),
+           py::arg("plan"), py::arg("tmp_bytes"), py::arg("id"), py::arg("descriptor"))
       .def_property_readonly("call", [](py::object self) {
         auto bound = py::make_tuple(self, py::capsule(self.cast<FastPath*>()));
         return py::reinterpret_steal<py::object>(PyCFunction_New(&call_def, bound.ptr()));

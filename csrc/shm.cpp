@@ -1,6 +1,8 @@
 // Segments, signatures and waiting for the shared-memory transport (see shm.h).
 #include "shm.h"
 
+#include "kernels.h"
+
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -315,6 +317,29 @@ void ShmComm::agree(const std::vector<int64_t>& fields, const std::vector<int64_
   begin(desc);
   wait_all_begun();
   if (splits) check_splits(itemsize);
+}
+
+void ShmComm::run(const FastEntry& e, const FastCall& c) {
+  const int dtype = c.out.dtype;
+  if (!e.descriptor.empty()) {  // the descriptor's dtype and op fields are this call's
+    std::vector<int64_t> desc = e.descriptor;
+    desc[DTYPE] = dtype, desc[OP] = c.op_given;
+    agree(desc, {}, {}, itemsize(dtype));
+  }
+  switch (e.kind) {
+    case EntryKind::PLAN:
+      run_plan(e.plan.data(), int64_t(e.plan.size()), {c.out.ptr, c.in.ptr}, e.tmp_bytes, dtype,
+               c.op);
+      break;
+    case EntryKind::DIRECT:
+      direct(c.collective, c.out.ptr, c.in.ptr, c.count, dtype, c.op, c.root);
+      break;
+    case EntryKind::ONE_COPY:
+      one_copy(c.collective, c.out.ptr, c.in.ptr, c.count, dtype, c.op, c.root);
+      break;
+    default:
+      throw std::logic_error("the shm transport runs no eager entries");
+  }
 }
 
 void ShmComm::check_splits(int64_t itemsize) {

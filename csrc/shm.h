@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "agreement.h"
+#include "fast_path.h"
 
 namespace commlib::shm {
 
@@ -94,12 +95,6 @@ struct alignas(kLine) ChannelTail {
   std::atomic<uint64_t> consumed;  // slots the receiver has drained
 };
 
-// Raised for a peer that died or failed (CommError in Python); disagreements raise
-// MismatchError, expired waits TimeoutError (agreement.h).
-struct PeerError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 struct Config {
   int64_t slot_bytes;
   int64_t slots;
@@ -108,7 +103,7 @@ struct Config {
   int64_t yields;         // sched_yield()s before sleeping on the doorbell
 };
 
-class ShmComm {
+class ShmComm : public FastTransport {
  public:
   ShmComm(int rank, int size, const Config& config);
   ~ShmComm();
@@ -170,7 +165,7 @@ class ShmComm {
              const std::vector<int64_t>& recv, int64_t itemsize);
 
   // Seconds any wait of a call may take before it fails with TimeoutError (0: forever).
-  double timeout() const { return timeout_; }
+  double timeout() const override { return timeout_; }
   void set_timeout(double seconds);
 
   // Bytes of this rank's data handed to peers so far: pushed into their channels, or
@@ -183,8 +178,10 @@ class ShmComm {
   // beyond the cache, where skipping the read-for-ownership saves DRAM traffic).
   static constexpr int64_t kStreamingBytes = 8 << 20;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  // The fast path's entries: PLAN, DIRECT and ONE_COPY (fast_path.h).
+  void run(const FastEntry& entry, const FastCall& call) override;
   const Config& config() const { return config_; }
 
  private:

@@ -64,7 +64,8 @@ def test_collectives_torch(n):
 
 
 @pytest.mark.parametrize("n,env", [(1, {}), (2, {}), (3, {}), (4, {}),
-                                   (3, {"COMMLIB_SHM_STAGING_BYTES": "4096"})],
+                                   (3, {"COMMLIB_SHM_STAGING_BYTES": "4096"}),
+                                   (3, {"COMMLIB_TRANSPORT": "mpi"})],
                          ids=lambda v: str(v))
 def test_fast_path(n, env):
     run_checked(n, "tests/mpi/fast_path.py", env=env)

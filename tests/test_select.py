@@ -41,7 +41,7 @@ def test_every_algorithm_has_a_cost():
                 cost = DEFAULTS.predict(collective, name, n, nbytes,
                                         "shm" if name in ("direct", "one_copy") else "mpi", 1)
                 assert 0 < cost < math.inf, (collective, name, n)
-    assert DEFAULTS.predict("all_reduce", "eager", 2, 1 << 17) == math.inf  # beyond its limit
+    assert DEFAULTS.predict("all_reduce", "eager", 2, 1 << 21) == math.inf  # beyond its limit
 
 
 def test_tuning_file_round_trip(tmp_path, monkeypatch):
@@ -76,4 +76,4 @@ def test_measured_table_choice():
         "native", "pairwise")  # neither measured: the cost model
     assert choose("all_reduce", None, 2, 1024, offers=offers, measured=table).name == "eager"
     # beyond eager's limit it is never chosen, however its time extrapolates
-    assert choose("all_reduce", None, 2, 1 << 20, offers=offers, measured=table).name == "ring"
+    assert choose("all_reduce", None, 2, 1 << 21, offers=offers, measured=table).name == "ring"

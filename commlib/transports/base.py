@@ -43,6 +43,8 @@ class Transport:
     def set_timeout(self, seconds: float) -> None:
         self.timeout = seconds
 
+    fast_kinds = frozenset()  # the entries its fast path runs (csrc/fast_path.h)
+
     def fast_path(self, **kwargs):
         """A C++ fast path for this transport's calls (commlib/fast_path.py), or None."""
         return None

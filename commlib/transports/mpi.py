@@ -7,11 +7,12 @@ COMMLIB_CHECK=0, the ranks agree on every call before it moves data (Agreement).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections import deque
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 from mpi4py import MPI
@@ -20,7 +21,7 @@ from .. import _C
 from ..call import NONE, descriptor
 from ..errors import CommError, CommTimeoutError
 from ..schedule import RecvReduce, Schedule
-from ..work import Deadline, _abandon, wait_all_requests, wait_request
+from ..work import Deadline, _abandon, wait_request
 from .base import Transport
 from .mpi_world import MpiWorld
 
@@ -100,13 +101,15 @@ class Agreement:
     """Every rank sends its call's descriptor (and all_to_all's splits) to every other:
     point to point, so that a timeout names the ranks that never arrived, over one table
     and one set of persistent requests (calls run one at a time; starting those is cheap).
-    A row may carry a payload of up to ``payload_bytes(size)`` after its header
-    (``exchange``: the eager algorithm's data ride with the descriptor)."""
+    A row may carry a payload of up to ``payload_bytes(size)`` after its header (the
+    eager algorithm's data ride with the descriptor). The requests are mpi4py's; starting,
+    waiting and checking are C++ (csrc/mpi_exchange.cpp, ``native``), where the fast path
+    runs eager calls too."""
 
     @staticmethod
     def payload_bytes(size: int) -> int:
-        """64 KiB per row, less where the ranks are many (the rows take at most 4 MiB)."""
-        return max(4096, min(64 << 10, (4 << 20) // size)) // 8 * 8
+        """1 MiB per row, less where the ranks are many (the rows take at most 4 MiB)."""
+        return max(4096, min(1 << 20, (4 << 20) // size)) // 8 * 8
 
     def __init__(self, mpi_comm):
         size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
@@ -114,60 +117,50 @@ class Agreement:
         # the payload; receives take a whole row, so no message is ever truncated
         self.header = 8 + 2 * size
         self.inbox = np.zeros((size, self.header + self.payload_bytes(size) // 8), np.int64)
-        self.table = self.inbox[:, :self.header]
         self.mine = self.inbox[me]
         self.me, self.comm = me, mpi_comm
         self.peer_ranks = [p for p in range(size) if p != me]
         self.receives = [mpi_comm.Recv_init(self.inbox[p], p, AGREEMENT_TAG)
                          for p in self.peer_ranks]
-        self.requests = self.receives + [
-            mpi_comm.Send_init(self.mine[:self.header], p, AGREEMENT_TAG)
-            for p in self.peer_ranks]
-        self.peers = [f"rank {p}" for p in self.peer_ranks] * 2
-        # each rank's payload area, as bytes and as an address (what exchange returns)
-        self.payloads = [row[self.header:].view(np.uint8) for row in self.inbox]
-        self.payload_ptrs = [p.ctypes.data for p in self.payloads]
-        self._sends: dict = {}  # words sent -> persistent sends of that many to every peer
+        self.native = _C.MpiExchange(
+            _mpi_entry_points(), MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status), self.inbox,
+            self.header, me, self.peer_ranks, [MPI._handleof(r) for r in self.receives],
+            partial(_persistent_sends, mpi_comm, self.mine, self.peer_ranks))
 
-    def check(self, desc: list, itemsize: int, splits=None, timeout=0.0) -> None:
+    def check(self, desc: list, itemsize: int, splits=None) -> None:
         self.mine[:8] = desc
         if splits:
             self.mine[8:self.header] = list(splits[0]) + list(splits[1])
-        MPI.Prequest.Startall(self.requests)
-        self._finish(self.requests, itemsize, bool(splits), timeout)
-
-    def exchange(self, desc: list, itemsize: int, payload: np.ndarray, timeout=0.0) -> list:
-        """Agree on ``desc`` while sending ``payload`` (uint8, at most payload_bytes) to
-        every peer; returns the address of every rank's payload as it arrived here (this
-        rank's too)."""
-        self.mine[:8] = desc
-        words = self.header + -(-payload.nbytes // 8)
-        self.payloads[self.me][:payload.nbytes] = payload
-        sends = self._sends.get(words)
-        if sends is None:
-            sends = self._sends[words] = [self.comm.Send_init(self.mine[:words], p, AGREEMENT_TAG)
-                                          for p in self.peer_ranks]
-        requests = self.receives + sends
-        MPI.Prequest.Startall(requests)
-        self._finish(requests, itemsize, False, timeout)
-        return self.payload_ptrs
-
-    def _finish(self, requests, itemsize: int, splits: bool, timeout: float) -> None:
-        if not MPI.Request.Testall(requests):
-            wait_all_requests(requests, self.peers, Deadline(timeout),
-                              "to start the same collective", keep=self.inbox)
-        _C.check_agreement(self.table, itemsize, splits)
+        self.native.exchange(self.header, itemsize, bool(splits), 0)
 
     def free(self) -> None:
-        for request in self.requests + [r for sends in self._sends.values() for r in sends]:
+        for request in self.receives + list(self.native.sends):
             if request and not request.Test():  # abandoned after a timeout: MPI keeps it
+                _abandon(request, self.inbox, cancel=False)
                 continue
             request.Free()
+
+
+def _persistent_sends(comm, row: np.ndarray, peers: list, words: int) -> tuple[list, list]:
+    """Persistent sends of ``row[:words]`` to each of ``peers``, and their handles."""
+    sends = [comm.Send_init(row[:words], p, AGREEMENT_TAG) for p in peers]
+    return sends, [MPI._handleof(r) for r in sends]
+
+
+@lru_cache(maxsize=None)
+def _mpi_entry_points() -> dict:
+    """The addresses of the MPI functions csrc/mpi_exchange.cpp calls, in the MPI library
+    mpi4py loaded (found through its module, which links it)."""
+    library = ctypes.CDLL(MPI.__file__)
+    return {name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+            for name in ("MPI_Startall", "MPI_Testall", "MPI_Test", "MPI_Cancel",
+                         "MPI_Error_string")}
 
 
 class MpiTransport(Transport):
     name = "mpi"
     offers = frozenset({"mpi", "schedules", "eager"})
+    fast_kinds = frozenset({"eager"})
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)
@@ -181,13 +174,17 @@ class MpiTransport(Transport):
     def suits(world) -> bool:
         return True
 
-    def agree(self, desc, splits=None, itemsize=1) -> None:
-        self.agreement.check(desc, itemsize, splits, self.timeout)
+    def set_timeout(self, seconds: float) -> None:
+        super().set_timeout(seconds)
+        self.agreement.native.timeout = seconds
 
-    def exchange(self, desc, itemsize: int, payload: np.ndarray) -> list:
-        """Agree on ``desc`` and hand every peer ``payload`` in the same message (eager);
-        returns the addresses of every rank's payload here."""
-        return self.agreement.exchange(desc, itemsize, payload, self.timeout)
+    def agree(self, desc, splits=None, itemsize=1) -> None:
+        self.agreement.check(desc, itemsize, splits)
+
+    def fast_path(self, **kwargs):
+        if os.environ.get("COMMLIB_FAST_PATH", "1") == "0":
+            return None
+        return _C.FastPath(self.agreement.native, **kwargs)
 
     def agree_call(self, call, algo) -> None:
         if self.checks_calls and not algo.agrees:
@@ -287,7 +284,7 @@ class MpiTransport(Transport):
 
     @property
     def bytes_sent(self) -> int:
-        return self._sent + self.world.bytes_sent
+        return self._sent + self.agreement.native.bytes_sent + self.world.bytes_sent
 
     def close(self) -> None:
         self.agreement.free()

@@ -29,6 +29,7 @@ _BUFFERS = {"out": 0, "in": 1, "tmp": 2}
 
 class ShmTransport(Transport):
     name = "shm"
+    fast_kinds = frozenset({"plan", "direct", "one_copy"})
 
     def __init__(self, world):
         super().__init__(world)

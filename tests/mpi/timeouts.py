@@ -31,9 +31,9 @@ def collective_that_a_peer_never_joins():
     comm.all_reduce(np.ones(3))  # collective #1 completes
     try:
         if rank == 0:
-            # (beyond eager's 64 KiB: its data would reach the peers with its descriptor, and
+            # (beyond eager's 1 MiB: its data would reach the peers with its descriptor, and
             # they could finish the call without rank 0)
-            error, took = timed(lambda: comm.all_reduce(np.ones(100_000), timeout=0.5))
+            error, took = timed(lambda: comm.all_reduce(np.ones(300_000), timeout=0.5))
             assert isinstance(error, commlib.CommTimeoutError), repr(error)
             assert 0.45 <= took < 5, took
             message = str(error)
