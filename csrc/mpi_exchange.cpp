@@ -86,21 +86,20 @@ class MpiExchange : public FastTransport {
     receives_ = as_handles(receives);
   }
 
-  // Sends the first `words` words of this rank's row to every peer and waits for every
-  // peer's row; raises MismatchError unless the descriptors (and, with `splits`, the split
-  // fields) agree. `payload_bytes` of them are data (counted as sent).
-  void exchange(int64_t words, int64_t itemsize, bool splits, int64_t payload_bytes) {
-    std::vector<uint8_t>& requests = requests_for(words);
-    const int count = int(requests.size() / handle_bytes_);
-    check(mpi_.startall(count, requests.data()), "MPI_Startall");
-    wait(requests, count);
-    sent_ += uint64_t(payload_bytes) * peers_.size();
-    std::string reason = check_table(row(0), size(), row_words(), itemsize, splits);
-    if (!reason.empty()) throw MismatchError(reason);
+  // Checks a call: every rank's `desc` (and, where `splits` is not empty, the bytes it
+  // sends to each rank and receives from each) must agree, else MismatchError.
+  void check(const std::vector<int64_t>& desc, int64_t itemsize,
+             const std::vector<int64_t>& splits) {
+    if (desc.size() != kDescFields || (!splits.empty() && int(splits.size()) != 2 * size()))
+      throw std::invalid_argument("a descriptor has 8 fields, and splits 2 per rank");
+    std::copy(desc.begin(), desc.end(), row(rank_));
+    std::copy(splits.begin(), splits.end(), row(rank_) + kDescFields);
+    exchange(header_, itemsize, !splits.empty(), 0);
   }
 
   // An eager collective: this rank's row carries `desc` (dtype and op filled in here) and
-  // its data; the result is computed from every rank's row.
+  // its data; the result is computed from every rank's row. (Every rank waits for every
+  // row, a broadcast's root too: so that all raise in the call where they disagree.)
   void eager(const std::vector<int64_t>& desc, const FastCall& c) {
     const int n = size();
     const int64_t width = itemsize(c.out.dtype);
@@ -158,6 +157,22 @@ class MpiExchange : public FastTransport {
   py::list sends() const { return sends_; }
 
  private:
+  // Sends the first `words` words of this rank's row to every peer, `payload_bytes` of
+  // them data (counted as sent), and waits for every peer's row; raises MismatchError
+  // unless the descriptors (and, with `splits`, the split fields) agree.
+  void exchange(int64_t words, int64_t itemsize, bool splits, int64_t payload_bytes) {
+    std::vector<uint8_t>& requests = requests_for(words);
+    require_success(mpi_.startall(count(requests), requests.data()), "MPI_Startall");
+    sent_ += uint64_t(payload_bytes) * peers_.size();
+    wait(requests);
+    std::string reason = check_table(row(0), size(), row_words(), itemsize, splits);
+    if (!reason.empty()) throw MismatchError(reason);
+  }
+
+  int count(const std::vector<uint8_t>& requests) const {
+    return int(requests.size() / handle_bytes_);
+  }
+
   // The receives, then the sends of `words` words (made on first use).
   std::vector<uint8_t>& requests_for(int64_t words) {
     auto found = requests_.find(words);
@@ -195,7 +210,7 @@ class MpiExchange : public FastTransport {
     return bytes;
   }
 
-  void check(int code, const char* what) {
+  void require_success(int code, const char* what) {
     if (code == 0) return;  // MPI_SUCCESS
     char text[1024] = "";
     int length = 0;
@@ -206,13 +221,14 @@ class MpiExchange : public FastTransport {
   // Polls back to back (MPI progresses only while called), yielding the core between polls
   // (ranks may outnumber cores). Past the timeout, abandons what is pending (receives are
   // cancelled; the communicator is unusable after a timeout anyway) and names the late.
-  void wait(std::vector<uint8_t>& requests, int count) {
+  void wait(std::vector<uint8_t>& requests) {
+    const int count = this->count(requests);
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     std::vector<uint8_t> statuses(size_t(count) * status_bytes_);
     for (uint64_t polls = 1;; ++polls) {
       int done = 0;
-      check(mpi_.testall(count, requests.data(), &done, statuses.data()), "MPI_Testall");
+      require_success(mpi_.testall(count, requests.data(), &done, statuses.data()), "MPI_Testall");
       if (done) return;
       if (polls % 64 == 0 && timeout_ > 0 &&
           std::chrono::duration<double>(clock::now() - start).count() >= timeout_)
@@ -224,7 +240,7 @@ class MpiExchange : public FastTransport {
     for (int i = 0; i < count; ++i) {
       uint8_t* request = &requests[size_t(i) * handle_bytes_];
       int done = 0;
-      check(mpi_.test(request, &done, statuses.data()), "MPI_Test");
+      require_success(mpi_.test(request, &done, statuses.data()), "MPI_Test");
       if (done) continue;
       if (i < receives) mpi_.cancel(request);
       const int peer = peers_[i % receives];
@@ -260,8 +276,11 @@ void bind_mpi_exchange(py::module_& m) {
            py::arg("entry_points"), py::arg("handle_bytes"), py::arg("status_bytes"),
            py::arg("inbox"), py::arg("header"), py::arg("rank"), py::arg("peers"),
            py::arg("receives"), py::arg("make_sends"))
-      .def("exchange", &MpiExchange::exchange, nogil(), py::arg("words"), py::arg("itemsize"),
-           py::arg("splits"), py::arg("payload_bytes"))
+      .def("check", &MpiExchange::check, nogil(), py::arg("descriptor"), py::arg("itemsize"),
+           py::arg("splits"),
+           "Raise CollectiveMismatchError unless every rank's descriptor (and splits: the "
+           "bytes to each rank, then from each, or none) agree.")
+
       .def(
           "eager",
           [](MpiExchange& x, std::vector<int64_t> desc, uintptr_t out, int64_t out_count,

@@ -128,10 +128,7 @@ class Agreement:
             partial(_persistent_sends, mpi_comm, self.mine, self.peer_ranks))
 
     def check(self, desc: list, itemsize: int, splits=None) -> None:
-        self.mine[:8] = desc
-        if splits:
-            self.mine[8:self.header] = list(splits[0]) + list(splits[1])
-        self.native.exchange(self.header, itemsize, bool(splits), 0)
+        self.native.check(desc, itemsize, [*splits[0], *splits[1]] if splits else [])
 
     def free(self) -> None:
         for request in self.receives + list(self.native.sends):
