@@ -36,7 +36,7 @@ from .call import COLLECTIVES
 VERSION = 3  # 3: the agreement and eager in C++
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
-CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 2 at 16 MiB: long calls)
+CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
@@ -165,7 +165,7 @@ def _time(comm, call, nbytes: int) -> float:
     it: this rank's median over a few calls, after a warm-up."""
     call()
     times = []
-    for _ in range(max(2, min(CALLS, CALLS * (1 << 20) // nbytes))):
+    for _ in range(max(3, min(CALLS, CALLS * (1 << 20) // nbytes))):
         comm.barrier()
         start = time.perf_counter()
         call()
