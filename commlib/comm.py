@@ -18,6 +18,9 @@ from .dispatch import Dispatcher  # noqa: E402
 from .host_memory import as_array  # noqa: E402
 from .transports.mpi_world import MpiWorld  # noqa: E402
 
+if MPI.COMM_WORLD.Get_size() == 1:  # alone in its MPI world (torchrun's ranks, a store's):
+    abort.unlink_mpich_segments()   # MPICH's node segment is this process's alone
+
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL, BROADCAST, REDUCE = (
     CODES[c] for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                        "reduce"))
@@ -189,9 +192,10 @@ class Communicator:
         return p2p.send(self._calls, t, dst, tag, async_op, timeout)
 
     def recv(self, t, src, tag=0, async_op=False, timeout=None):
-        """Receive into ``t`` from rank ``src``; the message must fill ``t`` exactly.
-        Blocking (returns ``t``), or a Work if ``async_op``. Fails with CommTimeoutError if
-        nothing arrives within ``timeout`` seconds (default: the communicator's)."""
+        """Receive into ``t`` from rank ``src``, or from any rank (``src=None``: the Work's
+        ``source`` says which); the message must fill ``t`` exactly. Blocking (returns
+        ``t``), or a Work if ``async_op``. Fails with CommTimeoutError if nothing arrives
+        within ``timeout`` seconds (default: the communicator's)."""
         return p2p.recv(self._calls, t, src, tag, async_op, timeout)
 
     def empty(self, shape, dtype=np.float32):

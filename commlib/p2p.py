@@ -13,7 +13,9 @@ def _checked(calls, t, peer, tag, timeout, role: str, writable: bool):
     world = calls.transport.world
     deadline = Deadline(calls.timeout if timeout is None else check_timeout(timeout))
     buf = as_buffer(t, "t", writable)
-    if check_rank(peer, role, world.size) == world.rank:
+    if peer is None and role == "src":
+        pass  # a receive from any rank
+    elif check_rank(peer, role, world.size) == world.rank:
         raise ValueError(f"{role}={peer} is this rank itself; a message to self would block "
                          "forever; copy locally instead")
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= 32767:
@@ -32,7 +34,8 @@ def send(calls, t, dst, tag, async_op, timeout):
 
 
 def recv(calls, t, src, tag, async_op, timeout):
-    """Receive into ``t`` from rank ``src``; the message must fill ``t`` exactly."""
+    """Receive into ``t`` from rank ``src`` (None: any); the message must fill ``t``
+    exactly."""
     world, deadline, buf = _checked(calls, t, src, tag, timeout, "src", True)
     if buf.device is not None and world.takes_device_memory:  # Work.wait() blocks
         buf = _on_device(buf, deadline, f"recv from rank {src}")

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from . import abort
 from .comm import Communicator
 from .torch_ops import (alike, byte_view, contiguous, copy_back, fold, in_order, only,
-                        per_element, reduce_view, reduction, row_splits)
+                        per_element, reduce_view, reduction, row_splits, sparse_sum)
 from .errors import CommError
 from .transports.mpi_world import allgather
 from .torch_work import TorchWork, dist_error
@@ -261,8 +261,24 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         t = only(tensors, "allreduce")
+        if t.is_sparse:
+            return self._sparse_all_reduce(t, opts.reduceOp)
         works, finish = self._all_reduce(t, opts.reduceOp, opts.asyncOp, "allreduce")
         return self._work("allreduce", works, [t], finish)
+
+    def _sparse_all_reduce(self, t, reduce_op):
+        """Sparse COO tensors sum (gloo's sparse all-reduce), here before returning."""
+        if reduce_op.op != dist.ReduceOp.SUM:
+            raise ValueError(f"commlib backend: a sparse all_reduce sums only (as gloo's), "
+                             f"got {reduce_op.op}; densify the tensor for other ops")
+        if t.is_cuda:
+            raise ValueError("commlib backend: sparse all_reduce takes CPU tensors; move it "
+                             "to the CPU or densify it")
+        try:
+            t.copy_(sparse_sum(self.comm.all_gather, t, self.size()))
+        except CommError as e:
+            raise dist_error(e) from e
+        return self._work("allreduce", [], [t])
 
     @_stream_ordered
     def allreduce_coalesced(self, tensors, opts=None):
@@ -518,8 +534,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._work("recv", [work], list(tensors), copy_back([(t, c)]))
 
     def recv_anysource(self, tensors, tag):
-        raise RuntimeError("commlib backend: recv needs a source rank (receiving from any "
-                           "source is not supported)")
+        return self.recv(tensors, None, tag)  # (the Work's _source_rank() says from whom)
 
     # Older names torch's Python code or user code may still call.
     _allgather_base = all_gather_single

@@ -63,6 +63,25 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return flat if t.dtype in COMMLIB_DTYPES else flat.view(torch.uint8)
 
 
+def sparse_sum(all_gather, t: torch.Tensor, size: int) -> torch.Tensor:
+    """The sum over ``size`` ranks of sparse COO ``t`` (as gloo's sparse all-reduce), with
+    ``all_gather(out, inp)`` over them: each rank's entry count, then every rank's indices
+    and values (padded to the most any rank has), coalesced into one tensor."""
+    local = t.coalesce()
+    counts = torch.zeros(size, dtype=torch.int64)
+    all_gather(counts, torch.tensor([local._nnz()]))
+    most = int(counts.max())
+    parts = []
+    for mine, axis in ((local.indices(), 1), (local.values(), 0)):  # (dims, nnz), (nnz, ...)
+        padded = mine.new_zeros(mine.shape[:axis] + (most,) + mine.shape[axis + 1:])
+        padded.narrow(axis, 0, mine.shape[axis]).copy_(mine)
+        rows = padded.new_empty((size, *padded.shape))
+        all_gather(byte_view(rows), byte_view(padded))
+        parts.append(torch.cat([rows[r].narrow(axis, 0, int(c)) for r, c in
+                                enumerate(counts)], axis))
+    return torch.sparse_coo_tensor(parts[0], parts[1], t.shape, check_invariants=False).coalesce()
+
+
 def per_element(dtype: torch.dtype) -> int:
     """Elements of ``byte_view`` per tensor element."""
     return 1 if dtype in COMMLIB_DTYPES else dtype.itemsize

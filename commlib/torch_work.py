@@ -36,9 +36,11 @@ def dist_error(error: BaseException) -> BaseException:
     """``error`` as a DistBackendError if it is a commlib communication error."""
     if isinstance(error, dist.DistBackendError) or not isinstance(error, CommError):
         return error
-    cls = (DistMismatchError if isinstance(error, CollectiveMismatchError) else
-           DistTimeoutError if isinstance(error, CommTimeoutError) else DistCommError)
-    mapped = cls(str(error))
+    if isinstance(error, CommTimeoutError):  # worded as gloo's, which callers look for
+        mapped = DistTimeoutError(f"commlib backend: Timed out (CommTimeoutError): {error}")
+    else:
+        cls = DistMismatchError if isinstance(error, CollectiveMismatchError) else DistCommError
+        mapped = cls(str(error))
     mapped.__cause__ = error
     return mapped
 
@@ -76,6 +78,7 @@ class TorchWork(dist.Work):
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._pending = len(works)
+        self._works = works
         if not works:  # ran synchronously: finish right here, on the caller's thread
             self._complete()
         for work in works:  # a work that is already complete calls back at once
@@ -123,14 +126,22 @@ class TorchWork(dist.Work):
             return True
         seconds = _seconds(timeout) or self._timeout
         if not self._done.wait(seconds):
-            raise DistTimeoutError(f"commlib backend: {self._what} did not complete within "
-                                   f"{seconds} s (a peer may not have issued it)")
+            raise DistTimeoutError(f"commlib backend: Timed out waiting {seconds} s for "
+                                   f"{self._what} to complete (a peer may not have issued it)")
         if self._error is not None:
             raise self._error
         return True
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+    def _source_rank(self) -> int:
+        """A receive's source (torch's recv from any source asks, after wait())."""
+        sources = [w.source for w in self._works if w.source is not None]
+        if not sources:
+            raise ValueError(f"commlib backend: {self._what} has no source rank (only a "
+                             "completed receive has one)")
+        return sources[0]
 
     def is_completed(self) -> bool:
         return self._done.is_set() and (self._end is None or self._end.query())

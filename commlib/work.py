@@ -27,11 +27,13 @@ from .errors import CommError, CommTimeoutError
 
 
 class Work:
-    """Handle of an asynchronous operation; ``result`` holds its return value when done."""
+    """Handle of an asynchronous operation; ``result`` holds its return value when done, and
+    a receive's ``source`` the rank its message came from."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, source: int | None = None):
         self.what = what
         self.result = None
+        self.source = source
         self._exception: BaseException | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -164,10 +166,11 @@ def finished(what: str, result=None) -> Work:
     return work
 
 
-def in_thread(what: str, task) -> Work:
-    """Run ``task()`` on a thread of its own; the Work holds what it returns. For blocking
-    operations that must not wait behind one another (receives through a store)."""
-    work = Work(what)
+def in_thread(what: str, task, work: Work | None = None) -> Work:
+    """Run ``task()`` on a thread of its own; the Work (``work``, or a new one) holds what it
+    returns. For blocking operations that must not wait behind one another (receives
+    through a store)."""
+    work = work or Work(what)
 
     def run():
         try:
@@ -303,7 +306,8 @@ class RequestPoller(_Background):
     def track(self, request: MPI.Request, what: str, result, expect_bytes=None,
               deadline: Deadline | None = None, keep=None) -> Work:
         """A Work for ``request``; past ``deadline`` it fails with CommTimeoutError and the
-        request is abandoned with ``keep`` (its buffer)."""
+        request is abandoned with ``keep`` (its buffer). A receive (``expect_bytes``) notes
+        its message's source."""
         work = Work(what)
         work.result = result
         with self._cv:
@@ -349,6 +353,7 @@ class RequestPoller(_Background):
                     _, work, expect, _, _ = batch[i]
                     error = failure
                     if error is None and expect is not None:
+                        work.source = statuses[k].Get_source()
                         got = statuses[k].Get_count(MPI.BYTE)
                         if got != expect:
                             error = CommError(f"{work.what}: got {got} bytes, the tensor holds "

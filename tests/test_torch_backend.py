@@ -1,11 +1,17 @@
 """The torch.distributed backend "commlib", under mpiexec with 1-4 ranks: every collective,
 DDP and FSDP2 against gloo inside the same processes, the ways to start it; and the same
 under torchrun, where the ranks meet through torch's store instead of MPI."""
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from mpirun import run_checked, torchrun
+from mpirun import checkout_env, run_checked, torchrun
 
 pytest.importorskip("torch")
 
@@ -34,6 +40,44 @@ def test_torchrun_collectives_match_gloo(n):
 
 def test_torchrun_ddp_and_fsdp2():
     run_checked(2, "tests/mpi/torch_train.py", launch=torchrun)
+
+
+def test_store_ranks_leave_nothing_when_stopped(tmp_path):
+    """Ranks that meet through a store (as under torchrun), stopped by SIGTERM (as torchrun
+    and torch's test suite stop them) or SIGKILL mid-job, leave nothing in /dev/shm (MPICH's
+    node segment of each rank's one-process MPI world included)."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time, torch, torch.distributed as dist, commlib.torch_backend
+        rank, port = int(sys.argv[1]), int(sys.argv[2])
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+        dist.init_process_group("commlib", store=store, rank=rank, world_size=2)
+        t = torch.ones(1 << 16)
+        dist.all_reduce(t)
+        assert t[0] == 2
+        print("ready", flush=True)
+        time.sleep(120)
+    """))
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        before = set(os.listdir("/dev/shm"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(port)],
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, **checkout_env()}) for r in range(2)]
+        try:
+            for r in ranks:
+                assert r.stdout.readline().strip() == "ready"
+            for r in ranks:
+                r.send_signal(stop)
+            for r in ranks:
+                r.wait(30)
+        finally:
+            for r in ranks:
+                r.kill()
+        left = set(os.listdir("/dev/shm")) - before
+        assert not left, f"{stop.name} left {sorted(left)} in /dev/shm"
 
 
 @pytest.mark.parametrize("n", [2, 3])

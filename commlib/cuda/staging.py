@@ -320,7 +320,10 @@ class StagedWork(Work):
     def __init__(self, what: str, host_work: Work, done, array, result, staging):
         super().__init__(what)
         self._done_event, self._array, self._staging = done, array, staging
-        host_work.add_done_callback(lambda w: self._finish(result, w.exception()))
+        def finished(work):
+            self.source = work.source  # (a receive's)
+            self._finish(result, work.exception())
+        host_work.add_done_callback(finished)
 
     def wait(self, timeout: float | None = None) -> bool:
         self._raise_failure()

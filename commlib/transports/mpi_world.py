@@ -79,22 +79,26 @@ class MpiWorld:
             raise CommError(f"send to rank {dst} failed inside MPI: {e}") from e
         return None
 
-    def recv(self, buf, src: int, tag: int, deadline: Deadline, async_op: bool, keep):
+    def recv(self, buf, src: int | None, tag: int, deadline: Deadline, async_op: bool, keep):
+        """Receive from ``src`` (None: any rank)."""
+        peer = "any rank" if src is None else f"rank {src}"
+        source = MPI.ANY_SOURCE if src is None else src
         try:
             if async_op:
-                return self._poller.track(self._p2p.Irecv(buf.bytes, src, tag),
-                                          f"recv from rank {src}", keep,
+                return self._poller.track(self._p2p.Irecv(buf.bytes, source, tag),
+                                          f"recv from {peer}", keep,
                                           expect_bytes=buf.nbytes, deadline=deadline,
                                           keep=keep)
             status = MPI.Status()
-            wait_request(self._p2p.Irecv(buf.bytes, src, tag), deadline,
-                         f"rank {src} to send (recv, tag {tag})", status, keep=keep)
+            wait_request(self._p2p.Irecv(buf.bytes, source, tag), deadline,
+                         f"{peer} to send (recv, tag {tag})", status, keep=keep)
         except MPI.Exception as e:
-            raise CommError(f"recv from rank {src} failed inside MPI (a message larger than "
+            raise CommError(f"recv from {peer} failed inside MPI (a message larger than "
                             f"the {buf.nbytes}-byte tensor?): {e}") from e
         got = status.Get_count(MPI.BYTE)
         if got != buf.nbytes:
-            raise CommError(f"recv from rank {src}: got {got} bytes, tensor holds {buf.nbytes}")
+            raise CommError(f"recv from rank {status.Get_source()}: got {got} bytes, tensor "
+                            f"holds {buf.nbytes}")
         return keep
 
     def close(self) -> None:

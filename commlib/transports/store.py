@@ -17,7 +17,7 @@ from datetime import timedelta
 import numpy as np
 
 from ..errors import CommError
-from ..work import finished, in_thread
+from ..work import Work, finished, in_thread
 from .base import affinity
 from .shm import ShmTransport
 
@@ -95,18 +95,42 @@ class StoreWorld:
         self.store.set(self._key(self.rank, dst, tag, "sent"), buf.bytes.tobytes())
         return finished(f"send to rank {dst}") if async_op else None
 
-    def recv(self, buf, src: int, tag: int, deadline, async_op: bool, keep):
-        key = self._key(src, self.rank, tag, "posted")  # claimed now: receives match in order
+    def recv(self, buf, src: int | None, tag: int, deadline, async_op: bool, keep):
+        """Receive from ``src`` (None: any rank: the first message of ``tag`` to arrive from
+        any, claimed then)."""
+        work = Work(f"recv from {'any rank' if src is None else f'rank {src}'}", src)
+        # a source's message is claimed now: receives from it match in order
+        key = None if src is None else self._key(src, self.rank, tag, "posted")
 
         def task():
-            data = wait_get(self.store, key, f"recv from rank {src} (tag {tag})")
-            self.store.delete_key(key)
+            claimed, work.source = (key, src) if key else self._claim_any(tag)
+            data = wait_get(self.store, claimed, f"recv from rank {work.source} (tag {tag})")
+            self.store.delete_key(claimed)
             if len(data) != buf.nbytes:
-                raise CommError(f"recv from rank {src}: got {len(data)} bytes, tensor holds "
-                                f"{buf.nbytes}")
+                raise CommError(f"recv from rank {work.source}: got {len(data)} bytes, "
+                                f"tensor holds {buf.nbytes}")
             buf.bytes[:] = np.frombuffer(data, np.uint8)
             return keep
-        return in_thread(f"recv from rank {src}", task) if async_op else task()
+        return in_thread(work.what, task, work) if async_op else task()
+
+    def _claim_any(self, tag: int) -> tuple[str, int]:
+        """The key of the first message of ``tag`` that arrives from any peer, claimed, and
+        that peer."""
+        timeout = getattr(self.store, "timeout", timedelta(minutes=5)).total_seconds()
+        deadline, nap = time.monotonic() + timeout, 50e-6
+        while time.monotonic() < deadline:
+            with self._lock:
+                posted = self._numbered["posted"]
+                for src in range(self.size):
+                    key = (f"{self.prefix}/p2p/{src}->{self.rank}/{tag}/"
+                           f"{posted[(src, self.rank, tag)]}")
+                    if src != self.rank and self.store.check([key]):
+                        posted[(src, self.rank, tag)] += 1
+                        return key, src
+            time.sleep(nap)
+            nap = min(2 * nap, 5e-3)
+        raise CommError(f"recv from any rank (tag {tag}): nothing arrived within the store's "
+                        f"timeout ({timeout:.0f} s)")
 
     def close(self) -> None:
         pass

@@ -94,6 +94,17 @@ def point_to_point_async():
     commlib.wait_all(ws, timeout=WAIT)
     assert ws[1].result is got
     assert_equal(got, np.full(1 << 20, float(prev)))
+    # from any source: the Work says which rank sent
+    if rank != 0:
+        comm.send(np.full(4, float(rank)), 0, tag=3)
+    else:
+        sources = set()
+        for _ in range(n - 1):
+            w = comm.recv(buf := np.zeros(4), None, tag=3, async_op=True)
+            w.wait(WAIT)
+            assert_equal(buf, np.full(4, float(w.source)))
+            sources.add(w.source)
+        assert sources == set(range(1, n)), sources
     # a message shorter than the tensor is reported by wait()
     if rank == 0:
         comm.send(np.zeros(2), 1, tag=2, async_op=True).wait(WAIT)

@@ -64,6 +64,16 @@ def point_to_point_through_the_store():
         comm.send(np.array([k], np.int32), nxt, tag=7)
     got = [comm.recv(np.zeros(1, np.int32), prev, tag=7)[0] for _ in range(3)]
     assert got == [0, 1, 2], got
+    if rank != 0:  # from any source: the Work says which rank sent
+        comm.send(np.full(2, float(rank)), 0, tag=8)
+    else:
+        sources = set()
+        for _ in range(n - 1):
+            w = comm.recv(buf := np.zeros(2), None, tag=8, async_op=True)
+            w.wait(30)
+            assert (buf == w.source).all() and w.source not in sources, (buf, w.source)
+            sources.add(w.source)
+        assert sources == set(range(1, n)), sources
     comm.send(np.zeros(4), nxt, tag=9)
     raises(commlib.CommError, "got 32 bytes, tensor holds 16",
            lambda: comm.recv(np.zeros(2), prev, tag=9))
