@@ -2,20 +2,28 @@
 
     python tests/conformance/run.py [--world-sizes 2 3 4] [-k EXPR] [--limit SECONDS]
 
-For each world size it runs the suite three times, each in a pytest process of its own:
-``gloo``; ``commlib`` (as a plugin backend: the tests open to plugins, DDP and
-subgroups); ``commlib*`` (the suite's gates on the backend's name lifted: every test as for
-gloo, on commlib groups). Each test is bounded by ``--limit`` seconds (the suite's own
-timeout: its ranks are killed and the test fails). Prints pass/fail/skip counts per column
-and the tests that pass on gloo but on neither commlib column, apart from KNOWN (tests
-torch's own library code restricts to gloo), and writes every outcome as JSON (--out).
-Exits 1 if that list is not empty.
+For each world size, each column in a pytest process of its own, ranks meeting through a
+file store:
+- ``gloo``: the suite on gloo, the reference;
+- ``commlib*``: the suite's gates on the backend's name lifted, every test as for gloo
+  (gloo's branches inside tests too), on commlib groups;
+- ``commlib``: commlib as a plugin backend (the tests open to plugins, DDP and subgroups),
+  run on the tests gloo passes and commlib* does not (a test may check the backend's name);
+- ``commlib*/mpi``: the collective tests gloo passes (names matching COLLECTIVE) on ranks
+  that mpiexec starts (tests/conformance/mpi_rank.py), whose groups come from MPI.
+Each test is bounded by ``--limit`` seconds (its ranks are killed and the test fails).
+Prints pass/fail/skip counts per column; the tests that pass on gloo and on no commlib
+column, apart from KNOWN (what torch's own library code restricts to gloo); and those
+that fail under mpiexec. Writes every outcome as JSON (--out). Exits 1 if either list is
+not empty.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,8 +31,11 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 SUITE = Path(__file__).with_name("torch_suite.py")
-COLUMNS = {"gloo": {"BACKEND": "gloo"}, "commlib": {"BACKEND": "commlib"},
-           "commlib*": {"BACKEND": "gloo", "COMMLIB_AS_GLOO": "1"}}
+MPI_RANK = Path(__file__).with_name("mpi_rank.py")
+MPI_COLUMN = "commlib*/mpi"
+COLLECTIVE = re.compile(r"reduce|broadcast|gather|scatter|all_to_all|barrier|send|recv")
+COLUMNS = {"gloo": {"BACKEND": "gloo"}, "commlib*": {"BACKEND": "gloo", "COMMLIB_AS_GLOO": "1"},
+           "commlib": {"BACKEND": "commlib"}}
 # Tests that cannot pass on a backend other than gloo because torch's own library code (not
 # the test) refuses it, with why.
 KNOWN = {test: "torch's dist.monitored_barrier (distributed_c10d.py) raises ValueError for "
@@ -55,11 +66,40 @@ def run_column(column: str, world_size: int, select: str | None, limit: int) -> 
         return outcomes
 
 
-def compare(results: dict) -> list[str]:
-    """Tests that pass on gloo and on neither commlib column (KNOWN aside)."""
-    gloo, plugin, lifted = (results[c] for c in COLUMNS)
-    return sorted(t for t, o in gloo.items() if o == "pass" and t not in KNOWN
-                  and plugin.get(t) != "pass" and lifted.get(t) != "pass")
+def run_under_mpiexec(world_size: int, tests: list, limit: int) -> dict:
+    """{test: outcome} for ``tests`` on ranks that mpiexec starts (gates lifted)."""
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+    skips = {s.exit_code for s in TEST_SKIPS.values()}
+    mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
+    outcomes = {}
+    for test in tests:
+        with tempfile.TemporaryDirectory(prefix="commlib-conformance-") as tmp:
+            for part in ("barrier", "test_dir", "init_dir"):
+                os.mkdir(os.path.join(tmp, part))
+            env = {**os.environ, **COLUMNS["commlib*"], "WORLD_SIZE": str(world_size),
+                   "TEMP_DIR": tmp, "INIT_METHOD": f"file://{tmp}/init_dir/shared_init_file"}
+            job = subprocess.Popen([str(mpiexec), "-n", str(world_size), sys.executable,
+                                    str(MPI_RANK), test], env=env, cwd=SUITE.parent,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+            try:
+                code = job.wait(limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+                code = None
+        outcomes[test] = "pass" if code == 0 else "skip" if code in skips else "fail"
+    return outcomes
+
+
+def passes(results: dict) -> set:
+    """The tests that pass on some commlib column run on store ranks."""
+    return {t for c in ("commlib*", "commlib") for t, o in results[c].items() if o == "pass"}
+
+
+def counts(outcomes: dict) -> str:
+    return ", ".join(f"{sum(o == kind for o in outcomes.values())} {word}" for kind, word in
+                     (("pass", "passed"), ("fail", "failed"), ("skip", "skipped")))
 
 
 def main() -> int:
@@ -71,16 +111,23 @@ def main() -> int:
     args = p.parse_args()
     everything, missing = {}, {}
     for n in args.world_sizes:
-        results = {c: run_column(c, n, args.select, args.limit) for c in COLUMNS}
+        results = {c: run_column(c, n, args.select, args.limit) for c in ("gloo", "commlib*")}
+        gloo = {t for t, o in results["gloo"].items() if o == "pass"}
+        retry = sorted(gloo - passes({**results, "commlib": {}}))
+        results["commlib"] = (run_column("commlib", n, " or ".join(retry), args.limit)
+                              if retry else {})
+        ours = passes(results)
+        collectives = sorted(t for t in gloo if COLLECTIVE.search(t) and t not in KNOWN)
+        results[MPI_COLUMN] = run_under_mpiexec(n, collectives, args.limit)
         everything[n] = results
-        missing[n] = compare(results)
-        print(f"world size {n}: " + "; ".join(
-            f"{c} {sum(o == 'pass' for o in r.values())} passed, "
-            f"{sum(o == 'fail' for o in r.values())} failed, "
-            f"{sum(o == 'skip' for o in r.values())} skipped" for c, r in results.items()),
-            flush=True)
-        better = sorted(t for t, o in results["gloo"].items() if o != "pass" and "pass" in
-                        (results["commlib"].get(t), results["commlib*"].get(t)))
+        missing[n] = sorted(gloo - ours - set(KNOWN)) + [
+            f"{t} (under mpiexec)" for t, o in results[MPI_COLUMN].items() if o == "fail"]
+        print(f"world size {n}: gloo {counts(results['gloo'])}; commlib* "
+              f"{counts(results['commlib*'])}; commlib as a plugin, on the {len(retry)} "
+              f"others gloo passes: {counts(results['commlib'])}; commlib {len(ours)} passed "
+              f"in all; under mpiexec, on {len(collectives)} collective tests: "
+              f"{counts(results[MPI_COLUMN])}", flush=True)
+        better = sorted(ours - gloo)
         if better:
             print(f"  passes on commlib, not on gloo: {', '.join(better)}")
         if missing[n]:

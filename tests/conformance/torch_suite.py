@@ -38,10 +38,15 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest, TestDistBackend)
 
 
-# Ranks start from a fork server that has imported torch (and nothing that touches MPI),
-# each then importing this module: as spawned ranks are, without importing torch each time.
+# Ranks start from a fork server that has imported torch and torch's test modules (nothing
+# that touches MPI), each then importing this module: as spawned ranks are, without
+# importing all that each time (4x faster). The suite itself only where this module changes
+# nothing it reads at import (BACKEND=gloo; DistTestCases' feature sets are changed above).
 _SERVER = torch.multiprocessing.get_context("forkserver")
-_SERVER.set_forkserver_preload(["torch"])
+_SERVER.set_forkserver_preload(
+    ["torch", "torch.testing._internal.common_distributed",
+     *(["torch.testing._internal.distributed.distributed_test"]
+       if os.environ["BACKEND"] == "gloo" else [])])
 
 
 def _in_environment(environment: dict, target, args, **kwargs):
