@@ -18,8 +18,9 @@ from .dispatch import Dispatcher  # noqa: E402
 from .host_memory import as_array  # noqa: E402
 from .transports.mpi_world import MpiWorld  # noqa: E402
 
-if MPI.COMM_WORLD.Get_size() == 1:  # alone in its MPI world (torchrun's ranks, a store's):
-    abort.unlink_mpich_segments()   # MPICH's node segment is this process's alone
+# alone in its MPI world (torchrun's ranks, a store's): MPICH's node segment is its alone
+if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() == 1:
+    abort.unlink_mpich_segments()
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL, BROADCAST, REDUCE = (
     CODES[c] for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
