@@ -111,6 +111,8 @@ def _create(opts, backend_options=None) -> "ProcessGroupCommlib":
         mpi = world.Create_group(group, _tag(str(opts.group_id)))
         group.Free()
     comm = Communicator(mpi)  # private duplicates: torch traffic never meets the user's
+    if mpi is world:  # (collective: every rank of the job is past MPI_Init and has mapped it)
+        abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
     abort.install()  # an uncaught exception on any rank ends the job (commlib/abort.py)
     if (comm.rank, comm.size) != (opts.group_rank, opts.group_size):
         raise RuntimeError(f"commlib backend: torch's group rank {opts.group_rank} of "
