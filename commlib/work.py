@@ -129,24 +129,6 @@ def wait_request(request: MPI.Request, deadline: Deadline, waiting_for: str,
         os.sched_yield()  # lets the GIL go (time.sleep(0) would nap for ~0.4 ms)
 
 
-def wait_all_requests(requests: list, peers: list, deadline: Deadline, what: str,
-                      keep=None) -> None:
-    """Wait for all ``requests`` (``peers[i]`` names the peer of each) until ``deadline``;
-    on expiry abandon those still pending and name their peers."""
-    for i, (request, peer) in enumerate(zip(requests, peers)):
-        try:
-            wait_request(request, deadline, f"{peer} {what}", keep=keep)
-        except CommTimeoutError:
-            rest = list(zip(requests[i + 1:], peers[i + 1:]))
-            late = [peer] + [p for r, p in rest if not r.Test()]
-            for r, _ in rest:
-                if r:  # still active
-                    _abandon(r, keep)
-            late = sorted(set(late), key=late.index)
-            raise CommTimeoutError(f"timed out after {deadline.seconds:g} s waiting for "
-                                   f"{', '.join(late)} {what}") from None
-
-
 def _abandon(request: MPI.Request, keep, cancel: bool = True) -> None:
     """Leave ``request`` to MPI with ``keep`` (its buffers) alive; a receive nobody matched
     is cancelled first (not a send: cancelling one, deprecated since MPI 4.1, crashed

@@ -117,15 +117,13 @@ class Agreement:
         # the payload; receives take a whole row, so no message is ever truncated
         self.header = 8 + 2 * size
         self.inbox = np.zeros((size, self.header + self.payload_bytes(size) // 8), np.int64)
-        self.mine = self.inbox[me]
-        self.me, self.comm = me, mpi_comm
         self.peer_ranks = [p for p in range(size) if p != me]
         self.receives = [mpi_comm.Recv_init(self.inbox[p], p, AGREEMENT_TAG)
                          for p in self.peer_ranks]
         self.native = _C.MpiExchange(
             _mpi_entry_points(), MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status), self.inbox,
             self.header, me, self.peer_ranks, [MPI._handleof(r) for r in self.receives],
-            partial(_persistent_sends, mpi_comm, self.mine, self.peer_ranks))
+            partial(_persistent_sends, mpi_comm, self.inbox[me], self.peer_ranks))
 
     def check(self, desc: list, itemsize: int, splits=None) -> None:
         self.native.check(desc, itemsize, [*splits[0], *splits[1]] if splits else [])
