@@ -1,6 +1,7 @@
 """The torch.distributed backend "commlib", under mpiexec with 1-4 ranks: every collective,
 DDP and FSDP2 against gloo inside the same processes, the ways to start it; and the same
 under torchrun, where the ranks meet through torch's store instead of MPI."""
+import functools
 import os
 import re
 import signal
@@ -11,7 +12,7 @@ import textwrap
 
 import pytest
 
-from mpirun import checkout_env, run_checked, torchrun
+from mpirun import checkout_env, mpiexec, run_checked, torchrun
 
 pytest.importorskip("torch")
 
@@ -42,42 +43,71 @@ def test_torchrun_ddp_and_fsdp2():
     run_checked(2, "tests/mpi/torch_train.py", launch=torchrun)
 
 
-def test_store_ranks_leave_nothing_when_stopped(tmp_path):
+def _stopped_job_leaves_nothing(procs, stop, each_prints=1):
+    """``procs`` run a job whose ranks print "ready" after a collective, then sleep (each
+    process prints ``each_prints`` of them); ``stop(process)`` ends each. /dev/shm must then
+    hold nothing that was not there before they started."""
+    before = set(os.listdir("/dev/shm"))
+    started = [p() for p in procs]
+    try:
+        for p in started:
+            ready = [p.stdout.readline().strip() for _ in range(each_prints)]
+            assert ready == ["ready"] * each_prints, ready
+        for p in started:
+            stop(p)
+        for p in started:
+            p.wait(30)
+    finally:
+        for p in started:
+            p.kill()
+    left = set(os.listdir("/dev/shm")) - before
+    assert not left, f"stopping the job left {sorted(left)} in /dev/shm"
+
+
+_SLEEPING_RANK = """
+    import sys, time, torch, torch.distributed as dist, commlib.torch_backend
+    if len(sys.argv) > 1:  # the ranks meet through a store
+        rank, port = int(sys.argv[1]), int(sys.argv[2])
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+        dist.init_process_group("commlib", store=store, rank=rank, world_size=2)
+    else:  # started by mpiexec
+        commlib.torch_backend.init_process_group()
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)
+    assert t[0] == 2
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_store_ranks_leave_nothing_when_stopped(tmp_path, stop):
     """Ranks that meet through a store (as under torchrun), stopped by SIGTERM (as torchrun
     and torch's test suite stop them) or SIGKILL mid-job, leave nothing in /dev/shm (MPICH's
     node segment of each rank's one-process MPI world included)."""
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent("""
-        import sys, time, torch, torch.distributed as dist, commlib.torch_backend
-        rank, port = int(sys.argv[1]), int(sys.argv[2])
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-        dist.init_process_group("commlib", store=store, rank=rank, world_size=2)
-        t = torch.ones(1 << 16)
-        dist.all_reduce(t)
-        assert t[0] == 2
-        print("ready", flush=True)
-        time.sleep(120)
-    """))
-    for stop in (signal.SIGTERM, signal.SIGKILL):
-        before = set(os.listdir("/dev/shm"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(port)],
-                                  stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, **checkout_env()}) for r in range(2)]
-        try:
-            for r in ranks:
-                assert r.stdout.readline().strip() == "ready"
-            for r in ranks:
-                r.send_signal(stop)
-            for r in ranks:
-                r.wait(30)
-        finally:
-            for r in ranks:
-                r.kill()
-        left = set(os.listdir("/dev/shm")) - before
-        assert not left, f"{stop.name} left {sorted(left)} in /dev/shm"
+    script.write_text(textwrap.dedent(_SLEEPING_RANK))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _stopped_job_leaves_nothing(
+        [functools.partial(subprocess.Popen, [sys.executable, str(script), str(r), str(port)],
+                           stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, **checkout_env()}) for r in range(2)],
+        lambda p: p.send_signal(stop))
+
+
+def test_mpi_launched_job_leaves_nothing_when_killed(tmp_path):
+    """A job mpiexec started, SIGKILLed whole mid-job (as a scheduler ends it), leaves
+    nothing in /dev/shm: not MPICH's node segment, which no rank can unlink after SIGKILL,
+    since the backend unlinks it once every rank has mapped it."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(_SLEEPING_RANK))
+    _stopped_job_leaves_nothing(
+        [functools.partial(subprocess.Popen, [mpiexec(), "-n", "2", sys.executable, str(script)],
+                           stdout=subprocess.PIPE, text=True, start_new_session=True,
+                           env={**os.environ, **checkout_env()})],
+        lambda p: os.killpg(p.pid, signal.SIGKILL), each_prints=2)
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -370,19 +370,22 @@ def point_to_point():
     versus_gloo("send_recv_isend_irecv_batch", ring)
 
     def from_any_source(g, a):  # every other rank sends rank 0 its number, in any order
+        # A tag per round: a fast sender's next-round message must not match this round's
+        # any-source receive (rank 0 would then wait on a sender blocked in gloo's send).
+        tag = 8 + a
         if rank == 0:
             got = {}
             for _ in range(n - 1):
                 t = torch.zeros(2, dtype=torch.int64)
                 if a:
-                    w = dist.irecv(t, group=g, tag=8)
+                    w = dist.irecv(t, group=g, tag=tag)
                     w.wait()
                     src = w._source_rank()
                 else:
-                    src = dist.recv(t, group=g, tag=8)
+                    src = dist.recv(t, group=g, tag=tag)
                 got[src] = t.tolist()
             return torch.tensor([[src, *values] for src, values in sorted(got.items())])
-        dist.send(torch.tensor([rank, 10 * rank]), 0, group=g, tag=8)
+        dist.send(torch.tensor([rank, 10 * rank]), 0, group=g, tag=tag)
         return torch.zeros(0)
 
     versus_gloo("recv_from_any_source", from_any_source)
