@@ -1,8 +1,12 @@
 """ZeRO: data parallelism whose optimizer state (stage 1), gradients (2) and parameters (3)
 are sharded over the data-parallel group instead of replicated.
 
-Vocabulary: the model is cut into *units* (by default each child module, with the items of
-a ModuleList or Sequential as units of their own): a unit is what stage 3 gathers at once.
+Vocabulary: the model is cut into *units*, what stage 3 gathers at once: by default the
+items of each ModuleList or Sequential (the blocks) and the other children with parameters
+(``default_units``). Each parameter belongs to one unit. Those of no unit, and those that
+several units hold (tied weights), form the *root* unit, the model itself, which stage 3
+keeps gathered for the model's whole forward (and again its whole backward): a tied
+lm_head reads the embedding's weight long after the embedding ran.
 A unit's parameters, flattened in order and padded to a multiple of the group size, form
 its *flat* vector; rank r owns the r-th of its ``group.size`` equal *shards*. (A unit may be
 sharded over a group of its own: expert-parallel experts, replicated over dp only.) This rank's
@@ -32,20 +36,81 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 import commlib
 
 
 def default_units(model: nn.Module) -> list:
-    """Each child of ``model`` with parameters, ModuleList/Sequential items each on their own;
-    parameters registered on ``model`` itself form a unit of ``model`` (non-recursive)."""
+    """The modules that are units of their own: the items of every ModuleList or Sequential
+    (a model's blocks, wherever they are nested), and every other child with parameters
+    beside them on the way down. The rest of ``model``'s parameters (registered on the
+    modules along that way, and any shared between units, such as an lm_head tied to the
+    embedding) form the *root* unit, ``model`` itself (see ``ZeRO``)."""
+    def holds_list(m: nn.Module) -> bool:
+        return any(isinstance(d, (nn.ModuleList, nn.Sequential)) and _has_parameters(d)
+                   for d in m.modules())
+
     units = []
     for child in model.children():
-        items = list(child) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
-        units += [m for m in items if any(True for _ in m.parameters())]
-    if any(True for _ in model.parameters(recurse=False)):
-        units.append(model)
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            units += [m for m in child if _has_parameters(m)]
+        elif holds_list(child):
+            units += default_units(child)
+        elif _has_parameters(child):
+            units.append(child)
     return units
+
+
+def _has_parameters(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _tensors(value) -> list:
+    """The tensors in a module's output: nested tuples, lists and dicts (transformers'
+    ModelOutput is one) included."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class _UsesOutsideForward(TorchFunctionMode):
+    """Stage 3's first forward runs under this mode: a parameter that an op reads while its
+    unit is freed is used outside its unit's forward (a model reading a block's weight
+    itself); that unit is gathered on the spot and held from then on, like the root."""
+
+    def __init__(self, zero: "ZeRO"):
+        super().__init__()
+        self.zero = zero
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):
+            unit = self.zero._unit_of.get(t) if isinstance(t, nn.Parameter) else None
+            if unit is not None and not unit.gathered:
+                unit.held = True
+                self.zero._gather(unit)
+        return func(*args, **(kwargs or {}))
+
+
+def _assign(model: nn.Module, modules: list) -> list:
+    """[(unit module, its parameters)]: each parameter to the one unit module that holds it;
+    those no module or several hold go to the root unit, ``model``, first in the list
+    (omitted when it gets none). ``modules`` may name ``model`` itself (its own parameters
+    then join the root)."""
+    holders: dict = {}
+    for m in modules:
+        if m is not model:
+            for p in m.parameters():
+                holders.setdefault(p, []).append(m)
+    root = [p for p in model.parameters() if len(holders.get(p, ())) != 1]
+    owned = [(m, [p for p in m.parameters() if holders[p] == [m]])
+             for m in modules if m is not model]
+    return [(m, params) for m, params in [(model, root)] + owned if params]
 
 
 class _Unit:
@@ -65,6 +130,7 @@ class _Unit:
         self.gather_work = None  # (work, flat) of an all-gather in flight
         self.grad_work = None    # (work, shard) of a reduce-scatter in flight
         self.ready: set = set()
+        self.held = False  # stage 3: gathered for the model's whole forward, and backward
 
     def flatten(self, tensors) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -105,9 +171,7 @@ class ZeRO(nn.Module):
         self.module, self.group, self.stage = module, group, stage
         unit_groups = unit_groups or {}
         self.units, offset = [], 0
-        for m in units if units is not None else default_units(module):
-            # the model itself as a unit holds only the parameters registered on it
-            params = list(m.parameters(recurse=m is not module))
+        for m, params in _assign(module, units if units is not None else default_units(module)):
             self.units.append(_Unit(m, params, unit_groups.get(m, group), offset))
             offset += self.units[-1].shard_numel
         unknown = set(unit_groups) - {u.module for u in self.units}
@@ -118,12 +182,6 @@ class ZeRO(nn.Module):
             group_of = {p: u.group for u in self.units for p in u.params}
             for t in list(module.parameters()) + list(module.buffers()):
                 group_of.get(t, group).broadcast(t.data, root=0)
-        covered = {p for u in self.units for p in u.params}
-        missing = [name for name, p in module.named_parameters()
-                   if p.requires_grad and p not in covered]
-        if missing:
-            raise ValueError(f"ZeRO: parameters {missing[:3]} belong to no unit; pass units "
-                             "that cover every trainable parameter")
         dtypes = {u.dtype for u in self.units}
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO: the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
@@ -145,6 +203,7 @@ class ZeRO(nn.Module):
         self.optimizer = optimizer([self.master])
         self._unit_of = {p: u for u in self.units for p in u.params}
         self._pending = False
+        self._discovered = False  # stage 3's first forward looked for parameters used outside
         self._next_launch = 0  # units' reduce-scatters are launched in reverse unit order
         # evidence of overlap: gathers already in flight when needed, reduce-scatters
         # launched while backward was still running
@@ -153,11 +212,18 @@ class ZeRO(nn.Module):
             for p in self._unit_of:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         if stage == 3:
+            self._discovering = None  # during the first forward: _UsesOutsideForward
+            module.register_forward_pre_hook(lambda m, args: self._before_model_forward())
+            module.register_forward_hook(lambda m, args, out: self._after_model_forward(out),
+                                         always_call=True)
             for i, u in enumerate(self.units):
                 self._free(u)
-                u.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
-                u.module.register_forward_hook(
-                    lambda m, args, out, i=i: self._after_forward(i, out))
+                u.held = u.module is module  # the root unit
+                if not u.held:
+                    u.module.register_forward_pre_hook(
+                        lambda m, args, i=i: self._before_forward(i))
+                    u.module.register_forward_hook(
+                        lambda m, args, out, i=i: self._after_forward(i, out))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -180,14 +246,40 @@ class ZeRO(nn.Module):
         work, flat = u.gather_work
         work.wait()
         u.gather_work = None
+        u.gathered = True  # first: _UsesOutsideForward sees the assignments below
         for p, view in zip(u.params, u.views(flat)):
             p.data = view
-        u.gathered = True
 
     def _free(self, u: _Unit) -> None:
         for p in u.params:
             p.data = torch.empty(0, dtype=u.dtype, device=u.device)
         u.gathered = False
+
+    def _hold(self) -> None:
+        """Gather the held units: the root, and those used outside their own forward."""
+        held = [u for u in self.units if u.held]
+        for u in held:
+            self._start_gather(u)
+        for u in held:
+            self._gather(u)
+
+    def _before_model_forward(self) -> None:
+        self._hold()
+        if not self._discovered:
+            self._discovered = True
+            self._discovering = _UsesOutsideForward(self)
+            self._discovering.__enter__()
+
+    def _after_model_forward(self, out) -> None:
+        if self._discovering is not None:
+            self._discovering.__exit__(None, None, None)
+            self._discovering = None
+        for u in self.units:
+            if u.held:
+                self._free(u)
+        for t in _tensors(out):  # the model's backward starts: hold them again
+            if t.requires_grad:
+                t.register_hook(lambda grad: self._hold())
 
     def _before_forward(self, i: int) -> None:
         self._gather(self.units[i])
@@ -195,11 +287,11 @@ class ZeRO(nn.Module):
             self._start_gather(self.units[i + 1])  # prefetch: overlaps this unit's compute
 
     def _after_forward(self, i: int, out) -> None:
-        self._free(self.units[i])
+        if not self.units[i].held:
+            self._free(self.units[i])
         # Gradients reaching the unit's outputs mean its backward is next: gather it again.
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        for t in outputs:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in _tensors(out):
+            if t.requires_grad:
                 t.register_hook(lambda grad, i=i: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:

@@ -1,5 +1,6 @@
 """commlib_strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
 parallel layout training like the single-process reference."""
+import importlib.util
 import json
 import math
 import re
@@ -22,6 +23,15 @@ def test_mesh_and_mappings(n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_dp_and_zero_train_like_one_process(n):
     run_checked(n, "tests/mpi/strategies_train.py")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_dp_and_zero_train_models_nobody_here_wrote(n):
+    """transformers' GPT-2 (tied lm_head), Llama and Mixtral, and a model with shared
+    blocks, a buffer and parameters read outside their modules' forward."""
+    out = run_checked(n, "tests/mpi/strategies_families.py")
+    families = 4 if importlib.util.find_spec("transformers") else 1  # (the models extra)
+    assert f"commlib-check: {4 * families} cases" in out, out[-2000:]
 
 
 def _train(n, tmp_path, *args):

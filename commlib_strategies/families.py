@@ -1,0 +1,61 @@
+"""Model families nobody here wrote: transformers' GPT-2, Llama and Mixtral, built from small
+configs with random weights (nothing downloaded), as causal language models over the
+embedded dataset's vocabulary. ``transformers`` is an optional extra (``pip install
+commlib[models]``).
+
+Every family is called the same way as the project's GPT: ``model(ids)`` -> logits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FAMILIES = ("gpt2", "llama", "mixtral")
+
+
+def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int):
+    import transformers as tf
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=heads,
+                  hidden_size=d_model, max_position_embeddings=seq_len,
+                  attn_implementation="eager")
+    if family == "gpt2":  # GPT-2's own names; no dropout, so every layout computes the same
+        return tf.GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=d_model,
+                             n_layer=layers, n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+                             attn_implementation="eager")
+    if family == "llama":  # grouped-query attention (2 heads share a key/value head)
+        return tf.LlamaConfig(**common, intermediate_size=2 * d_model,
+                              num_key_value_heads=heads // 2)
+    if family == "mixtral":  # top-2 of 4 experts, no capacity limit
+        return tf.MixtralConfig(**common, intermediate_size=2 * d_model,
+                                num_key_value_heads=heads // 2, num_local_experts=4,
+                                num_experts_per_tok=2, router_jitter_noise=0.0)
+    raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM called as ``model(ids) -> logits``; ``hf`` is the model
+    itself (its state_dict's names are the family's own, under ``hf.``)."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=ids, use_cache=False).logits
+
+
+def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 32,
+          layers: int = 2, heads: int = 4) -> CausalLM:
+    """A ``family`` model whose random weights depend only on ``seed`` (the global RNG is
+    left as it was)."""
+    try:
+        import transformers as tf
+    except ImportError as e:
+        raise ImportError(f"model family {family!r} needs transformers: "
+                          "pip install 'commlib[models]'") from e
+    config = _config(family, vocab, seq_len, d_model, layers, heads)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf = tf.AutoModelForCausalLM.from_config(config)
+    return CausalLM(hf.float().eval().train())
