@@ -7,8 +7,12 @@ Every family is called the same way as the project's GPT: ``model(ids)`` -> logi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from commlib_strategies.model import cross_entropy
 
 FAMILIES = ("gpt2", "llama", "mixtral")
 
@@ -33,16 +37,34 @@ def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, he
     raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
-class CausalLM(nn.Module):
-    """A transformers causal LM called as ``model(ids) -> logits``; ``hf`` is the model
-    itself (its state_dict's names are the family's own, under ``hf.``)."""
+@dataclass(frozen=True)
+class FamilyConfig:
+    """What builds a family's model (with the seed): a checkpoint records it."""
+    family: str
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
 
-    def __init__(self, hf: nn.Module):
+
+class CausalLM(nn.Module):
+    """A transformers causal LM called as ``model(ids) -> logits``, with ``loss`` as the
+    project's GPT has; ``hf`` is the model itself (its state_dict's names are the family's
+    own, under ``hf.``)."""
+
+    def __init__(self, hf: nn.Module, config: FamilyConfig):
         super().__init__()
-        self.hf = hf
+        self.hf, self.config = hf, config
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=ids, use_cache=False).logits
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(self(ids), targets)
+
+    def count_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 32,
@@ -58,4 +80,5 @@ def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = tf.AutoModelForCausalLM.from_config(config)
-    return CausalLM(hf.float().eval().train())
+    return CausalLM(hf.float().train(), FamilyConfig(family, vocab, seq_len, d_model, layers,
+                                                     heads))

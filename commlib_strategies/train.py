@@ -11,6 +11,10 @@
     mpiexec -n 4 python -m commlib_strategies.train --cp 2 --ep 2 --experts 4 --sp ring
     mpiexec -n 4 python -m commlib_strategies.train --pp 2 --tp 2 --experts 4 --sp megatron
     mpiexec -n 4 python -m commlib_strategies.train --cp 2 --tp 2 --experts 4 --sp ulysses
+    mpiexec -n 2 python -m commlib_strategies.train --model llama --zero 3
+
+--model gpt2, llama or mixtral trains transformers' model of that family, from a small
+config, with data parallelism and ZeRO (the other dimensions need --model gpt for now).
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -39,6 +43,7 @@ from commlib_strategies import accounting
 from commlib_strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.families import FAMILIES, build
 from commlib_strategies.layout import SEQUENCE_KINDS, Layout, check
 from commlib_strategies.mesh import DIMS, Mesh
 from commlib_strategies.model import GPT, GPTConfig
@@ -80,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     layout.add_argument("--virtual", type=int, default=None,
                         help="model chunks per stage (default 1; 2 for interleaved-1f1b)")
     model = p.add_argument_group("model")
+    model.add_argument("--model", choices=("gpt",) + FAMILIES, default="gpt",
+                       help="the project's GPT (default), or transformers' GPT-2, Llama or "
+                            "Mixtral built from a small config (pip install 'commlib[models]'; "
+                            "for now with --dp and --zero only)")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -138,15 +147,28 @@ def layout_of(args, world_size: int) -> Layout:
     return check(layout, world_size, args.batch, args.seq_len, args.heads, args.layers)
 
 
+def _model(args, layout: Layout):
+    if args.model == "gpt":
+        return GPT(GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len,
+                             d_model=args.d_model, n_heads=args.heads, n_layers=args.layers),
+                   args.seed)
+    others = [f"--{d} {layout.sizes[d]}" for d in ("tp", "pp", "cp", "ep") if layout.sizes[d] > 1]
+    others += [f"--sp {layout.sp}"] * bool(layout.sp) + [f"--experts {layout.experts}"] * bool(
+        layout.experts)
+    if others:
+        raise ValueError(f"--model {args.model} trains with --dp and --zero only for now; "
+                         f"{' '.join(others)} needs --model gpt")
+    return build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
+                 d_model=args.d_model, layers=args.layers, heads=args.heads)
+
+
 class Trainer:
     """The model in the requested layout, and one optimizer step of it."""
 
     def __init__(self, args, world: commlib.Communicator):
         self.layout = layout = layout_of(args, world.size)
         self.mesh = mesh = Mesh(world, **layout.sizes)
-        config = GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len, d_model=args.d_model,
-                           n_heads=args.heads, n_layers=args.layers)
-        model = GPT(config, args.seed)
+        model = _model(args, layout)
         if layout.experts:
             # one routing group per sequence: routing is the same in every layout
             model = moe_gpt(model, experts=layout.experts, topk=layout.topk, group_rows=1,
@@ -263,7 +285,8 @@ def main(argv=None) -> int:
         return 2
     lead = world.rank == 0
     if lead:
-        print(f"# GPT {trainer.numel:,} parameters; {world.size} ranks as "
+        name = "GPT" if args.model == "gpt" else args.model
+        print(f"# {name} {trainer.numel:,} parameters; {world.size} ranks as "
               f"{trainer.layout.describe()}{', bf16 + fp32 master' if args.bf16 else ''}; "
               f"global batch {args.batch} x {args.seq_len} tokens", flush=True)
     if lead and first:

@@ -92,3 +92,20 @@ def test_pipeline_and_expert_checkpoints(tmp_path, saved, resharded):
     other, _ = _train(tmp_path, 2, "other", "--resume", step2, layout=resharded)
     assert [s for s, _ in other] == [2, 3]
     assert [loss for _, loss in other] == pytest.approx([loss for _, loss in full[2:]], rel=1e-5)
+
+
+def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path):
+    """transformers' GPT-2 (tied lm_head) through the CLI: ZeRO-3 on 2 ranks gives the
+    losses of one process; its checkpoint resumes bit-identically in the same layout and,
+    to fp32 rounding, as plain data parallelism on one rank."""
+    pytest.importorskip("transformers")
+    model = ("--model", "gpt2")
+    root = tmp_path / "ckpt"
+    one, _ = _train(tmp_path, 1, "one", *model, layout=())
+    full, _ = _train(tmp_path, 2, "full", *model, "--save-dir", str(root), "--save-every", "2")
+    assert [loss for _, loss in full] == pytest.approx([loss for _, loss in one], rel=1e-5)
+    step2 = str(root / "step-00000002")
+    same, _ = _train(tmp_path, 2, "same", *model, "--resume", step2)
+    assert same == full[2:]
+    other, _ = _train(tmp_path, 1, "other", *model, "--resume", step2, layout=())
+    assert [loss for _, loss in other] == pytest.approx([loss for _, loss in full[2:]], rel=1e-5)
