@@ -111,7 +111,10 @@ def load_checkpoint(path, trainer) -> int:
         full = _assemble(path, name, kind, by_tensor.get((name, kind), []), blobs,
                          manifest["tensors"][name])
         dim = getattr(p, "tp_split_dim", None)
-        if dim is not None:  # pad to a multiple of tp with zeros, as tensor_parallel does
+        parts = getattr(p, "tp_parts", 1)
+        if dim is not None and parts > 1:  # a fused projection: this rank's slice of each part
+            full = torch.cat([c.chunk(tp, dim)[tp_rank] for c in full.chunk(parts, dim)], dim)
+        elif dim is not None:  # pad to a multiple of tp with zeros, as tensor_parallel does
             rows = -(-full.shape[dim] // tp)
             padded = full.new_zeros(full.shape[:dim] + (rows * tp,) + full.shape[dim + 1:])
             padded.narrow(dim, 0, full.shape[dim]).copy_(full)
@@ -211,8 +214,10 @@ def _pieces(trainer) -> tuple:
         """Elements [lo, hi) of the parameter's local flat tensor, which are ``sources``'
         (kind -> flat tensor) elements [at + lo, at + hi)."""
         dim = getattr(p, "tp_split_dim", None)
+        # a fused projection's slices of its parts lie rank after rank (_assemble reorders)
         region = {"dim": dim, "start": tp_rank * shape[dim] if dim is not None else 0,
-                  "length": shape[dim] if dim is not None else 0}
+                  "length": shape[dim] if dim is not None else 0,
+                  "parts": getattr(p, "tp_parts", 1)}
         for kind, src in sources.items():
             if lo < hi:
                 data = src[at + lo:at + hi].detach()
@@ -416,4 +421,9 @@ def _assemble(path, name, kind, pieces, blobs, shape) -> torch.Tensor:
         out, count = out.narrow(dim, 0, shape[dim]), count.narrow(dim, 0, shape[dim])
     if not bool((count == 1).all()):
         raise ValueError(f"{path}: the pieces of {name} ({kind}) do not cover it exactly once")
+    parts = pieces[0].get("parts", 1)
+    if dim is not None and parts > 1:  # rank-major (r0's parts, r1's, ...) to part-major
+        ranks = shape[dim] // pieces[0]["length"]
+        split = out.shape[:dim] + (ranks, parts, -1) + out.shape[dim + 1:]
+        out = out.reshape(split).transpose(dim, dim + 1).reshape(out.shape)
     return out

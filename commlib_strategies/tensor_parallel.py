@@ -250,6 +250,70 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None
 
 
+# ------------------------------------------------------------------------------ in place
+
+def _out_dim(module: nn.Module) -> int:
+    """The weight dim of output features: nn.Linear's (out, in) or transformers' Conv1D's
+    (in, out), which GPT-2 uses."""
+    if isinstance(module, nn.Linear):
+        return 0
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return 1
+    raise TypeError(f"tensor parallel: {type(module).__name__} is not a linear layer "
+                    "(nn.Linear or transformers' Conv1D); leave it out of the plan")
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dim: int) -> torch.Tensor:
+    return F.linear(x, weight) if out_dim == 0 else x @ weight
+
+
+def _slice_parts(full: torch.Tensor, dim: int, parts: int, group) -> torch.Tensor:
+    """This rank's slice of each of ``parts`` equal parts of ``full`` along ``dim`` (a fused
+    projection such as GPT-2's q|k|v), concatenated."""
+    chunks = full.detach().chunk(parts, dim)
+    return torch.cat([_shard(c, group, dim) for c in chunks], dim)
+
+
+def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int = 1) -> None:
+    """Make a linear layer column-parallel in place: it keeps this rank's output features
+    (of each of ``parts`` fused parts) and its forward takes a replicated input and gives
+    this rank's split output. Its parameters keep their names."""
+    dim = _out_dim(module)
+    full = module.weight.shape[dim]
+    if full % (parts * group.size):
+        raise ValueError(f"tensor parallel: {full} output features in {parts} part(s) do not "
+                         f"divide by tp={group.size}; choose a tp dividing {full // parts}")
+    weight = _mark(nn.Parameter(_slice_parts(module.weight, dim, parts, group)), dim, full)
+    weight.tp_parts = parts
+    module.weight = weight
+    if module.bias is not None:
+        module.bias = _mark(nn.Parameter(_slice_parts(module.bias, 0, parts, group)), 0, full)
+        module.bias.tp_parts = parts
+
+    def forward(x):
+        y = _matmul(copy_to_group(x, group), module.weight, dim)
+        return y if module.bias is None else y + module.bias
+    module.forward = forward
+
+
+def row_parallel_(module: nn.Module, group: commlib.Communicator) -> None:
+    """Make a linear layer row-parallel in place: it keeps this rank's input features and
+    its forward takes a split input (a column-parallel layer's output) and gives the
+    replicated output, the bias (held whole) added once after the sum."""
+    out = _out_dim(module)
+    dim = 1 - out
+    full = module.weight.shape[dim]
+    if full % group.size:
+        raise ValueError(f"tensor parallel: {full} input features do not divide by "
+                         f"tp={group.size}; choose a tp dividing {full}")
+    module.weight = _mark(nn.Parameter(_slice_parts(module.weight, dim, 1, group)), dim, full)
+
+    def forward(x):
+        y = reduce_from_group(_matmul(x, module.weight, out), group)
+        return y if module.bias is None else y + module.bias
+    module.forward = forward
+
+
 # ------------------------------------------------------------------------------ the GPT
 
 class TensorParallelGPT(nn.Module):
@@ -322,6 +386,11 @@ def gathered_state(module: nn.Module, group: commlib.Communicator, *,
         t = t.detach()
         dim = getattr(p, "tp_split_dim", None)
         if dim is not None:
-            t = gather_along(t, group, dim).narrow(dim, 0, p.tp_full_size)
+            t = gather_along(t, group, dim)
+            parts = getattr(p, "tp_parts", 1)
+            if parts > 1:  # rank-major (r0's parts, r1's, ...) to part-major
+                shape = t.shape[:dim] + (group.size, parts, -1) + t.shape[dim + 1:]
+                t = t.reshape(shape).transpose(dim, dim + 1).reshape(t.shape)
+            t = t.narrow(dim, 0, p.tp_full_size)
         out[name] = t.clone()
     return out

@@ -95,9 +95,9 @@ def test_pipeline_and_expert_checkpoints(tmp_path, saved, resharded):
 
 
 def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path):
-    """transformers' GPT-2 (tied lm_head) through the CLI: ZeRO-3 on 2 ranks gives the
-    losses of one process; its checkpoint resumes bit-identically in the same layout and,
-    to fp32 rounding, as plain data parallelism on one rank."""
+    """transformers' GPT-2 (tied lm_head) through the CLI: ZeRO-3 and tp=2 on 2 ranks give
+    the losses of one process; a checkpoint resumes bit-identically in the same layout and,
+    to fp32 rounding, in another (ZeRO-3 to one rank, tp=2 to ZeRO-3)."""
     pytest.importorskip("transformers")
     model = ("--model", "gpt2")
     root = tmp_path / "ckpt"
@@ -109,3 +109,10 @@ def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path):
     assert same == full[2:]
     other, _ = _train(tmp_path, 1, "other", *model, "--resume", step2, layout=())
     assert [loss for _, loss in other] == pytest.approx([loss for _, loss in full[2:]], rel=1e-5)
+    # tensor parallel (GPT-2's fused q|k|v split part by part): saved, resumed elsewhere
+    tp_root = tmp_path / "tp"
+    tp, _ = _train(tmp_path, 2, "tp", *model, "--save-dir", str(tp_root), "--save-every", "2",
+                   layout=("--tp", "2"))
+    assert [loss for _, loss in tp] == pytest.approx([loss for _, loss in one], rel=1e-5)
+    back, _ = _train(tmp_path, 2, "back", *model, "--resume", str(tp_root / "step-00000002"))
+    assert [loss for _, loss in back] == pytest.approx([loss for _, loss in one[2:]], rel=1e-5)

@@ -1,7 +1,8 @@
 """DataParallel and ZeRO 1-3 on models nobody here wrote (transformers' GPT-2 with its tied
 lm_head, Llama, Mixtral; skipped without transformers) and on a model built to do what real
-models do to a naive ZeRO: each trains a few steps on the same global batches as one process
-does, and must end with the same parameters (1e-4 relative, fp32). Under mpiexec."""
+models do to a naive ZeRO; tensor parallelism on the families by their plans, alone and with
+DP or ZeRO 3 over the rest: each trains a few steps on the same global batches as one
+process does, and must end with the same parameters (1e-4 relative, fp32). Under mpiexec."""
 import importlib.util
 
 import torch
@@ -12,7 +13,11 @@ import commlib
 from harness import Checker
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import cross_entropy
+from commlib_strategies.parallelize import parallelize
+from commlib_strategies.plans import PLANS
+from commlib_strategies.tensor_parallel import gathered_state
 from commlib_strategies.zero import ZeRO
 
 torch.set_num_threads(1)
@@ -111,9 +116,36 @@ def zero(name, make, want, stage):
     return model
 
 
+def tensor_parallel(name, make, want, zero_stage):
+    """tp=2 by the family's plan; dp over the other ranks, with ZeRO ``zero_stage`` (0: DP)."""
+    mesh = Mesh(world, dp=n // 2, tp=2)
+    dp, tp = mesh.group("dp"), mesh.group("tp")
+    model = make()
+    parallelize(model, mesh, PLANS[name], config=model.hf.config)
+    local = {p for p in model.parameters() if hasattr(p, "tp_split_dim")}
+    assert local, "the plan split no parameter"
+    wrapped = ZeRO(model, dp, zero_stage, optimizer) if zero_stage else DataParallel(model, dp)
+    opt = wrapped if zero_stage else optimizer(model.parameters())
+    for x, y in batches():
+        cross_entropy(wrapped(shard(x, mesh.rank("dp"), dp.size)),
+                      shard(y, mesh.rank("dp"), dp.size)).backward()
+        opt.step()
+        opt.zero_grad()
+    if zero_stage:
+        with wrapped.gathered():
+            same(list(gathered_state(model, tp).items()), want)
+    else:
+        same(list(gathered_state(model, tp).items()), want)
+    mesh.free()
+
+
 for name, make in models():
     want = reference(make)
     check.check(f"{name}_data_parallel", lambda: data_parallel(make, want))
     for stage in (1, 2, 3):
         check.check(f"{name}_zero_{stage}", lambda: zero(name, make, want, stage))
+    if name in PLANS and n % 2 == 0:
+        for stage in (0, 3):
+            check.check(f"{name}_tp2_zero_{stage}",
+                        lambda: tensor_parallel(name, make, want, stage))
 check.finish()
