@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from commlib_strategies.context_parallel import positions
 from commlib_strategies.model import cross_entropy
+from commlib_strategies.sequence_parallel import sequence_sharded_cross_entropy
 
 FAMILIES = ("gpt2", "llama", "mixtral")
 
@@ -56,12 +58,20 @@ class CausalLM(nn.Module):
     def __init__(self, hf: nn.Module, config: FamilyConfig):
         super().__init__()
         self.hf, self.config = hf, config
+        self.cp_group = None  # context parallel (context_parallel.py): ids are sequence shards
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=ids, use_cache=False).logits
+        """Token ids (B, T) -> logits; under context parallelism this rank's shard of each
+        sequence, at its global positions."""
+        where = {} if self.cp_group is None else \
+            {"position_ids": positions(ids.shape[1], self.cp_group, ids.device)}
+        return self.hf(input_ids=ids, use_cache=False, **where).logits
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(self(ids), targets)
+        """The mean cross-entropy over every token of the batch (of every shard)."""
+        if self.cp_group is None:
+            return cross_entropy(self(ids), targets)
+        return sequence_sharded_cross_entropy(self(ids), targets, self.cp_group)
 
     def count_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

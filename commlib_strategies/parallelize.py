@@ -1,6 +1,7 @@
 """parallelize(model, mesh, plan): apply each dimension of a layout to one model, in place
-and in a fixed order, as the model family's plan (plans.py) says where. So far tensor
-parallelism; data parallelism and ZeRO then wrap what it returns over the mesh's dp group
+and in a fixed order, as the model family's plan (plans.py) says where: tensor parallelism,
+then context parallelism (through the model's attention entry point, context_parallel.py).
+Data parallelism and ZeRO then wrap what it returns over the mesh's dp group
 (DataParallel, ZeRO), as for any model.
 """
 from __future__ import annotations
@@ -9,16 +10,23 @@ from fnmatch import fnmatch
 
 from torch import nn
 
+from commlib_strategies.context_parallel import context_parallel_
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.plans import Plan
 from commlib_strategies.tensor_parallel import column_parallel_, row_parallel_
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, config=None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, config=None,
+                attention: str = "ring") -> nn.Module:
     """``model`` with the mesh's dimensions applied; ``config``: the family's config, whose
-    head counts (``plan.heads``) tensor parallelism must divide."""
-    if mesh.size("tp") > 1:
+    head counts (``plan.heads``) tensor parallelism must divide; ``attention``: context
+    parallelism's, "ulysses" or "ring"."""
+    tp = mesh.size("tp")
+    if tp > 1:
         tensor_parallel_(model, mesh.group("tp"), plan, config)
+    if mesh.size("cp") > 1:
+        heads = getattr(config, plan.heads[0]) // tp  # the query heads a rank holds
+        context_parallel_(model, mesh.group("cp"), attention, heads)
     return model
 
 

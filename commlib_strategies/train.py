@@ -14,8 +14,9 @@
     mpiexec -n 2 python -m commlib_strategies.train --model llama --zero 3
 
 --model gpt2, llama or mixtral trains transformers' model of that family, from a small
-config, with data, tensor (by the family's plan) and ZeRO parallelism (the other
-dimensions need --model gpt for now).
+config, with data, tensor (by the family's plan), context (Ulysses or ring attention through
+the model's attention interface) and ZeRO parallelism (the other dimensions need --model
+gpt for now).
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -91,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model", choices=("gpt",) + FAMILIES, default="gpt",
                        help="the project's GPT (default), or transformers' GPT-2, Llama or "
                             "Mixtral built from a small config (pip install 'commlib[models]'; "
-                            "for now with --dp, --tp and --zero)")
+                            "for now with --dp, --tp, --cp and --zero)")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -155,12 +156,12 @@ def _model(args, layout: Layout):
         return GPT(GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len,
                              d_model=args.d_model, n_heads=args.heads, n_layers=args.layers),
                    args.seed)
-    others = [f"--{d} {layout.sizes[d]}" for d in ("pp", "cp", "ep") if layout.sizes[d] > 1]
-    others += [f"--sp {layout.sp}"] * bool(layout.sp) + [f"--experts {layout.experts}"] * bool(
-        layout.experts)
+    others = [f"--{d} {layout.sizes[d]}" for d in ("pp", "ep") if layout.sizes[d] > 1]
+    others += ["--sp megatron"] * (layout.sp == "megatron") + \
+        [f"--experts {layout.experts}"] * bool(layout.experts)
     if others:
-        raise ValueError(f"--model {args.model} trains with --dp, --tp and --zero for now; "
-                         f"{' '.join(others)} needs --model gpt")
+        raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp and --zero for "
+                         f"now; {' '.join(others)} needs --model gpt")
     return build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
                  d_model=args.d_model, layers=args.layers, heads=args.heads)
 
@@ -179,7 +180,8 @@ class Trainer:
         self.numel = model.count_parameters()
         self.pipeline = None
         if args.model != "gpt":  # a family's plan says where each dimension applies
-            model = parallelize(model, mesh, PLANS[args.model], config=model.hf.config)
+            model = parallelize(model, mesh, PLANS[args.model], config=model.hf.config,
+                                attention=layout.sp or "ring")
         elif layout.experts:
             model = expert_parallel_gpt(model, mesh, layout.sp)
         elif layout.cp > 1:

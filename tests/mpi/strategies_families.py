@@ -1,9 +1,12 @@
 """DataParallel and ZeRO 1-3 on models nobody here wrote (transformers' GPT-2 with its tied
 lm_head, Llama, Mixtral; skipped without transformers) and on a model built to do what real
-models do to a naive ZeRO; tensor parallelism on the families by their plans, alone and with
-DP or ZeRO 3 over the rest: each trains a few steps on the same global batches as one
-process does, and must end with the same parameters (1e-4 relative, fp32). Under mpiexec."""
+models do to a naive ZeRO; tensor and context parallelism (Ulysses, ring) on the families by
+their plans, with DP or ZeRO over the rest: each trains a few steps on the same global
+batches as one process does, and must end with the same parameters (1e-4 relative, fp32).
+Under mpiexec."""
+import contextlib
 import importlib.util
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,7 @@ from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import cross_entropy
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.plans import PLANS
+from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.tensor_parallel import gathered_state
 from commlib_strategies.zero import ZeRO
 
@@ -116,27 +120,37 @@ def zero(name, make, want, stage):
     return model
 
 
-def tensor_parallel(name, make, want, zero_stage):
-    """tp=2 by the family's plan; dp over the other ranks, with ZeRO ``zero_stage`` (0: DP)."""
-    mesh = Mesh(world, dp=n // 2, tp=2)
+def parallel(name, make, want, sizes, zero_stage, attention="ring"):
+    """The family's model parallelized by its plan over a mesh of ``sizes`` (tp, cp; dp is
+    the rest), with ZeRO ``zero_stage`` over dp (0: DataParallel)."""
+    mesh = Mesh(world, dp=n // math.prod(sizes.values()), **sizes)
     dp, tp = mesh.group("dp"), mesh.group("tp")
     model = make()
-    parallelize(model, mesh, PLANS[name], config=model.hf.config)
-    local = {p for p in model.parameters() if hasattr(p, "tp_split_dim")}
-    assert local, "the plan split no parameter"
+    parallelize(model, mesh, PLANS[name], config=model.hf.config, attention=attention)
+    if sizes.get("tp", 1) > 1:
+        assert any(hasattr(p, "tp_split_dim") for p in model.parameters()), "nothing split"
     wrapped = ZeRO(model, dp, zero_stage, optimizer) if zero_stage else DataParallel(model, dp)
     opt = wrapped if zero_stage else optimizer(model.parameters())
     for x, y in batches():
-        cross_entropy(wrapped(shard(x, mesh.rank("dp"), dp.size)),
-                      shard(y, mesh.rank("dp"), dp.size)).backward()
+        x, y = (shard(t, mesh.rank("dp"), dp.size) for t in (x, y))
+        if mesh.size("cp") > 1:
+            x, y = (sequence_shard(t, mesh.group("cp")) for t in (x, y))
+        model.loss(x, y).backward()
         opt.step()
         opt.zero_grad()
-    if zero_stage:
-        with wrapped.gathered():
-            same(list(gathered_state(model, tp).items()), want)
-    else:
+    with wrapped.gathered() if zero_stage else contextlib.nullcontext():
         same(list(gathered_state(model, tp).items()), want)
     mesh.free()
+
+
+# (sizes, ZeRO stage, attention) at 2 ranks; at 4 the rest is dp, and tp x cp joins
+LAYOUTS = [({"tp": 2}, 0, None), ({"tp": 2}, 3, None), ({"cp": 2}, 0, "ulysses"),
+           ({"cp": 2}, 3, "ring")]
+LAYOUTS_4 = [({"tp": 2, "cp": 2}, 0, "ring"), ({"tp": 2, "cp": 2}, 2, "ulysses")]
+
+
+def layouts():
+    return LAYOUTS + LAYOUTS_4 if n == 4 else LAYOUTS if n % 2 == 0 else []
 
 
 for name, make in models():
@@ -144,8 +158,9 @@ for name, make in models():
     check.check(f"{name}_data_parallel", lambda: data_parallel(make, want))
     for stage in (1, 2, 3):
         check.check(f"{name}_zero_{stage}", lambda: zero(name, make, want, stage))
-    if name in PLANS and n % 2 == 0:
-        for stage in (0, 3):
-            check.check(f"{name}_tp2_zero_{stage}",
-                        lambda: tensor_parallel(name, make, want, stage))
+    if name in PLANS:
+        for sizes, stage, attention in layouts():
+            label = "_".join(f"{d}{s}" for d, s in sizes.items())
+            check.check(f"{name}_{label}_zero_{stage}_{attention}",
+                        lambda: parallel(name, make, want, sizes, stage, attention or "ring"))
 check.finish()
