@@ -19,7 +19,8 @@ from commlib_strategies.sequence_parallel import sequence_sharded_cross_entropy
 FAMILIES = ("gpt2", "llama", "mixtral")
 
 
-def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int):
+def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int,
+            experts: int, topk: int):
     import transformers as tf
     common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=heads,
                   hidden_size=d_model, max_position_embeddings=seq_len,
@@ -32,10 +33,10 @@ def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, he
     if family == "llama":  # grouped-query attention (2 heads share a key/value head)
         return tf.LlamaConfig(**common, intermediate_size=2 * d_model,
                               num_key_value_heads=heads // 2)
-    if family == "mixtral":  # top-2 of 4 experts, no capacity limit
+    if family == "mixtral":  # top-k of the experts (2 of 4 by default), no capacity limit
         return tf.MixtralConfig(**common, intermediate_size=2 * d_model,
-                                num_key_value_heads=heads // 2, num_local_experts=4,
-                                num_experts_per_tok=2, router_jitter_noise=0.0)
+                                num_key_value_heads=heads // 2, num_local_experts=experts,
+                                num_experts_per_tok=topk, router_jitter_noise=0.0)
     raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
@@ -78,15 +79,15 @@ class CausalLM(nn.Module):
 
 
 def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 32,
-          layers: int = 2, heads: int = 4) -> CausalLM:
+          layers: int = 2, heads: int = 4, experts: int = 4, topk: int = 2) -> CausalLM:
     """A ``family`` model whose random weights depend only on ``seed`` (the global RNG is
-    left as it was)."""
+    left as it was); ``experts`` and ``topk``: Mixtral's."""
     try:
         import transformers as tf
     except ImportError as e:
         raise ImportError(f"model family {family!r} needs transformers: "
                           "pip install 'commlib[models]'") from e
-    config = _config(family, vocab, seq_len, d_model, layers, heads)
+    config = _config(family, vocab, seq_len, d_model, layers, heads, experts, topk)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = tf.AutoModelForCausalLM.from_config(config)

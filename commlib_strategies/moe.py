@@ -489,11 +489,14 @@ def zero_arguments(model: nn.Module, mesh: Mesh) -> dict:
     then the ones ``reduce_gradients`` makes."""
     units, unit_groups = [], {}
 
-    def split(unit):  # a unit holding MoE layers: its children, with the experts apart
-        if isinstance(unit, MoE):
-            units.extend([unit.router, unit.experts])
-            unit_groups[unit.experts] = mesh.group("dp")
-        elif not any(isinstance(m, MoE) for m in unit.modules()):
+    experts = expert_parameters(model)
+
+    def split(unit):  # a unit holding experts and more: its children, the experts apart
+        held = [id(p) in experts for p in unit.parameters()]
+        if all(held):
+            units.append(unit)
+            unit_groups[unit] = mesh.group("dp")
+        elif not any(held):
             units.append(unit)
         else:
             for child in unit.children():
@@ -512,9 +515,11 @@ def data_shard(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 def expert_parameters(model: nn.Module) -> set:
-    """ids of the parameters of every MoE layer's experts in ``model``."""
+    """ids of the parameters of every MoE layer's experts in ``model``, and of those
+    marked ``expert_parallel`` (a transformers model's, expert_parallel.py)."""
     return {id(p) for layer in model.modules() if isinstance(layer, MoE)
-            for p in layer.experts.parameters()}
+            for p in layer.experts.parameters()} | \
+        {id(p) for p in model.parameters() if getattr(p, "expert_parallel", False)}
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """parallelize(model, mesh, plan): apply each dimension of a layout to one model, in place
 and in a fixed order, as the model family's plan (plans.py) says where: tensor parallelism,
-then context parallelism (through the model's attention entry point, context_parallel.py).
+then context parallelism (through the model's attention entry point, context_parallel.py),
+then expert parallelism (expert_parallel.py).
 Data parallelism and ZeRO then wrap what it returns over the mesh's dp group
 (DataParallel, ZeRO), as for any model.
 """
@@ -11,6 +12,7 @@ from fnmatch import fnmatch
 from torch import nn
 
 from commlib_strategies.context_parallel import context_parallel_
+from commlib_strategies.expert_parallel import expert_parallel_
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.plans import Plan
 from commlib_strategies.tensor_parallel import column_parallel_, row_parallel_
@@ -27,7 +29,22 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, config=None,
     if mesh.size("cp") > 1:
         heads = getattr(config, plan.heads[0]) // tp  # the query heads a rank holds
         context_parallel_(model, mesh.group("cp"), attention, heads)
+    if mesh.size("ep") > 1:
+        if not plan.experts:
+            raise ValueError(f"expert parallel: the plan for {type(model).__name__} names no "
+                             "experts (a model without mixture-of-experts layers)")
+        for experts in _matching(model, plan.experts):
+            expert_parallel_(experts, mesh.group("ep"))
     return model
+
+
+def _matching(model: nn.Module, pattern: str) -> list:
+    found = [m for name, m in model.named_modules() if fnmatch(name, pattern)]
+    if not found:
+        raise ValueError(f"the plan's pattern {pattern!r} matches no module of "
+                         f"{type(model).__name__}; fix the plan (names as in "
+                         "model.named_modules())")
+    return found
 
 
 def tensor_parallel_(model: nn.Module, group, plan: Plan, config=None) -> None:
@@ -38,23 +55,13 @@ def tensor_parallel_(model: nn.Module, group, plan: Plan, config=None) -> None:
             raise ValueError(f"tensor parallel: the model's {attr}={count} does not divide by "
                              f"tp={tp}; each rank keeps whole heads, so choose a tp dividing "
                              f"{count}")
-    modules = dict(model.named_modules())
-
-    def matching(pattern: str) -> list:
-        found = [m for name, m in modules.items() if fnmatch(name, pattern)]
-        if not found:
-            raise ValueError(f"the plan's pattern {pattern!r} matches no module of "
-                             f"{type(model).__name__}; fix the plan (names as in "
-                             "model.named_modules())")
-        return found
-
     for pattern, parts in plan.column.items():
-        for m in matching(pattern):
+        for m in _matching(model, pattern):
             column_parallel_(m, group, parts)
     for pattern in plan.row:
-        for m in matching(pattern):
+        for m in _matching(model, pattern):
             row_parallel_(m, group)
     for pattern, attrs in plan.per_rank.items():
-        for m in matching(pattern):
+        for m in _matching(model, pattern):
             for attr in attrs:
                 setattr(m, attr, getattr(m, attr) // tp)

@@ -11,6 +11,8 @@ plan for a new family is a short declaration:
                features, which tensor parallelism divides by tp (GPT-2's ``split_size``)
     heads      the config attributes counting attention heads: tp must divide each, so a
                rank keeps whole heads (and whole key/value heads under grouped queries)
+    experts    the pattern of the mixture-of-experts layers' experts modules, which expert
+               parallelism splits (expert_parallel.py)
 
 Everything a plan does not name stays replicated: embeddings, norms, the LM head and, under
 tensor parallelism, a mixture-of-experts layer's experts (each tp rank computes them whole).
@@ -26,6 +28,7 @@ class Plan:
     row: tuple = ()
     per_rank: dict = field(default_factory=dict)
     heads: tuple = ()
+    experts: str = ""
 
 
 _LLAMA_ATTENTION = dict(column={"*.self_attn.q_proj": 1, "*.self_attn.k_proj": 1,
@@ -41,5 +44,5 @@ PLANS = {
                           "*.mlp.up_proj": 1},
                   row=_LLAMA_ATTENTION["row"] + ("*.mlp.down_proj",),
                   heads=_LLAMA_ATTENTION["heads"]),
-    "mixtral": Plan(**_LLAMA_ATTENTION),
+    "mixtral": Plan(**_LLAMA_ATTENTION, experts="*.mlp.experts"),
 }

@@ -15,7 +15,8 @@
 
 --model gpt2, llama or mixtral trains transformers' model of that family, from a small
 config, with data, tensor (by the family's plan), context (Ulysses or ring attention through
-the model's attention interface) and ZeRO parallelism (the other dimensions need --model
+the model's attention interface), expert (Mixtral: --experts, --topk set its MoE layers;
+dropless) and ZeRO parallelism (pipeline and Megatron sequence parallelism need --model
 gpt for now).
 
 Every layout builds the same model from --seed and reads the same global batches, so the
@@ -92,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model", choices=("gpt",) + FAMILIES, default="gpt",
                        help="the project's GPT (default), or transformers' GPT-2, Llama or "
                             "Mixtral built from a small config (pip install 'commlib[models]'; "
-                            "for now with --dp, --tp, --cp and --zero)")
+                            "for now with --dp, --tp, --cp, --ep and --zero)")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -145,6 +146,8 @@ def layout_of(args, world_size: int) -> Layout:
                              f"of {world_size} (or give --dp too)")
         dp = world_size // rest
     virtual = args.virtual or (2 if args.schedule == "interleaved-1f1b" else 1)
+    if args.model == "mixtral" and not args.experts:  # its own: top-2 of 4 by default
+        args.experts = 4
     layout = Layout(dp=dp, **others, zero=args.zero, sp=args.sp, schedule=args.schedule,
                     microbatches=args.micro_batches or args.pp, virtual=virtual,
                     experts=args.experts, topk=args.topk)
@@ -156,14 +159,20 @@ def _model(args, layout: Layout):
         return GPT(GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len,
                              d_model=args.d_model, n_heads=args.heads, n_layers=args.layers),
                    args.seed)
-    others = [f"--{d} {layout.sizes[d]}" for d in ("pp", "ep") if layout.sizes[d] > 1]
-    others += ["--sp megatron"] * (layout.sp == "megatron") + \
-        [f"--experts {layout.experts}"] * bool(layout.experts)
+    if layout.experts and args.model != "mixtral":
+        raise ValueError(f"--experts: --model {args.model} has no mixture-of-experts layers "
+                         "(--model mixtral or gpt has)")
+    others = [f"--pp {layout.pp}"] * (layout.pp > 1) + ["--sp megatron"] * (layout.sp == "megatron")
+    if layout.ep > 1 and layout.tp > 1:
+        others.append("--ep with --tp")
+    if layout.ep > 1 and (args.save_dir or args.resume is not None):
+        others.append("--ep with checkpoints")
     if others:
-        raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp and --zero for "
-                         f"now; {' '.join(others)} needs --model gpt")
+        raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp, --ep and --zero "
+                         f"for now; {' '.join(others)} needs --model gpt")
     return build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
-                 d_model=args.d_model, layers=args.layers, heads=args.heads)
+                 d_model=args.d_model, layers=args.layers, heads=args.heads,
+                 experts=layout.experts, topk=layout.topk)
 
 
 class Trainer:
@@ -173,7 +182,7 @@ class Trainer:
         self.layout = layout = layout_of(args, world.size)
         self.mesh = mesh = Mesh(world, **layout.sizes)
         model = _model(args, layout)
-        if layout.experts:
+        if layout.experts and args.model == "gpt":
             # one routing group per sequence: routing is the same in every layout
             model = moe_gpt(model, experts=layout.experts, topk=layout.topk, group_rows=1,
                             seed=args.seed)

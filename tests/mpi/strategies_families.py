@@ -1,9 +1,9 @@
 """DataParallel and ZeRO 1-3 on models nobody here wrote (transformers' GPT-2 with its tied
 lm_head, Llama, Mixtral; skipped without transformers) and on a model built to do what real
-models do to a naive ZeRO; tensor and context parallelism (Ulysses, ring) on the families by
-their plans, with DP or ZeRO over the rest: each trains a few steps on the same global
-batches as one process does, and must end with the same parameters (1e-4 relative, fp32).
-Under mpiexec."""
+models do to a naive ZeRO; tensor, context (Ulysses, ring) and, for Mixtral, dropless expert
+parallelism on the families by their plans, with DP or ZeRO over the rest. Each trains a
+few steps on the same global batches as one process does, and must end with the same
+parameters (1e-4 relative, fp32). Under mpiexec."""
 import contextlib
 import importlib.util
 import math
@@ -16,7 +16,9 @@ import commlib
 from harness import Checker
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
+from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
+from commlib_strategies.moe import data_shard, reduce_gradients, zero_arguments
 from commlib_strategies.model import cross_entropy
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.plans import PLANS
@@ -121,36 +123,57 @@ def zero(name, make, want, stage):
 
 
 def parallel(name, make, want, sizes, zero_stage, attention="ring"):
-    """The family's model parallelized by its plan over a mesh of ``sizes`` (tp, cp; dp is
-    the rest), with ZeRO ``zero_stage`` over dp (0: DataParallel)."""
+    """The family's model parallelized by its plan over a mesh of ``sizes`` (tp, cp, ep; dp
+    is the rest), with ZeRO ``zero_stage`` over dp (0: DataParallel, or with experts
+    moe.reduce_gradients)."""
     mesh = Mesh(world, dp=n // math.prod(sizes.values()), **sizes)
-    dp, tp = mesh.group("dp"), mesh.group("tp")
+    dp, tp, ep = mesh.group("dp"), mesh.group("tp"), mesh.group("ep")
     model = make()
     parallelize(model, mesh, PLANS[name], config=model.hf.config, attention=attention)
     if sizes.get("tp", 1) > 1:
         assert any(hasattr(p, "tp_split_dim") for p in model.parameters()), "nothing split"
-    wrapped = ZeRO(model, dp, zero_stage, optimizer) if zero_stage else DataParallel(model, dp)
+    experts = ep.size > 1
+    if zero_stage:
+        groups = zero_arguments(model, mesh) if experts else {"group": dp}
+        wrapped = ZeRO(model, stage=zero_stage, optimizer=optimizer, **groups)
+    else:
+        wrapped = model if experts else DataParallel(model, dp)
     opt = wrapped if zero_stage else optimizer(model.parameters())
     for x, y in batches():
-        x, y = (shard(t, mesh.rank("dp"), dp.size) for t in (x, y))
+        if experts:  # every dp x ep rank sees its own rows
+            x, y = data_shard(x, mesh), data_shard(y, mesh)
+        else:
+            x, y = (shard(t, mesh.rank("dp"), dp.size) for t in (x, y))
         if mesh.size("cp") > 1:
             x, y = (sequence_shard(t, mesh.group("cp")) for t in (x, y))
         model.loss(x, y).backward()
+        if experts and not zero_stage:
+            reduce_gradients(model, mesh)
         opt.step()
         opt.zero_grad()
     with wrapped.gathered() if zero_stage else contextlib.nullcontext():
-        same(list(gathered_state(model, tp).items()), want)
+        state = gathered_state(model, tp)
+        for key, p in model.named_parameters():  # each ep rank's experts, stacked
+            if getattr(p, "expert_parallel", False):
+                state[key] = gather_along(p.detach(), ep, 0)
+        same(list(state.items()), want)
     mesh.free()
 
 
-# (sizes, ZeRO stage, attention) at 2 ranks; at 4 the rest is dp, and tp x cp joins
+# (sizes, ZeRO stage, attention) at 2 ranks; at 4 the rest is dp, and tp x cp joins;
+# expert parallelism where there are experts
 LAYOUTS = [({"tp": 2}, 0, None), ({"tp": 2}, 3, None), ({"cp": 2}, 0, "ulysses"),
            ({"cp": 2}, 3, "ring")]
 LAYOUTS_4 = [({"tp": 2, "cp": 2}, 0, "ring"), ({"tp": 2, "cp": 2}, 2, "ulysses")]
+EXPERT_LAYOUTS = [({"ep": 2}, 0, None), ({"ep": 2}, 3, None)]
+EXPERT_LAYOUTS_4 = [({"ep": 2, "cp": 2}, 2, "ring")]
 
 
-def layouts():
-    return LAYOUTS + LAYOUTS_4 if n == 4 else LAYOUTS if n % 2 == 0 else []
+def layouts(name):
+    if n % 2:
+        return []
+    more = EXPERT_LAYOUTS + (EXPERT_LAYOUTS_4 if n == 4 else []) if PLANS[name].experts else []
+    return LAYOUTS + (LAYOUTS_4 if n == 4 else []) + more
 
 
 for name, make in models():
@@ -159,7 +182,7 @@ for name, make in models():
     for stage in (1, 2, 3):
         check.check(f"{name}_zero_{stage}", lambda: zero(name, make, want, stage))
     if name in PLANS:
-        for sizes, stage, attention in layouts():
+        for sizes, stage, attention in layouts(name):
             label = "_".join(f"{d}{s}" for d, s in sizes.items())
             check.check(f"{name}_{label}_zero_{stage}_{attention}",
                         lambda: parallel(name, make, want, sizes, stage, attention or "ring"))
