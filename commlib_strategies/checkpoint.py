@@ -105,20 +105,20 @@ def load_checkpoint(path, trainer) -> int:
     def scalars():  # fresh tensors for each parameter: the optimizer updates them in place
         return {k: v if dtype is None else torch.tensor(v, dtype=DTYPES[dtype])
                 for k, (v, dtype) in manifest["scalars"].items()}
-    tp, tp_rank = trainer.mesh.size("tp"), trainer.mesh.rank("tp")
-
     def local(name, p, shape, kind):  # this rank's part of a logical tensor
         full = _assemble(path, name, kind, by_tensor.get((name, kind), []), blobs,
                          manifest["tensors"][name])
-        dim = getattr(p, "tp_split_dim", None)
-        parts = getattr(p, "tp_parts", 1)
-        if dim is not None and parts > 1:  # a fused projection: this rank's slice of each part
-            full = torch.cat([c.chunk(tp, dim)[tp_rank] for c in full.chunk(parts, dim)], dim)
-        elif dim is not None:  # pad to a multiple of tp with zeros, as tensor_parallel does
-            rows = -(-full.shape[dim] // tp)
-            padded = full.new_zeros(full.shape[:dim] + (rows * tp,) + full.shape[dim + 1:])
-            padded.narrow(dim, 0, full.shape[dim]).copy_(full)
-            full = padded.narrow(dim, tp_rank * rows, rows)
+        split = _split(p, trainer.mesh)
+        if split is not None:
+            dim, _, parts, rank, count = split
+            if parts > 1:  # a fused projection: this rank's slice of each part
+                full = torch.cat([c.chunk(count, dim)[rank] for c in full.chunk(parts, dim)],
+                                 dim)
+            else:  # pad to a multiple of the ranks with zeros, as tensor_parallel does
+                rows = -(-full.shape[dim] // count)
+                padded = full.new_zeros(full.shape[:dim] + (rows * count,) + full.shape[dim + 1:])
+                padded.narrow(dim, 0, full.shape[dim]).copy_(full)
+                full = padded.narrow(dim, rank * rows, rows)
         if full.shape != shape:
             raise ValueError(f"{path}: {name} would be {tuple(full.shape)} here but the model "
                              f"holds {tuple(shape)}; this layout cannot load it")
@@ -188,13 +188,26 @@ def _replicas(trainer, p, experts: set, over=("dp", "cp", "ep", "tp")) -> tuple:
     return index, count
 
 
+def _split(p, mesh) -> tuple | None:
+    """(dim, full size, fused parts, this rank's index, ranks) of a parameter that ranks
+    hold slices of: tensor parallel's, or a transformers experts module's stacked experts
+    split over ep (expert_parallel.py); None for one held whole."""
+    if hasattr(p, "tp_split_dim"):
+        return p.tp_split_dim, p.tp_full_size, getattr(p, "tp_parts", 1), mesh.rank("tp"), \
+            mesh.size("tp")
+    if hasattr(p, "ep_split_dim"):
+        return p.ep_split_dim, p.ep_full_size, 1, mesh.rank("ep"), mesh.size("ep")
+    return None
+
+
 def _logical_shapes(trainer) -> dict:
     """name -> the full, unpadded shape (a list, as in the manifest)."""
     out = {}
     for name, p, shape in _local_params(trainer):
         out[name] = list(shape)
-        if hasattr(p, "tp_split_dim"):
-            out[name][p.tp_split_dim] = p.tp_full_size
+        split = _split(p, trainer.mesh)
+        if split is not None:
+            out[name][split[0]] = split[1]
     return out
 
 
@@ -207,17 +220,15 @@ def _part(lo: int, hi: int, index: int, count: int) -> tuple:
 def _pieces(trainer) -> tuple:
     """([(description, 1-D data)] this rank writes, its optimizer's scalars such as step)."""
     mesh, zero, state = trainer.mesh, trainer.zero, trainer.optimizer.state
-    tp_rank = mesh.rank("tp")
     out = []
 
     def add(name, p, shape, lo, hi, sources, at):
         """Elements [lo, hi) of the parameter's local flat tensor, which are ``sources``'
         (kind -> flat tensor) elements [at + lo, at + hi)."""
-        dim = getattr(p, "tp_split_dim", None)
+        dim, _, parts, rank, _ = _split(p, mesh) or (None, 0, 1, 0, 1)
         # a fused projection's slices of its parts lie rank after rank (_assemble reorders)
-        region = {"dim": dim, "start": tp_rank * shape[dim] if dim is not None else 0,
-                  "length": shape[dim] if dim is not None else 0,
-                  "parts": getattr(p, "tp_parts", 1)}
+        region = {"dim": dim, "start": rank * shape[dim] if dim is not None else 0,
+                  "length": shape[dim] if dim is not None else 0, "parts": parts}
         for kind, src in sources.items():
             if lo < hi:
                 data = src[at + lo:at + hi].detach()

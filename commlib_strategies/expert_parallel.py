@@ -38,6 +38,7 @@ def expert_parallel_(experts: nn.Module, group: commlib.Communicator) -> None:
                              f"by expert (shape {tuple(p.shape)}, {total} experts)")
         held = nn.Parameter(p.detach()[first:first + local].clone())
         held.expert_parallel = True
+        held.ep_split_dim, held.ep_full_size = 0, total  # (for checkpoints)
         held.summed_over = getattr(p, "summed_over", ())  # context parallel's gradient sums
         setattr(experts, name, held)
     rehook_gradient_sums(experts)

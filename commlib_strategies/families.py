@@ -49,6 +49,8 @@ class FamilyConfig:
     d_model: int
     n_layers: int
     n_heads: int
+    experts: int = 0  # Mixtral's mixture-of-experts layers: experts, and each token's top-k
+    topk: int = 0
 
 
 class CausalLM(nn.Module):
@@ -91,5 +93,6 @@ def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = tf.AutoModelForCausalLM.from_config(config)
+    moe = (experts, topk) if family == "mixtral" else (0, 0)
     return CausalLM(hf.float().train(), FamilyConfig(family, vocab, seq_len, d_model, layers,
-                                                     heads))
+                                                     heads, *moe))

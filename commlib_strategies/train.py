@@ -165,8 +165,6 @@ def _model(args, layout: Layout):
     others = [f"--pp {layout.pp}"] * (layout.pp > 1) + ["--sp megatron"] * (layout.sp == "megatron")
     if layout.ep > 1 and layout.tp > 1:
         others.append("--ep with --tp")
-    if layout.ep > 1 and (args.save_dir or args.resume is not None):
-        others.append("--ep with checkpoints")
     if others:
         raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp, --ep and --zero "
                          f"for now; {' '.join(others)} needs --model gpt")
