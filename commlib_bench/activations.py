@@ -41,7 +41,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import commlib
 from commlib_strategies.model import GPT, GPTConfig
-from commlib_strategies.sequence_parallel import context_parallel_gpt, megatron_sp_gpt
+from commlib_strategies.context_parallel import context_parallel_gpt
+from commlib_strategies.megatron_sp import megatron_sp_gpt
 from commlib_strategies.tensor_parallel import tensor_parallel_gpt
 
 LAYOUTS = ("none", "tp", "tp+sp", "ulysses", "ring")

@@ -79,8 +79,9 @@ from commlib_strategies.mappings import (all_to_all_uneven, copy_to_group, gathe
                                          reduce_scatter_along)
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, MLP, cross_entropy, init_normal_
-from commlib_strategies.sequence_parallel import (ContextParallelGPT, MegatronSequenceParallelGPT,
-                                                  sum_gradients, sum_replicated_gradients)
+from commlib_strategies.context_parallel import ContextParallelGPT
+from commlib_strategies.megatron_sp import MegatronSequenceParallelGPT
+from commlib_strategies.sequence_parallel import sum_gradients, sum_replicated_gradients
 from commlib_strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                 TensorParallelGPT)
 from commlib_strategies.zero import default_units

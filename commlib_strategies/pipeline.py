@@ -59,10 +59,9 @@ from commlib_strategies.model import GPT, cross_entropy
 from commlib_strategies.moe import MoE, MoEGPT, TensorParallelExpert
 from commlib_strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
                                                    simulate)
-from commlib_strategies.sequence_parallel import (ContextParallelGPT,
-                                                  MegatronSequenceParallelGPT,
-                                                  context_parallel_cross_entropy,
-                                                  positions_of_shard, rehook_gradient_sums,
+from commlib_strategies.context_parallel import ContextParallelGPT, context_parallel_cross_entropy
+from commlib_strategies.megatron_sp import MegatronSequenceParallelGPT
+from commlib_strategies.sequence_parallel import (positions_of_shard, rehook_gradient_sums,
                                                   shard_positions)
 from commlib_strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
 

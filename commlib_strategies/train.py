@@ -56,8 +56,9 @@ from commlib_strategies.moe import (data_shard, expert_parallel_gpt, moe_gpt, re
                                     zero_arguments)
 from commlib_strategies.pipeline import Pipeline, PipelineStage
 from commlib_strategies.pipeline_schedules import SCHEDULES
-from commlib_strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt,
-                                                  sequence_shard)
+from commlib_strategies.context_parallel import context_parallel_gpt
+from commlib_strategies.megatron_sp import megatron_sp_gpt
+from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.tensor_parallel import tensor_parallel_gpt
 from commlib_strategies.zero import ZeRO
 

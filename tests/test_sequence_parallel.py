@@ -1,7 +1,8 @@
-"""commlib_strategies/sequence_parallel.py under mpiexec: ring and Ulysses attention against plain
-causal attention, the Megatron-SP (tp 2), Ulysses and ring (cp 2, ring also cp 4) GPTs
-training like the single-process reference, alone and beside dp 2 at 4 ranks, and the
-activation bytes saved per layer against their accounting (commlib_bench/activations.py)."""
+"""commlib_strategies/megatron_sp.py and context_parallel.py under mpiexec: ring and
+Ulysses attention against plain causal attention, the Megatron-SP (tp 2), Ulysses and ring
+(cp 2, ring also cp 4) GPTs training like the single-process reference, alone and beside
+dp 2 at 4 ranks, and the activation bytes saved per layer against their accounting
+(commlib_bench/activations.py)."""
 import pytest
 
 from mpirun import run_checked

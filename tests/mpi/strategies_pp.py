@@ -17,8 +17,9 @@ from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.pipeline import Pipeline, PipelineStage, gathered_state
 from commlib_strategies.pipeline_schedules import Action, schedule
-from commlib_strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt,
-                                                  sequence_shard)
+from commlib_strategies.context_parallel import context_parallel_gpt
+from commlib_strategies.megatron_sp import megatron_sp_gpt
+from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.tensor_parallel import tensor_parallel_gpt
 from commlib_strategies.zero import ZeRO
 

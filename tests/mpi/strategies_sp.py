@@ -20,9 +20,10 @@ from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
-from commlib_strategies.sequence_parallel import (context_parallel_gpt, megatron_sp_gpt,
-                                                  ring_attention, sequence_shard,
-                                                  ulysses_attention)
+from commlib_strategies.context_parallel import (context_parallel_gpt, ring_attention,
+                                                 ulysses_attention)
+from commlib_strategies.megatron_sp import megatron_sp_gpt
+from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.tensor_parallel import gathered_state
 from commlib_strategies.zero import ZeRO
 
