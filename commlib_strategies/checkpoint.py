@@ -171,7 +171,7 @@ def _named_parameters(trainer):
 
 
 def _experts(trainer) -> set:
-    from commlib_strategies.moe import expert_parameters  # (moe imports torch's heavier parts)
+    from commlib_strategies.expert_parallel import expert_parameters  # (imports moe: heavy)
     return expert_parameters(trainer.model)
 
 

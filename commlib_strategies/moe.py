@@ -33,7 +33,8 @@ batch with the same ``group_rows`` routes every token the same way. Choose ``gro
 dividing each rank's micro-batch (with it equal to the micro-batch, the usual choice, the
 groups are the data-parallel ranks' micro-batches).
 
-E+D, on a mesh of dp x ep: every rank of the grid sees different data (``data_shard``: shard
+E+D, on a mesh of dp x ep (the plumbing in expert_parallel.py): every rank of the grid sees
+different data (``data_shard``: shard
 dp_rank * ep + ep_rank of dp * ep). ``reduce_gradients`` then averages the dense (non-expert)
 parameters' gradients over all dp * ep ranks, and each expert's over the ranks holding a
 replica of it (its dp group): the expert's local gradient already sums what the tokens of
@@ -73,7 +74,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from commlib_strategies.data import shard
 from commlib_strategies.mappings import (all_to_all_uneven, copy_to_group, gather_along,
                                          gather_for_partial, reduce_from_group,
                                          reduce_scatter_along)
@@ -84,7 +84,6 @@ from commlib_strategies.megatron_sp import MegatronSequenceParallelGPT
 from commlib_strategies.sequence_parallel import sum_gradients, sum_replicated_gradients
 from commlib_strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                 TensorParallelGPT)
-from commlib_strategies.zero import default_units
 
 
 @dataclass
@@ -478,112 +477,3 @@ def expert_parallel_gpt(model: MoEGPT, mesh: Mesh, sp: str | None = None) -> nn.
 
 
 # ------------------------------------------------------------------------------ training
-
-def zero_arguments(model: nn.Module, mesh: Mesh) -> dict:
-    """ZeRO's ``group``, ``units`` and ``unit_groups`` for an expert-parallel GPT (or a
-    pipeline stage of one) on a mesh of dp x ep (x pp, or x tp: each tp rank's ZeRO holds
-    its slices). Dense parameters are sharded over the dp x ep ranks (of the stage), which
-    all hold them and saw different data; each MoE layer's experts form a unit of their
-    own, sharded over their replicas (the dp group); stage 3 gathers it when the layer
-    calls its ``Experts``, which every rank does in every forward. Units never span two
-    blocks, so a pipeline can reduce each piece's units on their own. The gradients are
-    then the ones ``reduce_gradients`` makes."""
-    units, unit_groups = [], {}
-
-    experts = expert_parameters(model)
-
-    def split(unit):  # a unit holding experts and more: its children, the experts apart
-        held = [id(p) in experts for p in unit.parameters()]
-        if all(held):
-            units.append(unit)
-            unit_groups[unit] = mesh.group("dp")
-        elif not any(held):
-            units.append(unit)
-        else:
-            for child in unit.children():
-                if any(True for _ in child.parameters()):
-                    split(child)
-
-    for unit in default_units(model):
-        split(unit)
-    return {"group": mesh.joint_group("dp", "ep"), "units": units, "unit_groups": unit_groups}
-
-
-def data_shard(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's rows of a global batch: shard dp_rank * ep + ep_rank of dp * ep."""
-    ep = mesh.size("ep")
-    return shard(tensor, mesh.rank("dp") * ep + mesh.rank("ep"), mesh.size("dp") * ep)
-
-
-def expert_parameters(model: nn.Module) -> set:
-    """ids of the parameters of every MoE layer's experts in ``model``, and of those
-    marked ``expert_parallel`` (a transformers model's, expert_parallel.py)."""
-    return {id(p) for layer in model.modules() if isinstance(layer, MoE)
-            for p in layer.experts.parameters()} | \
-        {id(p) for p in model.parameters() if getattr(p, "expert_parallel", False)}
-
-
-@torch.no_grad()
-def reduce_gradients(model: nn.Module, mesh: Mesh) -> None:
-    """After backward on each rank's ``data_shard``: make every gradient the gradient of the
-    mean loss over the global batch. Dense ones: averaged over the dp x ep ranks; expert
-    ones: summed over dp, divided by dp * ep. Collective over the mesh."""
-    experts = expert_parameters(model)
-    dense, expert = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:  # every rank must contribute to the same reductions
-                p.grad = torch.zeros_like(p)
-            (expert if id(p) in experts else dense).append(p)
-    ranks = mesh.size("dp") * mesh.size("ep")
-    _sum_flat(dense, [mesh.group("ep"), mesh.group("dp")], ranks)
-    _sum_flat(expert, [mesh.group("dp")], ranks)
-
-
-def _sum_flat(params, groups, divisor):
-    """Sum the gradients of ``params`` over each group in turn (one flat buffer per dtype),
-    then divide by ``divisor``."""
-    by_dtype = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for same in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in same])
-        for group in groups:
-            if group.size > 1:
-                group.all_reduce(flat)
-        flat /= divisor
-        for p, g in zip(same, flat.split([p.numel() for p in same])):
-            p.grad.copy_(g.view_as(p))
-
-
-@torch.no_grad()
-def gathered_state(model: nn.Module, group: commlib.Communicator, *, grads: bool = False,
-                   tp: commlib.Communicator | None = None) -> dict:
-    """name -> parameter (or gradient, with ``grads``) under the single-process model's names,
-    every expert of every layer gathered over ``group`` (the ep group), and with ``tp`` every
-    tensor-parallel slice joined over it, on every rank. Collective over the groups."""
-    def whole(p):
-        t = (p.grad if grads else p).detach()
-        dim = getattr(p, "tp_split_dim", None)
-        if tp is not None and dim is not None:
-            t = gather_along(t, tp, dim).narrow(dim, 0, p.tp_full_size)
-        return t
-
-    held = {id(p) for layer in model.modules() if isinstance(layer, ExpertParallelMoE)
-            for p in layer.experts.parameters()}
-    out = {}
-    for name, p in model.named_parameters():
-        if id(p) not in held:
-            out[name] = whole(p).clone()
-    for prefix, layer in model.named_modules():
-        if isinstance(layer, ExpertParallelMoE):
-            for j, expert in enumerate(layer.experts.values()):
-                for name, p in expert.named_parameters():
-                    t = whole(p).contiguous()
-                    everyone = t.new_empty((group.size,) + t.shape)
-                    group.all_gather(everyone, t)
-                    for rank in range(group.size):
-                        index = rank * layer.local + j
-                        out[".".join(filter(None, [prefix, "experts", str(index), name]))] = \
-                            everyone[rank]
-    return out

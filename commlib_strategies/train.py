@@ -52,8 +52,8 @@ from commlib_strategies.mesh import DIMS, Mesh
 from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.plans import PLANS
-from commlib_strategies.moe import (data_shard, expert_parallel_gpt, moe_gpt, reduce_gradients,
-                                    zero_arguments)
+from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
+from commlib_strategies.moe import expert_parallel_gpt, moe_gpt
 from commlib_strategies.pipeline import Pipeline, PipelineStage
 from commlib_strategies.pipeline_schedules import SCHEDULES
 from commlib_strategies.context_parallel import context_parallel_gpt

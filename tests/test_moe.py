@@ -15,7 +15,8 @@ from torch import nn  # noqa: E402
 
 from commlib_strategies.data import AdditionDataset, vocab_size  # noqa: E402
 from commlib_strategies.model import GPT, MLP, Block, GPTConfig, cross_entropy  # noqa: E402
-from commlib_strategies.moe import MoE, MoEGPT, expert_parameters, moe_gpt  # noqa: E402
+from commlib_strategies.expert_parallel import expert_parameters  # noqa: E402
+from commlib_strategies.moe import MoE, MoEGPT, moe_gpt  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 

@@ -18,7 +18,7 @@ from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
-from commlib_strategies.moe import data_shard, reduce_gradients, zero_arguments
+from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
 from commlib_strategies.model import cross_entropy
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.plans import PLANS
@@ -125,7 +125,7 @@ def zero(name, make, want, stage):
 def parallel(name, make, want, sizes, zero_stage, attention="ring"):
     """The family's model parallelized by its plan over a mesh of ``sizes`` (tp, cp, ep; dp
     is the rest), with ZeRO ``zero_stage`` over dp (0: DataParallel, or with experts
-    moe.reduce_gradients)."""
+    expert_parallel.reduce_gradients)."""
     mesh = Mesh(world, dp=n // math.prod(sizes.values()), **sizes)
     dp, tp, ep = mesh.group("dp"), mesh.group("tp"), mesh.group("ep")
     model = make()

@@ -20,8 +20,9 @@ from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.mappings import all_to_all_uneven
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
-from commlib_strategies.moe import (MoE, ExpertParallelMoE, data_shard, expert_parallel_gpt,
-                                    gathered_state, moe_gpt, reduce_gradients, zero_arguments)
+from commlib_strategies.expert_parallel import (data_shard, gathered_state, reduce_gradients,
+                                                zero_arguments)
+from commlib_strategies.moe import MoE, ExpertParallelMoE, expert_parallel_gpt, moe_gpt
 from commlib_strategies.pipeline import Pipeline, PipelineStage
 from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.zero import ZeRO
