@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
-from commlib_strategies.mappings import copy_to_group, gather_along, reduce_from_group, split_along
+from commlib_strategies.mappings import (copy_to_group, gather_along, reduce_from_group,
+                                         reduce_scatter_along, split_along)
 from commlib_strategies.model import GPT, MLP
 
 
@@ -274,10 +275,12 @@ def _slice_parts(full: torch.Tensor, dim: int, parts: int, group) -> torch.Tenso
     return torch.cat([_shard(c, group, dim) for c in chunks], dim)
 
 
-def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int = 1) -> None:
+def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int = 1,
+                     gathered: bool = False) -> None:
     """Make a linear layer column-parallel in place: it keeps this rank's output features
-    (of each of ``parts`` fused parts) and its forward takes a replicated input and gives
-    this rank's split output. Its parameters keep their names."""
+    (of each of ``parts`` fused parts) and its forward takes a replicated input (or, with
+    ``gathered``, one Megatron SP all-gathered already, whose backward sums the partial
+    gradients) and gives this rank's split output. Its parameters keep their names."""
     dim = _out_dim(module)
     full = module.weight.shape[dim]
     if full % (parts * group.size):
@@ -291,15 +294,17 @@ def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int 
         module.bias.tp_parts = parts
 
     def forward(x):
-        y = _matmul(copy_to_group(x, group), module.weight, dim)
+        y = _matmul(x if gathered else copy_to_group(x, group), module.weight, dim)
         return y if module.bias is None else y + module.bias
     module.forward = forward
 
 
-def row_parallel_(module: nn.Module, group: commlib.Communicator) -> None:
+def row_parallel_(module: nn.Module, group: commlib.Communicator,
+                  sequence_dim: int | None = None) -> None:
     """Make a linear layer row-parallel in place: it keeps this rank's input features and
     its forward takes a split input (a column-parallel layer's output) and gives the
-    replicated output, the bias (held whole) added once after the sum."""
+    replicated output (or, with ``sequence_dim``, Megatron SP's sequence shard of it,
+    reduce-scattered along that dim), the bias (held whole) added once after the sum."""
     out = _out_dim(module)
     dim = 1 - out
     full = module.weight.shape[dim]
@@ -309,7 +314,9 @@ def row_parallel_(module: nn.Module, group: commlib.Communicator) -> None:
     module.weight = _mark(nn.Parameter(_slice_parts(module.weight, dim, 1, group)), dim, full)
 
     def forward(x):
-        y = reduce_from_group(_matmul(x, module.weight, out), group)
+        partial = _matmul(x, module.weight, out)
+        y = reduce_from_group(partial, group) if sequence_dim is None else \
+            reduce_scatter_along(partial, group, sequence_dim)
         return y if module.bias is None else y + module.bias
     module.forward = forward
 

@@ -14,10 +14,10 @@
     mpiexec -n 2 python -m commlib_strategies.train --model llama --zero 3
 
 --model gpt2, llama or mixtral trains transformers' model of that family, from a small
-config, with data, tensor (by the family's plan), context (Ulysses or ring attention through
-the model's attention interface), expert (Mixtral: --experts, --topk set its MoE layers;
-dropless) and ZeRO parallelism (pipeline and Megatron sequence parallelism need --model
-gpt for now).
+config, with data, tensor (by the family's plan; with Megatron sequence parallelism too),
+context (Ulysses or ring attention through the model's attention interface), expert
+(Mixtral: --experts, --topk set its MoE layers; dropless) and ZeRO parallelism (pipeline
+parallelism needs --model gpt for now).
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -163,9 +163,11 @@ def _model(args, layout: Layout):
     if layout.experts and args.model != "mixtral":
         raise ValueError(f"--experts: --model {args.model} has no mixture-of-experts layers "
                          "(--model mixtral or gpt has)")
-    others = [f"--pp {layout.pp}"] * (layout.pp > 1) + ["--sp megatron"] * (layout.sp == "megatron")
+    others = [f"--pp {layout.pp}"] * (layout.pp > 1)
     if layout.ep > 1 and layout.tp > 1:
         others.append("--ep with --tp")
+    if layout.sp == "megatron" and (layout.ep > 1 or layout.cp > 1):
+        others.append("--sp megatron with --ep or --cp")
     if others:
         raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp, --ep and --zero "
                          f"for now; {' '.join(others)} needs --model gpt")
@@ -189,7 +191,7 @@ class Trainer:
         self.pipeline = None
         if args.model != "gpt":  # a family's plan says where each dimension applies
             model = parallelize(model, mesh, PLANS[args.model], config=model.hf.config,
-                                attention=layout.sp or "ring")
+                                sp=layout.sp)
         elif layout.experts:
             model = expert_parallel_gpt(model, mesh, layout.sp)
         elif layout.cp > 1:

@@ -28,12 +28,12 @@ def test_dp_and_zero_train_like_one_process(n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_dp_zero_and_tp_train_models_nobody_here_wrote(n):
     """transformers' GPT-2 (tied lm_head), Llama and Mixtral, and a model with shared
-    blocks, a buffer and parameters read outside their modules' forward; tp, cp and
-    Mixtral's ep by the families' plans, with DP or ZeRO over the other ranks."""
+    blocks, a buffer and parameters read outside their modules' forward; tp (with Megatron
+    SP), cp and Mixtral's ep by the families' plans, with DP or ZeRO over the rest."""
     out = run_checked(n, "tests/mpi/strategies_families.py")
     families = 3 if importlib.util.find_spec("transformers") else 0  # (the models extra)
     # (tests/mpi/strategies_families.py's LAYOUTS, and Mixtral's EXPERT_LAYOUTS)
-    layouts = {2: 4, 3: 0, 4: 6}[n] * families + {2: 2, 3: 0, 4: 3}[n] * (families > 0)
+    layouts = {2: 5, 3: 0, 4: 8}[n] * families + {2: 2, 3: 0, 4: 3}[n] * (families > 0)
     cases = 4 * (1 + families) + layouts
     assert f"commlib-check: {cases} cases" in out, out[-2000:]
 

@@ -5,6 +5,7 @@ parallelism on the families by their plans, with DP or ZeRO over the rest. Each 
 few steps on the same global batches as one process does, and must end with the same
 parameters (1e-4 relative, fp32). Under mpiexec."""
 import contextlib
+import fnmatch
 import importlib.util
 import math
 
@@ -129,7 +130,13 @@ def parallel(name, make, want, sizes, zero_stage, attention="ring"):
     mesh = Mesh(world, dp=n // math.prod(sizes.values()), **sizes)
     dp, tp, ep = mesh.group("dp"), mesh.group("tp"), mesh.group("ep")
     model = make()
-    parallelize(model, mesh, PLANS[name], config=model.hf.config, attention=attention)
+    parallelize(model, mesh, PLANS[name], config=model.hf.config, sp=attention)
+    times = []  # under Megatron SP the blocks run on sequence shards
+    first = PLANS[name].sequence[0]
+    for path, m in model.named_modules():
+        if fnmatch.fnmatch(path, first):
+            m.register_forward_hook(lambda m, args, out: times.append(
+                (out[0] if isinstance(out, tuple) else out).shape[1]))
     if sizes.get("tp", 1) > 1:
         assert any(hasattr(p, "tp_split_dim") for p in model.parameters()), "nothing split"
     experts = ep.size > 1
@@ -147,6 +154,8 @@ def parallel(name, make, want, sizes, zero_stage, attention="ring"):
         if mesh.size("cp") > 1:
             x, y = (sequence_shard(t, mesh.group("cp")) for t in (x, y))
         model.loss(x, y).backward()
+        if attention == "megatron":
+            assert times.pop() == x.shape[1] // tp.size, "the blocks did not run on shards"
         if experts and not zero_stage:
             reduce_gradients(model, mesh)
         opt.step()
@@ -162,9 +171,10 @@ def parallel(name, make, want, sizes, zero_stage, attention="ring"):
 
 # (sizes, ZeRO stage, attention) at 2 ranks; at 4 the rest is dp, and tp x cp joins;
 # expert parallelism where there are experts
-LAYOUTS = [({"tp": 2}, 0, None), ({"tp": 2}, 3, None), ({"cp": 2}, 0, "ulysses"),
-           ({"cp": 2}, 3, "ring")]
-LAYOUTS_4 = [({"tp": 2, "cp": 2}, 0, "ring"), ({"tp": 2, "cp": 2}, 2, "ulysses")]
+LAYOUTS = [({"tp": 2}, 0, None), ({"tp": 2}, 3, None), ({"tp": 2}, 1, "megatron"),
+           ({"cp": 2}, 0, "ulysses"), ({"cp": 2}, 3, "ring")]
+LAYOUTS_4 = [({"tp": 2, "cp": 2}, 0, "ring"), ({"tp": 2, "cp": 2}, 2, "ulysses"),
+             ({"tp": 2}, 3, "megatron")]
 EXPERT_LAYOUTS = [({"ep": 2}, 0, None), ({"ep": 2}, 3, None)]
 EXPERT_LAYOUTS_4 = [({"ep": 2, "cp": 2}, 2, "ring")]
 
@@ -185,5 +195,5 @@ for name, make in models():
         for sizes, stage, attention in layouts(name):
             label = "_".join(f"{d}{s}" for d, s in sizes.items())
             check.check(f"{name}_{label}_zero_{stage}_{attention}",
-                        lambda: parallel(name, make, want, sizes, stage, attention or "ring"))
+                        lambda: parallel(name, make, want, sizes, stage, attention))
 check.finish()
