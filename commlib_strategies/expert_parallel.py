@@ -22,6 +22,8 @@ they do the GPT's experts.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -52,10 +54,10 @@ def expert_parallel_(experts: nn.Module, group: commlib.Communicator) -> None:
         held.summed_over = getattr(p, "summed_over", ())  # context parallel's gradient sums
         setattr(experts, name, held)
     rehook_gradient_sums(experts)
-    own_forward = experts.forward
+    own_forward = type(experts).forward
     experts.num_experts = local
 
-    def forward(hidden, top_k_index, top_k_weights):
+    def forward(self, hidden, top_k_index, top_k_weights):
         tokens, k = top_k_index.shape
         choice = top_k_index.reshape(-1)
         order = torch.argsort(choice, stable=True)  # assignments by expert, hence by rank
@@ -68,11 +70,11 @@ def expert_parallel_(experts: nn.Module, group: commlib.Communicator) -> None:
         with torch.no_grad():
             ids = all_to_all_uneven(choice[order].unsqueeze(1), group, send_rows, recv_rows)
         ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-        out = own_forward(arrived, ids - first, ones)
+        out = own_forward(self, arrived, ids - first, ones)
         back = all_to_all_uneven(out, group, recv_rows, send_rows)
         weight = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
         return torch.zeros_like(hidden).index_add(0, token, back * weight)
-    experts.forward = forward
+    experts.forward = types.MethodType(forward, experts)  # (a deep copy rebinds it)
 
 
 # ------------------------------------------------------------------ E+D plumbing

@@ -26,6 +26,7 @@ unpadded size of that dim), which ``gathered_state`` uses to rebuild the full te
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 import torch.nn.functional as F
@@ -293,10 +294,10 @@ def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int 
         module.bias = _mark(nn.Parameter(_slice_parts(module.bias, 0, parts, group)), 0, full)
         module.bias.tp_parts = parts
 
-    def forward(x):
-        y = _matmul(x if gathered else copy_to_group(x, group), module.weight, dim)
-        return y if module.bias is None else y + module.bias
-    module.forward = forward
+    def forward(self, x):
+        y = _matmul(x if gathered else copy_to_group(x, group), self.weight, dim)
+        return y if self.bias is None else y + self.bias
+    module.forward = types.MethodType(forward, module)  # (a deep copy rebinds it)
 
 
 def row_parallel_(module: nn.Module, group: commlib.Communicator,
@@ -313,12 +314,12 @@ def row_parallel_(module: nn.Module, group: commlib.Communicator,
                          f"tp={group.size}; choose a tp dividing {full}")
     module.weight = _mark(nn.Parameter(_slice_parts(module.weight, dim, 1, group)), dim, full)
 
-    def forward(x):
-        partial = _matmul(x, module.weight, out)
+    def forward(self, x):
+        partial = _matmul(x, self.weight, out)
         y = reduce_from_group(partial, group) if sequence_dim is None else \
             reduce_scatter_along(partial, group, sequence_dim)
-        return y if module.bias is None else y + module.bias
-    module.forward = forward
+        return y if self.bias is None else y + self.bias
+    module.forward = types.MethodType(forward, module)  # (a deep copy rebinds it)
 
 
 # ------------------------------------------------------------------------------ the GPT
