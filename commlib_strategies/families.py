@@ -66,15 +66,24 @@ class CausalLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits; under context parallelism this rank's shard of each
         sequence, at its global positions."""
+        return self.run(input_ids=ids)
+
+    def run(self, **inputs) -> torch.Tensor:
+        """The model on ``input_ids`` (B, T) or ``inputs_embeds`` (B, T, d): a pipeline
+        piece past the first passes hidden states on."""
+        (x,) = inputs.values()
         where = {} if self.cp_group is None else \
-            {"position_ids": positions(ids.shape[1], self.cp_group, ids.device)}
-        return self.hf(input_ids=ids, use_cache=False, **where).logits
+            {"position_ids": positions(x.shape[1], self.cp_group, x.device)}
+        return self.hf(**inputs, use_cache=False, **where).logits
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_of(self(ids), targets)
+
+    def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy over every token of the batch (of every shard)."""
         if self.cp_group is None:
-            return cross_entropy(self(ids), targets)
-        return sequence_sharded_cross_entropy(self(ids), targets, self.cp_group)
+            return cross_entropy(logits, targets)
+        return sequence_sharded_cross_entropy(logits, targets, self.cp_group)
 
     def count_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -88,11 +88,11 @@ class Piece(nn.Module):
         super().__init__()
         self.index, self.first, self.last = index, index == 0, index == count - 1
         if self.first:
-            self.tok_emb, self.pos_emb = _copy(model.tok_emb), _copy(model.pos_emb)
+            self.tok_emb, self.pos_emb = copy_module(model.tok_emb), copy_module(model.pos_emb)
             self.positions = positions
-        self.blocks = nn.ModuleDict({str(i): _copy(model.blocks[i]) for i in blocks})
+        self.blocks = nn.ModuleDict({str(i): copy_module(model.blocks[i]) for i in blocks})
         if self.last:
-            self.ln_f, self.head = _copy(model.ln_f), _copy(model.head)
+            self.ln_f, self.head = copy_module(model.ln_f), copy_module(model.head)
             self.loss_fn = loss_fn
         self.aux_weight = getattr(model, "aux_weight", 0.0)
 
@@ -113,7 +113,7 @@ class Piece(nn.Module):
         return x
 
 
-def _copy(module: nn.Module) -> nn.Module:
+def copy_module(module: nn.Module) -> nn.Module:
     """A deep copy that shares the communicators the modules hold (tensor-parallel layers'
     groups) and keeps the attributes parameters carry (``tp_split_dim``), which copying a
     Parameter drops."""
@@ -163,27 +163,35 @@ class PipelineStage(nn.Module):
         else:
             raise ValueError(f"pipeline: expected a GPT, TensorParallelGPT, "
                              f"ContextParallelGPT or MoEGPT, got {type(model).__name__}")
-        self.config, self.group = model.config, group
-        self.stages, self.virtual, self.stage = group.size, virtual, group.rank
-        count = self.stages * virtual
+        count = group.size * virtual
         blocks = partition(model.config.n_layers, count)
-        self.pieces = nn.ModuleList(Piece(model, c * self.stages + self.stage, count,
-                                          blocks[c * self.stages + self.stage], loss_fn,
-                                          positions)
-                                    for c in range(virtual))
+        pieces = [Piece(model, c * group.size + group.rank, count,
+                        blocks[c * group.size + group.rank], loss_fn, positions)
+                  for c in range(virtual)]
+        split_experts = any(isinstance(m, TensorParallelExpert) for p in pieces
+                            for m in p.modules())
+        unsplittable = ("Megatron SP's fused layers" if self.sequence_shards > 1 else
+                        "experts split over tp (their weights applied by the expert)"
+                        if split_experts else None)
+        layout = [[(name, p.shape) for c in range(virtual)
+                   for name, p in _piece_parameters(model, c * group.size + s, count,
+                                                    blocks[c * group.size + s])]
+                  for s in range(group.size)]
+        self._setup(model.config, group, pieces, layout, unsplittable)
+
+    def _setup(self, config, group, pieces: list, layout: list, unsplittable) -> None:
+        """What every stage holds: ``pieces`` (chunk c: piece c * stages + stage), ``layout``
+        (every stage's parameter names and local shapes, for gathered_state), and why
+        zero-bubble's W cannot run on them (``unsplittable``, or None)."""
+        self.config, self.group = config, group
+        self.stages, self.virtual, self.stage = group.size, len(pieces), group.rank
+        self.pieces = nn.ModuleList(pieces)
         # the copies lost the model's gradient hooks (Megatron SP's, context parallelism's)
         rehook_gradient_sums(self.pieces)
         # zero-bubble's W runs backward from each module's output to its own parameters:
         # not for weights applied inside fused functions or by their parents
-        split_experts = any(isinstance(m, TensorParallelExpert) for m in self.modules())
-        self.unsplittable = ("Megatron SP's fused layers" if self.sequence_shards > 1 else
-                             "experts split over tp (their weights applied by the expert)"
-                             if split_experts else None)
-        # every stage's parameter names and (local) shapes, for gathered_state
-        pieces_of = [[c * self.stages + s for c in range(virtual)] for s in range(self.stages)]
-        self.layout = [[(name, p.shape) for i in mine
-                        for name, p in _piece_parameters(model, i, count, blocks[i])]
-                       for mine in pieces_of]
+        self.unsplittable = unsplittable
+        self.layout = layout
         self._captured = None  # while run_piece captures: [(module, output)]
         for module in self.modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -200,12 +208,14 @@ class PipelineStage(nn.Module):
         return next(self.parameters()).device
 
     def _on_module_output(self, module, args, output):
-        if self._captured is not None:
-            self._captured.append((module, output))
+        if self._captured is not None:  # (a module may return several tensors: a router's)
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            self._captured += [(module, t) for t in outputs
+                               if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def run_piece(self, chunk: int, x, targets=None, capture: bool = False):
-        """(chunk's output, and with ``capture`` the (module, output) of each of its modules
-        that holds parameters, in call order; else None)."""
+        """(chunk's output, and with ``capture`` the (module, output tensor) of each of its
+        modules that holds parameters, in call order; else None)."""
         self._captured = [] if capture else None
         try:
             return self.pieces[chunk](x, targets), self._captured
@@ -393,7 +403,9 @@ class Pipeline:
         first = self.stage.pieces[a.chunk].first
         wanted = ([] if first else [held.input]) + [out for _, out in held.modules]
         roots, root_grads = held.roots(grad)
-        grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True)
+        # (allow_unused: a module's output nothing later used, such as a router's logits)
+        grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True,
+                                    allow_unused=True)
         if not first:
             self._deliver("B", self._piece(a) - 1, a.microbatch, grads[0])
             grads = grads[1:]
@@ -403,9 +415,15 @@ class Pipeline:
         held = self._run.held.pop((a.microbatch, a.chunk))
         # per module: from its output to its own parameters only (one call over all modules
         # would also run back through the residual stream into earlier modules' weights)
+        outputs: dict = {}  # module -> (its outputs, their gradients): one backward each
         for (module, out), grad in zip(held.modules, held.module_grads):
+            if grad is not None:
+                outs, grads = outputs.setdefault(module, ([], []))
+                outs.append(out)
+                grads.append(grad)
+        for module, (outs, grads) in outputs.items():
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            torch.autograd.backward(out, grad, inputs=params)
+            torch.autograd.backward(outs, grads, inputs=params)
         self._after_weights(a)
 
     def _send_f(self, a: Action):

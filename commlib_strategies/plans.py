@@ -13,6 +13,9 @@ plan for a new family is a short declaration:
                rank keeps whole heads (and whole key/value heads under grouped queries)
     experts    the pattern of the mixture-of-experts layers' experts modules, which expert
                parallelism splits (expert_parallel.py)
+    pipeline   (embeddings, the blocks' list, final modules): where a pipeline cuts the
+               model (pipeline_cut.py): the first piece holds the embeddings, each piece a
+               run of blocks, the last the final norm and the LM head
     sequence   (first block, final norm, tp regions): Megatron sequence parallelism shards
                the residual stream along time from the first block's input to the final
                norm's output; the tp regions (attention, MLP: their column-parallel linears'
@@ -33,6 +36,7 @@ class Plan:
     per_rank: dict = field(default_factory=dict)
     heads: tuple = ()
     experts: str = ""
+    pipeline: tuple = ()
     sequence: tuple = ()
 
 
@@ -40,17 +44,21 @@ _LLAMA_ATTENTION = dict(column={"*.self_attn.q_proj": 1, "*.self_attn.k_proj": 1
                                 "*.self_attn.v_proj": 1},
                         row=("*.self_attn.o_proj",),
                         heads=("num_attention_heads", "num_key_value_heads"),
-                        sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn",)))
+                        sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn",)),
+                        pipeline=(("*.model.embed_tokens",), "*.model.layers",
+                                  ("*.model.norm", "*.lm_head")))
 
 PLANS = {
     "gpt2": Plan(column={"*.attn.c_attn": 3, "*.mlp.c_fc": 1},
                  row=("*.attn.c_proj", "*.mlp.c_proj"),
                  per_rank={"*.attn": ("split_size",)}, heads=("n_head",),
-                 sequence=("*.transformer.h.0", "*.transformer.ln_f", ("*.attn", "*.mlp"))),
+                 sequence=("*.transformer.h.0", "*.transformer.ln_f", ("*.attn", "*.mlp")),
+                 pipeline=(("*.transformer.wte", "*.transformer.wpe"), "*.transformer.h",
+                           ("*.transformer.ln_f", "*.lm_head"))),
     "llama": Plan(column={**_LLAMA_ATTENTION["column"], "*.mlp.gate_proj": 1,
                           "*.mlp.up_proj": 1},
                   row=_LLAMA_ATTENTION["row"] + ("*.mlp.down_proj",),
-                  heads=_LLAMA_ATTENTION["heads"],
+                  heads=_LLAMA_ATTENTION["heads"], pipeline=_LLAMA_ATTENTION["pipeline"],
                   sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn", "*.mlp"))),
     "mixtral": Plan(**_LLAMA_ATTENTION, experts="*.mlp.experts"),
 }

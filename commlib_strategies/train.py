@@ -55,6 +55,7 @@ from commlib_strategies.plans import PLANS
 from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
 from commlib_strategies.moe import expert_parallel_gpt, moe_gpt
 from commlib_strategies.pipeline import Pipeline, PipelineStage
+from commlib_strategies.pipeline_cut import FamilyStage
 from commlib_strategies.pipeline_schedules import SCHEDULES
 from commlib_strategies.context_parallel import context_parallel_gpt
 from commlib_strategies.megatron_sp import megatron_sp_gpt
@@ -163,11 +164,11 @@ def _model(args, layout: Layout):
     if layout.experts and args.model != "mixtral":
         raise ValueError(f"--experts: --model {args.model} has no mixture-of-experts layers "
                          "(--model mixtral or gpt has)")
-    others = [f"--pp {layout.pp}"] * (layout.pp > 1)
+    others = []
     if layout.ep > 1 and layout.tp > 1:
         others.append("--ep with --tp")
-    if layout.sp == "megatron" and (layout.ep > 1 or layout.cp > 1):
-        others.append("--sp megatron with --ep or --cp")
+    if layout.sp == "megatron" and (layout.ep > 1 or layout.cp > 1 or layout.pp > 1):
+        others.append("--sp megatron with --ep, --cp or --pp")
     if others:
         raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp, --ep and --zero "
                          f"for now; {' '.join(others)} needs --model gpt")
@@ -201,7 +202,9 @@ class Trainer:
             model = megatron_sp_gpt(model, mesh.group("tp"))
         elif layout.tp > 1:
             model = tensor_parallel_gpt(model, mesh.group("tp"))
-        if layout.pp > 1:
+        if layout.pp > 1 and args.model != "gpt":
+            model = FamilyStage(model, PLANS[args.model], mesh.group("pp"), layout.virtual)
+        elif layout.pp > 1:
             model = PipelineStage(model, mesh.group("pp"), layout.virtual)
         if args.bf16:
             model = model.to(torch.bfloat16)
