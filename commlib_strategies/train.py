@@ -15,9 +15,8 @@
 
 --model gpt2, llama or mixtral trains transformers' model of that family, from a small
 config, with data, tensor (by the family's plan; with Megatron sequence parallelism too),
-context (Ulysses or ring attention through the model's attention interface), expert
-(Mixtral: --experts, --topk set its MoE layers; dropless) and ZeRO parallelism (pipeline
-parallelism needs --model gpt for now).
+context (Ulysses or ring attention through the model's attention interface), pipeline,
+expert (Mixtral: --experts, --topk set its MoE layers; dropless) and ZeRO parallelism.
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -95,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model", choices=("gpt",) + FAMILIES, default="gpt",
                        help="the project's GPT (default), or transformers' GPT-2, Llama or "
                             "Mixtral built from a small config (pip install 'commlib[models]'; "
-                            "for now with --dp, --tp, --cp, --ep and --zero)")
+                            "in every layout but a few it names)")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -170,8 +169,8 @@ def _model(args, layout: Layout):
     if layout.sp == "megatron" and (layout.ep > 1 or layout.cp > 1 or layout.pp > 1):
         others.append("--sp megatron with --ep, --cp or --pp")
     if others:
-        raise ValueError(f"--model {args.model} trains with --dp, --tp, --cp, --ep and --zero "
-                         f"for now; {' '.join(others)} needs --model gpt")
+        raise ValueError(f"--model {args.model}: {' '.join(others)} is not supported yet "
+                         "(--model gpt has it)")
     return build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
                  d_model=args.d_model, layers=args.layers, heads=args.heads,
                  experts=layout.experts, topk=layout.topk)

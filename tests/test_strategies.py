@@ -77,6 +77,25 @@ def test_training_cli_mixture_of_experts_in_every_layout(tmp_path):
         assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
 
 
+def test_training_cli_pipelines_models_nobody_here_wrote(tmp_path):
+    """transformers' Llama and Mixtral cut into pipeline stages by their plans, beside dp
+    (ZeRO 3, zero-bubble's split backward), tp, ep: the one-process losses. GPT-2's tied LM
+    head across stages is refused with the reason."""
+    pytest.importorskip("transformers")
+    for family, layouts in [
+            ("llama", [(2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
+                       (4, ["--pp", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1"]),
+                       (4, ["--pp", "2", "--tp", "2"])]),
+            ("mixtral", [(4, ["--pp", "2", "--ep", "2", "--zero", "2", "--schedule", "zb-h1"])])]:
+        want = [r["loss"] for r in _train(1, tmp_path, "--model", family)[0]]
+        for n, layout in layouts:
+            got = [r["loss"] for r in _train(n, tmp_path, "--model", family, *layout)[0]]
+            assert got == pytest.approx(want, rel=1e-5), (family, layout, got, want)
+    code, out = mpirun(2, "-m", "commlib_strategies.train", "--model", "gpt2", "--pp", "2",
+                       "--steps", "1", timeout=120, env=ENV)
+    assert code != 0 and "LM head is tied to its embedding" in out, out[-2000:]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_and_traffic_match_the_seeds_figures(tmp_path, stage):
     """Measured bytes of parameters, gradients and optimizer state per rank, and bytes sent
