@@ -26,6 +26,13 @@ class ReduceOp(str, Enum):
     MIN = "min"
     MAX = "max"
     AVG = "avg"  # reduces as sum, then scaled by 1/size; floating dtypes only
+    BAND = "band"  # bitwise and, or, xor: integer dtypes only
+    BOR = "bor"
+    BXOR = "bxor"
+
+    @property
+    def bitwise(self) -> bool:
+        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
     @classmethod
     def parse(cls, op) -> "ReduceOp":

@@ -238,8 +238,10 @@ def init() -> Communicator:
     """The world communicator (created on first call, then reused): over MPI.COMM_WORLD, or
     under torchrun (each process alone in its MPI world) through torchrun's store."""
     global _world
+    from . import trace  # (here: ``python -m commlib.trace`` imports commlib first)
     if _world is None and MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         _world = _torchrun_world()
+        trace.start(_world)  # (collective) if COMMLIB_TRACE asks for a trace
     if _world is None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
@@ -247,6 +249,8 @@ def init() -> Communicator:
         _world = Communicator(MPI.COMM_WORLD)  # collective: every rank is past MPI_Init
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
+        trace.name_job(_world)  # (collective) for failures' timelines
+        trace.start(_world)  # (collective) if COMMLIB_TRACE asks for a trace
     return _world
 
 

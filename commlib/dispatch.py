@@ -98,7 +98,9 @@ class Dispatcher:
             raise self.unusable()
         offers = t.offers | t.device_offers()
         gpu = None
-        if "cuda_ipc" in offers and self._asks_ipc(call, algorithm):
+        # (the GPU kernels have no bitwise ops: those are staged through host memory)
+        if "cuda_ipc" in offers and not (call.op and call.op.bitwise) and \
+                self._asks_ipc(call, algorithm):
             device = call.device.device
             gpu = self.gpu(device, call.descriptor("ipcsetup"), call.dtype.itemsize, seconds)
             if not gpu.usable and algorithm is not None:
@@ -215,6 +217,9 @@ class Dispatcher:
         FlightRecorder.finish(record, error)
         if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
             self.recorder.dump()
+        if isinstance(error, CommError):
+            from . import trace  # (on failure only: ``python -m commlib.trace`` runs it)
+            trace.on_failure(self.recorder, error)
         return error
 
     def tell_peers(self, collective: str, error: Exception) -> None:

@@ -1,8 +1,10 @@
-"""The flight recorder: the last COMMLIB_FLIGHT_RECORDER (default 64) calls of a
-communicator, with sequence number, arguments, state and timings; ``comm.flight_record()``
-returns them and a timeout or mismatch prints them to stderr."""
+"""The flight recorder: the last COMMLIB_FLIGHT_RECORDER (default 64; under COMMLIB_TRACE,
+COMMLIB_TRACE_CALLS, default 100000) calls of a communicator, with sequence number,
+arguments, state and timings; ``comm.flight_record()`` returns them, a timeout or mismatch
+prints them to stderr, and a trace (commlib/trace.py) writes them out."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -12,6 +14,12 @@ from .call import env_number
 _now = time.monotonic
 
 
+def default_size() -> int:
+    if os.environ.get("COMMLIB_TRACE"):
+        return int(env_number("COMMLIB_TRACE_CALLS", 100000, int))
+    return int(env_number("COMMLIB_FLIGHT_RECORDER", 64, int))
+
+
 class FlightRecorder:
     """The last ``size`` calls: [seq, collective, algorithm, count, dtype, op, root, state,
     issued, started, finished, error] per call, kept as plain lists (cheap to record)."""
@@ -19,12 +27,15 @@ class FlightRecorder:
     FIELDS = ("seq", "collective", "algorithm", "count", "dtype", "op", "root", "state",
               "issued", "started", "finished", "error")
 
+    on_create = None  # a trace's: called with every new recorder (commlib/trace.py)
+
     def __init__(self, owner: str, size: int | None = None):
         self.owner = owner
-        self.calls: deque = deque(maxlen=int(env_number("COMMLIB_FLIGHT_RECORDER", 64, int))
-                                  if size is None else size)
+        self.calls: deque = deque(maxlen=default_size() if size is None else size)
         self.seq = 0
         self.fast = None  # the communicator's FastPath: it numbers every call, keeps its rows
+        if FlightRecorder.on_create is not None:
+            FlightRecorder.on_create(self)
 
     def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> list:
         self.seq = self.fast.native.next_seq() if self.fast is not None else self.seq + 1

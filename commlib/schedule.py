@@ -131,7 +131,9 @@ def chunks(count: int, parts: int) -> list[tuple[int, int]]:
 # Simulator: every rank's schedule in one process, no MPI.
 
 _NUMPY_OPS: dict[str, Callable] = {"sum": np.add, "prod": np.multiply,
-                                   "min": np.minimum, "max": np.maximum}
+                                   "min": np.minimum, "max": np.maximum,
+                                   "band": np.bitwise_and, "bor": np.bitwise_or,
+                                   "bxor": np.bitwise_xor}
 
 
 def _check_round(rank: int, index: int, rnd: Round, buffers: dict) -> None:

@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from torch.autograd import _profiler_enabled
 
 from . import abort
 from .comm import Communicator
@@ -243,7 +244,15 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def _issue(self, async_op: bool, fn, *args, **kwargs) -> list:
         """Run one commlib call: queued (returns [its Work]) or to completion now ([]).
         A call on CUDA tensors is enqueued on the current stream (_stream_ordered) and
-        returns at once: it is never queued."""
+        returns at once: it is never queued. Under torch.profiler it is a
+        ``commlib:<collective>`` event (its issue, or the whole call when not async)."""
+        if _profiler_enabled():  # named in torch.profiler's traces, as NCCL's calls are
+            with torch.profiler.record_function(f"commlib:{fn.__name__}"):
+                return self._issue_now(async_op, fn, *args, **kwargs)
+        return self._issue_now(async_op, fn, *args, **kwargs)
+
+    @staticmethod
+    def _issue_now(async_op: bool, fn, *args, **kwargs) -> list:
         try:
             if async_op and not any(getattr(a, "is_cuda", False) for a in args):
                 return [fn(*args, async_op=True, **kwargs)]
@@ -298,7 +307,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         op = reduction(reduce_op, t.dtype, what)
         c = contiguous(t)
         wire = reduce_view(c)
-        if callable(op):  # bitwise: every rank gets every rank's data and folds it
+        if callable(op):  # (bool's xor) every rank gets every rank's data and folds it
             rows = wire.new_empty((self.size(), wire.numel()))
             works = self._issue(async_op, self.comm.all_gather, rows, wire)
             fold_rows = lambda: wire.copy_(fold(op, rows))  # noqa: E731
@@ -314,7 +323,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         root = opts.rootRank
         c = contiguous(t)
         wire = reduce_view(c)
-        if callable(op):  # bitwise: gather everything, only the root folds
+        if callable(op):  # (bool's xor) gather everything, only the root folds
             rows = wire.new_empty((self.size(), wire.numel()))
             works = self._issue(opts.asyncOp, self.comm.all_gather, rows, wire)
             fold_rows = (lambda: wire.copy_(fold(op, rows))) if self.rank() == root else None

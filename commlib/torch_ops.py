@@ -16,16 +16,16 @@ import torch.distributed as dist
 COMMLIB_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
                             torch.int8, torch.uint8, torch.int32, torch.int64})
 _R = dist.ReduceOp.RedOpType
-_NATIVE = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "avg"}
-# commlib has no bitwise reductions: they gather every rank's data and fold it locally.
-_BITWISE = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or, _R.BXOR: torch.bitwise_xor}
+_NATIVE = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "avg",
+           _R.BAND: "band", _R.BOR: "bor", _R.BXOR: "bxor"}
+_BITWISE = frozenset({_R.BAND, _R.BOR, _R.BXOR})  # integer dtypes only
 # bool travels as uint8 0/1, where "or" is max and "and" is min (gloo: SUM is OR, PROD AND).
 _BOOL = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.PRODUCT: "min", _R.MIN: "min",
          _R.BAND: "min", _R.BXOR: torch.bitwise_xor}
 
 
 def reduction(reduce_op, dtype: torch.dtype, what: str):
-    """commlib's op name for ``reduce_op`` on ``dtype``, or a fold function (bitwise ops)."""
+    """commlib's op name for ``reduce_op`` on ``dtype``, or a fold function (bool's xor)."""
     kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
     name = str(kind).rsplit(".", 1)[-1]
     if dtype == torch.bool:
@@ -35,10 +35,8 @@ def reduction(reduce_op, dtype: torch.dtype, what: str):
     elif dtype not in COMMLIB_DTYPES:
         raise TypeError(f"commlib backend: {what} cannot reduce {dtype}; reductions take "
                         f"bool, complex and {', '.join(sorted(str(d) for d in COMMLIB_DTYPES))}")
-    elif kind in _BITWISE:
-        if dtype.is_floating_point:
-            raise ValueError(f"Cannot use ReduceOp.{name} with non-integral dtype {dtype}")
-        op = _BITWISE[kind]
+    elif kind in _BITWISE and dtype.is_floating_point:
+        raise ValueError(f"Cannot use ReduceOp.{name} with non-integral dtype {dtype}")
     else:
         op = _NATIVE.get(kind)
         if op == "avg" and not dtype.is_floating_point:

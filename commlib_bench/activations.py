@@ -40,10 +40,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import commlib
+from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
-from commlib_strategies.context_parallel import context_parallel_gpt
-from commlib_strategies.megatron_sp import megatron_sp_gpt
-from commlib_strategies.tensor_parallel import tensor_parallel_gpt
+from commlib_strategies.parallelize import parallelize
+from commlib_strategies.plans import PLANS
 
 LAYOUTS = ("none", "tp", "tp+sp", "ulysses", "ring")
 
@@ -68,16 +68,17 @@ def saved_bytes(fn, *args, exclude=()) -> int:
 
 def layer_bytes(config: GPTConfig, batch: int, layout: str, group: commlib.Communicator) -> int:
     """Measured bytes one block saves in ``layout`` over ``group`` (t = its size), fp32."""
-    reference = GPT(config, seed=0)
-    shard = layout in ("tp+sp", "ulysses", "ring")
-    model = {"none": lambda: reference,
-             "tp": lambda: tensor_parallel_gpt(reference, group),
-             "tp+sp": lambda: megatron_sp_gpt(reference, group),
-             "ulysses": lambda: context_parallel_gpt(reference, group, "ulysses"),
-             "ring": lambda: context_parallel_gpt(reference, group, "ring")}[layout]()
-    time = config.seq_len // group.size if shard else config.seq_len
+    dim, sp = {"none": ("tp", None), "tp": ("tp", None), "tp+sp": ("tp", "megatron"),
+               "ulysses": ("cp", "ulysses"), "ring": ("cp", "ring")}[layout]
+    mesh = Mesh(group, **({"dp": group.size} if layout == "none" else {dim: group.size}))
+    model = parallelize(GPT(config, seed=0), mesh, PLANS["gpt"], sp)
+    # the first block takes whole sequences (under Megatron SP it shards them itself), or
+    # under context parallelism this rank's shard
+    time = config.seq_len // group.size if dim == "cp" else config.seq_len
     x = torch.randn(batch, time, config.d_model, generator=torch.Generator().manual_seed(0))
-    return saved_bytes(model.blocks[0], x.requires_grad_(), exclude=list(model.parameters()))
+    saved = saved_bytes(model.blocks[0], x.requires_grad_(), exclude=list(model.parameters()))
+    mesh.free()
+    return saved
 
 
 def accounted_bytes(layout: str, s: int, b: int, h: int, a: int, t: int, width: int = 4) -> float:

@@ -15,6 +15,7 @@ import commlib
 from commlib_strategies.data import AdditionDataset, vocab_size
 from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.pipeline import Pipeline, PipelineStage
+from commlib_strategies.plans import PLANS
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
 
@@ -41,7 +42,7 @@ def main() -> None:
         print(f"# {'schedule':18s} {'step ms':>8s} {'idle':>6s} {'simulated':>10s} "
               f"{'unit costs':>10s}")
     for name, virtual in SCHEDULES:
-        stage = PipelineStage(GPT(config, 0), world, virtual=virtual)
+        stage = PipelineStage(GPT(config, 0), PLANS["gpt"], world, virtual=virtual)
         pipeline = Pipeline(stage, name, args.micro_batches)
         reports = []
         for step in range(args.steps + 1):

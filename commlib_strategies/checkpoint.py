@@ -178,13 +178,16 @@ def _experts(trainer) -> set:
 def _replicas(trainer, p, experts: set, over=("dp", "cp", "ep", "tp")) -> tuple:
     """(this rank's index among the ranks holding the same copy of ``p``, their count),
     along the dimensions ``over``: the dp and cp ranks, the tp ranks unless tp splits it,
-    the ep ranks unless it is an expert."""
+    the ep ranks unless it is an expert; and a tied parameter's two pipeline copies."""
     mesh = trainer.mesh
     dims = [d for d in over if not (d == "ep" and id(p) in experts
                                     or d == "tp" and hasattr(p, "tp_split_dim"))]
     index, count = 0, 1
     for dim in dims:
         index, count = index * mesh.size(dim) + mesh.rank(dim), count * mesh.size(dim)
+    if hasattr(p, "pp_replica"):  # a tied parameter's copy on the first or the last stage
+        replica, replicas = p.pp_replica
+        index, count = index * replicas + replica, count * replicas
     return index, count
 
 

@@ -7,34 +7,23 @@ token; attention needs all earlier tokens:
     ring     K/V blocks travel around the ring while each rank attends its queries to the
              block in hand, merging blocks with an online softmax (``ring_attention``)
 
-The project's GPT: ``context_parallel_gpt``; with a tp group as well
-(``context_parallel_gpt(..., tp=)``) the model is the tensor-parallel GPT on sequence
-shards: each tp rank's heads/tp heads attend across the cp group as above.
-
-transformers' models (``context_parallel_``): the model's own attention entry point is
-replaced through transformers' attention interface (``AttentionInterface``): every attention
-module of the model calls ``_attend``, which runs Ulysses or ring attention over the group
-the module carries (``module.cp_group``), so no group lives in a global. Each rank's tokens
-get their global positions (``positions``), the loss is the mean over every token of the
-batch (``sequence_sharded_cross_entropy``), and every parameter's gradient is summed over
-the group as autograd produces it, so DataParallel or ZeRO over dp wrap the model unchanged.
+``context_parallel_`` sets the attention modules' core (``module.attend``: the project's GPT
+calls it, transformers' models through their attention interface, families.py), gives
+each rank's tokens their global positions and makes the loss the mean over every token of
+the batch (model.LanguageModel's ``cp_group``), and sums every parameter's gradient over
+the group as autograd produces it, so DataParallel or ZeRO over dp wrap the model
+unchanged. Under tensor parallelism each tp rank's heads attend across the cp group.
 """
 from __future__ import annotations
 
-import copy
 from functools import partial
 
 import torch
 from torch import nn
 
 import commlib
-from commlib_strategies.mappings import all_to_all, gather_along, reduce_from_group
-from commlib_strategies.megatron_sp import _Attention
-from commlib_strategies.model import GPT
-from commlib_strategies.sequence_parallel import (_check_ids, _check_time, causal_attention,
-                                                  positions_of_shard,
-                                                  sequence_sharded_cross_entropy, sum_gradients)
-from commlib_strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
+from commlib_strategies.mappings import all_to_all
+from commlib_strategies.sequence_parallel import causal_attention, sum_gradients
 
 _KV_TAG, _GRAD_TAG = 1, 2  # ring messages: K/V blocks, and their dK/dV accumulators
 
@@ -145,140 +134,20 @@ class _RingAttention(torch.autograd.Function):
 ATTENTION = {"ulysses": ulysses_attention, "ring": ring_attention}
 
 
-def context_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
-                                   group: commlib.Communicator,
-                                   tp: commlib.Communicator | None = None,
-                                   vocab_size: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy over every token of the batch from this rank's logits of its shard
-    (B, T/cp, V), or under ``tp`` its slice of the (padded) vocab of ``vocab_size``."""
-    if tp is None:
-        return sequence_sharded_cross_entropy(local_logits, targets, group)
-    # the shard's mean, then the mean of the (equal) shards' means
-    local = vocab_parallel_cross_entropy(local_logits, targets, tp, vocab_size)
-    return reduce_from_group(local.reshape(1) / group.size, group)[0]
-
-
-# ------------------------------------------------------------------- the project's GPT
-
-class ContextParallelGPT(nn.Module):
-    """The reference GPT, whole on every rank of ``group`` (or, with ``tp``, the
-    tensor-parallel GPT over that group), run on sequence shards.
-
-    ``forward`` and ``loss`` take this rank's shard (B, T/cp) of the token ids (and targets),
-    see ``sequence_shard``; ``forward`` returns the shard's logits (gathered over tp),
-    ``loss`` the mean over every token of the batch (replicated). Parameter names match the
-    reference's.
-    """
-
-    def __init__(self, reference: GPT, group: commlib.Communicator, attention: str,
-                 tp: commlib.Communicator | None = None):
-        super().__init__()
-        if attention not in ATTENTION:
-            raise ValueError(f"context parallel: unknown attention {attention!r}; choose one of "
-                             f"{', '.join(ATTENTION)}")
-        config = reference.config
-        heads = config.n_heads // (tp.size if tp is not None else 1)  # the heads a rank holds
-        if attention == "ulysses" and heads % group.size:
-            held = f"n_heads={heads}" if tp is None else \
-                f"n_heads/tp={config.n_heads}/{tp.size}={heads}"
-            raise ValueError(f"ulysses: {held} is not divisible by cp={group.size}; each rank "
-                             f"attends whole heads, so choose cp dividing {heads} (or use ring "
-                             "attention)")
-        self.config, self.group, self.attention, self.tp = config, group, attention, tp
-        # a tensor-parallel model is built fresh: its modules are this model's
-        base = TensorParallelGPT(reference, tp) if tp is not None else copy.deepcopy(reference)
-        self.tok_emb, self.pos_emb, self.blocks = base.tok_emb, base.pos_emb, base.blocks
-        attend = partial(ATTENTION[attention], group=group)
-        for block in self.blocks:
-            block.attn = _Attention(block.attn, attend)  # q/k/v/proj: tp's slices, if any
-        self.ln_f, self.head = base.ln_f, base.head
-        sum_gradients(self, group)
-
-    def local_logits(self, idx):
-        """This rank's shard of token ids (B, T/cp) -> its logits (B, T/cp, V), or under tp
-        this rank's slice of the (padded) vocab."""
-        _check_ids(idx)
-        x = self.tok_emb(idx) + self.pos_emb(positions_of_shard(idx.shape[1], self.group,
-                                                             self.config).to(idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-    def forward(self, idx):
-        """This rank's shard of token ids (B, T/cp) -> its logits (B, T/cp, vocab_size)."""
-        logits = self.local_logits(idx)
-        if self.tp is None:
-            return logits
-        return gather_along(logits, self.tp, -1)[..., :self.config.vocab_size]
-
-    def loss(self, idx, targets):
-        return context_parallel_cross_entropy(self.local_logits(idx), targets, self.group,
-                                              self.tp, self.config.vocab_size)
-
-
-def context_parallel_gpt(reference: GPT, group: commlib.Communicator,
-                         attention: str = "ring",
-                         tp: commlib.Communicator | None = None) -> ContextParallelGPT:
-    return ContextParallelGPT(reference, group, attention, tp)
-
-
-# ------------------------------------------------------------------- transformers' models
-
-_NAME = "commlib_context_parallel"
-
-
-def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention signature: q, k, v (batch, heads, time/cp, head_dim) of this
-    rank's shard -> (batch, time/cp, heads, head_dim), causal over the whole sequence (the
-    model's own mask, built for the shard alone, is not used)."""
-    if dropout:
-        raise ValueError("context parallel attention has no dropout; build the model with "
-                         "attention dropout 0")
-    if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
-        raise ValueError(f"context parallel attention scales by 1/sqrt(head_dim), the model "
-                         f"asks for {scaling}")
-    groups = query.shape[1] // key.shape[1]  # grouped queries: each k/v head serves several
-    if groups > 1:
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    out = module.cp_attention(query, key, value)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(_NAME, _attend)
-    AttentionMaskInterface.register(_NAME, lambda *args, **kwargs: None)  # attention masks
-
-
 def context_parallel_(model: nn.Module, group: commlib.Communicator, attention: str,
-                      heads: int) -> None:
-    """Make a transformers causal LM (families.CausalLM) context-parallel over ``group`` in
-    place, with ``attention`` "ulysses" or "ring"; ``heads``: the query heads each rank's
-    attention holds (Ulysses splits them over the group)."""
+                      heads: int, modules: list) -> None:
+    """Make ``model`` (a model.LanguageModel) context-parallel over ``group`` in place: its
+    attention ``modules`` attend with ``attention``, "ulysses" or "ring"; ``heads``: the
+    query heads each rank's attention holds (Ulysses splits them over the group)."""
     if attention not in ATTENTION:
         raise ValueError(f"context parallel: unknown attention {attention!r}; choose one of "
                          f"{', '.join(ATTENTION)}")
     if attention == "ulysses" and heads % group.size:
         raise ValueError(f"ulysses: {heads} heads per rank do not divide by cp={group.size}; "
-                         f"choose cp dividing {heads} (or ring attention)")
-    _register()
+                         f"each rank attends whole heads, so choose cp dividing {heads} (or "
+                         "ring attention)")
     attend = partial(ATTENTION[attention], group=group)
-    found = 0
-    for module in model.modules():
-        if hasattr(module, "config") and hasattr(module, "head_dim"):  # an attention module
-            module.cp_group, module.cp_attention = group, attend
-            found += 1
-    if not found:
-        raise ValueError(f"context parallel: no attention module found in "
-                         f"{type(model).__name__}")
-    model.hf.config._attn_implementation = _NAME
-    model.cp_group = group
+    for module in modules:
+        module.attend = attend
+    model.shard_sequences(group)
     sum_gradients(model, group)
-
-
-def positions(local_time: int, group: commlib.Communicator, device) -> torch.Tensor:
-    """The global positions (1, local_time) of this rank's shard of each sequence."""
-    _check_time(local_time * group.size, group, "cp")
-    start = group.rank * local_time
-    return torch.arange(start, start + local_time, device=device).unsqueeze(0)

@@ -6,10 +6,12 @@ The plumbing: ``data_shard`` gives every dp x ep rank its own rows; ``reduce_gra
 averages dense gradients over dp x ep and experts' over their replicas (dp);
 ``zero_arguments`` gives ZeRO the same split; ``gathered_state`` every expert on every rank.
 
-transformers' experts modules (Mixtral's ``MixtralExperts`` and its kind) hold every
-expert's weights stacked along dim 0 and are called as ``experts(hidden (tokens, d),
-top_k_index (tokens, k), top_k_weights (tokens, k))``. ``expert_parallel_`` keeps rank s of
-the ep group's experts [s*E/ep, (s+1)*E/ep) and replaces the module's forward: each
+``expert_parallel_`` applies expert parallelism where a plan says: the project's MoE layers
+become moe.ExpertParallelMoE. transformers' experts modules (Mixtral's ``MixtralExperts``
+and its kind) hold every expert's weights stacked along dim 0 and are called as
+``experts(hidden (tokens, d), top_k_index (tokens, k), top_k_weights (tokens, k))``; each
+keeps rank s of the ep group's experts [s*E/ep, (s+1)*E/ep) and replaces the module's
+forward: each
 *assignment* (a token's choice of an expert) travels to the rank holding its expert (an
 all-to-all of the counts, then of the tokens in uneven splits, since nothing caps how many
 tokens an expert takes), the module's own forward runs the experts there, one choice per
@@ -36,7 +38,25 @@ from commlib_strategies.sequence_parallel import rehook_gradient_sums
 from commlib_strategies.zero import default_units
 
 
-def expert_parallel_(experts: nn.Module, group: commlib.Communicator) -> None:
+def expert_parallel_(model: nn.Module, layers: list, mesh: Mesh, sp: str | None = None) -> None:
+    """Make ``model``'s mixture-of-experts ``layers`` (their names) expert-parallel over
+    the mesh's ep group, in place: the project's ``MoE`` layers are replaced by
+    ``ExpertParallelMoE`` (on a mesh with tp or cp too: split over tp, on cp's or, with
+    ``sp="megatron"``, Megatron SP's sequence shards), transformers' experts modules split
+    by expert (whole under tp: each tp rank computes them)."""
+    tp, cp, ep = (mesh.group(d) if mesh.size(d) > 1 else None for d in ("tp", "cp", "ep"))
+    for name in layers:
+        layer = model.get_submodule(name)
+        if isinstance(layer, MoE):
+            if tp or cp or ep:
+                megatron = sp == "megatron" and tp is not None
+                model.set_submodule(name, ExpertParallelMoE(
+                    layer, mesh.group("ep"), tp=tp, sequence_parallel=megatron, cp=cp))
+        elif ep:
+            _split_stacked(layer, ep)
+
+
+def _split_stacked(experts: nn.Module, group: commlib.Communicator) -> None:
     """Make a transformers experts module expert-parallel over ``group``, in place."""
     total = experts.num_experts
     if total % group.size:
@@ -62,15 +82,17 @@ def expert_parallel_(experts: nn.Module, group: commlib.Communicator) -> None:
         choice = top_k_index.reshape(-1)
         order = torch.argsort(choice, stable=True)  # assignments by expert, hence by rank
         token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
-        send = torch.bincount(choice[order] // local, minlength=group.size)
+        # per (rank, its j-th expert): how many rows go there; recv[s, j]: arrive from s
+        send = torch.bincount(choice, minlength=total).view(group.size, local)
         recv = torch.empty_like(send)
         group.all_to_all(recv, send)
-        send_rows, recv_rows = send.tolist(), recv.tolist()
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
         arrived = all_to_all_uneven(hidden[token], group, send_rows, recv_rows)
-        with torch.no_grad():
-            ids = all_to_all_uneven(choice[order].unsqueeze(1), group, send_rows, recv_rows)
+        # rows arrive by source, each source's by expert: the counts say whose each is
+        ids = torch.arange(local, device=hidden.device).repeat(group.size) \
+            .repeat_interleave(recv.flatten().to(hidden.device)).unsqueeze(1)
         ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-        out = own_forward(self, arrived, ids - first, ones)
+        out = own_forward(self, arrived, ids, ones)
         back = all_to_all_uneven(out, group, recv_rows, send_rows)
         weight = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
         return torch.zeros_like(hidden).index_add(0, token, back * weight)

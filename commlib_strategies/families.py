@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from commlib_strategies.context_parallel import positions
-from commlib_strategies.model import cross_entropy
-from commlib_strategies.sequence_parallel import sequence_sharded_cross_entropy
+from commlib_strategies.model import LanguageModel
+from commlib_strategies.sequence_parallel import positions
 
 FAMILIES = ("gpt2", "llama", "mixtral")
 
@@ -53,20 +52,21 @@ class FamilyConfig:
     topk: int = 0
 
 
-class CausalLM(nn.Module):
-    """A transformers causal LM called as ``model(ids) -> logits``, with ``loss`` as the
-    project's GPT has; ``hf`` is the model itself (its state_dict's names are the family's
-    own, under ``hf.``)."""
+class CausalLM(LanguageModel):
+    """A transformers causal LM as a model.LanguageModel (``model(ids) -> logits``, ``loss``,
+    as the project's GPT); ``hf`` is the model itself (its state_dict's names are the
+    family's own, under ``hf.``)."""
 
     def __init__(self, hf: nn.Module, config: FamilyConfig):
         super().__init__()
         self.hf, self.config = hf, config
-        self.cp_group = None  # context parallel (context_parallel.py): ids are sequence shards
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits; under context parallelism this rank's shard of each
-        sequence, at its global positions."""
-        return self.run(input_ids=ids)
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def architecture(self):
+        return self.hf.config
 
     def run(self, **inputs) -> torch.Tensor:
         """The model on ``input_ids`` (B, T) or ``inputs_embeds`` (B, T, d): a pipeline
@@ -76,17 +76,34 @@ class CausalLM(nn.Module):
             {"position_ids": positions(x.shape[1], self.cp_group, x.device)}
         return self.hf(**inputs, use_cache=False, **where).logits
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_of(self(ids), targets)
+    def shard_sequences(self, group) -> None:
+        """Context parallelism: the model's attention entry point calls each attention
+        module's ``attend`` (context_parallel.py sets it) on this rank's shard."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        AttentionInterface.register(_ATTENTION, _attend)
+        AttentionMaskInterface.register(_ATTENTION, lambda *args, **kwargs: None)  # no masks
+        self.hf.config._attn_implementation = _ATTENTION
+        super().shard_sequences(group)
 
-    def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy over every token of the batch (of every shard)."""
-        if self.cp_group is None:
-            return cross_entropy(logits, targets)
-        return sequence_sharded_cross_entropy(logits, targets, self.cp_group)
 
-    def count_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+_ATTENTION = "commlib_context_parallel"
+
+
+def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: q, k, v (batch, heads, time/cp, head_dim) of this
+    rank's shard -> (batch, time/cp, heads, head_dim), causal over the whole sequence (the
+    model's own mask, built for the shard alone, is not used)."""
+    if dropout:
+        raise ValueError("context parallel attention has no dropout; build the model with "
+                         "attention dropout 0")
+    if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"context parallel attention scales by 1/sqrt(head_dim), the model "
+                         f"asks for {scaling}")
+    groups = query.shape[1] // key.shape[1]  # grouped queries: each k/v head serves several
+    if groups > 1:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    return module.attend(query, key, value).transpose(1, 2).contiguous(), None
 
 
 def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 32,

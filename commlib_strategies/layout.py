@@ -10,11 +10,11 @@ reference. The ones that compose:
     dp x tp             with ZeRO 0-3 on dp, and Megatron SP on tp
     dp x tp x cp x pp   Ulysses or ring attention on cp (under tp: of each tp rank's heads),
                         ZeRO 0-3 on dp; pipeline stages (any schedule) of the
-                        context-parallel GPT pass each cp rank's sequence shard
+                        context-parallel model pass each cp rank's sequence shard
     dp x tp x pp        any schedule, ZeRO 0-3 on each stage's dp group (0: the pipeline
                         averages the gradients; 1: ZeRO reduce-scatters them in its step;
                         2, 3: as each chunk's are final, during the schedule); Megatron SP
-                        on tp with the schedules that do not split backward (all but zb-h1)
+                        on tp with every schedule
     dp x ep x pp        mixture of experts (E+D); ZeRO 0-3 (dense parameters sharded over
                         dp x ep, each expert over its replicas, the dp ranks); pipeline
                         stages (any schedule) whose blocks hold the expert-parallel layers,
@@ -26,12 +26,11 @@ reference. The ones that compose:
     dp x ep x cp        Ulysses or ring attention on cp; a routing group spans the cp ranks,
                         which all route it whole (the probabilities gathered over cp) and
                         dispatch their own tokens; ZeRO 0-3
-    dp x ep x tp x cp   both: experts split over tp take cp's sequence shards (the rest is
-                        the context-parallel GPT over tp); ZeRO 0-3
+    dp x ep x tp x cp   both: experts split over tp take cp's sequence shards; ZeRO 0-3
     ... x pp            each of the expert layouts above cut into pipeline stages, the ep,
                         tp and cp groups within a stage; any schedule, but experts split
-                        over tp apply their weights inside one function, so (as Megatron
-                        SP) not zb-h1, whose split backward needs modules' outputs
+                        over tp apply their weights inside one function, so not zb-h1,
+                        whose split backward needs modules' outputs
 """
 from __future__ import annotations
 
@@ -77,8 +76,10 @@ class Layout:
 
 
 def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
-          layers: int) -> Layout:
-    """``layout`` if it composes and fits the world and the model; else ValueError."""
+          layers: int, experts_split_over_tp: bool = True) -> Layout:
+    """``layout`` if it composes and fits the world and the model; else ValueError.
+    ``experts_split_over_tp``: the model's experts are split over tp (the project's MoE
+    layers; transformers' Mixtral keeps them whole)."""
     check_sizes(layout.sizes, world_size)
     tp, pp, cp, ep, sp = layout.tp, layout.pp, layout.cp, layout.ep, layout.sp
     if sp is not None and sp not in SEQUENCE_KINDS:
@@ -111,7 +112,7 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
                              f"a multiple of {ep}")
         if not 1 <= layout.topk <= layout.experts:
             raise ValueError(f"--topk {layout.topk}: choose 1 to --experts ({layout.experts})")
-        if tp > 1 and pp > 1 and layout.schedule == "zb-h1":
+        if tp > 1 and pp > 1 and layout.schedule == "zb-h1" and experts_split_over_tp:
             raise ValueError(f"--schedule zb-h1 splits backward at modules' outputs, which "
                              f"experts split over --tp {tp} do not have (each applies its "
                              f"weights itself); choose gpipe, 1f1b or interleaved-1f1b")
@@ -119,10 +120,6 @@ def check(layout: Layout, world_size: int, batch: int, seq_len: int, heads: int,
         if layout.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {layout.schedule!r}: choose one of "
                              f"{', '.join(SCHEDULES)}")
-        if sp == "megatron" and layout.schedule == "zb-h1":
-            raise ValueError("--schedule zb-h1 splits backward at modules' outputs, which "
-                             "--sp megatron's fused layers do not have; choose gpipe, 1f1b "
-                             "or interleaved-1f1b (or drop --sp)")
         if layers < pp * layout.virtual:
             raise ValueError(f"--pp {pp} x {layout.virtual} chunks per stage needs at least "
                              f"{pp * layout.virtual} layers, the model has --layers {layers}")

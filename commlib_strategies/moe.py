@@ -46,20 +46,20 @@ the tp ranks of one ep rank hold the same tokens and route them alike; each expe
 over tp as the dense tensor-parallel MLP (``TensorParallelExpert``), the all-to-all runs
 among the ranks of one tp index, and the layer's output is summed over tp once at its end
 (with Megatron SP: the sequence shards are all-gathered before routing, the output
-reduce-scattered). The rest of the model is ``TensorParallelGPT`` (or
-``MegatronSequenceParallelGPT``), and the gradients are reduced as above.
+reduce-scattered). The rest of the model is tensor-parallel by its plan, and the gradients
+are reduced as above.
 
 With context parallelism (dp x ep x cp, ``ExpertParallelMoE`` with ``cp``) each rank holds
 sequence shards, and a routing group's sequences span the cp ranks: the router's
 probabilities are all-gathered over cp, so that every token is kept or dropped as in the
 reference (capacity and aux loss are the whole group's), and each rank dispatches only the
-assignments of its own tokens. The rest of the model is ``ContextParallelGPT``.
+assignments of its own tokens. The rest of the model is context-parallel by its plan.
 
 With both tp and cp (dp x ep x tp x cp) the layer does both: it routes as under cp and
-runs its experts split over tp; the rest of the model is ``ContextParallelGPT`` over tp.
+runs its experts split over tp.
 
 With pipeline parallelism (a mesh of pp x ...) the ep, dp, tp and cp groups are ranks of
-one stage: ``pipeline.PipelineStage`` cuts any of the GPTs above into stages, every
+one stage: ``pipeline.PipelineStage`` cuts the model into stages, every
 stage's ranks all-to-all among themselves, and the reductions above run within each stage
 (ZeRO's dense group is the stage's dp x ep, ``Mesh.joint_group("dp", "ep")``).
 """
@@ -77,13 +77,9 @@ import commlib
 from commlib_strategies.mappings import (all_to_all_uneven, copy_to_group, gather_along,
                                          gather_for_partial, reduce_from_group,
                                          reduce_scatter_along)
-from commlib_strategies.mesh import Mesh
-from commlib_strategies.model import GPT, MLP, cross_entropy, init_normal_
-from commlib_strategies.context_parallel import ContextParallelGPT
-from commlib_strategies.megatron_sp import MegatronSequenceParallelGPT
+from commlib_strategies.model import GPT, MLP, init_normal_
 from commlib_strategies.sequence_parallel import sum_gradients, sum_replicated_gradients
-from commlib_strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                TensorParallelGPT)
+from commlib_strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass
@@ -218,6 +214,9 @@ class TensorParallelExpert(nn.Module):
     """An expert MLP split over ``tp`` as the dense tensor-parallel MLP is: fc1
     column-parallel, fc2 row-parallel. Takes rows replicated over tp and gives their outputs
     partial over tp: the MoE layer sums the combined outputs once."""
+    # zero-bubble's W runs backward from each module's output to its parameters; this
+    # module applies its linears' weights itself (pipeline.py)
+    unsplittable = "experts split over tp (their weights applied by the expert)"
 
     def __init__(self, mlp: MLP, tp: commlib.Communicator):
         super().__init__()
@@ -283,6 +282,8 @@ class ExpertParallelMoE(MoE):
         self._mark_experts()
         if sequence_parallel:
             sum_replicated_gradients(self.router, tp)
+        if cp is not None:  # every parameter is used on sequence shards
+            sum_gradients(self, cp)
         self.aux_loss, self.dropped = None, 0
 
     def forward(self, x):
@@ -342,138 +343,26 @@ class ExpertParallelMoE(MoE):
 
 # ------------------------------------------------------------------------------ the GPT
 
-class MoEGPT(nn.Module):
-    """The reference GPT with a MoE layer in every block's MLP slot. ``loss`` is the LM
-    cross-entropy plus ``aux_weight`` times the sum of the layers' aux losses."""
-
-    def __init__(self, reference: GPT, *, experts: int, topk: int = 2,
-                 capacity_factor: float = 1.25, group_rows: int | None = None,
-                 aux_weight: float = 0.01, seed: int = 0):
-        super().__init__()
-        if not aux_weight >= 0:
-            raise ValueError(f"MoEGPT: aux_weight must be non-negative, got {aux_weight!r}")
-        config = reference.config
-        self.config, self.aux_weight = config, aux_weight
-        for name, child in reference.named_children():
-            setattr(self, name, copy.deepcopy(child))
-        with torch.random.fork_rng(devices=[]):  # building draws nothing from the global RNG
-            for block in self.blocks:
-                block.mlp = MoE(config.d_model, config.mlp_ratio * config.d_model, experts, topk,
-                                capacity_factor, group_rows)
-        self._init_moe(seed)
-
-    @torch.no_grad()
-    def _init_moe(self, seed):
-        generator = torch.Generator().manual_seed(seed)
-        for block in self.blocks:  # in a fixed order: each weight gets the same draws every time
+def moe_gpt(reference: GPT, *, experts: int, topk: int = 2, capacity_factor: float = 1.25,
+            group_rows: int | None = None, aux_weight: float = 0.01, seed: int = 0) -> GPT:
+    """A copy of ``reference`` whose blocks' MLPs are MoE layers drawn from ``seed`` (the
+    same arguments give the same model in every process); its ``loss`` adds ``aux_weight``
+    times the sum of the layers' aux losses (model.LanguageModel)."""
+    if not aux_weight >= 0:
+        raise ValueError(f"moe_gpt: aux_weight must be non-negative, got {aux_weight!r}")
+    config = reference.config
+    model = copy.deepcopy(reference)
+    model.aux_weight = aux_weight
+    with torch.random.fork_rng(devices=[]):  # building draws nothing from the global RNG
+        for block in model.blocks:
+            block.mlp = MoE(config.d_model, config.mlp_ratio * config.d_model, experts, topk,
+                            capacity_factor, group_rows)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in model.blocks:  # in a fixed order: the same draws every time
             for module in block.mlp.modules():
                 if isinstance(module, nn.Linear):
                     init_normal_(module.weight, 0.02, generator)
                     if module.bias is not None:
                         module.bias.zero_()
-
-    def moe_layers(self) -> list:
-        return [block.mlp for block in self.blocks]
-
-    def forward(self, idx):
-        return GPT.forward(self, idx)
-
-    def aux_loss(self):
-        """Sum of the layers' aux losses of the last forward."""
-        return sum(layer.aux_loss for layer in self.moe_layers())
-
-    def loss(self, idx, targets):
-        logits = self(idx)
-        return cross_entropy(logits, targets) + self.aux_weight * self.aux_loss()
-
-    def count_parameters(self):
-        return sum(p.numel() for p in self.parameters())
-
-
-def moe_gpt(reference: GPT, *, experts: int, topk: int = 2, capacity_factor: float = 1.25,
-            group_rows: int | None = None, aux_weight: float = 0.01, seed: int = 0) -> MoEGPT:
-    """A copy of ``reference`` whose blocks' MLPs are MoE layers drawn from ``seed``: the same
-    arguments give the same model in every process."""
-    return MoEGPT(reference, experts=experts, topk=topk, capacity_factor=capacity_factor,
-                  group_rows=group_rows, aux_weight=aux_weight, seed=seed)
-
-
-class _MixtureOfExpertsLoss:
-    """Mixed into a parallel GPT whose blocks' MLP slots hold MoE layers: its loss plus
-    ``aux_weight`` times the sum of the layers' aux losses, as ``MoEGPT.loss``."""
-
-    def _hold_experts(self, model: MoEGPT, mesh: Mesh, **parallel):
-        self.aux_weight = model.aux_weight
-        for block, layer in zip(self.blocks, model.moe_layers()):
-            block.mlp = ExpertParallelMoE(layer, mesh.group("ep"), **parallel)
-
-    def moe_layers(self) -> list:
-        return [block.mlp for block in self.blocks]
-
-    def aux_loss(self):
-        return sum(layer.aux_loss for layer in self.moe_layers())
-
-    def loss(self, idx, targets):
-        return super().loss(idx, targets) + self.aux_weight * self.aux_loss()
-
-
-class TensorParallelMoEGPT(_MixtureOfExpertsLoss, TensorParallelGPT):
-    """The tensor-parallel GPT (over the mesh's tp group) of a ``MoEGPT``, its MoE layers
-    expert-parallel over ep and tensor-parallel over tp."""
-
-    def __init__(self, model: MoEGPT, mesh: Mesh):
-        super().__init__(model, mesh.group("tp"))
-        self._hold_experts(model, mesh, tp=mesh.group("tp"))
-
-
-class MegatronSequenceParallelMoEGPT(_MixtureOfExpertsLoss, MegatronSequenceParallelGPT):
-    """As ``TensorParallelMoEGPT``, with Megatron sequence parallelism on tp."""
-
-    def __init__(self, model: MoEGPT, mesh: Mesh):
-        super().__init__(model, mesh.group("tp"))  # its MoE layers are replaced: not hooked
-        self._hold_experts(model, mesh, tp=mesh.group("tp"), sequence_parallel=True)
-
-
-class ContextParallelMoEGPT(_MixtureOfExpertsLoss, ContextParallelGPT):
-    """The context-parallel GPT (over the mesh's cp group, with Ulysses or ring
-    ``attention``; on a mesh with tp, over tp as well) of a ``MoEGPT``, its MoE layers
-    expert-parallel over ep (split over tp) and routing the whole sequences' groups."""
-
-    def __init__(self, model: MoEGPT, mesh: Mesh, attention: str):
-        tp = mesh.group("tp") if mesh.size("tp") > 1 else None
-        super().__init__(model, mesh.group("cp"), attention, tp)
-        self._hold_experts(model, mesh, cp=mesh.group("cp"), tp=tp)
-        for layer in self.moe_layers():  # the layers the base class hooked are replaced
-            sum_gradients(layer, mesh.group("cp"))
-
-
-def expert_parallel_gpt(model: MoEGPT, mesh: Mesh, sp: str | None = None) -> nn.Module:
-    """A copy of ``model`` whose MoE layers hold this rank's experts of the mesh's ep group.
-    Every rank must build it from the same model (``moe_gpt`` with the same arguments). On a
-    mesh with pp, the ep group is the ranks of one stage: cut the copy into stages with
-    ``pipeline.PipelineStage``. On a mesh with tp: a ``TensorParallelMoEGPT`` (or with
-    ``sp="megatron"`` a ``MegatronSequenceParallelMoEGPT``), which takes the same batch on
-    the tp ranks of one ep rank; with cp (``sp="ulysses"`` or ``"ring"``): a
-    ``ContextParallelMoEGPT``, which takes each cp rank's sequence shards (with tp as well:
-    over tp, its experts split over tp)."""
-    tp, cp = mesh.size("tp"), mesh.size("cp")
-    if sp not in (None, "megatron", "ulysses", "ring"):
-        raise ValueError(f"expert parallel: sp={sp!r}; choose None, 'megatron', 'ulysses' "
-                         f"or 'ring'")
-    over_cp = sp in ("ulysses", "ring")
-    if sp == "megatron" and tp == 1 or over_cp and cp == 1 or cp > 1 and not over_cp:
-        raise ValueError(f"expert parallel: sp={sp!r} does not fit the mesh's tp={tp}, "
-                         f"cp={cp}: 'megatron' shards the sequences over tp >= 2, 'ulysses' "
-                         f"and 'ring' over cp >= 2 (which needs one of them)")
-    if cp > 1:
-        return ContextParallelMoEGPT(model, mesh, sp)
-    if tp > 1:
-        return (MegatronSequenceParallelMoEGPT if sp else TensorParallelMoEGPT)(model, mesh)
-    group = mesh.group("ep")
-    # deepcopy, with each MoE layer replaced by its parallel version (which copies only the
-    # experts it holds)
-    memo = {id(layer): ExpertParallelMoE(layer, group) for layer in model.moe_layers()}
-    return copy.deepcopy(model, memo)
-
-
-# ------------------------------------------------------------------------------ training
+    return model

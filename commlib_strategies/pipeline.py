@@ -1,18 +1,20 @@
-"""Pipeline parallelism: the GPT cut into pieces over the stages of a pipeline group (the
+"""Pipeline parallelism: a model cut into pieces over the stages of a pipeline group (the
 mesh's "pp" group), and a runtime that executes a schedule on them.
 
 Vocabulary and schedules as in ``commlib_strategies.pipeline_schedules``: p stages, v chunks per
 stage, p * v *pieces* (chunk c of stage s is piece c * p + s), m microbatches, and the
 actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
 
-    PipelineStage(model, group, virtual=1)
-        this stage's pieces, copied out of a reference GPT (or a tensor-parallel one, or one
-        with Megatron sequence parallelism, whose stages then pass each other sequence
-        shards, or a context-parallel one, whose stages take and pass each cp rank's
-        sequence shard, or a mixture-of-experts one, expert-parallel or not, under tp or cp
-        or both as well): piece 0 holds the
-        embeddings, the last piece ln_f, the head and the loss, and each piece a contiguous
-        run of blocks; nothing else is kept. Parameter names are the reference's.
+    PipelineStage(model, plan, group, virtual=1)
+        this stage's pieces of a model.LanguageModel (parallelized or not: parallelize.py),
+        cut where its plan says (``plan.pipeline``: the embeddings, the blocks' list, the
+        final modules). Each piece is a copy of the model that keeps only its run of blocks
+        (under their own indices, so parameter names stay the model's), the embeddings on
+        the first piece, the final norm and LM head on the last. The model's own ``run``
+        goes on every piece: the first takes token ids, the others the hidden states before
+        them (``inputs_embeds``; the embeddings they lack add nothing), and every piece but
+        the last returns hidden states (its final modules are identities), so masks and
+        positions are the model's own on every stage; the last gives the loss.
     Pipeline(stage, schedule, microbatches, dp_group=None, gradients=None)
         ``step(inputs, targets)`` runs one forward and backward of the batch through the
         schedule and leaves the batch's gradients in the stage's parameters, as
@@ -20,12 +22,15 @@ actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
         by 1/m, so the accumulated gradients are the whole batch's mean. It returns the
         batch's loss on every stage.
 
+Under Megatron sequence parallelism the stages pass each other sequence shards; under
+context parallelism each cp rank's pipeline is given its shards already.
+
 Mixture of experts: a piece whose blocks hold MoE layers adds their weighted aux losses
-(``aux_weight`` times their sum, as ``MoEGPT.loss``) to the loss: each microbatch's, scaled
-by 1/m, is a second root of the piece's backward, and the batch's loss sums every stage's
-part. That is the reference's loss when each microbatch is whole routing groups (the
-layers' ``group_rows`` divides the microbatch; with ``group_rows`` None a microbatch is
-one group, unlike the reference's batch).
+(model.LanguageModel's ``aux_loss``) to the loss: each microbatch's, scaled by 1/m, is a
+second root of the piece's backward, and the batch's loss sums every stage's part. That is
+the reference's loss when each microbatch is whole routing groups (the layers'
+``group_rows`` divides the microbatch; with ``group_rows`` None a microbatch is one group,
+unlike the reference's batch).
 
 Communication is asynchronous: sends are isends, the receives a compute action needs are
 posted (irecv) before the compute action ahead of it starts, and a stage waits only where its
@@ -39,31 +44,28 @@ a ``ZeRO`` of the stage built with ``reduce_in_backward=False`` (stages 2 and 3)
 The split backward (zero-bubble's I and W): I asks autograd for the gradients of the piece's
 input and of the output of every module that holds parameters (keeping the graph); W then
 runs, for each such module, backward from its output's gradient to its own parameters only,
-which touches just that module's operations. Neither recomputes what the other did. (Megatron
-SP applies its weights inside fused gather-and-multiply functions, and an expert split over
-tp applies its linears' weights itself, not as modules' outputs: their stages take the
-schedules without W.)
+which touches just that module's operations. Neither recomputes what the other did. (A module
+that applies its children's weights itself, not as their outputs, says so with an
+``unsplittable`` attribute, an expert split over tp: its stages take the schedules without
+W.)
 """
 from __future__ import annotations
 
 import copy
 import functools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import commlib
-from commlib_strategies.model import GPT, cross_entropy
-from commlib_strategies.moe import MoE, MoEGPT, TensorParallelExpert
+from commlib_strategies.megatron_sp import split_before
+from commlib_strategies.plans import Plan, matches, matching
 from commlib_strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
                                                    simulate)
-from commlib_strategies.context_parallel import ContextParallelGPT, context_parallel_cross_entropy
-from commlib_strategies.megatron_sp import MegatronSequenceParallelGPT
-from commlib_strategies.sequence_parallel import (positions_of_shard, rehook_gradient_sums,
-                                                  shard_positions)
-from commlib_strategies.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
+from commlib_strategies.sequence_parallel import rehook_gradient_sums
 
 _TAG_LIMIT = 32767  # commlib's largest tag
 
@@ -78,50 +80,19 @@ def partition(n_layers: int, pieces: int) -> list[range]:
     return [range(i * n_layers // pieces, (i + 1) * n_layers // pieces) for i in range(pieces)]
 
 
-class Piece(nn.Module):
-    """A contiguous slice of the GPT; ``forward`` takes token ids (first piece) or hidden
-    states, and gives hidden states, or (last piece, with targets) the mean loss.
-    ``positions(time)``: what the position embedding looks up for sequences of ``time``."""
-
-    def __init__(self, model: nn.Module, index: int, count: int, blocks: range, loss_fn,
-                 positions=torch.arange):
-        super().__init__()
-        self.index, self.first, self.last = index, index == 0, index == count - 1
-        if self.first:
-            self.tok_emb, self.pos_emb = copy_module(model.tok_emb), copy_module(model.pos_emb)
-            self.positions = positions
-        self.blocks = nn.ModuleDict({str(i): copy_module(model.blocks[i]) for i in blocks})
-        if self.last:
-            self.ln_f, self.head = copy_module(model.ln_f), copy_module(model.head)
-            self.loss_fn = loss_fn
-        self.aux_weight = getattr(model, "aux_weight", 0.0)
-
-    def aux_loss(self):
-        """The weighted sum of the aux losses of this piece's MoE layers in its last forward
-        (None without MoE layers)."""
-        layers = [m for m in self.blocks.modules() if isinstance(m, MoE)]
-        return self.aux_weight * sum(m.aux_loss for m in layers) if layers else None
-
-    def forward(self, x, targets=None):
-        """``targets`` is used by the last piece only."""
-        if self.first:
-            x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1]).to(x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.last:
-            return self.loss_fn(self.head(self.ln_f(x)), targets)
-        return x
-
-
-def copy_module(module: nn.Module) -> nn.Module:
+def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
     """A deep copy that shares the communicators the modules hold (tensor-parallel layers'
     groups) and keeps the attributes parameters carry (``tp_split_dim``), which copying a
-    Parameter drops."""
-    shared = {id(c): c for m in module.modules() for value in vars(m).values()
-              for c in _communicators(value)}
-    new = copy.deepcopy(module, shared)
-    for p, q in zip(module.parameters(), new.parameters()):
-        q.__dict__.update(p.__dict__)
+    Parameter drops. ``memo``: id of an object -> what the copy holds in its place (it
+    gains id of each object copied -> its copy)."""
+    memo = {} if memo is None else memo
+    memo.update({id(c): c for m in module.modules() for value in vars(m).values()
+                 for c in _communicators(value)})
+    new = copy.deepcopy(module, memo)
+    for p in module.parameters():
+        q = memo.get(id(p))
+        if isinstance(q, nn.Parameter) and q is not p:
+            q.__dict__.update(p.__dict__)
     return new
 
 
@@ -134,64 +105,123 @@ def _communicators(value):
         yield from (v for v in value.keywords.values() if isinstance(v, commlib.Communicator))
 
 
-class PipelineStage(nn.Module):
-    """This rank's pieces of ``model`` (a ``GPT``, ``TensorParallelGPT``,
-    ``MegatronSequenceParallelGPT``, ``ContextParallelGPT`` or ``MoEGPT``) for a pipeline
-    of ``group.size`` stages with ``virtual`` chunks each. ``pieces[c]`` is chunk c.
-    ``sequence_shards``: into how many shards the activations passed between stages are cut
-    along time (the tp size under Megatron SP; under context parallelism the pipeline is
-    given shards already)."""
+class _NoEmbedding(nn.Module):
+    """Where a later piece's model would embed: zeros (its input is hidden states), in the
+    dtype and on the device the model is moved to."""
 
-    def __init__(self, model: nn.Module, group: commlib.Communicator, virtual: int = 1):
+    def __init__(self, width: int, dtype: torch.dtype):
+        super().__init__()
+        self.width = width
+        self.register_buffer("like", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, ids):
+        return self.like.new_zeros(*ids.shape, self.width)
+
+
+class Piece(nn.Module):
+    """Piece ``index`` of ``count``: a copy of ``model`` holding its ``blocks`` of the
+    plan's blocks' list (and the embeddings, or the final modules, if first or last);
+    ``forward`` takes token ids (first piece) or hidden states, and gives hidden states, or
+    (last piece, with targets) the mean loss."""
+
+    def __init__(self, model: nn.Module, plan: Plan, index: int, count: int, blocks: range):
+        super().__init__()
+        self.index, self.first, self.last = index, index == 0, index == count - 1
+        embeddings, block_list, finals = plan.pipeline
+        (layers,) = matching(model, block_list)
+        # what the copy leaves out, never copied: other pieces' blocks, and the ends
+        memo = {id(b): None for i, b in enumerate(layers) if i not in blocks}
+        for name, m in model.named_modules():
+            if not self.first and matches(name, embeddings):
+                memo[id(m)] = _NoEmbedding(m.weight.shape[1], m.weight.dtype)
+            elif not self.last and matches(name, finals):
+                memo[id(m)] = nn.Identity()
+                memo[id(m)]._forward_hooks.update(m._forward_hooks)  # Megatron SP's gather
+        self.model = copy_module(model, memo)
+        # the model's name of each parameter copied here (a tied parameter copied under
+        # another module keeps the model's one name)
+        self.names = {memo[id(p)]: name for name, p in model.named_parameters()
+                      if isinstance(memo.get(id(p)), nn.Parameter)}
+        (kept,) = matching(self.model, block_list)
+        kept._modules = OrderedDict((k, b) for k, b in kept._modules.items() if b is not None)
+        # Megatron SP: a model derives its positions and masks (and GPT-2 its output's
+        # shape) from its input's length, so stages pass whole sequences (gathered where
+        # the final norm would gather), sharded again before a piece's first block
+        group = getattr(model, "sequence_group", None)
+        if group is not None and not self.first:
+            split_before(next(iter(kept)), group)
+
+    def aux_loss(self):
+        return self.model.aux_loss()
+
+    def named_reference_parameters(self):
+        """(the model's name, parameter) of every parameter this piece holds."""
+        return [(self.names[p], p) for p in self.model.parameters()]
+
+    def forward(self, x, targets=None):
+        out = self.model.run(input_ids=x) if self.first else self.model.run(inputs_embeds=x)
+        return self.model.loss_of(out, targets) if self.last else out
+
+
+def _held(model: nn.Module, plan: Plan, index: int, count: int, blocks: range) -> list:
+    """(the model's name, parameter) of each parameter piece ``index`` holds."""
+    embeddings, block_list, finals = plan.pipeline
+    (layers,) = matching(model, block_list)
+    modules = [layers[i] for i in blocks] + \
+        [m for name, m in model.named_modules()
+         if index == 0 and matches(name, embeddings) or
+         index == count - 1 and matches(name, finals)]
+    held = {id(p) for m in modules for p in m.parameters()}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in held]
+
+
+class PipelineStage(nn.Module):
+    """This rank's pieces of ``model`` (a model.LanguageModel, parallelized or not) for a
+    pipeline of ``group.size`` stages with ``virtual`` chunks each, cut where ``plan``
+    says. ``pieces[c]`` is chunk c."""
+
+    def __init__(self, model: nn.Module, plan: Plan, group: commlib.Communicator,
+                 virtual: int = 1):
         super().__init__()
         if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
             raise ValueError(f"pipeline: virtual must be a positive int, got {virtual!r}")
-        positions, self.sequence_shards = torch.arange, 1
-        if isinstance(model, MegatronSequenceParallelGPT):
-            positions = functools.partial(shard_positions, group=model.group, config=model.config)
-            self.sequence_shards = model.group.size
-        if isinstance(model, ContextParallelGPT):
-            positions = functools.partial(positions_of_shard, group=model.group,
-                                          config=model.config)
-            loss_fn = functools.partial(context_parallel_cross_entropy, group=model.group,
-                                        tp=model.tp, vocab_size=model.config.vocab_size)
-        elif isinstance(model, TensorParallelGPT):
-            loss_fn = functools.partial(_vocab_parallel_loss, group=model.group,
-                                        vocab_size=model.config.vocab_size)
-        elif isinstance(model, (GPT, MoEGPT)):
-            loss_fn = cross_entropy
-        else:
-            raise ValueError(f"pipeline: expected a GPT, TensorParallelGPT, "
-                             f"ContextParallelGPT or MoEGPT, got {type(model).__name__}")
+        if not plan.pipeline:
+            raise ValueError(f"pipeline: the plan for {type(model).__name__} names no cut "
+                             "(embeddings, blocks, final modules)")
         count = group.size * virtual
-        blocks = partition(model.config.n_layers, count)
-        pieces = [Piece(model, c * group.size + group.rank, count,
-                        blocks[c * group.size + group.rank], loss_fn, positions)
-                  for c in range(virtual)]
-        split_experts = any(isinstance(m, TensorParallelExpert) for p in pieces
-                            for m in p.modules())
-        unsplittable = ("Megatron SP's fused layers" if self.sequence_shards > 1 else
-                        "experts split over tp (their weights applied by the expert)"
-                        if split_experts else None)
+        blocks = partition(len(matching(model, plan.pipeline[1])[0]), count)
+        # every stage's parameter names and shapes, from the model (pieces of other stages
+        # are not built here)
         layout = [[(name, p.shape) for c in range(virtual)
-                   for name, p in _piece_parameters(model, c * group.size + s, count,
-                                                    blocks[c * group.size + s])]
+                   for name, p in _held(model, plan, c * group.size + s, count,
+                                        blocks[c * group.size + s])]
                   for s in range(group.size)]
-        self._setup(model.config, group, pieces, layout, unsplittable)
-
-    def _setup(self, config, group, pieces: list, layout: list, unsplittable) -> None:
-        """What every stage holds: ``pieces`` (chunk c: piece c * stages + stage), ``layout``
-        (every stage's parameter names and local shapes, for gathered_state), and why
-        zero-bubble's W cannot run on them (``unsplittable``, or None)."""
-        self.config, self.group = config, group
-        self.stages, self.virtual, self.stage = group.size, len(pieces), group.rank
+        placed = [name for stage in layout for name, _ in stage]
+        stray = [name for name, _ in model.named_parameters() if name not in placed]
+        if stray:
+            raise ValueError(f"pipeline: parameters {stray[:3]} lie outside the plan's cut "
+                             "(embeddings, blocks, final modules); name their modules there")
+        pieces = [Piece(model, plan, c * group.size + group.rank, count,
+                        blocks[c * group.size + group.rank]) for c in range(virtual)]
+        # parameters both the first and the last piece hold (GPT-2's LM head tied to its
+        # embedding): each keeps a copy, their gradients are summed (Pipeline), and a
+        # checkpoint takes half of it from each (``pp_replica``: index, count)
+        ends = [dict(_held(model, plan, i, count, blocks[i])) for i in (0, count - 1)]
+        self.tied = sorted(set(ends[0]) & set(ends[1])) if count > 1 else []
+        for piece in pieces:
+            for name, p in piece.named_reference_parameters():
+                if name in self.tied:
+                    p.pp_replica = (int(piece.last), 2)
+        self.config, self.group = model.config, group
+        self.stages, self.virtual, self.stage = group.size, virtual, group.rank
         self.pieces = nn.ModuleList(pieces)
+        self.layout = layout  # every stage's parameter names and local shapes
         # the copies lost the model's gradient hooks (Megatron SP's, context parallelism's)
         rehook_gradient_sums(self.pieces)
         # zero-bubble's W runs backward from each module's output to its own parameters:
-        # not for weights applied inside fused functions or by their parents
-        self.unsplittable = unsplittable
-        self.layout = layout
+        # not for modules whose weights their parent applies (they say so)
+        self.unsplittable = next((m.unsplittable for m in self.pieces.modules()
+                                  if getattr(m, "unsplittable", None)), None)
         self._captured = None  # while run_piece captures: [(module, output)]
         for module in self.modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -223,21 +253,15 @@ class PipelineStage(nn.Module):
             self._captured = None
 
     def named_reference_parameters(self):
-        """(the reference GPT's name, parameter) for every parameter this stage holds."""
+        """(the model's name, parameter) for every parameter this stage holds."""
         for piece in self.pieces:
-            yield from piece.named_parameters()
+            yield from piece.named_reference_parameters()
 
-
-def _vocab_parallel_loss(logits, targets, group, vocab_size):
-    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size)
-
-
-def _piece_parameters(model, index, count, blocks):
-    """(name, parameter) of ``model`` that piece ``index`` holds, in the piece's order."""
-    names = (["tok_emb.", "pos_emb."] if index == 0 else []) + \
-        [f"blocks.{i}." for i in blocks] + (["ln_f.", "head."] if index == count - 1 else [])
-    named = dict(model.named_parameters())
-    return [(n, named[n]) for prefix in names for n in named if n.startswith(prefix)]
+    def tied_gradients(self) -> list:
+        """The gradients of this stage's copies of tied parameters: the first piece's, then
+        the last piece's (one stage may hold both)."""
+        return [p.grad for piece in self.pieces if piece.first or piece.last
+                for name, p in piece.named_reference_parameters() if name in self.tied]
 
 
 @torch.no_grad()
@@ -323,8 +347,11 @@ class Pipeline:
             raise ValueError(f"pipeline: schedule {self.name!r} splits backward into I and W, "
                              f"which {stage.unsplittable} do not support; use a schedule "
                              "without W (gpipe, 1f1b, interleaved-1f1b)")
-        # the last backward action of each chunk: its gradients are final after it
+        # the last backward action of each chunk: its gradients are final after it, but
+        # those of a chunk holding a copy of a tied parameter only after their sum
         self._final = {a.chunk: a for a in self.actions if a.kind in ("B", "W")}
+        self._tied_chunks = {c for c, piece in enumerate(stage.pieces)
+                             if stage.tied and (piece.first or piece.last)}
 
     # ------------------------------------------------------------------ one step
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -337,13 +364,10 @@ class Pipeline:
         if inputs.shape[0] % m:
             raise ValueError(f"pipeline: batch {inputs.shape[0]} does not divide into {m} "
                              f"microbatches; use a multiple of {m}")
-        if inputs.shape[1] % self.stage.sequence_shards:
-            raise ValueError(f"pipeline: sequence length {inputs.shape[1]} does not divide into "
-                             f"{self.stage.sequence_shards} sequence shards; use a multiple")
         group = self.stage.group
-        # what travels between stages: a microbatch's hidden states (its shard along time)
+        # what travels between stages: a microbatch's hidden states
         self._run = _StepState(inputs.chunk(m), targets.chunk(m),
-                               (inputs.shape[0] // m, inputs.shape[1] // self.stage.sequence_shards,
+                               (inputs.shape[0] // m, inputs.shape[1],
                                 self.stage.config.d_model))
         run = self._run
         if self.measure:
@@ -359,6 +383,7 @@ class Pipeline:
         finished = time.perf_counter() - start
         for work in run.sends:
             work.wait()
+        self._sum_tied()
         if self.gradients is not None:
             self.gradients.wait()
         # the last stage holds the cross-entropy; with MoE layers every stage adds aux losses
@@ -485,9 +510,37 @@ class Pipeline:
     def _after_weights(self, a: Action):
         """After a chunk's last backward action its gradients are final: start reducing
         them over the data-parallel ranks."""
-        if self.gradients is not None and self._final[a.chunk] == a:
-            self.gradients.reduce([p for p in self.stage.pieces[a.chunk].parameters()
-                                   if p.requires_grad])
+        if self.gradients is not None and self._final[a.chunk] == a and \
+                a.chunk not in self._tied_chunks:
+            self._reduce(a.chunk)
+
+    def _reduce(self, chunk: int):
+        self.gradients.reduce([p for p in self.stage.pieces[chunk].parameters()
+                               if p.requires_grad])
+
+    def _sum_tied(self):
+        """Make the gradient of each copy of a tied parameter (the first piece's, the last
+        piece's) their sum, on the stages holding them, then reduce those chunks."""
+        stage = self.stage
+        grads = stage.tied_gradients()
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if stage.stages == 1:  # this stage holds both copies
+                half = flat.numel() // 2
+                flat = (flat[:half] + flat[half:]).repeat(2)
+            else:
+                peer = stage.stages - 1 if stage.stage == 0 else 0
+                other = torch.empty_like(flat)
+                works = [stage.group.send(flat, peer, tag=_TAG_LIMIT, async_op=True),
+                         stage.group.recv(other, peer, tag=_TAG_LIMIT, async_op=True)]
+                for work in works:
+                    work.wait()
+                flat = flat + other  # (the same sum on both: addition commutes exactly)
+            for g, total in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(total.view_as(g))
+        if self.gradients is not None:
+            for chunk in sorted(self._tied_chunks):
+                self._reduce(chunk)
 
     def _measure(self, finished: float) -> StepReport:
         """Gather every stage's busy time, end time and mean cost per (kind, chunk)."""

@@ -11,10 +11,16 @@ plan for a new family is a short declaration:
                features, which tensor parallelism divides by tp (GPT-2's ``split_size``)
     heads      the config attributes counting attention heads: tp must divide each, so a
                rank keeps whole heads (and whole key/value heads under grouped queries)
-    experts    the pattern of the mixture-of-experts layers' experts modules, which expert
+    vocab      (embedding, LM head): tensor parallelism splits both over the vocab, and the
+               loss works on the logits' slices (model.LanguageModel); left out, both stay
+               replicated
+    attention  the attention modules, whose core (``attend``) context parallelism replaces
+               with Ulysses or ring attention (context_parallel.py)
+    experts    the mixture-of-experts layers (the project's ``MoE``: router and experts) or
+               their experts modules (transformers' stacked experts), which expert
                parallelism splits (expert_parallel.py)
     pipeline   (embeddings, the blocks' list, final modules): where a pipeline cuts the
-               model (pipeline_cut.py): the first piece holds the embeddings, each piece a
+               model (pipeline.py): the first piece holds the embeddings, each piece a
                run of blocks, the last the final norm and the LM head
     sequence   (first block, final norm, tp regions): Megatron sequence parallelism shards
                the residual stream along time from the first block's input to the final
@@ -26,7 +32,10 @@ tensor parallelism, a mixture-of-experts layer's experts (each tp rank computes 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from fnmatch import fnmatch
+
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -35,30 +44,60 @@ class Plan:
     row: tuple = ()
     per_rank: dict = field(default_factory=dict)
     heads: tuple = ()
+    vocab: tuple = ()
+    attention: str = ""
     experts: str = ""
     pipeline: tuple = ()
     sequence: tuple = ()
 
 
-_LLAMA_ATTENTION = dict(column={"*.self_attn.q_proj": 1, "*.self_attn.k_proj": 1,
-                                "*.self_attn.v_proj": 1},
-                        row=("*.self_attn.o_proj",),
-                        heads=("num_attention_heads", "num_key_value_heads"),
-                        sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn",)),
-                        pipeline=(("*.model.embed_tokens",), "*.model.layers",
-                                  ("*.model.norm", "*.lm_head")))
+def matching(model: nn.Module, pattern: str, names: bool = False) -> list:
+    """The modules of ``model`` (with ``names``: their names) that ``pattern`` matches; at
+    least one, or a plan that names a module the model lacks would do nothing silently."""
+    found = [(name, m) for name, m in model.named_modules() if fnmatch(name, pattern)]
+    if not found:
+        raise ValueError(f"the plan's pattern {pattern!r} matches no module of "
+                         f"{type(model).__name__}; fix the plan (names as in "
+                         "model.named_modules())")
+    return [name if names else m for name, m in found]
+
+
+def matches(name: str, patterns) -> bool:
+    return any(fnmatch(name, p) for p in patterns)
+
+
+_GPT = Plan(column={"*.attn.q": 1, "*.attn.k": 1, "*.attn.v": 1, "*.mlp.fc1": 1},
+            row=("*.attn.proj", "*.mlp.fc2"), per_rank={"*.attn": ("n_heads",)},
+            heads=("n_heads",), vocab=("tok_emb", "head"), attention="*.attn",
+            sequence=("blocks.0", "ln_f", ("*.attn", "*.mlp")),
+            pipeline=(("tok_emb", "pos_emb"), "blocks", ("ln_f", "head")))
+
+_LLAMA = Plan(column={"*.self_attn.q_proj": 1, "*.self_attn.k_proj": 1,
+                      "*.self_attn.v_proj": 1, "*.mlp.gate_proj": 1, "*.mlp.up_proj": 1},
+              row=("*.self_attn.o_proj", "*.mlp.down_proj"),
+              heads=("num_attention_heads", "num_key_value_heads"), attention="*.self_attn",
+              sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn", "*.mlp")),
+              pipeline=(("*.model.embed_tokens",), "*.model.layers",
+                        ("*.model.norm", "*.lm_head")))
 
 PLANS = {
+    # the project's GPT; with mixture-of-experts layers in its MLP slots, the layers are
+    # made expert-parallel (split over tp and taking cp's or Megatron SP's shards) whole
+    "gpt": _GPT,
+    "gpt-moe": replace(_GPT, column={k: v for k, v in _GPT.column.items() if "mlp" not in k},
+                       row=("*.attn.proj",), sequence=("blocks.0", "ln_f", ("*.attn",)),
+                       experts="*.mlp"),
     "gpt2": Plan(column={"*.attn.c_attn": 3, "*.mlp.c_fc": 1},
                  row=("*.attn.c_proj", "*.mlp.c_proj"),
-                 per_rank={"*.attn": ("split_size",)}, heads=("n_head",),
+                 per_rank={"*.attn": ("split_size",)}, heads=("n_head",), attention="*.attn",
                  sequence=("*.transformer.h.0", "*.transformer.ln_f", ("*.attn", "*.mlp")),
                  pipeline=(("*.transformer.wte", "*.transformer.wpe"), "*.transformer.h",
                            ("*.transformer.ln_f", "*.lm_head"))),
-    "llama": Plan(column={**_LLAMA_ATTENTION["column"], "*.mlp.gate_proj": 1,
-                          "*.mlp.up_proj": 1},
-                  row=_LLAMA_ATTENTION["row"] + ("*.mlp.down_proj",),
-                  heads=_LLAMA_ATTENTION["heads"], pipeline=_LLAMA_ATTENTION["pipeline"],
-                  sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn", "*.mlp"))),
-    "mixtral": Plan(**_LLAMA_ATTENTION, experts="*.mlp.experts"),
+    "llama": _LLAMA,
+    # Mixtral: Llama's attention; its MLP slots are mixture-of-experts layers whose experts
+    # stay whole under tp (each tp rank computes them)
+    "mixtral": replace(_LLAMA, column={k: v for k, v in _LLAMA.column.items() if "mlp" not in k},
+                       row=("*.self_attn.o_proj",),
+                       sequence=("*.model.layers.0", "*.model.norm", ("*.self_attn",)),
+                       experts="*.mlp.experts"),
 }

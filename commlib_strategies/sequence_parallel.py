@@ -26,31 +26,21 @@ from commlib_strategies.mappings import reduce_from_group
 
 def sequence_shard(t: torch.Tensor, group: commlib.Communicator) -> torch.Tensor:
     """This rank's shard of ``t`` (batch, time, ...) along time (a view)."""
-    _check_time(t.shape[1], group)
+    check_time(t.shape[1], group)
     return t.chunk(group.size, 1)[group.rank]
 
 
-def _check_time(time: int, group: commlib.Communicator, name: str = "group") -> None:
+def check_time(time: int, group: commlib.Communicator, name: str = "group") -> None:
     if time % group.size:
         raise ValueError(f"sequence length {time} is not divisible by the {name} size "
                          f"{group.size}; use a sequence length that is a multiple of {group.size}")
 
 
-def shard_positions(time: int, group: commlib.Communicator, config) -> torch.Tensor:
-    """Positions of this rank's shard of sequences of ``time`` tokens, sequence-sharded over
-    ``group``: what its position embedding looks up."""
-    _check_time(time, group, "tp")
-    return positions_of_shard(time // group.size, group, config)
-
-
-def positions_of_shard(local_time: int, group, config) -> torch.Tensor:
-    """Positions of this rank's ``local_time`` tokens (its shard), for the position
-    embedding."""
-    if local_time * group.size > config.seq_len:  # judged alike on every rank
-        raise ValueError(f"sequence length {local_time * group.size} exceeds the model's seq_len "
-                         f"{config.seq_len}; use shorter inputs or a larger seq_len")
+def positions(local_time: int, group: commlib.Communicator, device) -> torch.Tensor:
+    """The global positions (1, local_time) of this rank's shard of each sequence."""
+    check_time(local_time * group.size, group)
     start = group.rank * local_time
-    return torch.arange(start, start + local_time)
+    return torch.arange(start, start + local_time, device=device).unsqueeze(0)
 
 
 def sum_replicated_gradients(module: nn.Module, group: commlib.Communicator) -> None:
@@ -109,8 +99,3 @@ def sequence_sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 def causal_attention(q, k, v):
     """Plain causal attention over whole sequences."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def _check_ids(idx):
-    if idx.dim() != 2:
-        raise ValueError(f"expected token ids of shape (batch, time), got {tuple(idx.shape)}")

@@ -1,12 +1,19 @@
 """Tensor parallelism (Megatron-style): each rank of a tp group holds a slice of every large
 weight and computes its part of each layer; the mappings stitch the parts together.
 
-Vocabulary as in ``mappings``: *replicated*, *partial*, *split along dim*. The layers:
+Vocabulary as in ``mappings``: *replicated*, *partial*, *split along dim*. A model is made
+tensor-parallel in place, where its plan says (parallelize.py), its parameters keeping their
+names:
 
-    ColumnParallelLinear   holds output rows [r*out/tp, (r+1)*out/tp); replicated in,
-                           split (or, with gather_output, replicated) out
-    RowParallelLinear      holds input columns [r*in/tp, ...); split in, replicated out
-    VocabParallelEmbedding holds vocab rows [r*V/tp, ...); ids in, replicated out
+    column_parallel_       a linear keeps output features [r*out/tp, (r+1)*out/tp) (of each
+                           fused part); replicated in, split out
+    row_parallel_          a linear keeps input features [r*in/tp, ...); split in,
+                           replicated out
+    vocab_parallel_        an embedding keeps vocab rows [r*V/tp, ...); ids in, replicated out
+
+The layers ``ColumnParallelLinear`` (split or, with gather_output, replicated out) and
+``RowParallelLinear`` do the same as modules of their own (a mixture-of-experts layer's
+tensor-parallel experts, moe.py).
 
 A transformer block needs two reductions forward and two backward: attention's q/k/v are
 column-parallel (a rank keeps whole heads) feeding a row-parallel proj, and the MLP's fc1 is
@@ -25,7 +32,6 @@ unpadded size of that dim), which ``gathered_state`` uses to rebuild the full te
 """
 from __future__ import annotations
 
-import copy
 import types
 
 import torch
@@ -33,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlib
+from commlib_strategies.megatron_sp import gathered_matmul
 from commlib_strategies.mappings import (copy_to_group, gather_along, reduce_from_group,
                                          reduce_scatter_along, split_along)
-from commlib_strategies.model import GPT, MLP
 
 
 def _check_divides(total: int, group: commlib.Communicator, what: str) -> None:
@@ -150,45 +156,6 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
-    """An embedding whose vocab rows are split over the group (the vocab padded to a
-    multiple of tp with zero rows). Ids outside this rank's rows give zeros here; the sum
-    over ranks is the full lookup."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: commlib.Communicator):
-        super().__init__()
-        self._load(nn.Embedding(num_embeddings, embedding_dim), group)
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: commlib.Communicator):
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._load(embedding, group)
-        return layer
-
-    def _load(self, embedding, group):
-        self.group = group
-        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        padded = _pad_rows(embedding.weight, padded_size(self.num_embeddings, group))
-        self.rows = padded.shape[0] // group.size
-        self.start = group.rank * self.rows  # this rank holds ids [start, start + rows)
-        self.weight = _mark(nn.Parameter(_shard(padded, group, 0)), 0, self.num_embeddings)
-
-    def forward(self, idx):
-        return reduce_from_group(self.partial_lookup(idx), self.group)
-
-    def partial_lookup(self, idx):
-        """This rank's part of the lookup (partial over the group): its rows, zeros elsewhere."""
-        local = idx - self.start
-        outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return out.masked_fill(outside.unsqueeze(-1), 0.0)
-
-    def extra_repr(self):
-        return (f"{self.num_embeddings} (rows {self.start}..{self.start + self.rows - 1} here), "
-                f"{self.embedding_dim}")
-
-
 def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     padded = weight.detach().new_zeros((rows,) + weight.shape[1:])
     padded[:weight.shape[0]] = weight.detach()
@@ -254,6 +221,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------ in place
 
+def vocab_parallel_(embedding: nn.Embedding, group: commlib.Communicator) -> None:
+    """Make an embedding vocab-parallel in place: it keeps this rank's rows of the vocab
+    (padded to a multiple of tp with zero rows) and its forward sums every rank's partial
+    lookup (ids outside this rank's rows give zeros here)."""
+    full = embedding.weight.shape[0]
+    padded = _pad_rows(embedding.weight, padded_size(full, group))
+    embedding.weight = _mark(nn.Parameter(_shard(padded, group, 0)), 0, full)
+    rows = padded.shape[0] // group.size
+    start = group.rank * rows
+
+    def forward(self, ids):
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
+    embedding.forward = types.MethodType(forward, embedding)  # (a deep copy rebinds it)
+
+
 def _out_dim(module: nn.Module) -> int:
     """The weight dim of output features: nn.Linear's (out, in) or transformers' Conv1D's
     (in, out), which GPT-2 uses."""
@@ -277,25 +262,32 @@ def _slice_parts(full: torch.Tensor, dim: int, parts: int, group) -> torch.Tenso
 
 
 def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int = 1,
-                     gathered: bool = False) -> None:
+                     gathered: bool = False, pad: bool = False) -> None:
     """Make a linear layer column-parallel in place: it keeps this rank's output features
     (of each of ``parts`` fused parts) and its forward takes a replicated input (or, with
     ``gathered``, one Megatron SP all-gathered already, whose backward sums the partial
-    gradients) and gives this rank's split output. Its parameters keep their names."""
+    gradients) and gives this rank's split output. Its parameters keep their names. With
+    ``pad`` (an LM head over a vocab tp does not divide) the outputs are padded with zero
+    rows up to a multiple of tp."""
     dim = _out_dim(module)
     full = module.weight.shape[dim]
-    if full % (parts * group.size):
+
+    def sliced(t, d):
+        if pad:
+            t = _pad_rows(t.movedim(d, 0), padded_size(full, group)).movedim(0, d)
+        return _mark(nn.Parameter(_slice_parts(t, d, parts, group)), d, full)
+    if full % (parts * group.size) and not pad:
         raise ValueError(f"tensor parallel: {full} output features in {parts} part(s) do not "
                          f"divide by tp={group.size}; choose a tp dividing {full // parts}")
-    weight = _mark(nn.Parameter(_slice_parts(module.weight, dim, parts, group)), dim, full)
-    weight.tp_parts = parts
-    module.weight = weight
+    module.weight = sliced(module.weight, dim)
+    module.weight.tp_parts = parts
     if module.bias is not None:
-        module.bias = _mark(nn.Parameter(_slice_parts(module.bias, 0, parts, group)), 0, full)
+        module.bias = sliced(module.bias, 0)
         module.bias.tp_parts = parts
 
     def forward(self, x):
-        y = _matmul(x if gathered else copy_to_group(x, group), self.weight, dim)
+        y = gathered_matmul(x, self.weight, dim) if gathered else \
+            _matmul(copy_to_group(x, group), self.weight, dim)
         return y if self.bias is None else y + self.bias
     module.forward = types.MethodType(forward, module)  # (a deep copy rebinds it)
 
@@ -320,67 +312,6 @@ def row_parallel_(module: nn.Module, group: commlib.Communicator,
             reduce_scatter_along(partial, group, sequence_dim)
         return y if self.bias is None else y + self.bias
     module.forward = types.MethodType(forward, module)  # (a deep copy rebinds it)
-
-
-# ------------------------------------------------------------------------------ the GPT
-
-class TensorParallelGPT(nn.Module):
-    """The reference GPT split over ``group``, built from a reference model's weights.
-
-    Parameter names match the reference's. ``forward`` gathers the full logits (for checks
-    and sampling); ``loss`` keeps them split and uses ``vocab_parallel_cross_entropy``.
-    """
-
-    def __init__(self, reference: GPT, group: commlib.Communicator):
-        super().__init__()
-        config, tp = reference.config, group.size
-        if config.n_heads % tp:
-            raise ValueError(f"tensor parallel: n_heads={config.n_heads} is not divisible by "
-                             f"tp={tp}; each rank must hold whole heads, so choose tp dividing "
-                             f"{config.n_heads} or n_heads a multiple of {tp}")
-        # then mlp_ratio * d_model (a multiple of n_heads) divides by tp as well
-        self.config, self.group = config, group
-        self.tok_emb = VocabParallelEmbedding.from_embedding(reference.tok_emb, group)
-        self.pos_emb = copy.deepcopy(reference.pos_emb)
-        self.blocks = nn.ModuleList(_parallel_block(b, group) for b in reference.blocks)
-        self.ln_f = copy.deepcopy(reference.ln_f)
-        head = _pad_rows(reference.head.weight, padded_size(config.vocab_size, group))
-        self.head = ColumnParallelLinear._from_full(head, None, group, gather_output=False,
-                                                    full_size=config.vocab_size)
-
-    def local_logits(self, idx):
-        """Token ids (B, T) -> this rank's slice of the (padded) vocab's logits: the
-        reference's forward, whose head here is column-parallel and not gathered."""
-        return GPT.forward(self, idx)
-
-    def forward(self, idx):
-        """Full logits (B, T, vocab_size) on every rank (all-gathered, padding dropped)."""
-        return gather_along(self.local_logits(idx), self.group, -1)[..., :self.config.vocab_size]
-
-    def loss(self, idx, targets):
-        return vocab_parallel_cross_entropy(self.local_logits(idx), targets, self.group,
-                                            self.config.vocab_size)
-
-
-def _parallel_block(block: nn.Module, group: commlib.Communicator) -> nn.Module:
-    """A copy of a reference Block whose attention keeps n_heads/tp heads and whose MLP
-    keeps hidden/tp units."""
-    block = copy.deepcopy(block)
-    attn, mlp = block.attn, block.mlp
-    # q/k/v each all-reduce their input's gradient (three reductions where a fused qkv
-    # projection would need one): simple, and the sum is the same
-    for name in ("q", "k", "v"):
-        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group))
-    attn.proj = RowParallelLinear.from_linear(attn.proj, group, input_is_parallel=True)
-    attn.n_heads //= group.size
-    if isinstance(mlp, MLP):  # another MLP slot (a MoE layer) is split by its own module
-        mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group)
-        mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, input_is_parallel=True)
-    return block
-
-
-def tensor_parallel_gpt(reference: GPT, group: commlib.Communicator) -> TensorParallelGPT:
-    return TensorParallelGPT(reference, group)
 
 
 @torch.no_grad()

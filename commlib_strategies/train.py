@@ -14,9 +14,10 @@
     mpiexec -n 2 python -m commlib_strategies.train --model llama --zero 3
 
 --model gpt2, llama or mixtral trains transformers' model of that family, from a small
-config, with data, tensor (by the family's plan; with Megatron sequence parallelism too),
-context (Ulysses or ring attention through the model's attention interface), pipeline,
-expert (Mixtral: --experts, --topk set its MoE layers; dropless) and ZeRO parallelism.
+config, in the same layouts (Mixtral: --experts, --topk set its MoE layers; dropless).
+Every model goes one way: parallelize() applies tp, cp and ep by the model's plan
+(commlib_strategies/plans.py), PipelineStage cuts it where the plan says, and DataParallel
+or ZeRO wrap it.
 
 Every layout builds the same model from --seed and reads the same global batches, so the
 losses it prints are the same (to fp32 rounding) for --dp 1, --dp 2 --tp 2, --zero 3,
@@ -29,6 +30,8 @@ losses are bit-identical to an uninterrupted run's.
 
 Each step prints the loss (averaged over the data-parallel ranks), tokens/s and the most
 any rank holds of parameters, gradients and optimizer state (commlib_strategies/accounting.py).
+With COMMLIB_TRACE=DIR every rank records its calls and the step's forward, backward and
+optimizer regions: python -m commlib.trace DIR -o trace.json draws the timeline.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ import time
 import torch
 
 import commlib
+from commlib.trace import region
 from commlib_strategies import accounting
 from commlib_strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
@@ -52,14 +56,10 @@ from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.plans import PLANS
 from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
-from commlib_strategies.moe import expert_parallel_gpt, moe_gpt
+from commlib_strategies.moe import moe_gpt
 from commlib_strategies.pipeline import Pipeline, PipelineStage
-from commlib_strategies.pipeline_cut import FamilyStage
 from commlib_strategies.pipeline_schedules import SCHEDULES
-from commlib_strategies.context_parallel import context_parallel_gpt
-from commlib_strategies.megatron_sp import megatron_sp_gpt
 from commlib_strategies.sequence_parallel import sequence_shard
-from commlib_strategies.tensor_parallel import tensor_parallel_gpt
 from commlib_strategies.zero import ZeRO
 
 
@@ -152,28 +152,27 @@ def layout_of(args, world_size: int) -> Layout:
     layout = Layout(dp=dp, **others, zero=args.zero, sp=args.sp, schedule=args.schedule,
                     microbatches=args.micro_batches or args.pp, virtual=virtual,
                     experts=args.experts, topk=args.topk)
-    return check(layout, world_size, args.batch, args.seq_len, args.heads, args.layers)
+    return check(layout, world_size, args.batch, args.seq_len, args.heads, args.layers,
+                 experts_split_over_tp=args.model == "gpt")
 
 
 def _model(args, layout: Layout):
+    """(the one-process model the arguments ask for, its plan)."""
     if args.model == "gpt":
-        return GPT(GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len,
-                             d_model=args.d_model, n_heads=args.heads, n_layers=args.layers),
-                   args.seed)
+        model = GPT(GPTConfig(vocab_size=vocab_size(), seq_len=args.seq_len,
+                              d_model=args.d_model, n_heads=args.heads, n_layers=args.layers),
+                    args.seed)
+        if not layout.experts:
+            return model, PLANS["gpt"]
+        # one routing group per sequence: routing is the same in every layout
+        return moe_gpt(model, experts=layout.experts, topk=layout.topk, group_rows=1,
+                       seed=args.seed), PLANS["gpt-moe"]
     if layout.experts and args.model != "mixtral":
         raise ValueError(f"--experts: --model {args.model} has no mixture-of-experts layers "
                          "(--model mixtral or gpt has)")
-    others = []
-    if layout.ep > 1 and layout.tp > 1:
-        others.append("--ep with --tp")
-    if layout.sp == "megatron" and (layout.ep > 1 or layout.cp > 1 or layout.pp > 1):
-        others.append("--sp megatron with --ep, --cp or --pp")
-    if others:
-        raise ValueError(f"--model {args.model}: {' '.join(others)} is not supported yet "
-                         "(--model gpt has it)")
     return build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
                  d_model=args.d_model, layers=args.layers, heads=args.heads,
-                 experts=layout.experts, topk=layout.topk)
+                 experts=layout.experts, topk=layout.topk), PLANS[args.model]
 
 
 class Trainer:
@@ -182,29 +181,12 @@ class Trainer:
     def __init__(self, args, world: commlib.Communicator):
         self.layout = layout = layout_of(args, world.size)
         self.mesh = mesh = Mesh(world, **layout.sizes)
-        model = _model(args, layout)
-        if layout.experts and args.model == "gpt":
-            # one routing group per sequence: routing is the same in every layout
-            model = moe_gpt(model, experts=layout.experts, topk=layout.topk, group_rows=1,
-                            seed=args.seed)
+        model, plan = _model(args, layout)
         self.numel = model.count_parameters()
         self.pipeline = None
-        if args.model != "gpt":  # a family's plan says where each dimension applies
-            model = parallelize(model, mesh, PLANS[args.model], config=model.hf.config,
-                                sp=layout.sp)
-        elif layout.experts:
-            model = expert_parallel_gpt(model, mesh, layout.sp)
-        elif layout.cp > 1:
-            model = context_parallel_gpt(model, mesh.group("cp"), layout.sp,
-                                         tp=mesh.group("tp") if layout.tp > 1 else None)
-        elif layout.sp == "megatron":
-            model = megatron_sp_gpt(model, mesh.group("tp"))
-        elif layout.tp > 1:
-            model = tensor_parallel_gpt(model, mesh.group("tp"))
-        if layout.pp > 1 and args.model != "gpt":
-            model = FamilyStage(model, PLANS[args.model], mesh.group("pp"), layout.virtual)
-        elif layout.pp > 1:
-            model = PipelineStage(model, mesh.group("pp"), layout.virtual)
+        model = parallelize(model, mesh, plan, sp=layout.sp)  # where the plan says
+        if layout.pp > 1:
+            model = PipelineStage(model, plan, mesh.group("pp"), layout.virtual)
         if args.bf16:
             model = model.to(torch.bfloat16)
         self.model = model
@@ -263,19 +245,23 @@ class Trainer:
         before = self.bytes_sent()
         x, y = self._local_batch(step)
         if self.pipeline is not None:
-            loss = torch.tensor(self.pipeline.step(x, y), dtype=torch.float64)
+            with region("pipeline"):
+                loss = torch.tensor(self.pipeline.step(x, y), dtype=torch.float64)
         else:
-            loss = self.model.loss(x, y)
-            loss.backward()
+            with region("forward"):
+                loss = self.model.loss(x, y)
+            with region("backward"):
+                loss.backward()
         if self.layout.experts and not self.zero:
             reduce_gradients(self.model, self.mesh)
         held = accounting.measured(self.model, self.optimizer, self.zero)
-        if self.zero:
-            self.zero.step()
-            self.zero.zero_grad()
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+        with region("optimizer"):
+            if self.zero:
+                self.zero.step()
+                self.zero.zero_grad()
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad()
         held["sent"] = self.bytes_sent() - before
         total = loss.detach().double().reshape(1)
         for dim in ("dp", "ep"):  # the ranks that saw different data

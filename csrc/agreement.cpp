@@ -25,7 +25,7 @@ std::string field_value(const Desc& d, int field) {
       return name;
     }
     case DTYPE: return v >= 0 && v < kNumDTypes ? kDTypes[v].name : std::to_string(v);
-    case OP: return v >= 0 && v <= AVG ? kOpNames[v] : std::to_string(v);
+    case OP: return v >= 0 && v <= kLastOp ? kOpNames[v] : std::to_string(v);
     default: return std::to_string(v);
   }
 }

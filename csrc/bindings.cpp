@@ -42,7 +42,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DTYPES") = dtypes;
   m.attr("DTYPE_TABLE") = dtype_table;
   py::dict ops;
-  for (int code = commlib::SUM; code <= commlib::AVG; ++code) ops[commlib::kOpNames[code]] = code;
+  for (int code = commlib::SUM; code <= commlib::kLastOp; ++code) ops[commlib::kOpNames[code]] = code;
   m.attr("OPS") = ops;
 
   py::dict collectives;

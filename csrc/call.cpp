@@ -71,7 +71,10 @@ CheckedCall check_call(int64_t collective, int size, int rank, const Operand& ou
   const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
                        collective == REDUCE_SCATTER;
   if (!reduces) return {primary, 0};
-  if (op < SUM || op > AVG) throw CallError("unknown reduce op code " + str(op));
+  if (op < SUM || op > kLastOp) throw CallError("unknown reduce op code " + str(op));
+  if (bitwise(op) && kDTypes[out.dtype].floating)
+    throw CallError(std::string("op '") + kOpNames[op] + "' is bitwise and needs an integer " +
+                    "dtype (int8, uint8, int32, int64), got " + kDTypes[out.dtype].name);
   if (op == AVG && !kDTypes[out.dtype].floating)
     throw CallError(std::string("op 'avg' needs a floating dtype, got ") +
                     kDTypes[out.dtype].name +

@@ -43,6 +43,9 @@ COMMLIB_INLINE void reduce_typed(void* dst, const void* a, const void* b, size_t
     case PROD: return reduce_n<Prod, T, Cvt>(d, x, y, n);
     case MIN: return reduce_n<Min, T, Cvt>(d, x, y, n);
     case MAX: return reduce_n<Max, T, Cvt>(d, x, y, n);
+    case BAND: return reduce_n<BitAnd, T, Cvt>(d, x, y, n);
+    case BOR: return reduce_n<BitOr, T, Cvt>(d, x, y, n);
+    case BXOR: return reduce_n<BitXor, T, Cvt>(d, x, y, n);
   }
 }
 
@@ -126,7 +129,9 @@ void check_common(const void* dst, int64_t count, int dtype) {
 
 void reduce(void* dst, const void* a, const void* b, int64_t count, int dtype, int op) {
   check_common(dst, count, dtype);
-  check(op >= SUM && op <= AVG, "invalid op code " + std::to_string(op) + " (see _C.OPS)");
+  check(op >= SUM && op <= kLastOp, "invalid op code " + std::to_string(op) + " (see _C.OPS)");
+  check(!bitwise(op) || !kDTypes[dtype].floating,
+        std::string("bitwise op '") + kOpNames[op] + "' needs an integer dtype");
   if (op == AVG) op = SUM;
   check(count == 0 || (a != nullptr && b != nullptr), "null pointer with count > 0");
   if (use_avx2) {

@@ -33,8 +33,12 @@ namespace commlib {
 enum DType : int { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, U8 = 5, I32 = 6, I64 = 7 };
 // AVG reduces exactly as SUM (the caller scales the result); it has its own code so that
 // ranks that disagree about sum and avg are caught (agreement.h).
-enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, AVG = 4 };
-inline constexpr const char* kOpNames[] = {"sum", "prod", "min", "max", "avg"};  // by code
+// BAND, BOR and BXOR (bitwise and, or, xor) take integer dtypes only.
+enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, AVG = 4, BAND = 5, BOR = 6, BXOR = 7 };
+inline constexpr int kLastOp = BXOR;
+inline constexpr const char* kOpNames[] = {"sum",  "prod", "min", "max",
+                                           "avg",  "band", "bor", "bxor"};  // by code
+inline constexpr bool bitwise(int op) { return op >= BAND && op <= BXOR; }
 
 #define COMMLIB_INLINE inline __attribute__((always_inline))
 // Exact aliasing (dst == a) is harmless for an elementwise loop, so tell the
@@ -130,6 +134,26 @@ struct Min {
 };
 struct Max {
   template <class T> static COMMLIB_INLINE T apply(T a, T b) { return (a > b || a != a) ? a : b; }
+};
+// Bitwise ops: integer types only (the callers refuse the others, for which these are
+// never called; they still compile for every type the dispatch instantiates).
+struct BitAnd {
+  template <class T> static COMMLIB_INLINE T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) return T(a & b);
+    else return a;
+  }
+};
+struct BitOr {
+  template <class T> static COMMLIB_INLINE T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) return T(a | b);
+    else return a;
+  }
+};
+struct BitXor {
+  template <class T> static COMMLIB_INLINE T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) return T(a ^ b);
+    else return a;
+  }
 };
 
 template <class O, class T>

@@ -9,7 +9,7 @@ from importlib import import_module
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks"}
+PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 from commlib_strategies.data import AdditionDataset, vocab_size  # noqa: E402
 from commlib_strategies.model import GPT, MLP, Block, GPTConfig, cross_entropy  # noqa: E402
 from commlib_strategies.expert_parallel import expert_parameters  # noqa: E402
-from commlib_strategies.moe import MoE, MoEGPT, moe_gpt  # noqa: E402
+from commlib_strategies.moe import MoE, moe_gpt  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
@@ -183,13 +183,19 @@ def test_moe_gpt_is_the_reference_with_moe_mlps_drawn_from_a_seed():
                 assert not torch.equal(p, r), name
         else:
             assert torch.equal(p, dense[name]), name
+    assert type(model) is GPT and model.aux_weight == 0.01  # a plain GPT, its weight set
     assert all(isinstance(b.mlp, MoE) and isinstance(b.mlp.experts["3"], MLP)
                for b in model.blocks)
     assert isinstance(reference.blocks[0].mlp, MLP)  # the reference is left as it was
+    assert reference.aux_weight == 0.0
+    assert model.aux_loss() is None  # no forward yet
     x, y = AdditionDataset(0).batch(0, 4, CONFIG.seq_len)
     loss = model.loss(x, y)
     aux = sum(b.mlp.aux_loss for b in model.blocks)
+    torch.testing.assert_close(model.aux_loss(), 0.01 * aux)
     torch.testing.assert_close(loss, cross_entropy(model(x), y) + 0.01 * aux)
+    reference.loss(x, y)
+    assert reference.aux_loss() is None  # no MoE layers
     assert copy.deepcopy(model).blocks[0].mlp.aux_loss is None  # the last graph is not copied
 
 
@@ -207,8 +213,8 @@ def test_errors():
         moe(torch.zeros(3, 5, 4))
     with pytest.raises(ValueError, match=r"expected input \(rows, ..., 4\), got \(3, 5\)"):
         moe(torch.zeros(3, 5))
-    with pytest.raises(ValueError, match="aux_weight must be non-negative"):
-        MoEGPT(GPT(CONFIG, seed=1), experts=2, aux_weight=-1.0)
+    with pytest.raises(ValueError, match="moe_gpt: aux_weight must be non-negative"):
+        moe_gpt(GPT(CONFIG, seed=1), experts=2, aux_weight=-1.0)
 
 
 def test_expert_parallel_matches_one_process():

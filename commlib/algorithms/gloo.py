@@ -15,7 +15,8 @@ def _tensor(buf):
     return torch.from_numpy(buf.bytes).view(dtype)
 
 
-_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX"}
+_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX",
+        "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
 
 
 def _options(kind: str, call=None, **fields):

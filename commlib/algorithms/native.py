@@ -16,6 +16,7 @@ from ..work import Deadline, wait_request
 from . import COLLECTIVES, log2_rounds, register
 
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
+            "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR,
             "avg": MPI.SUM}  # the caller scales
 
 

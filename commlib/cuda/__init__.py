@@ -19,7 +19,9 @@ from ..dtypes import BY_CODE, BY_TYPESTR, DTYPES as DTYPE_TABLE, DType
 # dtypes' `kernel` spellings; avg reduces as sum, then scales)
 DTYPES = tuple(d.name for d in BY_CODE)
 FLOATING = tuple(d.name for d in BY_CODE if d.floating)
-OPS = tuple(_C.OPS)
+# the ops kernels.cu has (no bitwise ones: calls with those are staged through host memory);
+# each one's index is its code, the bitwise codes coming last
+OPS = tuple(op for op in _C.OPS if op not in ("band", "bor", "bxor"))
 KERNEL_DTYPES = tuple(d.kernel for d in BY_CODE)
 KERNEL_OPS = tuple("sum" if op == "avg" else op for op in OPS)
 

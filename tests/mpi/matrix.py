@@ -19,7 +19,8 @@ BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 DTYPES = ALL_DTYPES if BACKEND == "torch" else NUMPY_DTYPES
-OPS = ["sum", "prod", "min", "max", "avg"]
+OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+BITWISE = ("band", "bor", "bxor")  # integer dtypes only, as avg is floating only
 # (count, dtypes, ops): small counts (empty, one, fewer than the ranks, odd); with "large",
 # past the slot, segment and staging sizes in every dtype, and past csrc/shm.h's
 # kStreamingBytes (8 MB) in one dtype and op
@@ -33,8 +34,13 @@ elif "large-float32" in sys.argv:  # (where every byte crosses TCP: the large co
 # "only=a,b": just those algorithms (where only they use what a test varies)
 ONLY = next((arg.removeprefix("only=").split(",") for arg in sys.argv if arg.startswith("only=")),
             None)
+def _bitwise(f):  # on the float64 of integer values: in int64 (two's complement, as any width)
+    return lambda a, b: f(a.astype(np.int64), b.astype(np.int64)).astype(np.float64)
+
+
 REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-          "avg": np.add}
+          "avg": np.add, "band": _bitwise(np.bitwise_and), "bor": _bitwise(np.bitwise_or),
+          "bxor": _bitwise(np.bitwise_xor)}
 check = Checker()
 
 
@@ -59,16 +65,17 @@ def expect_equal(got, want, dtype, op):
 def run(collective, algo, dtype, op, count, inplace):
     name = f"{collective}/{algo}/{dtype}/{op}/count={count}/{'inplace' if inplace else 'out'}"
     a = None if algo == "auto" else algo
-    if op == "avg" and not dtype.startswith(("float", "bfloat")):
+    floating = dtype.startswith(("float", "bfloat"))
+    if op == "avg" and not floating or op in BITWISE and floating:
         def refused():
             t = make(values(count, rank, "sum", dtype), dtype, BACKEND)
             try:
                 getattr(comm, collective)(*([t, t] if collective == "reduce_scatter" else [t]),
-                                          op="avg", algorithm=a)
+                                          op=op, algorithm=a)
             except ValueError as e:
-                assert "avg" in str(e)
+                assert f"'{op}'" in str(e), e
             else:
-                raise AssertionError("avg on an integer dtype was accepted")
+                raise AssertionError(f"{op} on {dtype} was accepted")
         if collective in ("all_reduce", "reduce"):
             check.check(name, refused)
         return

@@ -20,7 +20,7 @@ from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
-from commlib_strategies.model import cross_entropy
+from commlib_strategies.model import GPT, GPTConfig, cross_entropy
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.plans import PLANS
 from commlib_strategies.sequence_parallel import sequence_shard
@@ -61,11 +61,15 @@ class Awkward(nn.Module):
 
 # stage 3 holds (gathers for the whole forward and backward) only what it must: the root
 # unit (parameters of no unit, or shared) and units read outside their forward
-HELD = {"awkward": ["", "body.layers.0", "embed"], "gpt2": [""], "llama": [], "mixtral": []}
+HELD = {"awkward": ["", "body.layers.0", "embed"], "gpt": [], "gpt2": [""], "llama": [],
+        "mixtral": []}
 
 
 def models():
     yield "awkward", lambda: Awkward(SEED)
+    # the project's GPT: one model with a plan, the same way as the families
+    yield "gpt", lambda: GPT(GPTConfig(vocab_size(), seq_len=SEQ, d_model=32, n_heads=4,
+                                       n_layers=2), SEED)
     if importlib.util.find_spec("transformers"):
         from commlib_strategies.families import FAMILIES, build
         for family in FAMILIES:
@@ -130,7 +134,7 @@ def parallel(name, make, want, sizes, zero_stage, attention="ring"):
     mesh = Mesh(world, dp=n // math.prod(sizes.values()), **sizes)
     dp, tp, ep = mesh.group("dp"), mesh.group("tp"), mesh.group("ep")
     model = make()
-    parallelize(model, mesh, PLANS[name], config=model.hf.config, sp=attention)
+    parallelize(model, mesh, PLANS[name], sp=attention)
     times = []  # under Megatron SP the blocks run on sequence shards
     first = PLANS[name].sequence[0]
     for path, m in model.named_modules():
@@ -176,7 +180,8 @@ LAYOUTS = [({"tp": 2}, 0, None), ({"tp": 2}, 3, None), ({"tp": 2}, 1, "megatron"
 LAYOUTS_4 = [({"tp": 2, "cp": 2}, 0, "ring"), ({"tp": 2, "cp": 2}, 2, "ulysses"),
              ({"tp": 2}, 3, "megatron")]
 EXPERT_LAYOUTS = [({"ep": 2}, 0, None), ({"ep": 2}, 3, None)]
-EXPERT_LAYOUTS_4 = [({"ep": 2, "cp": 2}, 2, "ring")]
+EXPERT_LAYOUTS_4 = [({"ep": 2, "cp": 2}, 2, "ring"), ({"ep": 2, "tp": 2}, 0, None),
+                    ({"ep": 2, "tp": 2}, 3, "megatron")]
 
 
 def layouts(name):

@@ -22,8 +22,11 @@ from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.expert_parallel import (data_shard, gathered_state, reduce_gradients,
                                                 zero_arguments)
-from commlib_strategies.moe import MoE, ExpertParallelMoE, expert_parallel_gpt, moe_gpt
+from commlib_strategies.layout import Layout, check as check_layout
+from commlib_strategies.moe import MoE, ExpertParallelMoE, moe_gpt
+from commlib_strategies.parallelize import parallelize
 from commlib_strategies.pipeline import Pipeline, PipelineStage
+from commlib_strategies.plans import PLANS
 from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.zero import ZeRO
 
@@ -36,6 +39,7 @@ DEVICE = use_device()  # COMMLIB_TEST_DEVICE=cuda: on GPU 0
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2)
 DATA = AdditionDataset(seed=0)
 BATCH, GROUP_ROWS, STEPS, EXPERTS = 8, 2, 5, 4  # every rank's shard: whole routing groups
+PLAN = PLANS["gpt-moe"]
 
 
 def data(salt, shape):
@@ -162,8 +166,32 @@ def moe_model(topk):
                    group_rows=GROUP_ROWS, aux_weight=0.1, seed=2)
 
 
+def _moe_layers(model):
+    """The model's MoE layers (ExpertParallelMoE ones too), block by block."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
 def _dropped(model):
-    return [layer.dropped for layer in model.moe_layers()]
+    return [layer.dropped for layer in _moe_layers(model)]
+
+
+def parallel_moe_model(topk, mesh, sp=None):
+    """The MoE GPT made parallel on ``mesh`` by its plan; its MoE layers expert-parallel
+    (over ep, split over tp, on cp's or Megatron SP's shards) wherever the mesh has tp, cp
+    or ep."""
+    model = parallelize(moe_model(topk), mesh, PLAN, sp)
+    groups = {d: mesh.group(d) if mesh.size(d) > 1 else None for d in ("tp", "cp", "ep")}
+    layers = _moe_layers(model)
+    assert len(layers) == CONFIG.n_layers
+    for layer in layers:
+        if any(groups.values()):
+            assert isinstance(layer, ExpertParallelMoE), type(layer)
+            assert layer.group.size == mesh.size("ep") and layer.tp is groups["tp"] \
+                and layer.cp is groups["cp"], layer
+            assert layer.sequence_parallel == (sp == "megatron" and groups["tp"] is not None)
+        else:
+            assert type(layer) is MoE, type(layer)
+    return model
 
 
 def _reference(topk):
@@ -199,7 +227,7 @@ def _train_parallel(mesh, zero=0, topks=(1, 2), sp=None):
     ranks = mesh.joint_group("dp", "ep")  # the ranks that see different data
     tp = mesh.group("tp") if mesh.size("tp") > 1 else None
     for topk in topks:
-        model = expert_parallel_gpt(moe_model(topk), mesh, sp)
+        model = parallel_moe_model(topk, mesh, sp)
         held = {False: 0, True: 0}  # this rank's (tp slices of) dense and expert parameters
         for p in model.parameters():
             held[getattr(p, "expert_parallel", False)] += p.numel()
@@ -278,7 +306,7 @@ def _whole_pipeline_state(stage, mesh) -> dict:
     tp = mesh.group("tp") if mesh.size("tp") > 1 else None
     mine = {}
     for piece in stage.pieces:
-        mine.update(gathered_state(piece, mesh.group("ep"), tp=tp))
+        mine.update(gathered_state(piece.model, mesh.group("ep"), tp=tp))
     shapes = {k: v.shape for k, v in REFERENCE[1][2].items()}
     flat = torch.cat([mine[k].reshape(-1) if k in mine else torch.zeros(s.numel())
                       for k, s in shapes.items()])
@@ -292,7 +320,7 @@ def _train_pipeline(mesh, topk, schedule, zero=0, sp=None):
     """Pipeline stages of the expert-parallel GPT on ``mesh`` (pp x dp x ep, x tp or x cp
     with ``sp``), each rank's data shard in microbatches of a routing group each; compare
     with the reference."""
-    stage = PipelineStage(expert_parallel_gpt(moe_model(topk), mesh, sp), mesh.group("pp"))
+    stage = PipelineStage(parallel_moe_model(topk, mesh, sp), PLAN, mesh.group("pp"))
     data_ranks = mesh.joint_group("dp", "ep")
     if zero:
         opt = ZeRO(stage, stage=zero, optimizer=_SGD, reduce_in_backward=False,
@@ -348,15 +376,15 @@ def pp_x_ep_trains_like_one_process():
 
 def pp_x_tp_with_experts_trains_like_one_process():
     """At 4 ranks: pipeline stages of expert tensor parallelism (ep 1: the all-to-all is
-    trivial, every other path runs), plain and with Megatron SP (the stages pass sequence
-    shards; the experts, which take whole sequences, are not hooked to sum over tp)."""
+    trivial, every other path runs), plain and with Megatron SP (the stages pass whole
+    sequences, sharded again before each piece's first block)."""
     if n == 4:
         _train_pipeline(Mesh(world, pp=2, tp=2), topk=2, schedule="1f1b")
         _train_pipeline(Mesh(world, pp=2, tp=2), topk=1, schedule="gpipe", sp="megatron")
 
 
 def pp_x_cp_with_experts_trains_like_one_process():
-    """At 4 ranks: pipeline stages of the context-parallel MoE GPT (ring attention), with
+    """At 4 ranks: pipeline stages of the MoE GPT made context-parallel (ring attention), with
     zb-h1's split backward: each stage passes its cp rank's sequence shard."""
     if n == 4:
         _train_pipeline(Mesh(world, pp=2, cp=2), topk=2, schedule="zb-h1", sp="ring")
@@ -375,20 +403,29 @@ def dp_alone_trains_like_one_process():
 def errors():
     raises(ValueError, f"experts=3 is not divisible by ep={n}",
            lambda: ExpertParallelMoE(MoE(8, 8, 3, 1), world))
-    mesh = Mesh(world, cp=n)
-    raises(ValueError, f"sp=None does not fit the mesh's tp=1, cp={n}",
-           lambda: expert_parallel_gpt(moe_model(1), mesh))
+    mesh = Mesh(world, ep=n)  # through parallelize
+    raises(ValueError, f"expert parallel: experts=3 is not divisible by ep={n}",
+           lambda: parallelize(moe_gpt(GPT(CONFIG, seed=1), experts=3, topk=1), mesh, PLAN))
     mesh.free()
-    mesh = Mesh(world, ep=n)
-    raises(ValueError, "sp='megatron' does not fit the mesh's tp=1, cp=1",
-           lambda: expert_parallel_gpt(moe_model(1), mesh, sp="megatron"))
-    mesh.free()
+    # sp that does not fit the layout: refused by the layout's check (parallelize takes
+    # sp=None on cp as ring attention, and ignores "megatron" without tp)
+    sizes = dict(world_size=n, batch=BATCH, seq_len=CONFIG.seq_len, heads=CONFIG.n_heads,
+                 layers=CONFIG.n_layers)
+    raises(ValueError, f"--cp {n} needs the attention that works on sequence shards",
+           lambda: check_layout(Layout(dp=1, cp=n, experts=EXPERTS), **sizes))
+    raises(ValueError, "--sp megatron shards tensor parallelism's activations along the "
+           "sequence: add --tp 2 or more",
+           lambda: check_layout(Layout(dp=1, ep=n, sp="megatron", experts=EXPERTS), **sizes))
     if n == 4:
         mesh = Mesh(world, pp=2, tp=2)
-        stage = PipelineStage(expert_parallel_gpt(moe_model(1), mesh), mesh.group("pp"))
+        stage = PipelineStage(parallelize(moe_model(1), mesh, PLAN), PLAN, mesh.group("pp"))
         raises(ValueError, "schedule 'zb-h1' splits backward into I and W, which experts "
                "split over tp", lambda: Pipeline(stage, "zb-h1", 2))
         mesh.free()
+        raises(ValueError, "--schedule zb-h1 splits backward at modules' outputs, which "
+               "experts split over --tp 2 do not have",
+               lambda: check_layout(Layout(dp=1, pp=2, tp=2, experts=EXPERTS,
+                                           schedule="zb-h1", microbatches=2), **sizes))
     layer = ExpertParallelMoE(MoE(8, 8, 2 * n, 1, group_rows=2), world)
     raises(ValueError, "a batch of 3 rows does not split into routing groups of group_rows=2",
            lambda: layer(torch.zeros(3, 4, 8)))

@@ -1,6 +1,6 @@
 """commlib_strategies.pipeline under mpiexec, with pp = the world's size (2 or 4), and pp=2 x dp=2
 (plain, and ZeRO 1-3 on dp), pp=2 x tp=2 (plain, and Megatron SP), pp=2 x cp=2 (Ulysses
-attention) at 4 ranks: every schedule
+attention) at 4 ranks, each layout applied by parallelize with the GPT's plan: every schedule
 trains the GPT like the single-process reference on the same global batches (losses and
 gathered parameters after 5 steps, 1e-4 relative, fp32). Rank 0 prints each schedule's
 measured idle fraction next to the simulated one."""
@@ -12,15 +12,14 @@ import commlib
 from harness import Checker, raises, use_device
 from harness import same_as as harness_same_as
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
-from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
+from commlib_strategies.parallelize import parallelize
 from commlib_strategies.pipeline import Pipeline, PipelineStage, gathered_state
 from commlib_strategies.pipeline_schedules import Action, schedule
-from commlib_strategies.context_parallel import context_parallel_gpt
-from commlib_strategies.megatron_sp import megatron_sp_gpt
+from commlib_strategies.plans import PLANS
 from commlib_strategies.sequence_parallel import sequence_shard
-from commlib_strategies.tensor_parallel import tensor_parallel_gpt
+from commlib_strategies.tensor_parallel import gathered_state as tp_gathered_state
 from commlib_strategies.zero import ZeRO
 
 torch.set_num_threads(1)
@@ -33,6 +32,7 @@ DEVICE = use_device()  # COMMLIB_TEST_DEVICE=cuda: on GPU 0
 CONFIG = GPTConfig(vocab_size=vocab_size(), seq_len=16, d_model=32, n_heads=4, n_layers=2 * n)
 DATA = AdditionDataset(seed=0)
 BATCH, MICRO, STEPS, SEED = 8, 4, 5, 1
+PLAN = PLANS["gpt"]
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
 measured = []  # lines rank 0 prints at the end
 
@@ -107,11 +107,17 @@ def train(pipe, stage, shard_of=lambda t: t, after_backward=lambda: None):
 # ------------------------------------------------------------------------------ pp = n
 
 def stage_holds_only_its_pieces():
-    stage = PipelineStage(GPT(CONFIG, SEED), world, virtual=2)
+    stage = PipelineStage(GPT(CONFIG, SEED), PLAN, world, virtual=2)
     names = {name for name, _ in stage.named_reference_parameters()}
     # 2n pieces of one block each: this stage holds blocks rank and rank + n
     blocks = {name.split(".")[1] for name in names if name.startswith("blocks.")}
     assert blocks == {str(rank), str(rank + n)}, blocks
+    # each piece a copy of the model trimmed to its block, under the block's own index
+    assert [(p.index, p.first, p.last, list(p.model.blocks._modules)) for p in stage.pieces] \
+        == [(rank, rank == 0, False, [str(rank)]),
+            (rank + n, False, rank == n - 1, [str(rank + n)])]
+    assert [(k, tuple(s)) for k, s in stage.layout[rank]] == \
+        [(k, tuple(p.shape)) for k, p in stage.named_reference_parameters()]
     assert any(name.startswith("tok_emb.") for name in names) == (rank == 0)
     assert any(name.startswith("head.") for name in names) == (rank == n - 1)
     held = sum(p.numel() for p in stage.parameters())
@@ -124,7 +130,7 @@ def stage_holds_only_its_pieces():
 
 def trains_like_one_process(name, virtual):
     def case():
-        stage = PipelineStage(GPT(CONFIG, SEED), world, virtual=virtual)
+        stage = PipelineStage(GPT(CONFIG, SEED), PLAN, world, virtual=virtual)
         pipe = Pipeline(stage, name, MICRO)
         same_losses(train(pipe, stage))
         same_as(gathered_state(stage))
@@ -143,7 +149,7 @@ def gradients_accumulate_like_one_backward():
     x, y = batches()[0]
     ref = GPT(CONFIG, SEED)
     ref.loss(x, y).backward()
-    stage = PipelineStage(GPT(CONFIG, SEED), world)
+    stage = PipelineStage(GPT(CONFIG, SEED), PLAN, world)
     Pipeline(stage, "zb-h1", MICRO, measure=False).step(x, y)
     same_as(gathered_state(stage, grads=True), {k: p.grad for k, p in ref.named_parameters()},
             rtol=1e-4, atol=1e-7)
@@ -155,7 +161,7 @@ def one_stage_pipeline_runs_locally():
     alone = world.split(rank)
     if rank == 0:
         for name, virtual in [("zb-h1", 1), ("interleaved-1f1b", 2)]:
-            stage = PipelineStage(GPT(CONFIG, SEED), alone, virtual=virtual)
+            stage = PipelineStage(GPT(CONFIG, SEED), PLAN, alone, virtual=virtual)
             same_losses(train(Pipeline(stage, name, MICRO, measure=False), stage))
             same_as(gathered_state(stage))
     alone.free()
@@ -169,17 +175,17 @@ def custom_schedule():
     block = [actions[0][i] for i in last_two]
     for i, a in zip(last_two, block[2:] + block[:2]):
         actions[0][i] = a
-    stage = PipelineStage(GPT(CONFIG, SEED), world)
+    stage = PipelineStage(GPT(CONFIG, SEED), PLAN, world)
     same_losses(train(Pipeline(stage, actions, MICRO, measure=False), stage))
     same_as(gathered_state(stage))
 
 
 def errors():
-    stage = PipelineStage(GPT(CONFIG, SEED), world)
+    stage = PipelineStage(GPT(CONFIG, SEED), PLAN, world)
     raises(ValueError, "does not divide into 4 microbatches",
            lambda: Pipeline(stage, "1f1b", MICRO).step(*DATA.batch(0, 6, CONFIG.seq_len)))
     raises(ValueError, f"need at least {4 * n} blocks",
-           lambda: PipelineStage(GPT(CONFIG, SEED), world, virtual=4))
+           lambda: PipelineStage(GPT(CONFIG, SEED), PLAN, world, virtual=4))
     raises(ValueError, "not one for", lambda: Pipeline(stage, schedule("1f1b", n, 2), MICRO))
     raises(ValueError, "unknown pipeline schedule", lambda: Pipeline(stage, "2f2b", MICRO))
     bad = schedule("1f1b", n, MICRO)
@@ -198,7 +204,7 @@ def pp_x_dp_trains_like_one_process():
     def half(t):
         return shard(t, mesh.rank("dp"), 2)
     for name, by_hand in [("zb-h1", False), ("1f1b", True)]:
-        stage = PipelineStage(GPT(CONFIG, SEED), mesh.group("pp"))
+        stage = PipelineStage(GPT(CONFIG, SEED), PLAN, mesh.group("pp"))
         pipe = Pipeline(stage, name, MICRO // 2, dp_group=None if by_hand else dp,
                         measure=False)
 
@@ -225,7 +231,7 @@ def pp_x_dp_with_zero_trains_like_one_process():
         return shard(t, mesh.rank("dp"), 2)
     for zero_stage, name, virtual in [(1, "1f1b", 1), (2, "zb-h1", 1), (3, "zb-h1", 1),
                                       (3, "interleaved-1f1b", 2)]:
-        stage = PipelineStage(GPT(CONFIG, SEED), mesh.group("pp"), virtual)
+        stage = PipelineStage(GPT(CONFIG, SEED), PLAN, mesh.group("pp"), virtual)
         zero = ZeRO(stage, dp, zero_stage, optimizer, reduce_in_backward=False)
         pipe = Pipeline(stage, name, MICRO // 2, gradients=zero if zero_stage > 1 else None,
                         measure=False)
@@ -249,38 +255,44 @@ def pp_x_dp_with_zero_trains_like_one_process():
     mesh.free()
 
 
-def _whole_state(stage, tp) -> dict:
-    """The stage's gathered parameters with their tensor-parallel shards joined."""
-    split = {k: (getattr(p, "tp_split_dim", None), getattr(p, "tp_full_size", None))
-             for k, p in tensor_parallel_gpt(GPT(CONFIG, SEED), tp).named_parameters()}
-    full = {}
-    for k, t in gathered_state(stage).items():
-        dim, size = split[k]
-        full[k] = t if dim is None else gather_along(t.contiguous(), tp, dim).narrow(dim, 0, size)
-    return full
+def _whole_state(stage, mesh, sp=None) -> dict:
+    """The stage's gathered parameters with their tensor-parallel shards joined: loaded into
+    a model parallelized like the stage's (every stage's parameters, with their
+    ``tp_split_dim``), whose tensor-parallel gathered state joins them."""
+    model = parallelize(GPT(CONFIG, SEED), mesh, PLAN, sp=sp)
+    state = gathered_state(stage)
+    params = dict(model.named_parameters())
+    assert state.keys() == params.keys(), sorted(set(state) ^ set(params))
+    with torch.no_grad():
+        for k, p in params.items():
+            assert state[k].shape == p.shape, (k, state[k].shape, p.shape)
+            p.copy_(state[k])
+    return tp_gathered_state(model, mesh.group("tp"))
 
 
 def pp_x_tp_with_megatron_sp_trains_like_one_process():
-    """pp=2 x tp=2 with Megatron SP: stages pass each other sequence shards (half of every
-    microbatch's hidden states, by the bytes the pp group sends), and the split-backward
-    schedule is refused."""
+    """pp=2 x tp=2 with Megatron SP, under 1f1b and zero-bubble's split backward: stages pass
+    each other whole sequences (the last piece's final norm gathers them, a later piece's
+    first block shards them again: by the bytes the pp group sends), and train like one
+    process."""
     mesh = Mesh(world, pp=2, tp=2)
-    tp, pp = mesh.group("tp"), mesh.group("pp")
-    stage = PipelineStage(megatron_sp_gpt(GPT(CONFIG, SEED), tp), pp)
-    raises(ValueError, "splits backward into I and W", lambda: Pipeline(stage, "zb-h1", MICRO))
-    pipe = Pipeline(stage, "1f1b", MICRO, measure=False)
-    before = pp.bytes_sent
-    same_losses(train(pipe, stage))
-    _sent_sequence_shards(pp, before)
-    same_as(_whole_state(stage, tp))
+    pp = mesh.group("pp")
+    for name in ("1f1b", "zb-h1"):
+        stage = PipelineStage(parallelize(GPT(CONFIG, SEED), mesh, PLAN, sp="megatron"), PLAN, pp)
+        pipe = Pipeline(stage, name, MICRO, measure=False)
+        before = pp.bytes_sent
+        same_losses(train(pipe, stage))
+        _sent_hidden_states(pp, before, CONFIG.seq_len)
+        same_as(_whole_state(stage, mesh, "megatron"))
     mesh.free()
 
 
-def _sent_sequence_shards(pp, before):
-    """Each microbatch sent its hidden states forward, their gradient backward, T/2 tokens
-    each; besides, the stages all-reduce each step's loss (a float64)."""
-    shard_bytes = (BATCH // MICRO) * (CONFIG.seq_len // 2) * CONFIG.d_model * 4
-    extra = pp.bytes_sent - before - STEPS * MICRO * shard_bytes
+def _sent_hidden_states(pp, before, time):
+    """Each microbatch sent its hidden states forward, their gradient backward, ``time``
+    tokens each (B/m, time, d); besides, the stages all-reduce each step's loss (a
+    float64)."""
+    message_bytes = (BATCH // MICRO) * time * CONFIG.d_model * 4
+    extra = pp.bytes_sent - before - STEPS * MICRO * message_bytes
     assert 0 <= extra <= 8 * STEPS, extra
 
 
@@ -290,11 +302,11 @@ def pp_x_cp_trains_like_one_process():
     the training CLI's test)."""
     mesh = Mesh(world, pp=2, cp=2)
     cp, pp = mesh.group("cp"), mesh.group("pp")
-    stage = PipelineStage(context_parallel_gpt(GPT(CONFIG, SEED), cp, "ulysses"), pp)
+    stage = PipelineStage(parallelize(GPT(CONFIG, SEED), mesh, PLAN, sp="ulysses"), PLAN, pp)
     pipe = Pipeline(stage, "zb-h1", MICRO, measure=False)
     before = pp.bytes_sent
     same_losses(train(pipe, stage, lambda t: sequence_shard(t, cp)))
-    _sent_sequence_shards(pp, before)
+    _sent_hidden_states(pp, before, CONFIG.seq_len // 2)
     same_as(gathered_state(stage))
     mesh.free()
 
@@ -304,7 +316,7 @@ def pp_x_tp_trains_like_one_process():
     backward (the weight-gradient pass must not communicate: the input-gradient pass did)."""
     mesh = Mesh(world, pp=2, tp=2)
     tp = mesh.group("tp")
-    stage = PipelineStage(tensor_parallel_gpt(GPT(CONFIG, SEED), tp), mesh.group("pp"))
+    stage = PipelineStage(parallelize(GPT(CONFIG, SEED), mesh, PLAN), PLAN, mesh.group("pp"))
     pipe = Pipeline(stage, "zb-h1", MICRO, measure=False)
     sent, weights = [], pipe._w
 
@@ -315,7 +327,7 @@ def pp_x_tp_trains_like_one_process():
     pipe._w = counted
     same_losses(train(pipe, stage))
     assert len(sent) == STEPS * MICRO and not any(sent), sent
-    same_as(_whole_state(stage, tp))
+    same_as(_whole_state(stage, mesh))
     mesh.free()
 
 

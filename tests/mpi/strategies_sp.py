@@ -1,11 +1,11 @@
 """commlib_strategies.sequence_parallel under mpiexec at 2 and 4 ranks: ring and Ulysses attention
-against plain causal attention over the world (forward and backward, float64); the
-Megatron-SP, Ulysses and ring GPTs against the single-process reference on the same global
-batches (first step's logits and gradients, every step's loss, parameters after 5 steps
-within 1e-4 relative, fp32): at 2 ranks each over the world (tp 2, cp 2); at 4 ranks ring
-over cp 4, and each beside dp 2 (tp 2 x dp 2 through DataParallel and through ZeRO-3,
-cp 2 x dp 2 through DataParallel for Ulysses and an explicit all-reduce for ring, and
-cp 2 x tp 2 for both: each tp rank's heads attend across the cp shards); and the
+against plain causal attention over the world (forward and backward, float64); the GPT made
+Megatron-SP, Ulysses and ring by ``parallelize`` with its plan, against the single-process
+reference on the same global batches (first step's logits and gradients, every step's loss,
+parameters after 5 steps within 1e-4 relative, fp32): at 2 ranks each over the world (tp 2,
+cp 2); at 4 ranks ring over cp 4, and each beside dp 2 (tp 2 x dp 2 through DataParallel and
+through ZeRO-3, cp 2 x dp 2 through DataParallel for Ulysses and an explicit all-reduce for
+ring, and cp 2 x tp 2 for both: each tp rank's heads attend across the cp shards); and the
 activation bytes each layout saves per layer against their accounting (commlib_bench.activations,
 whose table rank 0 prints)."""
 import torch
@@ -20,9 +20,10 @@ from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig
-from commlib_strategies.context_parallel import (context_parallel_gpt, ring_attention,
+from commlib_strategies.context_parallel import (context_parallel_, ring_attention,
                                                  ulysses_attention)
-from commlib_strategies.megatron_sp import megatron_sp_gpt
+from commlib_strategies.parallelize import parallelize
+from commlib_strategies.plans import PLANS
 from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.tensor_parallel import gathered_state
 from commlib_strategies.zero import ZeRO
@@ -171,26 +172,34 @@ def train(model, dp, part, full_state=state, wrap_dp=False):
                             batch_loss=dp_mean)
 
 
+def gpt(mesh, sp):
+    """The reference GPT parallelized over ``mesh`` by its plan, with ``sp``."""
+    return parallelize(GPT(CONFIG, SEED), mesh, PLANS["gpt"], sp=sp)
+
+
 def layouts(group_dim):
-    """[(group, dp group or None, mesh or None)]: the world; at 4 ranks also 2 x dp 2 (the
-    last). The caller frees the mesh."""
-    if n != 4:
-        return [(world, None, None)]
-    mesh = Mesh(world, dp=2, **{group_dim: 2})
-    return [(world, None, None), (mesh.group(group_dim), mesh.group("dp"), mesh)]
+    """Mesh sizes: ``group_dim`` over the world; at 4 ranks also 2 x dp 2 (the last)."""
+    return [{group_dim: n}] + ([{group_dim: 2, "dp": 2}] if n == 4 else [])
+
+
+def meshes(group_dim, sizes):
+    """(mesh, its ``group_dim`` group, its dp group or None) for each of ``sizes``; each
+    mesh is freed when the loop moves past it."""
+    for size in sizes:
+        mesh = Mesh(world, **size)
+        yield mesh, mesh.group(group_dim), mesh.group("dp") if mesh.size("dp") > 1 else None
+        mesh.free()
 
 
 def megatron_sp_trains_like_one_process():
     """tp = 2, and at 4 ranks tp = 2 x dp = 2 through DataParallel (the tp hooks then the dp
     buckets)."""
-    for tp, dp, mesh in layouts("tp")[-1:]:
-        model = megatron_sp_gpt(GPT(CONFIG, SEED), tp)
+    for mesh, tp, dp in meshes("tp", layouts("tp")[-1:]):
+        model = gpt(mesh, "megatron")
         train(model, dp, part=lambda t: t, wrap_dp=True,
               full_state=lambda m, grads=False: gathered_state(m, tp, grads=grads))
         identical_over(tp, {k: p.detach() for k, p in model.named_parameters()
                             if getattr(p, "tp_split_dim", None) is None})  # held whole
-        if mesh:
-            mesh.free()
 
 
 def megatron_sp_under_zero3():
@@ -200,7 +209,7 @@ def megatron_sp_under_zero3():
         return
     mesh = Mesh(world, dp=2, tp=2)
     tp, dp = mesh.group("tp"), mesh.group("dp")
-    model = ZeRO(megatron_sp_gpt(GPT(CONFIG, SEED), tp), dp, 3, optimizer)
+    model = ZeRO(gpt(mesh, "megatron"), dp, 3, optimizer)
     for step, (x, y) in enumerate(batches()):
         loss = model.module.loss(shard(x, dp.rank, dp.size), shard(y, dp.rank, dp.size))
         loss.backward()
@@ -221,12 +230,10 @@ def megatron_sp_under_zero3():
 
 def ulysses_trains_like_one_process():
     """cp = 2, and at 4 ranks cp = 2 x dp = 2 through DataParallel."""
-    for cp, dp, mesh in layouts("cp")[-1:]:
-        model = context_parallel_gpt(GPT(CONFIG, SEED), cp, "ulysses")
+    for mesh, cp, dp in meshes("cp", layouts("cp")[-1:]):
+        model = gpt(mesh, "ulysses")
         train(model, dp, part=lambda t: sequence_shard(t, cp), wrap_dp=True)
         identical_over(world, state(model))
-        if mesh:
-            mesh.free()
 
 
 def cp_x_tp_trains_like_one_process():
@@ -237,7 +244,7 @@ def cp_x_tp_trains_like_one_process():
     mesh = Mesh(world, cp=2, tp=2)
     cp, tp = mesh.group("cp"), mesh.group("tp")
     for attention in ("ulysses", "ring"):
-        model = context_parallel_gpt(GPT(CONFIG, SEED), cp, attention, tp=tp)
+        model = gpt(mesh, attention)
         trains_like_one_process(model, part=lambda t: sequence_shard(t, cp),
                                 full_state=lambda m, grads=False: gathered_state(m, tp,
                                                                                  grads=grads))
@@ -248,12 +255,10 @@ def cp_x_tp_trains_like_one_process():
 def ring_trains_like_one_process():
     """cp = the world (2 or 4: blocks travel several hops), and at 4 ranks cp = 2 x dp = 2
     with gradients averaged over dp after backward."""
-    for cp, dp, mesh in layouts("cp"):
-        model = context_parallel_gpt(GPT(CONFIG, SEED), cp, "ring")
+    for mesh, cp, dp in meshes("cp", layouts("cp")):
+        model = gpt(mesh, "ring")
         train(model, dp, part=lambda t: sequence_shard(t, cp))
         identical_over(world, state(model))
-        if mesh:
-            mesh.free()
 
 
 # ------------------------------------------------------------------------------ memory
@@ -276,23 +281,29 @@ def activation_bytes_match_their_accounting():
 # ------------------------------------------------------------------------------ errors
 
 def errors():
-    ref = GPT(CONFIG, SEED)
-    model, cp = megatron_sp_gpt(ref, world), context_parallel_gpt(ref, world, "ring")
+    tp_mesh, cp_mesh = Mesh(world, tp=n), Mesh(world, cp=n)
+    model, cp = gpt(tp_mesh, "megatron"), gpt(cp_mesh, "ring")
     x = torch.zeros(2, 4 * n + 1, dtype=torch.long)
     if n > 1:
-        raises(ValueError, f"sequence length {4 * n + 1} is not divisible by the tp size {n}",
-               lambda: model(x))
+        # no longer than seq_len 16 (at 4 ranks 4n+1 = 17 fails the length check first)
+        short = torch.zeros(2, 3 * n + 1, dtype=torch.long)
+        raises(ValueError, f"sequence length {3 * n + 1} is not divisible by the tp size {n}",
+               lambda: model(short))
         raises(ValueError, f"sequence length {4 * n + 1} is not divisible by the group size {n}",
                lambda: sequence_shard(x, world))
         bad = GPTConfig(vocab_size=vocab_size(), seq_len=8, d_model=24, n_heads=3, n_layers=1)
-        raises(ValueError, f"n_heads=3 is not divisible by cp={n}",
-               lambda: context_parallel_gpt(GPT(bad, 0), world, "ulysses"))
+        raises(ValueError, f"ulysses: 3 heads per rank do not divide by cp={n}",
+               lambda: parallelize(GPT(bad, 0), cp_mesh, PLANS["gpt"], sp="ulysses"))
     raises(ValueError, "exceeds the model's seq_len 16",
            lambda: cp(torch.zeros(2, 32 // n, dtype=torch.long)))
-    raises(ValueError, "unknown attention 'flash'",
-           lambda: context_parallel_gpt(ref, world, "flash"))
+    raises(ValueError, "parallelize: sp='flash'",
+           lambda: parallelize(GPT(CONFIG, SEED), cp_mesh, PLANS["gpt"], sp="flash"))
+    raises(ValueError, "context parallel: unknown attention 'flash'",
+           lambda: context_parallel_(GPT(CONFIG, SEED), world, "flash", CONFIG.n_heads, []))
     raises(ValueError, "expected token ids of shape (batch, time)",
            lambda: cp(torch.zeros(4, dtype=torch.long)))
+    tp_mesh.free()
+    cp_mesh.free()
 
 
 check.run_cases(globals())

@@ -1,7 +1,8 @@
 """commlib_strategies.tensor_parallel under mpiexec, with tp = the world's size (and dp x tp = 2 x 2
 at 4 ranks): each layer against its single-process counterpart (values and gradients), the
-vocab-parallel cross-entropy against model.cross_entropy, and the tensor-parallel GPT
-training like the single-process reference (1e-4 relative after 5 steps, fp32)."""
+vocab-parallel embedding (``vocab_parallel_``, in place) and cross-entropy against one
+process, and the GPT made tensor-parallel by ``parallelize`` with its plan training like the
+single-process reference (1e-4 relative after 5 steps, fp32)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,10 +14,12 @@ from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.mappings import gather_along
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import GPT, GPTConfig, cross_entropy
+from commlib_strategies.parallelize import parallelize
+from commlib_strategies.plans import PLANS
 from commlib_strategies.zero import ZeRO
 from commlib_strategies.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                VocabParallelEmbedding, gathered_state,
-                                                tensor_parallel_gpt, vocab_parallel_cross_entropy)
+                                                gathered_state, vocab_parallel_,
+                                                vocab_parallel_cross_entropy)
 
 torch.set_num_threads(1)
 world = commlib.init()
@@ -94,16 +97,23 @@ def fresh_layers_are_slices_of_one_layer():
         full = gathered_state(layer, world)
         assert torch.equal(full["weight"], want.weight.detach())
         assert torch.equal(full["bias"], want.bias.detach())
-    emb = VocabParallelEmbedding(V, 6, world)
+    torch.manual_seed(11)
+    want = nn.Embedding(V, 6)
+    torch.manual_seed(11)
+    emb = nn.Embedding(V, 6)
+    vocab_parallel_(emb, world)
     assert emb.weight.shape == (-(-V // n), 6)
-    assert gathered_state(emb, world)["weight"].shape == (V, 6)
+    assert torch.equal(gathered_state(emb, world)["weight"], want.weight.detach())
 
 
 def vocab_parallel_embedding():
     ref = nn.Embedding(V, 6).double()
     with torch.no_grad():
         ref.weight.copy_(data(9, (V, 6)))
-    layer = VocabParallelEmbedding.from_embedding(ref, world)
+    layer = nn.Embedding(V, 6).double()
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight)
+    vocab_parallel_(layer, world)
     rows = -(-V // n)  # the vocab padded to a multiple of n, split
     assert layer.weight.shape == (rows, 6)
     idx = (torch.arange(3 * V) * 5 % V).view(3, V)  # every id, in a scrambled order
@@ -158,6 +168,11 @@ def vocab_parallel_cross_entropy_float64_and_bfloat16():
 
 # ------------------------------------------------------------------------------ the GPT
 
+def tensor_parallel(model, mesh):
+    """``model`` made tensor-parallel over the mesh's tp group, in place, by the GPT's plan."""
+    return parallelize(model, mesh, PLANS["gpt"])
+
+
 def optimizer(params):
     # SGD with momentum, not Adam: Adam blows rounding noise in gradients that are zero in
     # theory (the key bias) up to full-size steps
@@ -191,9 +206,10 @@ def replicated_params_identical(model, group):
 
 
 def tp_gpt_forward_and_gradients():
-    ref = GPT(CONFIG, SEED)
+    ref, model = GPT(CONFIG, SEED), GPT(CONFIG, SEED)
+    mesh = Mesh(world, tp=n)
     rng = torch.get_rng_state()
-    model = tensor_parallel_gpt(ref, world)
+    tensor_parallel(model, mesh)
     assert torch.equal(torch.get_rng_state(), rng)  # building draws nothing
     assert model.blocks[0].attn.n_heads == CONFIG.n_heads // n
     same_as(gathered_state(model, world), dict(ref.named_parameters()), rtol=0, atol=0)
@@ -205,10 +221,12 @@ def tp_gpt_forward_and_gradients():
     want.backward()
     same_as(gathered_state(model, world, grads=True),
             {k: p.grad for k, p in ref.named_parameters()}, rtol=1e-4, atol=1e-7)
+    mesh.free()
 
 
 def tp_trains_like_one_process():
-    model = tensor_parallel_gpt(GPT(CONFIG, SEED), world)
+    mesh = Mesh(world, tp=n)
+    model = tensor_parallel(GPT(CONFIG, SEED), mesh)
     opt = optimizer(model.parameters())
     for x, y in batches():
         model.loss(x, y).backward()
@@ -216,6 +234,7 @@ def tp_trains_like_one_process():
         opt.zero_grad()
     same_as(gathered_state(model, world), REFERENCE)
     replicated_params_identical(model, world)
+    mesh.free()
 
 
 def dp_x_tp_trains_like_one_process():
@@ -223,7 +242,7 @@ def dp_x_tp_trains_like_one_process():
         return
     mesh = Mesh(world, dp=n // 2, tp=2)
     tp, dp = mesh.group("tp"), mesh.group("dp")
-    model = tensor_parallel_gpt(GPT(CONFIG, SEED), tp)
+    model = tensor_parallel(GPT(CONFIG, SEED), mesh)
     opt = optimizer(model.parameters())
     for x, y in batches():
         xs, ys = shard(x, mesh.rank("dp"), dp.size), shard(y, mesh.rank("dp"), dp.size)
@@ -243,7 +262,7 @@ def dp_x_tp_with_data_parallel_wrapper():
     mesh = Mesh(world, dp=n // 2, tp=2)
     tp, dp = mesh.group("tp"), mesh.group("dp")
     # each dp rank starts from another reference; DataParallel broadcasts dp rank 0's shards
-    model = DataParallel(tensor_parallel_gpt(GPT(CONFIG, SEED + mesh.rank("dp")), tp), dp)
+    model = DataParallel(tensor_parallel(GPT(CONFIG, SEED + mesh.rank("dp")), mesh), dp)
     opt = optimizer(model.parameters())
     for x, y in batches():
         xs, ys = shard(x, mesh.rank("dp"), dp.size), shard(y, mesh.rank("dp"), dp.size)
@@ -262,7 +281,7 @@ def zero_x_tp_trains_like_one_process():
     mesh = Mesh(world, dp=n // 2, tp=2)
     tp, dp = mesh.group("tp"), mesh.group("dp")
     for stage in (1, 2, 3):
-        model = ZeRO(tensor_parallel_gpt(GPT(CONFIG, SEED + mesh.rank("dp")), tp), dp, stage,
+        model = ZeRO(tensor_parallel(GPT(CONFIG, SEED + mesh.rank("dp")), mesh), dp, stage,
                      optimizer)
         for x, y in batches():
             xs, ys = shard(x, mesh.rank("dp"), dp.size), shard(y, mesh.rank("dp"), dp.size)
@@ -282,8 +301,10 @@ def zero_x_tp_trains_like_one_process():
 def errors():
     bad = GPTConfig(vocab_size=V, seq_len=8, d_model=24, n_heads=3, n_layers=1)
     if n > 1:
-        raises(ValueError, f"n_heads=3 is not divisible by tp={n}",
-               lambda: tensor_parallel_gpt(GPT(bad, 0), world))
+        mesh = Mesh(world, tp=n)
+        raises(ValueError, f"tensor parallel: the model's n_heads=3 does not divide by tp={n}",
+               lambda: tensor_parallel(GPT(bad, 0), mesh))
+        mesh.free()
         raises(ValueError, f"out_features={4 * n + 1} is not divisible by tp={n}",
                lambda: ColumnParallelLinear(8, 4 * n + 1, world))
         raises(ValueError, f"in_features={4 * n + 1} is not divisible by tp={n}",

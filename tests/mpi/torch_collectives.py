@@ -342,6 +342,20 @@ def objects_and_barrier():
     check.check("objects_and_barrier", lambda: same(objects(WORLD, False), objects(GLOO, False)))
 
 
+def profiled():
+    """commlib's calls are named events in torch.profiler's trace, as NCCL's are."""
+    def run():
+        t = torch.ones(8)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            dist.all_reduce(t)
+            dist.all_gather_into_tensor(torch.empty(8 * n), t)
+            dist.broadcast(t, src=0, async_op=True).wait()
+        names = Counter(e.name for e in prof.events())
+        for want in ("commlib:all_reduce", "commlib:all_gather", "commlib:broadcast"):
+            assert names[want] >= 1, (want, sorted(k for k in names if "commlib" in k))
+    check.check("profiled", run)
+
+
 # ---------------------------------------------------------------- point to point
 
 def point_to_point():
@@ -554,6 +568,7 @@ timed("list_layouts", list_layouts)
 timed("sparse", sparse)
 timed("movement", movement)
 timed("objects_and_barrier", objects_and_barrier)
+timed("profiled", profiled)
 timed("point_to_point", point_to_point)
 for case in (truly_async, wait_timeout, errors, beyond_gloo):
     timed(case.__name__, lambda: check.check(case.__name__, case))

@@ -1,0 +1,311 @@
+"""A timeline of every rank's communication: each rank records its calls, and
+``python -m commlib.trace DIR -o trace.json`` merges them into one Chrome trace (a track per
+rank, a row per communicator) that opens in ui.perfetto.dev and chrome://tracing;
+``--png FILE`` draws the same as a swimlane picture.
+
+    COMMLIB_TRACE=/tmp/run mpiexec -n 4 python train.py
+    python -m commlib.trace /tmp/run -o trace.json --png trace.png
+
+With COMMLIB_TRACE set, ``commlib.init()`` measures each rank's clock against rank 0's
+(ping-pongs over the world: the offset of the exchange with the shortest round trip, so
+ranks on other hosts line up too), every communicator keeps its last COMMLIB_TRACE_CALLS
+(100000) calls in its flight recorder (commlib/recorder.py: collective, algorithm, count,
+dtype, issue, start and end times, state, error), ``region(name)`` marks what the program
+does meanwhile (the trainer's forward, backward and optimizer step), and at exit each rank
+writes ``DIR/rank-NNNNN.json``.
+
+When a call fails (a timeout, a disagreement, a dead peer), each rank that sees it writes its
+last calls where the others write theirs (COMMLIB_TRACE, else ``commlib-failure-JOB`` in the
+temporary directory) and merges what is there into ``trace.json``, named in a note on the
+error: the ranks that are stuck elsewhere show where they are. Recording costs what the
+flight recorder always costs: a row per call, on either path; without COMMLIB_TRACE nothing
+more is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from .dtypes import DTYPES
+from .recorder import FlightRecorder
+
+_ROUNDS = 8  # ping-pongs per rank when measuring clock offsets
+_TAG = 32766
+
+
+def directory() -> Path | None:
+    """Where this process writes its trace (COMMLIB_TRACE), or None."""
+    where = os.environ.get("COMMLIB_TRACE")
+    return Path(where) if where else None
+
+
+class Tracer:
+    """This rank's trace: the world rank, the clock offset to rank 0, and the recorders of
+    the communicators made since (kept even after they are freed)."""
+
+    def __init__(self, where: Path, world):
+        self.where, self.rank, self.size = where, world.rank, world.size
+        self.offset = clock_offset(world)
+        self.recorders: list = []
+        self.regions: list = []  # (name, start, end): what the program was doing
+        FlightRecorder.on_create = self.recorders.append
+        self.recorders.append(world._calls.recorder)
+        atexit.register(self.write)
+
+    def write(self) -> Path:
+        """Write this rank's calls so far to ``DIR/rank-NNNNN.json``."""
+        self.where.mkdir(parents=True, exist_ok=True)
+        path = self.where / f"rank-{self.rank:05d}.json"
+        _write(path, {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
+                      "pid": os.getpid(), "offset": self.offset, "regions": self.regions,
+                      "communicators": [_communicator(r) for r in self.recorders]})
+        return path
+
+
+def _communicator(recorder) -> dict:
+    calls = recorder.records()
+    for call in calls:
+        dtype = DTYPES.get(call["dtype"]) if call["dtype"] else None
+        call["bytes"] = (call["count"] or 0) * (dtype.itemsize if dtype else 0)
+    return {"name": recorder.owner, "calls": calls}
+
+
+def _write(path: Path, content: dict) -> None:
+    """Write JSON whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(content))
+    tmp.replace(path)
+
+
+def clock_offset(world) -> float:
+    """This rank's time.monotonic() minus rank 0's (0 on rank 0); collective over
+    ``world``. Rank 0 ping-pongs each rank in turn and keeps the exchange with the shortest
+    round trip: the offset is then off by at most half of it."""
+    ping, pong = np.zeros(1), np.zeros(2)
+    if world.rank != 0:
+        for _ in range(_ROUNDS):
+            world.recv(ping, 0, _TAG)
+            pong[0] = time.monotonic()
+            world.send(pong, 0, _TAG)
+        world.recv(ping, 0, _TAG)  # rank 0's verdict
+        return float(ping[0])
+    for peer in range(1, world.size):
+        best, offset = float("inf"), 0.0
+        for _ in range(_ROUNDS):
+            sent = time.monotonic()
+            world.send(ping, peer, _TAG)
+            world.recv(pong, peer, _TAG)
+            back = time.monotonic()
+            if back - sent < best:
+                best, offset = back - sent, pong[0] - (sent + back) / 2
+        world.send(np.array([offset]), peer, _TAG)
+    return 0.0
+
+
+_tracer: Tracer | None = None  # this process's trace, if COMMLIB_TRACE asked for one
+_job: tuple | None = None  # (the job's name, this rank in the world, the world's size)
+
+
+def name_job(world) -> None:
+    """Remember the job (rank 0's host and pid, the same on every rank) and this rank in
+    it, for failure views; collective over ``world``'s MPI communicator."""
+    global _job
+    job = world.mpi.bcast(f"{socket.gethostname()}-{os.getpid()}", root=0)
+    _job = (job, world.rank, world.size)
+
+
+def on_failure(recorder, error: BaseException) -> None:
+    """A call failed (a timeout, a disagreement, a dead peer): write this rank's last calls
+    where every rank of the job writes its own (COMMLIB_TRACE, else a directory in the
+    temporary directory named after the job), merge the ranks found there into
+    ``trace.json``, and say where in a note on ``error``."""
+    if _job is None:
+        return
+    job, rank, size = _job
+    where = directory() or Path(tempfile.gettempdir()) / f"commlib-failure-{job}"
+    try:
+        if _tracer is not None:
+            _tracer.write()
+        else:
+            where.mkdir(parents=True, exist_ok=True)
+            _write(where / f"rank-{rank:05d}.json",
+                   {"rank": rank, "size": size, "host": socket.gethostname(),
+                    "pid": os.getpid(), "offset": 0.0, "regions": [],
+                    "communicators": [_communicator(recorder)]})
+        ranks = load(where, complete=False)
+        _write(where / "trace.json", chrome_trace(ranks))
+    except OSError as e:
+        error.add_note(f"commlib: writing the failure's timeline to {where} failed: {e}")
+        return
+    error.add_note(f"commlib: the last calls of the {len(ranks)} of {size} ranks that have "
+                   f"failed so far: {where / 'trace.json'} (ui.perfetto.dev; redraw it with "
+                   f"python -m commlib.trace {where})")
+
+
+def start(world) -> Tracer | None:
+    """Begin tracing if COMMLIB_TRACE asks for it (collective over ``world``)."""
+    global _tracer
+    where = directory()
+    if where is not None:
+        _tracer = Tracer(where, world)
+    return _tracer
+
+
+@contextmanager
+def region(name: str):
+    """Mark what the program does meanwhile (a training step's forward, backward, ...) on
+    this rank's timeline, beside its calls; nothing when not tracing."""
+    if _tracer is None:
+        yield
+        return
+    begun = time.monotonic()
+    try:
+        yield
+    finally:
+        _tracer.regions.append((name, begun, time.monotonic()))
+
+
+# ---------------------------------------------------------------------------- merging
+
+def load(where: Path, complete: bool = True) -> list[dict]:
+    """Every rank's trace file in ``where``, by rank (with ``complete``, one per rank of
+    the world, or ValueError)."""
+    files = sorted(Path(where).glob("rank-*.json"))
+    if not files:
+        raise FileNotFoundError(f"no rank-*.json in {where}; run with COMMLIB_TRACE={where}")
+    ranks = [json.loads(f.read_text()) for f in files]
+    sizes = {r["size"] for r in ranks}
+    if complete and (len(sizes) != 1 or len(ranks) != sizes.pop()):
+        raise ValueError(f"{where}: {len(ranks)} rank files of a world of "
+                         f"{sorted({r['size'] for r in ranks})} ranks; a rank did not write "
+                         "its trace (did it exit early?)")
+    return sorted(ranks, key=lambda r: r["rank"])
+
+
+def cropped(trace: dict, first_ms: float, last_ms: float) -> dict:
+    """``trace`` with only the events that overlap [first_ms, last_ms], cut to it and
+    shifted to start at first_ms."""
+    kept = []
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            end = min(e["ts"] + e["dur"], last_ms * 1e3)
+            start = max(e["ts"], first_ms * 1e3)
+            if end < start:
+                continue
+            e = {**e, "ts": start - first_ms * 1e3, "dur": end - start}
+        kept.append(e)
+    return {**trace, "traceEvents": kept}
+
+
+def chrome_trace(ranks: list[dict]) -> dict:
+    """The Chrome trace (JSON object format) of ``ranks``: a process per rank, a thread per
+    communicator, a complete event per call from its start to its end (its queueing before
+    the start in the arguments), times in microseconds on rank 0's clock from the first
+    call."""
+    calls = [(r, c, call) for r in ranks for c in r["communicators"] for call in c["calls"]
+             if call["started"] is not None]
+    origin = min([call["issued"] - r["offset"] for r, _, call in calls] +
+                 [begun - r["offset"] for r in ranks for _, begun, _ in r["regions"]],
+                 default=0.0)
+    events = []
+    for r in ranks:
+        events.append({"ph": "M", "name": "process_name", "pid": r["rank"],
+                       "args": {"name": f"rank {r['rank']} ({r['host']})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": r["rank"],
+                       "args": {"sort_index": r["rank"]}})
+        for tid, c in enumerate(r["communicators"]):
+            events.append({"ph": "M", "name": "thread_name", "pid": r["rank"], "tid": tid,
+                           "args": {"name": c["name"]}})
+        below = len(r["communicators"])  # the regions' row, under the communicators'
+        events.append({"ph": "M", "name": "thread_name", "pid": r["rank"], "tid": below,
+                       "args": {"name": "regions"}})
+        for name, begun, ended in r["regions"]:
+            events.append({"ph": "X", "name": name, "cat": "region", "pid": r["rank"],
+                           "tid": below, "ts": (begun - r["offset"] - origin) * 1e6,
+                           "dur": (ended - begun) * 1e6, "args": {}})
+    for r, c, call in calls:
+        start = call["started"] - r["offset"] - origin
+        end = (call["finished"] if call["finished"] is not None else call["started"]) - \
+            r["offset"] - origin
+        events.append({
+            "ph": "X", "name": call["collective"], "cat": call["algorithm"] or "",
+            "pid": r["rank"], "tid": r["communicators"].index(c),
+            "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6,
+            "args": {"seq": call["seq"], "algorithm": call["algorithm"],
+                     "bytes": call["bytes"], "count": call["count"], "dtype": call["dtype"],
+                     "op": call["op"], "root": call["root"], "state": call["state"],
+                     "queued_us": (call["started"] - call["issued"]) * 1e6,
+                     **({"error": call["error"]} if call["error"] else {})}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": "commlib.trace", "ranks": len(ranks)}}
+
+
+def swimlanes(ranks: list[dict], trace: dict, path: str) -> None:
+    """A PNG of ``trace`` (``ranks``' Chrome trace): a lane per rank, a bar per call
+    coloured by collective, and under it the program's regions (forward, backward, ...) in
+    lighter colours."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bars = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    calls = sorted({e["name"] for e in bars if e["cat"] != "region"})
+    regions = sorted({e["name"] for e in bars if e["cat"] == "region"})
+    colours = {**{n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(calls)},
+               **{n: plt.get_cmap("Pastel2")(i % 8) for i, n in enumerate(regions)}}
+    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.6 * len(ranks)))
+    for e in bars:
+        lane = (e["pid"] + 0.1, 0.3) if e["cat"] == "region" else (e["pid"] - 0.4, 0.45)
+        ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 1e-3))], lane,
+                       color=colours[e["name"]])
+    ax.set_yticks([r["rank"] for r in ranks], [f"rank {r['rank']}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (rank 0's clock)")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in calls + regions],
+              labels=calls + regions, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commlib.trace", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", help="the COMMLIB_TRACE directory of a run")
+    p.add_argument("-o", "--output", default="trace.json", help="the Chrome trace to write")
+    p.add_argument("--png", help="also draw the swimlanes to this PNG (needs matplotlib)")
+    p.add_argument("--window", metavar="FIRST,LAST",
+                   help="keep only what overlaps these milliseconds (of the merged clock)")
+    args = p.parse_args(argv)
+    try:
+        ranks = load(Path(args.dir))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    trace = chrome_trace(ranks)
+    if args.window:
+        try:
+            first, last = (float(v) for v in args.window.split(","))
+        except ValueError:
+            p.error(f"--window {args.window!r}: give two numbers of milliseconds, FIRST,LAST")
+        trace = cropped(trace, first, last)
+    Path(args.output).write_text(json.dumps(trace))
+    calls = sum(e["ph"] == "X" and e["cat"] != "region" for e in trace["traceEvents"])
+    print(f"{args.output}: {calls} calls of {len(ranks)} ranks; open it in ui.perfetto.dev")
+    if args.png:
+        swimlanes(ranks, trace, args.png)
+        print(f"{args.png}: swimlanes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""commlib.trace: every rank's calls merged into one Chrome trace (tests/mpi/trace_run.py
+under COMMLIB_TRACE, one rank in a time namespace whose clock runs 1000 s ahead, as if on
+another host)."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, checkout_env, mpiexec, run_command
+
+AHEAD = 1000.0  # seconds rank 1's monotonic clock is ahead
+
+
+def _merge(*args):
+    return subprocess.run([sys.executable, "-m", "commlib.trace", *args], capture_output=True,
+                          text=True, env={**checkout_env(), "PATH": "/usr/bin:/bin"},
+                          cwd=ROOT, timeout=60)
+
+
+def test_trace_merges_every_rank_on_one_clock(tmp_path):
+    script = [sys.executable, str(ROOT / "tests/mpi/trace_run.py")]
+    ahead = ["unshare", "--time", "--fork", "--monotonic", str(int(AHEAD))]
+    probe = subprocess.run(ahead + ["true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"no time namespaces here: {probe.stderr.decode()[:200]}")
+    cmd = [mpiexec(), "-n", "1", *script, ":", "-n", "1", *ahead, *script, ":",
+           "-n", "1", *script]
+    code, out = run_command(cmd, 120, {**checkout_env(), "COMMLIB_TRACE": str(tmp_path)})
+    assert code == 0, out[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r:05d}.json").read_text()) for r in range(3)]
+    assert ranks[1]["offset"] == pytest.approx(AHEAD, abs=0.1)
+    assert abs(ranks[2]["offset"]) < 0.1 and ranks[0]["offset"] == 0.0
+
+    done = _merge(str(tmp_path), "-o", str(tmp_path / "trace.json"), "--png",
+                  str(tmp_path / "trace.png"))
+    assert done.returncode == 0, done.stderr
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    assert {e["pid"] for e in events if e["name"] == "process_name"} == {0, 1, 2}
+    calls = [e for e in events if e["ph"] == "X"]
+    world = {r: [(e["args"]["seq"], e["name"]) for e in calls if e["pid"] == r and e["tid"] == 0]
+             for r in range(3)}  # (tid 0: the world, 1: the split communicator, 2: regions)
+    # the same calls in the same order on every rank: 3 small all_reduces (fast path), a
+    # ring all_reduce, barrier, broadcast, all_gather, barrier
+    assert world[0] == world[1] == world[2], world
+    names = [name for _, name in world[0]]
+    assert names.count("all_reduce") == 4 and names.count("barrier") == 2, names
+    assert [seq for seq, _ in world[0]] == sorted(seq for seq, _ in world[0])
+    assert all(e["args"]["bytes"] == 4000 for e in calls if e["name"] == "all_gather")
+    # on rank 0's clock no rank ends a call before every rank has started it
+    for seq, name in world[0]:
+        if name in ("all_reduce", "barrier", "all_gather"):
+            ours = [e for e in calls if e["tid"] == 0 and e["args"]["seq"] == seq]
+            latest_start = max(e["ts"] for e in ours)
+            earliest_end = min(e["ts"] + e["dur"] for e in ours)
+            assert latest_start <= earliest_end + 10e3, (name, seq, ours)  # 10 ms slack
+    # the split communicator: a thread of its own on every rank; then the regions' row
+    assert all(any(e["tid"] == 1 for e in calls if e["pid"] == r) for r in range(3))
+    regions = [e for e in calls if e["cat"] == "region"]
+    assert sorted((e["pid"], e["tid"], e["name"]) for e in regions) == \
+        [(r, 2, "overlap") for r in range(3)]
+    for r in range(3):  # the async all_gather lies inside its rank's region
+        inside = [e for e in calls if e["pid"] == r and e["name"] == "all_gather"]
+        (mark,) = [e for e in regions if e["pid"] == r]
+        assert mark["ts"] <= inside[0]["ts"] <= mark["ts"] + mark["dur"]
+    if (tmp_path / "trace.png").exists():
+        assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trace_merge_errors(tmp_path):
+    done = _merge(str(tmp_path))
+    assert done.returncode == 2 and "no rank-*.json in" in done.stderr, done.stderr
+    (tmp_path / "rank-00000.json").write_text(json.dumps(
+        {"rank": 0, "size": 2, "host": "h", "pid": 1, "offset": 0.0, "communicators": []}))
+    done = _merge(str(tmp_path))
+    assert done.returncode == 2 and "a rank did not write its trace" in done.stderr
+
+
+def test_a_failure_writes_every_failed_ranks_last_calls():
+    """A disagreement: each rank's error names one merged timeline of the ranks that
+    failed so far; merged again, it holds every rank's failed call."""
+    code, out = run_command([mpiexec(), "-n", "3", sys.executable,
+                             str(ROOT / "tests/mpi/trace_failure.py")], 120, checkout_env())
+    assert code == 0, out[-3000:]
+    notes = re.findall(r"rank (\d): commlib: the last calls of the (\d) of 3 ranks that have "
+                       r"failed so far: (\S+trace\.json)", out)
+    assert sorted(int(rank) for rank, _, _ in notes) == [0, 1, 2], out[-3000:]
+    (path,) = {p for _, _, p in notes}
+    assert json.loads(open(path).read())["traceEvents"]
+    done = _merge(os.path.dirname(path), "-o", path)
+    assert done.returncode == 0, done.stderr
+    trace = json.loads(open(path).read())
+    failed = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["state"] == "failed"]
+    assert {e["pid"] for e in failed} == {0, 1, 2}
+    assert all("do not match" in e["args"]["error"] for e in failed)
+    shutil.rmtree(os.path.dirname(path))
