@@ -23,8 +23,8 @@ from commlib_strategies.tensor_parallel import column_parallel_, row_parallel_, 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sp: str | None = None) -> nn.Module:
     """``model`` with the mesh's dimensions applied; ``sp``: "megatron" (sequence
     parallelism on the tp ranks), or context parallelism's attention, "ulysses" or "ring"
-    (the default). The model's ``config`` holds the head counts (``plan.heads``) that
-    tensor parallelism must divide."""
+    (the default). The model's ``architecture()`` holds the head counts (``plan.heads``)
+    that tensor parallelism must divide."""
     tp, cp = mesh.size("tp"), mesh.size("cp")
     if sp not in (None, "megatron", "ulysses", "ring"):
         raise ValueError(f"parallelize: sp={sp!r}; choose None, 'megatron', 'ulysses' or "
