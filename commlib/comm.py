@@ -241,7 +241,7 @@ def init() -> Communicator:
     from . import trace  # (here: ``python -m commlib.trace`` imports commlib first)
     if _world is None and MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         _world = _torchrun_world()
-        trace.start(_world)  # (collective) if COMMLIB_TRACE asks for a trace
+        trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
     if _world is None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
@@ -250,7 +250,7 @@ def init() -> Communicator:
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
         trace.name_job(_world)  # (collective) for failures' timelines
-        trace.start(_world)  # (collective) if COMMLIB_TRACE asks for a trace
+        trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
     return _world
 
 

@@ -53,13 +53,12 @@ class Tracer:
     """This rank's trace: the world rank, the clock offset to rank 0, and the recorders of
     the communicators made since (kept even after they are freed)."""
 
-    def __init__(self, where: Path, world):
+    def __init__(self, where: Path, world, recorder: FlightRecorder):
         self.where, self.rank, self.size = where, world.rank, world.size
         self.offset = clock_offset(world)
-        self.recorders: list = []
+        self.recorders: list = [recorder]  # the world's, then every one made from now on
         self.regions: list = []  # (name, start, end): what the program was doing
         FlightRecorder.on_create = self.recorders.append
-        self.recorders.append(world._calls.recorder)
         atexit.register(self.write)
 
     def write(self) -> Path:
@@ -152,12 +151,13 @@ def on_failure(recorder, error: BaseException) -> None:
                    f"python -m commlib.trace {where})")
 
 
-def start(world) -> Tracer | None:
-    """Begin tracing if COMMLIB_TRACE asks for it (collective over ``world``)."""
+def start(world, recorder: FlightRecorder) -> Tracer | None:
+    """Begin tracing if COMMLIB_TRACE asks for it (collective over ``world``, whose flight
+    recorder is ``recorder``)."""
     global _tracer
     where = directory()
     if where is not None:
-        _tracer = Tracer(where, world)
+        _tracer = Tracer(where, world, recorder)
     return _tracer
 
 

@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sp: str | None = None)
     if tp > 1:
         tensor_parallel_(model, mesh.group("tp"), plan, sequence=sp == "megatron")
     if cp > 1:
-        heads = _config_value(model, plan.heads[0]) // tp  # the query heads a rank holds
+        heads = getattr(model.architecture(), plan.heads[0]) // tp  # query heads per rank
         context_parallel_(model, mesh.group("cp"), sp or "ring", heads,
                           matching(model, plan.attention))
     if plan.experts:
@@ -47,16 +47,12 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sp: str | None = None)
     return model
 
 
-def _config_value(model: nn.Module, attr: str) -> int:
-    return getattr(model.architecture(), attr)
-
-
 def tensor_parallel_(model: nn.Module, group, plan: Plan, sequence: bool = False) -> None:
     """Tensor parallelism by the plan, in place; with ``sequence``, Megatron sequence
     parallelism too (megatron_sp.py)."""
     tp = group.size
     for attr in plan.heads:
-        count = _config_value(model, attr)
+        count = getattr(model.architecture(), attr)
         if count % tp:
             raise ValueError(f"tensor parallel: the model's {attr}={count} does not divide by "
                              f"tp={tp}; each rank keeps whole heads, so choose a tp dividing "
