@@ -13,9 +13,10 @@ import operator
 import os
 from enum import Enum
 
-from . import _C
+from . import _C, user_ops
 from .buffers import Buffer, as_buffer
 from .dtypes import DType
+from .user_ops import UserOp
 
 
 class ReduceOp(str, Enum):
@@ -31,17 +32,39 @@ class ReduceOp(str, Enum):
     BXOR = "bxor"
 
     @property
+    def builtin(self) -> bool:
+        return True  # (user-defined ops are user_ops.UserOp)
+
+    @property
     def bitwise(self) -> bool:
         return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
+    @property
+    def host_only(self) -> bool:
+        """Whether the GPU kernels lack it (calls on GPU arrays are staged through the host)."""
+        return self.bitwise
+
+    @property
+    def code(self) -> int:
+        return _C.OPS[self.value]
+
     @classmethod
-    def parse(cls, op) -> "ReduceOp":
-        """Accept a ReduceOp or its name (any case)."""
+    def parse(cls, op):
+        """Accept a ReduceOp, its name (any case), or a user-defined op (``define``)."""
+        if isinstance(op, UserOp):
+            return op
         parsed = op if isinstance(op, cls) else _BY_NAME.get(str(op).lower())
         if parsed is None:
             raise ValueError(f"unknown reduce op {op!r}; valid: "
-                             f"{', '.join(o.value for o in cls)}")
+                             f"{', '.join(o.value for o in cls)}, or an op made by "
+                             f"ReduceOp.define")
         return parsed
+
+    @staticmethod
+    def define(fn, dtype="float32", name: str | None = None) -> UserOp:
+        """A reduce op from a scalar function ``fn(a, b)``, compiled by numba for ``dtype``
+        (a name or several): see commlib/user_ops.py."""
+        return user_ops.define(fn, dtype, name)
 
 
 _BY_NAME = {o.value: o for o in ReduceOp}
@@ -51,7 +74,6 @@ NAMES = {code: name for name, code in _C.COLLECTIVES.items()}
 REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 ROOTED = frozenset({"broadcast", "reduce"})
 NONE = _C.NONE
-_OP_CODES = {op: _C.OPS[op.value] for op in ReduceOp}
 
 
 class Call:
@@ -69,7 +91,7 @@ class Call:
         self.dtype, self.op, self.root, self.splits, self.scale = dtype, op, root, splits, scale
         self.device = out.device
         # the op as C++ takes it: SUM for collectives that do not reduce
-        self.op_code = _OP_CODES[op] if op is not None else _OP_CODES[ReduceOp.SUM]
+        self.op_code = (op or ReduceOp.SUM).code
 
     @property
     def bufs(self) -> dict:
@@ -121,7 +143,7 @@ def make(collective: str, size: int, rank: int, out, inp=None, op=None, root=Non
     count, scale = _C.check_call(
         CODES[collective], size, rank, out_b.ptr, out_b.numel, out_b.dtype.code,
         *((in_b.ptr, in_b.numel, in_b.dtype.code) if in_b is not None else (0, 0, -1)),
-        _OP_CODES[reduce_op] if reduce_op else NONE, NONE if root is None else root)
+        reduce_op.code if reduce_op else NONE, NONE if root is None else root)
     splits = None
     if collective == "all_to_all":
         splits = (_splits(size, input_splits, in_b.numel, "input_splits"),

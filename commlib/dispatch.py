@@ -98,8 +98,8 @@ class Dispatcher:
             raise self.unusable()
         offers = t.offers | t.device_offers()
         gpu = None
-        # (the GPU kernels have no bitwise ops: those are staged through host memory)
-        if "cuda_ipc" in offers and not (call.op and call.op.bitwise) and \
+        # (the GPU kernels lack bitwise and user-defined ops: staged through host memory)
+        if "cuda_ipc" in offers and not (call.op and call.op.host_only) and \
                 self._asks_ipc(call, algorithm):
             device = call.device.device
             gpu = self.gpu(device, call.descriptor("ipcsetup"), call.dtype.itemsize, seconds)

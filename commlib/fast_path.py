@@ -20,6 +20,12 @@ _OP_CODES = {**{o.value: _C.OPS[o.value] for o in ReduceOp},
 _OP_NAMES = {code: name for name, code in _C.OPS.items()}
 
 
+def accept(op) -> None:
+    """Take user-defined ``op`` (commlib/user_ops.py) as calls give it."""
+    _OP_CODES[op] = op.code
+    _OP_NAMES[op.code] = op.name
+
+
 class FastPath:
     def __init__(self, native, algorithms: dict, kinds: frozenset):
         self.native = native

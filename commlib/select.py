@@ -116,11 +116,14 @@ ALL_TO_ALL_DECIDING_BYTES = 1 << 20
 def choose(collective: str, requested: str | None, n: int, nbytes: int,
            model: CostModel | None = None, transport: str | None = None,
            local: int | None = None, offers: frozenset | None = None,
-           where: Where | None = None, measured=None) -> Algorithm:
+           where: Where | None = None, measured=None, user_op: bool = False,
+           deterministic: bool = False) -> Algorithm:
     """The algorithm for a call on host memory: ``requested``, then the environment, then
     the fastest that ``offers`` allows (default: the transport's own and MPI's) in the
     ``measured`` table (commlib/tuning.py), else the cheapest by the model at ``where``
-    (else ``transport``, default mpi, with ``local`` ranks per host)."""
+    (else ``transport``, default mpi, with ``local`` ranks per host). A call with a
+    ``user_op`` takes only algorithms that run one; a ``deterministic`` one only those that
+    reduce in rank order (Algorithm.rank_order)."""
     where = where or Where(transport or "mpi", local)
     if offers is None:
         offers = frozenset({where.transport, "mpi", "schedules"})
@@ -129,20 +132,37 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         found = [a for a in candidates(collective, offers) if a.name == name]
         if not found:
             raise unavailable(collective, name, offers, False)
-        why = found[0].refuses and found[0].refuses(n, nbytes)
+        why = (found[0].refuses and found[0].refuses(n, nbytes)) or \
+            _lacks(found[0], user_op, deterministic)
         if why:
             raise ValueError(f"{collective}: algorithm={name!r} cannot run this call: {why}")
         return found[0]
     if collective == "all_to_all":
         nbytes = ALL_TO_ALL_DECIDING_BYTES
+    fits = [a for a in candidates(collective, offers) if not _lacks(a, user_op, deterministic)]
+    if not fits:
+        raise ValueError(f"{collective}: no algorithm here can run this call: "
+                         f"{_lacks(None, user_op, deterministic)}")
     if measured is not None:
-        found = [a for a in candidates(collective, offers)
-                 if a.refuses is None or not a.refuses(n, nbytes)]
+        found = [a for a in fits if a.refuses is None or not a.refuses(n, nbytes)]
         fastest = measured.fastest(collective, None if collective == "all_to_all" else nbytes,
                                    [a.name for a in found])
         if fastest is not None:
             return next(a for a in found if a.name == fastest)
+    if user_op or deterministic:
+        model = model or DEFAULT_MODEL
+        return min(fits, key=lambda a: (model.cost(a, where, n, nbytes), a.name))
     return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, where, offers)
+
+
+def _lacks(algo: Algorithm | None, user_op: bool, deterministic: bool) -> str | None:
+    """Why ``algo`` (None: any) cannot run a call that needs these, or None."""
+    if user_op and (algo is None or not algo.user_ops):
+        return "it does not run user-defined reduce ops (the schedules and direct do)"
+    if deterministic and (algo is None or not algo.rank_order):
+        return ("deterministic mode needs an algorithm that reduces in rank order "
+                "(direct, one_copy, eager, ordered)")
+    return None
 
 
 def choose_on_device(call, requested: str | None, n: int, where: Where, offers: frozenset,

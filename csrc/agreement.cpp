@@ -5,6 +5,7 @@
 #include <map>
 
 #include "kernels.h"
+#include "user_ops.h"
 
 namespace commlib {
 
@@ -25,7 +26,10 @@ std::string field_value(const Desc& d, int field) {
       return name;
     }
     case DTYPE: return v >= 0 && v < kNumDTypes ? kDTypes[v].name : std::to_string(v);
-    case OP: return v >= 0 && v <= kLastOp ? kOpNames[v] : std::to_string(v);
+    case OP:
+      if (v >= 0 && v <= kLastOp) return kOpNames[v];
+      if (is_user_op(v) && !user_op_name(v).empty()) return "'" + user_op_name(v) + "'";
+      return std::to_string(v);
     default: return std::to_string(v);
   }
 }

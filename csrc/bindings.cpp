@@ -10,6 +10,7 @@
 #include "fast_path.h"
 #include "kernels.h"
 #include "shm.h"
+#include "user_ops.h"
 
 namespace py = pybind11;
 using commlib::DType;
@@ -93,6 +94,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("dtype"), py::arg("op"),
       "dst[i] = dst[i] op src[i] for i < count.");
+
+  m.attr("FIRST_USER_OP") = commlib::kFirstUserOp;
+  m.attr("LAST_USER_OP") = commlib::kLastUserOp;
+  m.def("define_user_op", &commlib::define_user_op, py::arg("code"), py::arg("name"),
+        py::arg("by_dtype"),
+        "Register reduce op `code` as `name`: one (apart, into) pair of function addresses "
+        "per dtype code, (0, 0) where it does not take that dtype (csrc/user_ops.h).");
 
   m.def(
       "copy",

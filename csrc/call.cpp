@@ -5,6 +5,7 @@
 
 #include "agreement.h"
 #include "kernels.h"
+#include "user_ops.h"
 
 namespace commlib {
 
@@ -71,6 +72,15 @@ CheckedCall check_call(int64_t collective, int size, int rank, const Operand& ou
   const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
                        collective == REDUCE_SCATTER;
   if (!reduces) return {primary, 0};
+  if (is_user_op(op)) {
+    const std::string name = user_op_name(op);
+    if (name.empty())
+      throw CallError("reduce op code " + str(op) + " was never defined in this process");
+    if (!user_op_takes(op, out.dtype))
+      throw CallError("op '" + name + "' is defined for " + user_op_dtypes(op) + ", not " +
+                      kDTypes[out.dtype].name + "; define it with that dtype too");
+    return {primary, 0};
+  }
   if (op < SUM || op > kLastOp) throw CallError("unknown reduce op code " + str(op));
   if (bitwise(op) && kDTypes[out.dtype].floating)
     throw CallError(std::string("op '") + kOpNames[op] + "' is bitwise and needs an integer " +

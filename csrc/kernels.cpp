@@ -8,6 +8,8 @@
 // the tests to cover it on AVX2 machines).
 #include "kernels.h"
 
+#include "user_ops.h"
+
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -129,11 +131,12 @@ void check_common(const void* dst, int64_t count, int dtype) {
 
 void reduce(void* dst, const void* a, const void* b, int64_t count, int dtype, int op) {
   check_common(dst, count, dtype);
+  check(count == 0 || (a != nullptr && b != nullptr), "null pointer with count > 0");
+  if (is_user_op(op)) return user_reduce(dst, a, b, count, dtype, op);
   check(op >= SUM && op <= kLastOp, "invalid op code " + std::to_string(op) + " (see _C.OPS)");
   check(!bitwise(op) || !kDTypes[dtype].floating,
         std::string("bitwise op '") + kOpNames[op] + "' needs an integer dtype");
   if (op == AVG) op = SUM;
-  check(count == 0 || (a != nullptr && b != nullptr), "null pointer with count > 0");
   if (use_avx2) {
 #if COMMLIB_X86_DISPATCH
     return reduce_avx2(dst, a, b, size_t(count), dtype, op);

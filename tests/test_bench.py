@@ -132,3 +132,5 @@ def test_overlap_and_calibrate(tmp_path):
                 str(tuning))
     assert "model error" in out and tuning.exists()
     assert CostModel.load(tuning).alpha > 0
+    out = bench(2, "user-ops", "-b", "1K", "-e", "64K", "-f", "64", "-n", "3")
+    assert [len(r) for r in rows(out)] == [6, 6], out  # size, 4 times, user/sum

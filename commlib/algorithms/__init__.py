@@ -46,6 +46,10 @@ class Algorithm:
     applies: Optional[Callable] = None  # applies(transport, call) -> why it cannot, or None
     refuses: Optional[Callable] = None  # refuses(n, nbytes) -> why not at that size, or None
     agrees: bool = False  # its run checks that the ranks made the same call (no agreement)
+    user_ops: bool = True  # reduces with user-defined ops too (commlib/user_ops.py)
+    # reduces every element in rank order, ((x0 op x1) op x2) ..., whatever the size: the
+    # same bits as every other such algorithm (deterministic mode)
+    rank_order: bool = False
 
 
 @dataclass(frozen=True)

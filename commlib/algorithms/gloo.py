@@ -81,5 +81,6 @@ def terms(collective, n, nbytes) -> dict:
 RUNNERS = {f.__name__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all,
                                    broadcast, reduce)}
 for _collective in COLLECTIVES:
-    register("gloo", _collective, lambda model, where, n, nbytes, c=_collective:
-             terms(c, n, nbytes), run=RUNNERS[_collective], needs="gloo")
+    register("gloo", _collective,
+             lambda model, where, n, nbytes, c=_collective: terms(c, n, nbytes),
+             run=RUNNERS[_collective], needs="gloo", user_ops=False)

@@ -1,10 +1,11 @@
 """native: the MPI library's own collectives through mpi4py (the baseline to beat).
 
-MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats reduce through a
-user-defined MPI op that calls commlib's own kernels. Each runs as MPI's non-blocking
-collective, waited for with the transport's timeout (a blocking one cannot time out), on
-the world's ``coll`` communicator. With a CUDA-aware MPI the same calls run on GPU arrays
-themselves (the "device" entries), except where the host must touch the data.
+MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats (and commlib's
+user-defined ops) reduce through an MPI op (MPI.Op.Create) that calls commlib's own
+kernels. Each runs as MPI's non-blocking collective, waited for with the transport's
+timeout (a blocking one cannot time out), on the world's ``coll`` communicator. With a
+CUDA-aware MPI the same calls run on GPU arrays themselves (the "device" entries), except
+where the host must touch the data.
 """
 from functools import lru_cache
 
@@ -12,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
+from ..dtypes import BY_CODE
 from ..work import Deadline, wait_request
 from . import COLLECTIVES, log2_rounds, register
 
@@ -22,9 +24,12 @@ _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
 
 @lru_cache(maxsize=None)
 def _kernel_op(dtype_code: int, op_code: int) -> MPI.Op:
+    itemsize = BY_CODE[dtype_code].itemsize
+
     def apply(inbuf, inoutbuf, datatype):
         src, dst = np.frombuffer(inbuf, np.uint8), np.frombuffer(inoutbuf, np.uint8)
-        _C.reduce_into(dst.ctypes.data, src.ctypes.data, dst.size // 2, dtype_code, op_code)
+        _C.reduce_into(dst.ctypes.data, src.ctypes.data, dst.size // itemsize, dtype_code,
+                       op_code)
     return MPI.Op.Create(apply, commute=True)
 
 
@@ -33,7 +38,7 @@ def _spec(buf):
 
 
 def _op(call):
-    if call.dtype.itemsize == 2 and call.dtype.floating:
+    if not call.op.builtin or (call.dtype.itemsize == 2 and call.dtype.floating):
         return _kernel_op(call.dtype.code, call.op_code)
     return _MPI_OPS[call.op.value]
 
@@ -110,6 +115,8 @@ def terms(collective, n, nbytes) -> dict:
 
 def on_device(transport, call) -> str | None:
     """Why MPI cannot take this call on GPU arrays as they are (None: it can)."""
+    if call.op is not None and not call.op.builtin:
+        return "MPI to run a user-defined op on the GPU (commlib reduces it on the host)"
     if call.op is not None and call.dtype.itemsize == 2 and call.dtype.floating:
         return "MPI to reduce 16-bit floats on the GPU (commlib reduces them on the host)"
     if call.collective == "reduce_scatter" and call.out.overlaps(call.inp):

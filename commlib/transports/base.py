@@ -35,6 +35,8 @@ class Transport:
         self._plans: dict = {}
         self.measured = None  # this layout's tuning.Table, once attached
         self.memory = None  # host_memory.SharedHostMemory where the ranks share memory
+        # reducing calls take only algorithms that reduce in rank order (Algorithm.rank_order)
+        self.deterministic = os.environ.get("COMMLIB_DETERMINISTIC", "0") not in ("", "0")
 
     def agree_call(self, call, algo) -> None:
         """Agree on ``call`` before ``algo`` runs it, unless running it checks that itself."""
@@ -59,13 +61,16 @@ class Transport:
     def choose(self, call, requested: str | None):
         """(algorithm, plan or None, whether new) for ``call`` asked for ``requested`` (None:
         COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape."""
-        key = (call.collective, requested, call.count, call.dtype.itemsize, call.params)
+        user_op = call.op is not None and not call.op.builtin
+        key = (call.collective, requested, call.count, call.dtype.itemsize, call.params,
+               user_op)
         hit = self._plans.get(key)
         if hit is not None:
             return hit[0], hit[1], False
         algo = choose(call.collective, requested or self._overrides.get(call.collective, "auto"),
                       self.size, call.nbytes, where=self.where, offers=self.offers,
-                      measured=self.measured)
+                      measured=self.measured, user_op=user_op,
+                      deterministic=self.deterministic and call.op is not None)
         plan = None if algo.run is not None else self.plan(algo, call)
         if len(self._plans) >= 4096:
             self._plans.clear()

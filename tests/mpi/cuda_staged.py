@@ -90,6 +90,20 @@ def copy(dst, src):
         dst.copy_(src)
 
 
+def user_defined_and_bitwise_ops_staged():
+    """The GPU kernels lack them: staged through host memory, where commlib's kernels run."""
+    absmax = commlib.ReduceOp.define(lambda a, b: max(abs(a), abs(b)), ("float32", "float16"),
+                                     name="absmax")
+    for dtype in ("float32", "float16"):
+        values = np.arange(1000) % 300  # (exact in float16 times n)
+        comm.all_reduce(t := device(values * (-1.0) ** rank * (rank + 1), dtype), op=absmax)
+        assert_equal(host(t), values * float(n))
+    comm.all_reduce(t := device(np.full(6, 1 << rank), "int32"), op="bor")
+    assert_equal(host(t), np.full(6, (1 << n) - 1))
+    raises(ValueError, "'absmax' is defined for float16, float32, not float64",
+           lambda: comm.all_reduce(device(np.ones(3), "float64"), op=absmax))
+
+
 def every_collective():
     for dtype in ("float32", "int32", "float16"):
         t = device(np.arange(7) + rank, dtype)

@@ -11,6 +11,7 @@ from functools import lru_cache
 import numpy as np
 
 import commlib
+from commlib.algorithms import entries
 from commlib.transports.mpi import Agreement
 from harness import (ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, expected_transport, make,
                      raises, to_f64, values)
@@ -19,8 +20,16 @@ BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 DTYPES = ALL_DTYPES if BACKEND == "torch" else NUMPY_DTYPES
-OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor", "absmax"]
 BITWISE = ("band", "bor", "bxor")  # integer dtypes only, as avg is floating only
+
+
+def absmax(a, b):
+    return max(abs(a), abs(b))
+
+
+# a user-defined op (numba-compiled) for every dtype but int8, which it must refuse
+USER_OPS = {"absmax": commlib.ReduceOp.define(absmax, [d for d in ALL_DTYPES if d != "int8"])}
 # (count, dtypes, ops): small counts (empty, one, fewer than the ranks, odd); with "large",
 # past the slot, segment and staging sizes in every dtype, and past csrc/shm.h's
 # kStreamingBytes (8 MB) in one dtype and op
@@ -40,7 +49,8 @@ def _bitwise(f):  # on the float64 of integer values: in int64 (two's complement
 
 REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "avg": np.add, "band": _bitwise(np.bitwise_and), "bor": _bitwise(np.bitwise_or),
-          "bxor": _bitwise(np.bitwise_xor)}
+          "bxor": _bitwise(np.bitwise_xor),
+          "absmax": lambda a, b: np.maximum(np.abs(a), np.abs(b))}
 check = Checker()
 
 
@@ -65,13 +75,21 @@ def expect_equal(got, want, dtype, op):
 def run(collective, algo, dtype, op, count, inplace):
     name = f"{collective}/{algo}/{dtype}/{op}/count={count}/{'inplace' if inplace else 'out'}"
     a = None if algo == "auto" else algo
+    reduce_op = USER_OPS.get(op, op)
     floating = dtype.startswith(("float", "bfloat"))
-    if op == "avg" and not floating or op in BITWISE and floating:
+    if op in USER_OPS and a is not None and not entries(collective)[a].user_ops:
+        if collective == "all_reduce":
+            check.check(name, lambda: raises(ValueError, "user-defined", lambda: (
+                comm.all_reduce(make(values(count, rank, "sum", dtype), dtype, BACKEND),
+                                op=USER_OPS[op], algorithm=a))))
+        return
+    if op == "avg" and not floating or op in BITWISE and floating or \
+            op in USER_OPS and dtype not in USER_OPS[op].dtypes:
         def refused():
             t = make(values(count, rank, "sum", dtype), dtype, BACKEND)
             try:
                 getattr(comm, collective)(*([t, t] if collective == "reduce_scatter" else [t]),
-                                          op=op, algorithm=a)
+                                          op=reduce_op, algorithm=a)
             except ValueError as e:
                 assert f"'{op}'" in str(e), e
             else:
@@ -92,12 +110,12 @@ def run(collective, algo, dtype, op, count, inplace):
         mine = values(count, rank, op or "sum", dtype)
         if collective == "all_reduce":
             t = make(mine, dtype, BACKEND)
-            comm.all_reduce(t, op=op, algorithm=a)
+            comm.all_reduce(t, op=reduce_op, algorithm=a)
             expect_equal(t, reduced(count, op, dtype), dtype, op)
         elif collective == "reduce":
             root = count % n
             t = make(mine, dtype, BACKEND)
-            comm.reduce(t, root=root, op=op, algorithm=a)
+            comm.reduce(t, root=root, op=reduce_op, algorithm=a)
             expect_equal(t, reduced(count, op, dtype) if rank == root else mine, dtype,
                          op if rank == root else None)
         elif collective == "broadcast":
@@ -111,7 +129,7 @@ def run(collective, algo, dtype, op, count, inplace):
             before = to_f64(full).copy()
             out = full[rank * count:(rank + 1) * count] if inplace else make(
                 np.zeros(count), dtype, BACKEND)
-            comm.reduce_scatter(out, full, op=op, algorithm=a)
+            comm.reduce_scatter(out, full, op=reduce_op, algorithm=a)
             want = reduced(n * count, op, dtype)[rank * count:(rank + 1) * count]
             expect_equal(out, want, dtype, op)
             if not inplace:

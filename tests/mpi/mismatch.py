@@ -37,11 +37,16 @@ def two_algorithms(comm, collective):
     return names[0], names[1]
 
 
+# a user-defined op (commlib/user_ops.py), which the messages name
+ABSMAX = commlib.ReduceOp.define(lambda a, b: max(abs(a), abs(b)), "float64", name="absmax")
+
 CASES = {  # name: (what the message must name, the call each rank makes)
     "all_reduce count": ("count", lambda c: c.all_reduce(ones(10 + odd))),
     "all_reduce dtype": ("dtype", lambda c: c.all_reduce(ones(8, "float32" if odd else "float64"))),
     "all_reduce op": ("op", lambda c: c.all_reduce(ones(8), op="max" if odd else "sum")),
     "all_reduce sum vs avg": ("op", lambda c: c.all_reduce(ones(8), op="avg" if odd else "sum")),
+    "all_reduce max vs user op": ("'absmax'", lambda c: c.all_reduce(
+        ones(8), op=ABSMAX if odd else "max")),
     "all_reduce algorithm": ("algorithm", lambda c: c.all_reduce(
         ones(100), algorithm=two_algorithms(c, "all_reduce")[odd])),  # (eager runs 100)
     "reduce_scatter count": ("count", lambda c: c.reduce_scatter(ones(4 + odd),
@@ -90,6 +95,8 @@ INVALID_CASES = {  # arguments valid on every rank but the last
         lambda x: c.all_to_all(x if odd else np.empty(2 * n), x))(ones(2 * n)),
     "broadcast root outside": lambda c: c.broadcast(ones(6), root=n if odd else 0),
     "reduce op unknown": lambda c: c.reduce(ones(6), op="bogus" if odd else "sum"),
+    "user op on a dtype it lacks": lambda c: c.all_reduce(ones(8, "float32" if odd else
+                                                               "float64"), op=ABSMAX),
     "barrier timeout negative": lambda c: c.barrier(timeout=-1 if odd else None),
 }
 
