@@ -105,20 +105,36 @@ class Communicator:
         offers = self.offers | (self._transport.device_offers() if device else frozenset())
         return sorted({a.name for a in candidates(collective, offers, device)})
 
-    def split(self, color, key=0) -> "Communicator | None":
+    def split(self, color, key=0, deterministic=None) -> "Communicator | None":
         """Ranks with equal ``color`` form a new communicator, ordered by (key, rank).
-        ``color=None`` opts out: that rank gets None. Collective over this communicator."""
+        ``color=None`` opts out: that rank gets None. Collective over this communicator.
+        ``deterministic``: see ``dup`` (None: as this one)."""
         if color is not None and (isinstance(color, bool) or not isinstance(color, int)
                                   or color < 0):
             raise ValueError(f"color must be a non-negative int or None, got {color!r}")
         world = self._transport.world.split(color, key)
-        return None if world is None else Communicator.__new__(Communicator)._over(
-            world.make_transport())
+        return None if world is None else self._derived(world, deterministic)
 
-    def dup(self) -> "Communicator":
-        """A new communicator over the same ranks, with traffic separate from this one."""
-        return Communicator.__new__(Communicator)._over(
-            self._transport.world.dup().make_transport())
+    def dup(self, deterministic=None) -> "Communicator":
+        """A new communicator over the same ranks, with traffic separate from this one.
+        ``deterministic=True``: its reducing collectives reduce in rank order, so results
+        are the same bits whatever the algorithm, transport or size (None: as this one)."""
+        return self._derived(self._transport.world.dup(), deterministic)
+
+    def _derived(self, world, deterministic) -> "Communicator":
+        transport = world.make_transport()
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+        transport.deterministic = (self.deterministic if deterministic is None
+                                   else deterministic)
+        return Communicator.__new__(Communicator)._over(transport)
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether reducing calls reduce every element in rank order ((x0 op x1) op x2 ...),
+        for bitwise the same results whatever the algorithm, transport, message or segment
+        size: the world's from COMMLIB_DETERMINISTIC=1, others' from split or dup."""
+        return self._transport.deterministic
 
     def free(self) -> None:
         """Finish outstanding work, then release the private MPI communicators (collective)."""

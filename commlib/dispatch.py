@@ -97,6 +97,8 @@ class Dispatcher:
         if self.failure is not None:
             raise self.unusable()
         offers = t.offers | t.device_offers()
+        if call.op is not None and t.deterministic:
+            offers -= {"cuda_ipc", "cuda_mpi"}  # reduced in rank order on the host, staged
         gpu = None
         # (the GPU kernels lack bitwise and user-defined ops: staged through host memory)
         if "cuda_ipc" in offers and not (call.op and call.op.host_only) and \

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .algorithms import Algorithm, Where, candidates, unavailable
-from .call import COLLECTIVES
+from .call import COLLECTIVES, REDUCING
 
 TUNING_ENV = "COMMLIB_TUNING"
 
@@ -127,6 +127,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
     where = where or Where(transport or "mpi", local)
     if offers is None:
         offers = frozenset({where.transport, "mpi", "schedules"})
+    deterministic = deterministic and collective in REDUCING
     name = requested or os.environ.get(f"COMMLIB_ALGO_{collective.upper()}")
     if name and name != "auto":
         found = [a for a in candidates(collective, offers) if a.name == name]

@@ -91,7 +91,11 @@ def attach(comm, transport, refresh: bool = False) -> None:
     table = transport.world.allgather(table.times if table else None)[0]  # rank 0's
     if table is None:
         started = time.perf_counter()
-        table = measure(comm)
+        deterministic, transport.deterministic = transport.deterministic, False
+        try:  # (every algorithm is timed: deterministic mode chooses among its own)
+            table = measure(comm)
+        finally:
+            transport.deterministic = deterministic
         if comm.rank == 0:
             _save(digest, layout, table, time.perf_counter() - started)
     else:

@@ -98,6 +98,7 @@ def main(args, comm) -> int:
     for name in args.collectives:
         spec = SPECS[name]
         names = ([f"commlib:{a}" for a in commlib.algorithms(name, comm)] + ["commlib:auto"]
+                 + (["commlib:deterministic"] if spec.reduces else [])
                  + (["commlib:registered"] if args.device == "cuda" else []) + ["mpi"]
                  + ([] if args.no_gloo else ["gloo"]))
         peers = make_peers(comm, names)
@@ -148,19 +149,26 @@ def _print(rows, tables, n, dtype):
                   if r["collective"] == name and r["impl"] == "memcpy"}
         print(f"# compare {name}: {n} ranks, {dtype}; busbw in GB/s (median of the max over "
               f"ranks); ratios are busbw over the best peer's (mpi, gloo)")
-        header = ["size"] + impls + ["best", "best/peer", "auto/peer", "best/memcpy", "#wrong"]
+        # (deterministic mode: auto among the rank-order algorithms, priced against auto)
+        det = "commlib:deterministic" in impls
+        header = (["size"] + impls + ["best", "best/peer", "auto/peer", "best/memcpy"]
+                  + (["det/auto"] if det else []) + ["#wrong"])
         table = []
         for size in sorted({r["size"] for r in mine}):
             at = {r["impl"]: r for r in mine if r["size"] == size}
             bw = {i: at[i]["busbw"] if i in at else float("nan") for i in impls}
             peer = max((bw[i] for i in ("mpi", "gloo") if i in at), default=float("nan"))
-            ours = {i: v for i, v in bw.items() if i.startswith("commlib:") and v == v}
+            ours = {i: v for i, v in bw.items() if i.startswith("commlib:") and v == v
+                    and i != "commlib:deterministic"}
             best = max(ours, key=ours.get) if ours else "n/a"
+            auto = bw.get("commlib:auto", float("nan"))
             table.append([size, *bw.values(), best.removeprefix("commlib:"),
                           ours.get(best, float("nan")) / peer if peer else float("nan"),
-                          bw.get("commlib:auto", float("nan")) / peer if peer else float("nan"),
+                          auto / peer if peer else float("nan"),
                           ours.get(best, float("nan")) / memcpy[size] if memcpy.get(size)
                           else float("nan"),
+                          *([bw["commlib:deterministic"] / auto if auto else float("nan")]
+                            if det else []),
                           sum(r["wrong"] for r in at.values())])
         print_table(header, table)
         small = min(r["size"] for r in mine)

@@ -116,6 +116,18 @@ class CommlibPeer:
             comm.reduce(c.out, c.root, c.op, a)
 
 
+class DeterministicPeer(CommlibPeer):
+    """auto on a communicator in deterministic mode (Communicator.dup): what reducing in
+    rank order costs, beside auto."""
+
+    def __init__(self, comm: commlib.Communicator):
+        super().__init__(comm.dup(deterministic=True), "auto")
+        self.name = "commlib:deterministic"
+
+    def unsupported(self, case):
+        return None if case.spec.reduces else "the same as auto: nothing reduces"
+
+
 class RegisteredPeer(CommlibPeer):
     """commlib's collectives on GPU inputs registered with the communicator (zero-copy
     IPC); each case's input is registered once, before its first timed call."""
@@ -225,12 +237,14 @@ def gloo_group():
 
 
 def make_peers(comm, names: list[str]) -> list:
-    """Peers by name: commlib:<algorithm>|commlib:auto|commlib:registered|mpi|gloo (gloo
-    needs torch)."""
+    """Peers by name: commlib:<algorithm>|commlib:auto|commlib:deterministic|
+    commlib:registered|mpi|gloo (gloo needs torch)."""
     peers = []
     for name in names:
         if name == "commlib:registered":
             peers.append(RegisteredPeer(comm))
+        elif name == "commlib:deterministic":
+            peers.append(DeterministicPeer(comm))
         elif name.startswith("commlib:"):
             peers.append(CommlibPeer(comm, name.split(":", 1)[1]))
         elif name == "mpi":
@@ -241,5 +255,5 @@ def make_peers(comm, names: list[str]) -> list:
                 peers.append(GlooPeer(group))
         else:
             raise ValueError(f"unknown implementation {name!r}: use commlib:<algorithm>, "
-                             "commlib:auto, mpi or gloo")
+                             "commlib:auto, commlib:deterministic, mpi or gloo")
     return peers

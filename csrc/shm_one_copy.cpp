@@ -143,24 +143,28 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
   }
 }
 
-// Elements [first, first + n) of every rank's buffer, reduced into `out` (which may be
-// `own` itself, so own comes first): this rank's from `own`, then the peers' in rank
-// order, read at their exposed address `which` (in or out), a chunk at a time.
+// Elements [first, first + n) of every rank's buffer, reduced into `out` in rank order (as
+// direct and eager reduce: the same bits): this rank's from `own`, the peers' read at their
+// exposed address `which` (in or out), a chunk at a time. Where `out` is `own` and this
+// rank comes third or later, own is set aside first, as the fold overwrites it before.
 void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64_t n,
                                 int dtype, int op, uint64_t Exposed::*which) {
   const int64_t isz = itemsize(dtype), step = kChunkBytes / isz;
   tmp_.resize(size_t(kChunkBytes) * size_);
-  std::vector<const char*> src;
-  src.reserve(size_);
+  std::vector<const char*> src(size_);
   for (int64_t c = 0; c < n; c += step) {
     int64_t m = std::min(step, n - c), at = (first + c) * isz;
-    src.assign(1, own + c * isz);
     for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
+      char* slot = tmp_.data() + j * kChunkBytes;
+      if (j == rank_) {
+        bool overwritten = out == own && rank_ >= 2;
+        if (overwritten) std::memcpy(slot, own + c * isz, m * isz);
+        src[j] = overwritten ? slot : own + c * isz;
+        continue;
+      }
       const char* mapped = view(j, which, at, m * isz);  // reduced where it lies
-      char* into = tmp_.data() + j * kChunkBytes;
-      if (!mapped) read_peer(j, into, which, at, m * isz);
-      src.push_back(mapped ? mapped : into);
+      if (!mapped) read_peer(j, slot, which, at, m * isz);
+      src[j] = mapped ? mapped : slot;
     }
     reduce_sources(out + c * isz, src, m, dtype, op);
   }

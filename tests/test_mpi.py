@@ -57,6 +57,14 @@ def test_shared_host_memory(n, env):
 
 
 @pytest.mark.parametrize("n", RANKS)
+def test_deterministic_mode(n):
+    """Every rank-order algorithm on every transport the job can make gives the bits of one
+    fold in rank order; with torch (3 ranks): bfloat16 too, and DDP and DataParallel train
+    to the same weights whatever the algorithms."""
+    run_checked(n, "tests/mpi/deterministic.py", *(["torch"] if n == 3 else []))
+
+
+@pytest.mark.parametrize("n", RANKS)
 def test_collectives_torch(n):
     pytest.importorskip("torch")
     # bfloat16 at the large counts once (3 ranks: uneven chunks); numpy runs the rest of them

@@ -43,6 +43,11 @@ def test_collective_matrix_torch(hosts):
     run_checked(3, "tests/mpi/matrix.py", "torch", launch=on_hosts(hosts, [1, 1, 1]))
 
 
+def test_deterministic_mode_across_hosts(hosts):
+    """The rank-order algorithms on the hosts and mpi transports give the bits of one fold."""
+    run_checked(4, "tests/mpi/deterministic.py", launch=on_hosts(hosts, [2, 2]), timeout=200)
+
+
 @pytest.mark.parametrize("per_host", [[1, 1], [2, 1]], ids=str)
 def test_disagreements_raise_on_every_rank(hosts, per_host):
     out = run_checked(sum(per_host), "tests/mpi/mismatch.py", launch=on_hosts(hosts, per_host),

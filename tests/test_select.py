@@ -16,8 +16,28 @@ def test_explicit_and_environment(monkeypatch):
     assert choose("all_reduce", "rhd", 4, 8).name == "rhd"  # the argument beats the environment
     monkeypatch.setenv("COMMLIB_ALGO_ALL_REDUCE", "fastest")
     with pytest.raises(ValueError, match="unknown algorithm 'fastest' for all_reduce; valid: "
-                                         "native, rhd, ring, tree"):  # on a plain MPI comm
+                                         "native, ordered, rhd, ring, tree"):  # plain MPI comm
         choose("all_reduce", None, 4, 8)
+
+
+def test_user_ops_and_deterministic_mode_narrow_the_choice():
+    gloo = frozenset({"gloo"})
+    assert choose("all_reduce", None, 4, 1 << 20, transport="gloo", offers=gloo).name == "gloo"
+    assert choose("all_reduce", None, 4, 1 << 20, transport="gloo", offers=gloo,
+                  user_op=True).name == "ordered"
+    with pytest.raises(ValueError, match="'gloo' cannot run this call: it does not run "
+                                         "user-defined"):
+        choose("all_reduce", "gloo", 4, 8, offers=gloo, user_op=True)
+    shm = frozenset({"shm", "schedules", "one_copy", "mpi"})
+    for nbytes in (8, 1 << 16, 1 << 24):
+        for collective in ("all_reduce", "reduce_scatter", "reduce"):
+            picked = choose(collective, None, 4, nbytes, transport="shm", offers=shm,
+                            deterministic=True, model=DEFAULTS)
+            assert picked.rank_order, (collective, nbytes, picked.name)
+    with pytest.raises(ValueError, match="deterministic mode needs an algorithm that reduces "
+                                         "in rank order"):
+        choose("all_reduce", "ring", 4, 8, deterministic=True)
+    assert choose("all_gather", "ring", 4, 8, deterministic=True).name == "ring"
 
 
 def test_model_prefers_latency_small_and_bandwidth_large():
@@ -27,7 +47,9 @@ def test_model_prefers_latency_small_and_bandwidth_large():
     assert choose("all_reduce", None, 2, 8, DEFAULTS).name == "native"
     assert choose("all_reduce", None, 2, 64 << 20, DEFAULTS).name in ("ring", "rhd")
     assert choose("all_reduce", None, 3, 64 << 20, DEFAULTS).name == "ring"  # rhd folds
-    assert choose("reduce", None, 4, 8 << 20, DEFAULTS).name == "tree"
+    # a large reduce: a tree, or ordered's reduce-scatter then gather (Rabenseifner's
+    # bytes: less per rank than the tree's; they measured alike at 4 MiB, 4 ranks)
+    assert choose("reduce", None, 4, 8 << 20, DEFAULTS).name in ("tree", "ordered")
 
 
 def test_every_algorithm_has_a_cost():

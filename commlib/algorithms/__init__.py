@@ -171,4 +171,5 @@ def unavailable(collective: str, name: str, offers, device: bool, why: str | Non
                       f"which this call lacks; valid here: {valid}")
 
 
-from . import direct, eager, gloo, hier, ipc, native, one_copy, pairwise, rhd, ring, tree  # noqa: E402,F401  (register themselves)
+from . import (direct, eager, gloo, hier, ipc, native, one_copy, ordered, pairwise,  # noqa: E402,F401,I001  (register themselves)
+               rhd, ring, tree)

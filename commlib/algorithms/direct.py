@@ -43,4 +43,4 @@ def run(transport, call):
 
 for _collective in COLLECTIVES:
     register("direct", _collective, lambda model, where, n, nbytes, c=_collective:
-             terms(c, where, n, nbytes), run=run, needs="shm", agrees=True)
+             terms(c, where, n, nbytes), run=run, needs="shm", agrees=True, rank_order=True)

@@ -43,4 +43,4 @@ def run(t, call):
 
 for _collective in ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast"):
     register("eager", _collective, _terms(_collective), run=run, needs="eager",
-             refuses=_refuses(_collective), agrees=True)
+             refuses=_refuses(_collective), agrees=True, rank_order=True)

@@ -43,12 +43,13 @@ def _chunk(count, parts, i):
 def reduce_scatter(t, call):
     out, inp = call.out, call.inp
     n, hosts = out.numel, t.cross.size
-    grouped = t.scratch(0, t.size * n, call.dtype)  # blocks ordered by (local rank, host)
+    # blocks ordered by (local rank, host)
+    grouped = t.scratch("hier:grouped", t.size * n, call.dtype)
     for i, row in enumerate(t.owner):
         for h, r in enumerate(row):
             _C.copy(grouped.ptr + (i * hosts + h) * out.nbytes, inp.ptr + r * out.nbytes,
                     out.nbytes)
-    shard = t.scratch(1, hosts * n, call.dtype)
+    shard = t.scratch("hier:shard", hosts * n, call.dtype)
     t.local.execute(_stage(call, "reduce_scatter", shard, grouped))
     t.cross.execute(_stage(call, "reduce_scatter", out, shard))
 
@@ -56,9 +57,9 @@ def reduce_scatter(t, call):
 def all_gather(t, call):
     out, inp = call.out, call.inp
     n, hosts = inp.numel, t.cross.size
-    shard = t.scratch(1, hosts * n, call.dtype)
+    shard = t.scratch("hier:shard", hosts * n, call.dtype)
     t.cross.execute(_stage(call, "all_gather", shard, inp, n))
-    grouped = t.scratch(0, t.size * n, call.dtype)
+    grouped = t.scratch("hier:grouped", t.size * n, call.dtype)
     t.local.execute(_stage(call, "all_gather", grouped, shard, hosts * n))
     for i, row in enumerate(t.owner):
         for h, r in enumerate(row):

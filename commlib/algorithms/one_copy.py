@@ -27,4 +27,5 @@ def run(transport, call):
 
 for _collective in FORMULAS:
     register("one_copy", _collective, lambda model, where, n, nbytes, c=_collective:
-             terms(c, n, nbytes), run=run, needs="one_copy", agrees=True)
+             terms(c, n, nbytes), run=run, needs="one_copy", agrees=True,
+             rank_order=True)

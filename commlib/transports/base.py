@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .. import _C
+from ..buffers import Buffer
 from ..algorithms import Where
 from ..select import algorithm_overrides, choose
 
@@ -35,8 +38,18 @@ class Transport:
         self._plans: dict = {}
         self.measured = None  # this layout's tuning.Table, once attached
         self.memory = None  # host_memory.SharedHostMemory where the ranks share memory
+        self._scratch: dict = {}
         # reducing calls take only algorithms that reduce in rank order (Algorithm.rank_order)
         self.deterministic = os.environ.get("COMMLIB_DETERMINISTIC", "0") not in ("", "0")
+
+    def scratch(self, slot, numel: int, dtype) -> Buffer:
+        """Reused working buffer ``slot`` (a key each algorithm keeps its own), for
+        algorithms built from others (fresh pages would cost more than their copies)."""
+        nbytes = numel * dtype.itemsize
+        raw = self._scratch.get(slot)
+        if raw is None or raw.size < nbytes:
+            raw = self._scratch[slot] = np.empty(nbytes, np.uint8)
+        return Buffer(raw, raw.ctypes.data, numel, dtype, raw[:nbytes])
 
     def agree_call(self, call, algo) -> None:
         """Agree on ``call`` before ``algo`` runs it, unless running it checks that itself."""
@@ -69,8 +82,7 @@ class Transport:
             return hit[0], hit[1], False
         algo = choose(call.collective, requested or self._overrides.get(call.collective, "auto"),
                       self.size, call.nbytes, where=self.where, offers=self.offers,
-                      measured=self.measured, user_op=user_op,
-                      deterministic=self.deterministic and call.op is not None)
+                      measured=self.measured, user_op=user_op, deterministic=self.deterministic)
         plan = None if algo.run is not None else self.plan(algo, call)
         if len(self._plans) >= 4096:
             self._plans.clear()

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 
-from ..buffers import Buffer
 from .mpi import MpiTransport
 from .mpi_world import MpiWorld, host_color
 from .shm import ShmTransport
@@ -34,15 +32,6 @@ class HostLayout:
             self.owner[i][h] = r
         self.where = replace(self.local.where, transport=self.name, local=self.local.size,
                              cross=cross)
-        self._scratch: dict = {}
-
-    def scratch(self, slot: int, numel: int, dtype) -> Buffer:
-        """Reused working buffer ``slot`` (fresh pages would cost more than the copies)."""
-        nbytes = numel * dtype.itemsize
-        raw = self._scratch.get(slot)
-        if raw is None or raw.size < nbytes:
-            raw = self._scratch[slot] = np.empty(nbytes, np.uint8)
-        return Buffer(raw, raw.ctypes.data, numel, dtype, raw[:nbytes])
 
     def set_timeout(self, seconds: float) -> None:
         """Each stage of hier is bounded by its call's timeout too."""

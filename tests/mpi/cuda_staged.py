@@ -104,6 +104,23 @@ def user_defined_and_bitwise_ops_staged():
            lambda: comm.all_reduce(device(np.ones(3), "float64"), op=absmax))
 
 
+def deterministic_staged():
+    """Deterministic mode: GPU arrays reduce on the host in rank order (not by the GPU's
+    kernels or CUDA IPC), to the bits of the fold ((x0 + x1) + x2) ..."""
+    def mine(r):
+        rng = np.random.default_rng(r)
+        return (rng.standard_normal(5000) * 10.0 ** rng.uniform(-3, 3, 5000)).astype(np.float32)
+    det = comm.dup(deterministic=True)
+    det.all_reduce(t := device(mine(rank)))
+    want = mine(0)
+    for r in range(1, n):
+        want = want + mine(r)
+    assert host(t).astype(np.float32).tobytes() == want.tobytes()
+    ran = det.flight_record()[-1]["algorithm"]
+    assert n == 1 or ran in ("direct", "one_copy", "eager", "ordered"), ran
+    det.free()
+
+
 def every_collective():
     for dtype in ("float32", "int32", "float16"):
         t = device(np.arange(7) + rank, dtype)
