@@ -49,6 +49,7 @@ class Communicator:
         self._transport = transport
         self.rank, self.size, self.mpi = transport.rank, transport.size, transport.world.mpi
         self._calls = Dispatcher(transport, repr(self))
+        self._calls.recorder.identify(transport.world.members)
         self._fast = self._calls.call_fast
         tuning.attach(self, transport)  # the algorithm table measured for this layout
         return self

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import deque
+import weakref
+from collections import Counter, deque
 
 from .call import env_number
 
@@ -28,14 +29,33 @@ class FlightRecorder:
               "issued", "started", "finished", "error")
 
     on_create = None  # a trace's: called with every new recorder (commlib/trace.py)
+    alive: weakref.WeakSet = weakref.WeakSet()  # every recorder of this process (trace windows)
+    _made: Counter = Counter()  # communicators identified so far, by members
 
     def __init__(self, owner: str, size: int | None = None):
         self.owner = owner
         self.calls: deque = deque(maxlen=default_size() if size is None else size)
         self.seq = 0
         self.fast = None  # the communicator's FastPath: it numbers every call, keeps its rows
+        self.members: tuple = ()  # the world ranks of the communicator's ranks
+        self.ordinal = 0  # how many communicators of the same members this process made before
+        FlightRecorder.alive.add(self)
         if FlightRecorder.on_create is not None:
             FlightRecorder.on_create(self)
+
+    def identify(self, members) -> None:
+        """Name the communicator as every member names it: its members' world ranks and how
+        many communicators of those members came before (made collectively, so in the same
+        order everywhere); a trace matches calls across ranks by it and the seq."""
+        self.members = tuple(members)
+        self.ordinal = FlightRecorder._made[self.members]
+        FlightRecorder._made[self.members] += 1
+
+    def keep(self, size: int) -> None:
+        """Keep the last ``size`` calls from now on (on both paths)."""
+        self.calls = deque(self.calls, maxlen=size)
+        if self.fast is not None:
+            self.fast.native.keep(size)
 
     def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> list:
         self.seq = self.fast.native.next_seq() if self.fast is not None else self.seq + 1

@@ -6,13 +6,20 @@ rank, a row per communicator) that opens in ui.perfetto.dev and chrome://tracing
     COMMLIB_TRACE=/tmp/run mpiexec -n 4 python train.py
     python -m commlib.trace /tmp/run -o trace.json --png trace.png
 
+or a window of a run, ``with commlib.trace.tracing("/tmp/run"): ...`` on every rank.
+
 With COMMLIB_TRACE set, ``commlib.init()`` measures each rank's clock against rank 0's
 (ping-pongs over the world: the offset of the exchange with the shortest round trip, so
 ranks on other hosts line up too), every communicator keeps its last COMMLIB_TRACE_CALLS
 (100000) calls in its flight recorder (commlib/recorder.py: collective, algorithm, count,
 dtype, issue, start and end times, state, error), ``region(name)`` marks what the program
 does meanwhile (the trainer's forward, backward and optimizer step), and at exit each rank
-writes ``DIR/rank-NNNNN.json``.
+writes ``DIR/rank-NNNNN.json``. A communicator is named alike on its members (their world
+ranks, and how many communicators of theirs came before), so the merge matches each call
+across its ranks and says whom each rank waited for and how long: the peers that started it
+later (``waited_for``, ``waited_us``, ``late_peers`` in the call's arguments). Ranks on
+hosts that share no file system write their files on their own host: copy the directories
+together, or name them all (``python -m commlib.trace host1/run host2/run``).
 
 When a call fails (a timeout, a disagreement, a dead peer), each rank that sees it writes its
 last calls where the others write theirs (COMMLIB_TRACE, else ``commlib-failure-JOB`` in the
@@ -36,8 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .call import env_number
 from .dtypes import DTYPES
-from .recorder import FlightRecorder
+from .recorder import FlightRecorder, default_size
 
 _ROUNDS = 8  # ping-pongs per rank when measuring clock offsets
 _TAG = 32766
@@ -51,15 +59,16 @@ def directory() -> Path | None:
 
 class Tracer:
     """This rank's trace: the world rank, the clock offset to rank 0, and the recorders of
-    the communicators made since (kept even after they are freed)."""
+    the communicators it covers (kept even after they are freed); a window's covers the
+    calls issued ``since`` (time.monotonic()), else all."""
 
-    def __init__(self, where: Path, world, recorder: FlightRecorder):
+    def __init__(self, where: Path, world, recorders, since: float | None = None):
         self.where, self.rank, self.size = where, world.rank, world.size
         self.offset = clock_offset(world)
-        self.recorders: list = [recorder]  # the world's, then every one made from now on
+        self.recorders: list = list(recorders)  # and every one made from now on
+        self.since = since
         self.regions: list = []  # (name, start, end): what the program was doing
         FlightRecorder.on_create = self.recorders.append
-        atexit.register(self.write)
 
     def write(self) -> Path:
         """Write this rank's calls so far to ``DIR/rank-NNNNN.json``."""
@@ -67,16 +76,17 @@ class Tracer:
         path = self.where / f"rank-{self.rank:05d}.json"
         _write(path, {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
                       "pid": os.getpid(), "offset": self.offset, "regions": self.regions,
-                      "communicators": [_communicator(r) for r in self.recorders]})
+                      "communicators": [_communicator(r, self.since) for r in self.recorders]})
         return path
 
 
-def _communicator(recorder) -> dict:
-    calls = recorder.records()
+def _communicator(recorder, since: float | None = None) -> dict:
+    calls = [c for c in recorder.records() if since is None or c["issued"] >= since]
     for call in calls:
         dtype = DTYPES.get(call["dtype"]) if call["dtype"] else None
         call["bytes"] = (call["count"] or 0) * (dtype.itemsize if dtype else 0)
-    return {"name": recorder.owner, "calls": calls}
+    return {"name": recorder.owner, "members": list(recorder.members),
+            "ordinal": recorder.ordinal, "calls": calls}
 
 
 def _write(path: Path, content: dict) -> None:
@@ -157,8 +167,37 @@ def start(world, recorder: FlightRecorder) -> Tracer | None:
     global _tracer
     where = directory()
     if where is not None:
-        _tracer = Tracer(where, world, recorder)
+        _tracer = Tracer(where, world, [recorder])
+        atexit.register(_tracer.write)
     return _tracer
+
+
+@contextmanager
+def tracing(where):
+    """Trace every communicator's calls issued inside, as COMMLIB_TRACE traces a whole run:
+    collective over the world (every rank enters and leaves it); at the exit each rank writes
+    ``where/rank-NNNNN.json`` for ``python -m commlib.trace where`` to merge. Meanwhile the
+    recorders keep COMMLIB_TRACE_CALLS calls (100000), then their usual number again."""
+    global _tracer
+    from .comm import init
+    if _tracer is not None:
+        raise RuntimeError("commlib.trace.tracing: already tracing (COMMLIB_TRACE, or a "
+                           "window around this one); one trace at a time")
+    world = init()
+    calls = int(env_number("COMMLIB_TRACE_CALLS", 100000, int))
+    recorders = sorted(FlightRecorder.alive, key=lambda r: (-len(r.members), r.members,
+                                                           r.ordinal))
+    for r in recorders:
+        r.keep(calls)
+    tracer = _tracer = Tracer(Path(where), world, recorders, since=time.monotonic())
+    FlightRecorder.on_create = lambda r: (r.keep(calls), tracer.recorders.append(r))
+    try:
+        yield tracer
+    finally:
+        FlightRecorder.on_create, _tracer = None, None
+        tracer.write()
+        for r in tracer.recorders:
+            r.keep(default_size())
 
 
 @contextmanager
@@ -177,19 +216,29 @@ def region(name: str):
 
 # ---------------------------------------------------------------------------- merging
 
-def load(where: Path, complete: bool = True) -> list[dict]:
-    """Every rank's trace file in ``where``, by rank (with ``complete``, one per rank of
-    the world, or ValueError)."""
-    files = sorted(Path(where).glob("rank-*.json"))
+def load(where, complete: bool = True) -> list[dict]:
+    """Every rank's trace file in ``where`` (a directory, or several: each host's, copied
+    from hosts that share no file system), by rank (with ``complete``, one per rank of the
+    world, or ValueError)."""
+    wheres = [where] if isinstance(where, (str, Path)) else list(where)
+    files = [f for w in wheres for f in sorted(Path(w).glob("rank-*.json"))]
     if not files:
-        raise FileNotFoundError(f"no rank-*.json in {where}; run with COMMLIB_TRACE={where}")
-    ranks = [json.loads(f.read_text()) for f in files]
-    sizes = {r["size"] for r in ranks}
+        raise FileNotFoundError(f"no rank-*.json in {', '.join(map(str, wheres))}; run with "
+                                f"COMMLIB_TRACE=DIR")
+    ranks = {}
+    for f in files:
+        content = json.loads(f.read_text())
+        if content["rank"] in ranks:
+            raise ValueError(f"rank {content['rank']} has two trace files ({f} and another); "
+                             "merge the directories of one run only")
+        ranks[content["rank"]] = content
+    sizes = {r["size"] for r in ranks.values()}
     if complete and (len(sizes) != 1 or len(ranks) != sizes.pop()):
-        raise ValueError(f"{where}: {len(ranks)} rank files of a world of "
-                         f"{sorted({r['size'] for r in ranks})} ranks; a rank did not write "
-                         "its trace (did it exit early?)")
-    return sorted(ranks, key=lambda r: r["rank"])
+        raise ValueError(f"{', '.join(map(str, wheres))}: {len(ranks)} rank files of a world "
+                         f"of {sorted({r['size'] for r in ranks.values()})} ranks; a rank did "
+                         "not write its trace (did it exit early? on another host: copy its "
+                         "directory here and name both)")
+    return [ranks[k] for k in sorted(ranks)]
 
 
 def cropped(trace: dict, first_ms: float, last_ms: float) -> dict:
@@ -233,6 +282,7 @@ def chrome_trace(ranks: list[dict]) -> dict:
             events.append({"ph": "X", "name": name, "cat": "region", "pid": r["rank"],
                            "tid": below, "ts": (begun - r["offset"] - origin) * 1e6,
                            "dur": (ended - begun) * 1e6, "args": {}})
+    starts = _starts(calls)
     for r, c, call in calls:
         start = call["started"] - r["offset"] - origin
         end = (call["finished"] if call["finished"] is not None else call["started"]) - \
@@ -245,9 +295,39 @@ def chrome_trace(ranks: list[dict]) -> dict:
                      "bytes": call["bytes"], "count": call["count"], "dtype": call["dtype"],
                      "op": call["op"], "root": call["root"], "state": call["state"],
                      "queued_us": (call["started"] - call["issued"]) * 1e6,
+                     **_waits(r, c, call, starts),
                      **({"error": call["error"]} if call["error"] else {})}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": "commlib.trace", "ranks": len(ranks)}}
+
+
+def _key(c: dict, call: dict) -> tuple:
+    """A call as every member of its communicator names it (recorder.identify)."""
+    return tuple(c.get("members", ())), c.get("ordinal", 0), call["seq"]
+
+
+def _starts(calls: list) -> dict:
+    """When each rank started each call, on rank 0's clock: {call's key: {rank: start}}."""
+    starts: dict = {}
+    for r, c, call in calls:
+        starts.setdefault(_key(c, call), {})[r["rank"]] = call["started"] - r["offset"]
+    return starts
+
+
+def _waits(r: dict, c: dict, call: dict, starts: dict) -> dict:
+    """Whom this rank waited for in ``call`` and how long: a collective cannot end here
+    before every member has started it, so a peer that started later held it up by the
+    difference (the last of them: waited_for, waited_us; the latest 8: late_peers). Empty
+    where not every member's trace is at hand."""
+    seen = starts[_key(c, call)]
+    if not c.get("members") or set(seen) != set(c["members"]):
+        return {}
+    mine = seen[r["rank"]]
+    late = sorted(((t - mine, peer) for peer, t in seen.items() if t > mine), reverse=True)
+    if not late:
+        return {"waited_us": 0.0}
+    return {"waited_us": late[0][0] * 1e6, "waited_for": late[0][1],
+            "late_peers": {str(peer): lag * 1e6 for lag, peer in late[:8]}}
 
 
 def swimlanes(ranks: list[dict], trace: dict, path: str) -> None:
@@ -280,14 +360,15 @@ def swimlanes(ranks: list[dict], trace: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commlib.trace", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", help="the COMMLIB_TRACE directory of a run")
+    p.add_argument("dir", nargs="+", help="the COMMLIB_TRACE directory of a run (or each "
+                   "host's, where they share no file system)")
     p.add_argument("-o", "--output", default="trace.json", help="the Chrome trace to write")
     p.add_argument("--png", help="also draw the swimlanes to this PNG (needs matplotlib)")
     p.add_argument("--window", metavar="FIRST,LAST",
                    help="keep only what overlaps these milliseconds (of the merged clock)")
     args = p.parse_args(argv)
     try:
-        ranks = load(Path(args.dir))
+        ranks = load(args.dir)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -176,6 +176,19 @@ class FastPath {
     return true;
   }
 
+  // Keep the last `records` calls from now on (a trace window keeps more), the newest
+  // of those kept so far among them.
+  void keep(size_t records) {
+    std::vector<Record> kept;
+    for (const Record& r : ring_)
+      if (r.seq > 0) kept.push_back(r);
+    std::sort(kept.begin(), kept.end(), [](auto& x, auto& y) { return x.seq < y.seq; });
+    if (kept.size() > records) kept.erase(kept.begin(), kept.end() - records);
+    slot_ = kept.size();
+    kept.resize(records);
+    ring_ = std::move(kept);
+  }
+
   // The recorded calls, oldest first: (seq, collective, entry id, dtype, op, root,
   // issued, finished); op and root are NONE where they do not apply.
   py::list records() const {
@@ -281,6 +294,7 @@ void bind_fast_path(py::module_& m) {
       .def("next_seq", &FastPath::next_seq)
       .def("hold", &FastPath::hold, py::arg("delta"))
       .def("records", &FastPath::records)
+      .def("keep", &FastPath::keep, py::arg("records"))
       .def_property_readonly("taken", &FastPath::taken)
       .def_readwrite("timeout", &FastPath::timeout);
 }

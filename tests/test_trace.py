@@ -48,7 +48,7 @@ def test_trace_merges_every_rank_on_one_clock(tmp_path):
     # ring all_reduce, barrier, broadcast, all_gather, barrier
     assert world[0] == world[1] == world[2], world
     names = [name for _, name in world[0]]
-    assert names.count("all_reduce") == 4 and names.count("barrier") == 2, names
+    assert names.count("all_reduce") == 5 and names.count("barrier") == 2, names
     assert [seq for seq, _ in world[0]] == sorted(seq for seq, _ in world[0])
     assert all(e["args"]["bytes"] == 4000 for e in calls if e["name"] == "all_gather")
     # on rank 0's clock no rank ends a call before every rank has started it
@@ -69,6 +69,29 @@ def test_trace_merges_every_rank_on_one_clock(tmp_path):
         assert mark["ts"] <= inside[0]["ts"] <= mark["ts"] + mark["dur"]
     if (tmp_path / "trace.png").exists():
         assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+    # whom each rank waited for: rank 1 slept 0.2 s before the world's 80-byte all_reduce
+    # (its clock 1000 s ahead: the offsets measured at set-up put it right)
+    for e in calls:
+        if e["tid"] == 0 and e["name"] == "all_reduce" and e["args"]["bytes"] == 80:
+            if e["pid"] == 1:
+                assert e["args"]["waited_us"] < 50e3, e["args"]
+            else:
+                assert e["args"]["waited_for"] == 1 and e["args"]["waited_us"] > 150e3, e
+    # hosts without a shared file system: each one's directory, merged by naming them all
+    other = tmp_path / "other-host"
+    other.mkdir()
+    (tmp_path / "rank-00001.json").rename(other / "rank-00001.json")
+    done = _merge(str(tmp_path), str(other), "-o", str(tmp_path / "again.json"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "again.json").read_text()) == trace
+
+
+def test_a_trace_window(tmp_path):
+    """commlib.trace.tracing around part of a run, without COMMLIB_TRACE."""
+    code, out = run_command([mpiexec(), "-n", "3", sys.executable,
+                             str(ROOT / "tests/mpi/trace_window.py"), str(tmp_path)], 120,
+                            checkout_env())
+    assert code == 0, out[-3000:]
 
 
 def test_trace_merge_errors(tmp_path):

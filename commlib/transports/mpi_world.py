@@ -33,6 +33,16 @@ class MpiWorld:
         """Every rank's JSON-able ``value``, in rank order (set-up facts)."""
         return allgather(self.coll, value)
 
+    @property
+    def members(self) -> tuple:
+        """The MPI.COMM_WORLD ranks of this world's ranks, in rank order."""
+        mine, world = self.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            return tuple(MPI.Group.Translate_ranks(mine, list(range(self.size)), world))
+        finally:
+            mine.Free()
+            world.Free()
+
     def count_sent(self, nbytes: float) -> None:
         self.bytes_sent += int(nbytes)
 

@@ -45,10 +45,12 @@ class StoreWorld:
     takes_device_memory = False
     mpi = coll = None
 
-    def __init__(self, store, rank: int, size: int, prefix: str):
+    def __init__(self, store, rank: int, size: int, prefix: str, members=None):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of size {size}")
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
+        # the first group's ranks of this one's, in rank order
+        self.members = tuple(range(size)) if members is None else tuple(members)
         self.rounds = 0  # allgathers so far: names each one's keys
         self._numbered: dict = {"sent": Counter(), "posted": Counter()}
         self._lock = threading.Lock()
@@ -75,7 +77,8 @@ class StoreWorld:
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
         return StoreWorld(self.store, members.index((key, self.rank)), len(members),
-                          f"{self.prefix}/split{self.rounds}/{color}")
+                          f"{self.prefix}/split{self.rounds}/{color}",
+                          [self.members[r] for _, r in members])
 
     def dup(self) -> "StoreWorld":
         return self.split(0, self.rank)

@@ -1,6 +1,8 @@
 """Calls for tests/test_trace.py to trace (COMMLIB_TRACE is set by the test): the fast
 path's and the general path's collectives, async ones, and a communicator split off the
 world; the test merges what every rank wrote."""
+import time
+
 import numpy as np
 
 import commlib
@@ -12,6 +14,9 @@ for _ in range(3):
     world.all_reduce(x)  # small: the C++ fast path
 world.all_reduce(np.ones(1 << 18, np.float32), algorithm="ring")  # the general path
 world.barrier()
+if world.rank == 1:  # (the rank whose clock runs ahead) the others wait for it
+    time.sleep(0.2)
+world.all_reduce(np.ones(10))
 world.broadcast(x, root=world.size - 1)
 half = world.split(world.rank % 2)
 half.all_reduce(np.ones(10))
