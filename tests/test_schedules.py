@@ -108,24 +108,29 @@ class _On:  # stands in for a communicator whose transport offers these
 
 
 def test_registry_lists_expected_names():
+    # (ordered, built from other collectives, runs wherever they do)
     assert algorithms("all_reduce") == ["direct", "eager", "gloo", "hier", "native", "one_copy",
-                                        "rhd", "ring", "tree"]
-    assert algorithms("all_reduce", _On("shm")) == ["direct", "native", "rhd", "ring", "tree"]
+                                        "ordered", "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("shm")) == ["direct", "native", "ordered", "rhd", "ring",
+                                                    "tree"]
     assert algorithms("all_reduce", _On("shm-one-copy")) == ["direct", "native", "one_copy",
-                                                             "rhd", "ring", "tree"]
-    assert algorithms("reduce", _On("shm-one-copy")) == ["direct", "native", "tree"]
-    assert algorithms("all_reduce", _On("hosts")) == ["eager", "hier", "native", "rhd", "ring",
-                                                      "tree"]
-    assert algorithms("all_reduce", _On("mpi")) == ["eager", "native", "rhd", "ring", "tree"]
-    assert algorithms("all_reduce", _On("shm", mpi=False)) == ["direct", "rhd", "ring", "tree"]
-    assert algorithms("all_reduce", _On("gloo")) == ["gloo"]  # torchrun's nodes: no schedules
-    assert algorithms("all_reduce", _On("gloo-hosts")) == ["gloo", "hier"]
+                                                             "ordered", "rhd", "ring", "tree"]
+    assert algorithms("reduce", _On("shm-one-copy")) == ["direct", "native", "ordered", "tree"]
+    assert algorithms("all_reduce", _On("hosts")) == ["eager", "hier", "native", "ordered",
+                                                      "rhd", "ring", "tree"]
+    assert algorithms("all_reduce", _On("mpi")) == ["eager", "native", "ordered", "rhd", "ring",
+                                                    "tree"]
+    assert algorithms("all_reduce", _On("shm", mpi=False)) == ["direct", "ordered", "rhd",
+                                                               "ring", "tree"]
+    # torchrun's nodes: no schedules
+    assert algorithms("all_reduce", _On("gloo")) == ["gloo", "ordered"]
+    assert algorithms("all_reduce", _On("gloo-hosts")) == ["gloo", "hier", "ordered"]
     assert algorithms("all_to_all") == ["direct", "gloo", "native", "one_copy", "pairwise"]
     with pytest.raises(ValueError, match="valid: direct, gloo, native, one_copy, pairwise"):
         get("all_to_all", "ring")
     with pytest.raises(ValueError, match="needs all ranks on one host.*valid here: eager, native"):
         get("all_reduce", "direct", OFFERS["mpi"])
-    with pytest.raises(ValueError, match="needs the MPI library.*valid here: direct, rhd"):
+    with pytest.raises(ValueError, match="needs the MPI library.*valid here: direct, ordered, rhd"):
         get("all_reduce", "native", _On("shm", mpi=False).offers)
     with pytest.raises(ValueError, match="needs a transport that runs schedules.*valid here: gloo"):
         get("all_reduce", "ring", OFFERS["gloo"])
