@@ -16,21 +16,23 @@ RANKS = [1, 2, 3, 4]
 
 @pytest.mark.parametrize("n", RANKS)
 def test_collectives_numpy(n):
-    run_checked(n, "tests/mpi/matrix.py", "numpy", "large")
+    # (ordered and the user-defined op in every dtype up to 3 ranks: matrix.py's narrow)
+    run_checked(n, "tests/mpi/matrix.py", "numpy", "large", *(["narrow"] if n == 4 else []))
 
 
 @pytest.mark.parametrize("n", RANKS)
 def test_collectives_numpy_over_mpi_transport(n):
-    """The mpi4py executor, as between hosts (large counts at 4 ranks: on namespace hosts)."""
+    """The mpi4py executor, as between hosts (large counts at 4 ranks: on namespace hosts;
+    ordered and the user-defined op in every dtype at 1 and 2 ranks)."""
     run_checked(n, "tests/mpi/matrix.py", "numpy", *(["large"] if n < 4 else []),
-                env={"COMMLIB_TRANSPORT": "mpi"})
+                *(["narrow"] if n > 2 else []), env={"COMMLIB_TRANSPORT": "mpi"})
 
 
 # (ranks, ranks per virtual host): even hosts offer hier; 3 ranks as 2 + 1 fall back to mpi
 # (large counts across hosts run on namespace hosts: tests/test_multihost.py)
 @pytest.mark.parametrize("n,per_host", [(2, 1), (3, 1), (3, 2), (4, 2)])
 def test_collectives_numpy_on_virtual_hosts(n, per_host):
-    run_checked(n, "tests/mpi/matrix.py", "numpy",
+    run_checked(n, "tests/mpi/matrix.py", "numpy", "narrow",
                 env={"COMMLIB_RANKS_PER_HOST": str(per_host)})
 
 
@@ -189,5 +191,5 @@ def test_a_killed_rank_makes_every_survivor_raise_at_once(tmp_path):
 def test_self_tuning_measures_caches_and_agrees(n, tmp_path):
     run_checked(n, "tests/mpi/tuning.py", str(tmp_path), timeout=200)
     if n == 3:  # auto from a measured table, on every collective (the suite runs without)
-        run_checked(n, "tests/mpi/matrix.py", "numpy", env={
+        run_checked(n, "tests/mpi/matrix.py", "numpy", "narrow", env={
             "COMMLIB_TUNING": "on", "XDG_CACHE_HOME": str(tmp_path / "matrix")})

@@ -31,16 +31,17 @@ def hosts():
 @pytest.mark.parametrize("per_host", LAYOUTS, ids=str)
 def test_collective_matrix(hosts, per_host):
     """Every collective, dtype, op and algorithm (hier among them where the layout is
-    even); the transport must be the one the real layout calls for."""
+    even; ordered and the user-defined op in float32: matrix.py's narrow); the transport
+    must be the one the real layout calls for."""
     start = time.monotonic()
-    out = run_checked(sum(per_host), "tests/mpi/matrix.py", "numpy", "large",
+    out = run_checked(sum(per_host), "tests/mpi/matrix.py", "numpy", "large", "narrow",
                       launch=on_hosts(hosts, per_host), timeout=400)
     print(per_host, f"{time.monotonic() - start:.1f} s", out.splitlines()[-1])
 
 
 def test_collective_matrix_torch(hosts):
     """torch tensors (bfloat16 among the dtypes), uneven chunks over 3 hosts."""
-    run_checked(3, "tests/mpi/matrix.py", "torch", launch=on_hosts(hosts, [1, 1, 1]))
+    run_checked(3, "tests/mpi/matrix.py", "torch", "narrow", launch=on_hosts(hosts, [1, 1, 1]))
 
 
 def test_deterministic_mode_across_hosts(hosts):
