@@ -97,7 +97,7 @@ class Dispatcher:
         if self.failure is not None:
             raise self.unusable()
         offers = t.offers | t.device_offers()
-        if call.op is not None and t.deterministic:
+        if call.op is not None and t.rank_order:
             offers -= {"cuda_ipc", "cuda_mpi"}  # reduced in rank order on the host, staged
         gpu = None
         # (the GPU kernels lack bitwise and user-defined ops: staged through host memory)

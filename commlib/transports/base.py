@@ -42,6 +42,13 @@ class Transport:
         # reducing calls take only algorithms that reduce in rank order (Algorithm.rank_order)
         self.deterministic = os.environ.get("COMMLIB_DETERMINISTIC", "0") not in ("", "0")
 
+    @property
+    def rank_order(self) -> bool:
+        """Whether reducing calls must take algorithms that reduce in rank order:
+        deterministic mode among 3 ranks or more (between 2, every algorithm applies the op
+        once per element, and the ops commute: the same bits whatever runs it)."""
+        return self.deterministic and self.size > 2
+
     def scratch(self, slot, numel: int, dtype) -> Buffer:
         """Reused working buffer ``slot`` (a key each algorithm keeps its own), for
         algorithms built from others (fresh pages would cost more than their copies)."""
@@ -82,7 +89,7 @@ class Transport:
             return hit[0], hit[1], False
         algo = choose(call.collective, requested or self._overrides.get(call.collective, "auto"),
                       self.size, call.nbytes, where=self.where, offers=self.offers,
-                      measured=self.measured, user_op=user_op, deterministic=self.deterministic)
+                      measured=self.measured, user_op=user_op, deterministic=self.rank_order)
         plan = None if algo.run is not None else self.plan(algo, call)
         if len(self._plans) >= 4096:
             self._plans.clear()

@@ -117,7 +117,7 @@ def deterministic_staged():
         want = want + mine(r)
     assert host(t).astype(np.float32).tobytes() == want.tobytes()
     ran = det.flight_record()[-1]["algorithm"]
-    assert n == 1 or ran in ("direct", "one_copy", "eager", "ordered"), ran
+    assert n <= 2 or ran in ("direct", "one_copy", "eager", "ordered"), ran
     det.free()
 
 

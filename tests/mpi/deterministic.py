@@ -65,14 +65,15 @@ def same_bits(got, want, what: str) -> None:
 
 def reductions(comm, name: str) -> None:
     for collective in REDUCING:
-        names = [a for a in comm.algorithms(collective) if entries(collective)[a].rank_order]
+        names = [a for a in comm.algorithms(collective)
+                 if entries(collective)[a].rank_order or n <= 2]
         for algo in names + [None]:
             for dtype in ("float32", "bfloat16") if TORCH else ("float32",):
                 for op in ("sum", "avg") if collective == "all_reduce" else ("sum",):
                     check.check(f"{name}/{collective}/{algo or 'auto'}/{dtype}/{op}",
                                 lambda c=collective, a=algo, d=dtype, o=op: one(comm, c, a, d, o))
         others = [a for a in comm.algorithms(collective) if not entries(collective)[a].rank_order]
-        if others:
+        if others and n > 2:  # (between 2 ranks every algorithm gives the fold's bits)
             check.check(f"{name}/{collective}/{others[0]} refused", lambda c=collective: raises(
                 ValueError, "deterministic mode needs", lambda: call(comm, c, others[0],
                                                                      data(rank, 4 * n, "float32"))))
