@@ -80,22 +80,26 @@ def mode() -> str:
 
 def attach(comm, transport, refresh: bool = False) -> None:
     """Give ``comm``'s ``transport`` the table of its layout (measured now if there is
-    none yet, or ``refresh``), unless tuning is off. Collective over ``comm``."""
+    none yet, or ``refresh``), unless tuning is off. Collective over ``comm``. A
+    communicator in deterministic mode takes its layout's table if there is one, and is
+    never measured on (its calls refuse most algorithms)."""
     if (mode() == "off" and not refresh) or comm.size == 1:
         return
+    if refresh and transport.rank_order:
+        raise ValueError("measure_algorithms: this communicator is in deterministic mode, "
+                         "whose calls refuse most algorithms; measure on one that is not "
+                         "(comm.dup(deterministic=False)): the table serves its layout")
     layout = describe(comm, transport)
     digest = hashlib.sha1(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
     table = None
     if comm.rank == 0 and mode() != "refresh" and not refresh:
         table = _tables.get(digest) or _load(digest, layout)
     table = transport.world.allgather(table.times if table else None)[0]  # rank 0's
+    if table is None and transport.rank_order:
+        return  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
         started = time.perf_counter()
-        deterministic, transport.deterministic = transport.deterministic, False
-        try:  # (every algorithm is timed: deterministic mode chooses among its own)
-            table = measure(comm)
-        finally:
-            transport.deterministic = deterministic
+        table = measure(comm)
         if comm.rank == 0:
             _save(digest, layout, table, time.perf_counter() - started)
     else:

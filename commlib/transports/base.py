@@ -83,7 +83,7 @@ class Transport:
         COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape."""
         user_op = call.op is not None and not call.op.builtin
         key = (call.collective, requested, call.count, call.dtype.itemsize, call.params,
-               user_op)
+               user_op, self.rank_order)
         hit = self._plans.get(key)
         if hit is not None:
             return hit[0], hit[1], False

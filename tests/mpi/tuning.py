@@ -111,6 +111,26 @@ def another_layouts_table_is_ignored():
     fresh.free()
 
 
+def deterministic_communicators_take_the_table_and_never_measure():
+    plain, det = world.dup(), world.dup(deterministic=True)
+    assert det.algorithm_table.times == plain.algorithm_table.times  # the layout's
+    tuning._tables.clear()
+    if rank == 0:
+        for f in tables.glob("*.json"):
+            f.unlink()
+    fresh = world.dup(deterministic=True)  # no table anywhere: the cost model, no pass
+    assert fresh.algorithm_table is None or n <= 2  # (between 2 ranks nothing is refused)
+    if n > 2:
+        try:
+            fresh.measure_algorithms()
+        except ValueError as e:
+            assert "deterministic mode" in str(e), e
+        else:
+            raise AssertionError("a deterministic communicator measured its algorithms")
+    for c in (plain, det, fresh):
+        c.free()
+
+
 def off_is_off():
     os.environ["COMMLIB_TUNING"] = "off"
     try:
@@ -123,6 +143,7 @@ def off_is_off():
 
 if n >= 2:
     for case in (measured_and_cached, the_choice_is_the_tables_and_the_same_everywhere,
-                 rank_0s_table_wins, another_layouts_table_is_ignored, off_is_off):
+                 rank_0s_table_wins, another_layouts_table_is_ignored,
+                 deterministic_communicators_take_the_table_and_never_measure, off_is_off):
         check.check(case.__name__, case)
 check.finish()
