@@ -14,7 +14,7 @@ chunks: schedule.chunks, near-equal; reduce_scatter's blocks for reduce_scatter)
     reduce          the same on the chunks, then an all_to_all that sends each chunk to the root
 """
 from .. import _C
-from ..call import Call, ReduceOp
+from ..call import Call
 from ..schedule import chunks
 from . import entries, register
 
@@ -27,16 +27,16 @@ def _stage(t, collective, out, inp, count, splits=None):
     t.execute(Call(collective, out, inp, count, out.dtype, None, None, splits, None))
 
 
-def _fold(t, call, received, parts: int, count: int, out) -> None:
-    """out = received[0] op received[1] op ... (``parts`` rows of ``count``), in order."""
-    op = ReduceOp.SUM if call.op is ReduceOp.AVG else call.op  # (the caller scales)
+def _fold(call, received, parts: int, count: int, out) -> None:
+    """out = received[0] op received[1] op ... (``parts`` rows of ``count``), in order (an
+    average adds: the caller scales)."""
     row = [received.ptr + i * count * call.dtype.itemsize for i in range(parts)]
     if parts == 1:
         _C.copy(out.ptr, row[0], count * call.dtype.itemsize)
         return
-    _C.reduce(out.ptr, row[0], row[1], count, call.dtype.code, op.code)
+    _C.reduce(out.ptr, row[0], row[1], count, call.dtype.code, call.op_code)
     for i in range(2, parts):
-        _C.reduce(out.ptr, out.ptr, row[i], count, call.dtype.code, op.code)
+        _C.reduce(out.ptr, out.ptr, row[i], count, call.dtype.code, call.op_code)
 
 
 def _reduce_chunks(t, call):
@@ -48,7 +48,7 @@ def _reduce_chunks(t, call):
     _stage(t, "all_to_all", received, buf, buf.numel,
            (tuple(c for _, c in parts), (mine,) * n))
     folded = t.scratch(_FOLDED, max(c for _, c in parts), buf.dtype)
-    _fold(t, call, received, n, mine, folded)
+    _fold(call, received, n, mine, folded)
     return folded, parts
 
 
@@ -56,7 +56,7 @@ def reduce_scatter(t, call):
     n, count = t.size, call.out.numel
     received = t.scratch(_RECEIVED, n * count, call.dtype)
     _stage(t, "all_to_all", received, call.inp, n * count, ((count,) * n,) * 2)
-    _fold(t, call, received, n, count, call.out)
+    _fold(call, received, n, count, call.out)
 
 
 def all_reduce(t, call):
