@@ -34,9 +34,9 @@ def test_collective_matrix(hosts, per_host):
     even; ordered and the user-defined op in float32: matrix.py's narrow); the transport
     must be the one the real layout calls for."""
     start = time.monotonic()
-    # (3 hosts x 1 runs the mpi transport, whose large counts over 3 ranks the one-host
-    # runs give it)
-    large = [] if per_host == [1, 1, 1] else ["large"]
+    # (3 hosts x 1 and 2 + 1 run the mpi transport, whose large counts over 3 ranks the
+    # one-host runs give it)
+    large = ["large"] if per_host in ([1, 1], [2, 2]) else []
     out = run_checked(sum(per_host), "tests/mpi/matrix.py", "numpy", *large, "narrow",
                       launch=on_hosts(hosts, per_host), timeout=400)
     print(per_host, f"{time.monotonic() - start:.1f} s", out.splitlines()[-1])
