@@ -17,11 +17,12 @@ struct UserOp {
   UserInto into[kNumDTypes] = {};
 };
 
-// Lookups take the lock for a moment per block; definitions are rare.
+// Entries are never changed or removed once made, so a lookup holds the lock only to find
+// one and then reads it without (a map's nodes stay where they are).
 std::mutex registry_lock;
 std::map<int64_t, UserOp> registry;
 
-UserOp find(int64_t code) {
+const UserOp& find(int64_t code) {
   std::lock_guard<std::mutex> hold(registry_lock);
   auto it = registry.find(code);
   if (it == registry.end())
@@ -36,15 +37,16 @@ void call(const UserOp& op, int t, void* dst, const void* a, const void* b, int6
   op.apart[t](dst, a, b, n);
 }
 
-// 16-bit floats: converted to float32 blocks, reduced by the float32 functions, rounded back.
+// 16-bit floats: converted to float32 blocks, reduced by the dtype's slot (which holds the
+// float32 function), rounded back.
 template <class Load, class Store>
-void through_float(const UserOp& op, uint16_t* dst, const uint16_t* a, const uint16_t* b,
+void through_float(UserInto into, uint16_t* dst, const uint16_t* a, const uint16_t* b,
                    int64_t n, Load load, Store store) {
   float x[kHalfBlock], y[kHalfBlock];
   for (int64_t i = 0; i < n; i += int64_t(kHalfBlock)) {
     int64_t m = n - i < int64_t(kHalfBlock) ? n - i : int64_t(kHalfBlock);
     for (int64_t j = 0; j < m; ++j) x[j] = load(a[i + j]), y[j] = load(b[i + j]);
-    op.into[F32](x, y, m);
+    into(x, y, m);
     for (int64_t j = 0; j < m; ++j) dst[i + j] = store(x[j]);
   }
 }
@@ -64,10 +66,8 @@ void define_user_op(int64_t code, const std::string& name,
     op.apart[t] = reinterpret_cast<UserApart>(by_dtype[t].first);
     op.into[t] = reinterpret_cast<UserInto>(by_dtype[t].second);
   }
-  if ((op.into[F16] || op.into[BF16]) && !op.into[F32])
-    throw std::invalid_argument("define_user_op: 16-bit floats reduce through float32");
   std::lock_guard<std::mutex> hold(registry_lock);
-  registry[code] = op;
+  registry.emplace(code, op);  // (a code defined again keeps its first functions)
 }
 
 std::string user_op_name(int64_t code) {
@@ -82,7 +82,7 @@ bool user_op_takes(int64_t code, int dtype) {
 }
 
 std::string user_op_dtypes(int64_t code) {
-  UserOp op = find(code);
+  const UserOp& op = find(code);
   std::string out;
   for (int t = 0; t < kNumDTypes; ++t)
     if (op.into[t]) out += (out.empty() ? "" : ", ") + std::string(kDTypes[t].name);
@@ -91,7 +91,7 @@ std::string user_op_dtypes(int64_t code) {
 
 void user_reduce(void* dst, const void* a, const void* b, int64_t count, int dtype,
                  int64_t code) {
-  UserOp op = find(code);
+  const UserOp& op = find(code);
   if (!op.into[dtype])
     throw std::invalid_argument("reduce op '" + op.name + "' is not defined for " +
                                 kDTypes[dtype].name);
@@ -100,9 +100,11 @@ void user_reduce(void* dst, const void* a, const void* b, int64_t count, int dty
   auto x = static_cast<const uint16_t*>(a);
   auto y = static_cast<const uint16_t*>(b);
   if (dtype == F16)
-    return through_float(op, d, x, y, count, detail::half_to_float, detail::float_to_half);
+    return through_float(op.into[F16], d, x, y, count, detail::half_to_float,
+                         detail::float_to_half);
   if (dtype == BF16)
-    return through_float(op, d, x, y, count, detail::bf16_to_float, detail::float_to_bf16);
+    return through_float(op.into[BF16], d, x, y, count, detail::bf16_to_float,
+                         detail::float_to_bf16);
   call(op, dtype, dst, a, b, count);
 }
 

@@ -24,8 +24,8 @@ using UserApart = void (*)(void* dst, const void* a, const void* b, int64_t n);
 using UserInto = void (*)(void* dst, const void* b, int64_t n);
 
 // Registers `code` (is_user_op) as `name`, with (apart, into) addresses by dtype code, 0
-// where the op does not take that dtype (16-bit floats: the float32 pair, or 0). Defining a
-// code again replaces its functions (the caller keeps the old ones alive).
+// where the op does not take that dtype (16-bit floats: the float32 pair, or 0). A code
+// defined again keeps its first functions (which the caller keeps alive for good).
 void define_user_op(int64_t code, const std::string& name,
                     const std::vector<std::pair<uintptr_t, uintptr_t>>& by_dtype);
 

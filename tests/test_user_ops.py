@@ -54,6 +54,11 @@ def test_same_definition_same_code_and_errors():
     again = commlib.ReduceOp.define(clipped_sum, list(DTYPES))
     assert again is OP and OP.code >= _C.FIRST_USER_OP
     assert commlib.ReduceOp.parse(OP) is OP and OP.name == "clipped_sum"
+    only_bf16 = commlib.ReduceOp.define(clipped_sum, "bfloat16", name="clipped_bf16")
+    (a, fa), (b, fb) = _arrays("bfloat16", 300, 1), _arrays("bfloat16", 300, 2)
+    _C.reduce(a.ctypes.data, a.ctypes.data, b.ctypes.data, 300, DTYPES["bfloat16"].code,
+              only_bf16.code)  # (through float32, though float32 itself is not declared)
+    np.testing.assert_array_equal(_as_f64(a, "bfloat16"), reference(fa, fb))
     other = commlib.ReduceOp.define(lambda a, b: a * b, "float32", name="product")
     assert other.code != OP.code and other.dtypes == ("float32",)
     x = np.ones(4, np.int32)
