@@ -51,8 +51,14 @@ class Communicator:
         self._calls = Dispatcher(transport, repr(self))
         self._calls.recorder.identify(transport.world.members)
         self._fast = self._calls.call_fast
-        tuning.attach(self, transport)  # the algorithm table measured for this layout
+        self._tune()
         return self
+
+    def _tune(self, refresh: bool = False) -> None:
+        """Choose by the algorithm table of this layout (commlib/tuning.py) from now on."""
+        table = tuning.table_for(self, self._transport, refresh)
+        if table is not None:
+            self._calls.use_table(table)
 
     def __repr__(self):
         return f"<commlib.Communicator rank {self.rank} of {self.size} over {self.transport}>"
@@ -84,10 +90,17 @@ class Communicator:
         uses the cost model (COMMLIB_TUNING=off, one rank)."""
         return self._transport.measured
 
+    @algorithm_table.setter
+    def algorithm_table(self, table) -> None:
+        """Choose by ``table`` (a tuning.Table, say measured on another run) from now on;
+        collective: rank 0's is taken everywhere, so that no two ranks choose differently."""
+        times = self._transport.world.allgather(table.times)[0]
+        self._calls.use_table(tuning.Table(times))
+
     def measure_algorithms(self) -> None:
         """Measure this layout's algorithm table again and cache it for later runs
         (collective; what ``commlib-bench calibrate`` and COMMLIB_TUNING=refresh do)."""
-        tuning.attach(self, self._transport, refresh=True)
+        self._tune(refresh=True)
 
     def flight_record(self) -> list[dict]:
         """The last calls on this communicator, oldest first (recorder.FlightRecorder)."""

@@ -48,6 +48,12 @@ class Dispatcher:
         if self.fast is not None:
             self.fast.native.timeout = self.timeout
 
+    def use_table(self, table) -> None:
+        """Choose by ``table`` (tuning.Table) from now on: what auto chose before, it forgets."""
+        self.transport.use_table(table)
+        if self.fast is not None:
+            self.fast.forget_auto()
+
     @property
     def staging(self):
         """How calls on GPU memory pass through the host (commlib/cuda/staging.py)."""

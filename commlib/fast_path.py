@@ -69,6 +69,10 @@ class FastPath:
                           else [])
         self.entries.append((algo.name, call.count))
 
+    def forget_auto(self) -> None:
+        """Forget what auto chose: a new algorithm table may choose otherwise."""
+        self.native.forget(0)
+
     def records(self) -> list[list]:
         """The flight recorder's rows for the calls run here (recorder.FlightRecorder)."""
         rows = []

@@ -78,13 +78,13 @@ def mode() -> str:
     return os.environ.get("COMMLIB_TUNING", "").strip().lower()
 
 
-def attach(comm, transport, refresh: bool = False) -> None:
-    """Give ``comm``'s ``transport`` the table of its layout (measured now if there is
-    none yet, or ``refresh``), unless tuning is off. Collective over ``comm``. A
+def table_for(comm, transport, refresh: bool = False) -> "Table | None":
+    """The algorithm table of ``comm``'s layout (measured now if there is none yet, or
+    ``refresh``), or None: tuning is off. Collective over ``comm``. A
     communicator in deterministic mode takes its layout's table if there is one, and is
     never measured on (its calls refuse most algorithms)."""
     if (mode() == "off" and not refresh) or comm.size == 1:
-        return
+        return None
     if refresh and transport.rank_order:
         raise ValueError("measure_algorithms: this communicator is in deterministic mode, "
                          "whose calls refuse most algorithms; measure on one that is not "
@@ -96,7 +96,7 @@ def attach(comm, transport, refresh: bool = False) -> None:
         table = _tables.get(digest) or _load(digest, layout)
     table = transport.world.allgather(table.times if table else None)[0]  # rank 0's
     if table is None and transport.rank_order:
-        return  # (its calls could not time every algorithm: the cost model chooses)
+        return None  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
         started = time.perf_counter()
         table = measure(comm)
@@ -105,7 +105,7 @@ def attach(comm, transport, refresh: bool = False) -> None:
     else:
         table = Table(table)
     _tables[digest] = table
-    transport.measured = table
+    return table
 
 
 def describe(comm, transport) -> dict:

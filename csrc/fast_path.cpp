@@ -104,6 +104,20 @@ class FastPath {
                          found->second, std::move(plan), tmp_bytes, id, std::move(descriptor)}));
   }
 
+  // Forget the entries learned under `algorithm` (0: auto, whose choices a new algorithm
+  // table changes). They stay alive unused: a call on another thread may be running one.
+  void forget(int algorithm) {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (std::get<1>(it->first) != algorithm) {
+        ++it;
+        continue;
+      }
+      retired_.push_back(std::move(it->second));
+      it = entries_.erase(it);
+    }
+    last_key_ = Key{-1, -1, -1, -1, -1}, last_ = nullptr;
+  }
+
   int64_t taken() const { return taken_; }  // calls run here so far
   int64_t next_seq() { return ++seq_; }      // the general path numbers its calls here too
   void hold(int delta) { holds_ += delta; }  // +1 / -1 around the general path's work
@@ -236,6 +250,7 @@ class FastPath {
   size_t slot_ = 0;  // where the next record goes
   std::vector<Record> ring_;
   std::map<Key, std::unique_ptr<const FastEntry>> entries_;
+  std::vector<std::unique_ptr<const FastEntry>> retired_;  // forgotten entries
   Key last_key_{-1, -1, -1, -1, -1};
   const FastEntry* last_ = nullptr;
 };
@@ -291,6 +306,7 @@ void bind_fast_path(py::module_& m) {
         auto bound = py::make_tuple(self, py::capsule(self.cast<FastPath*>()));
         return py::reinterpret_steal<py::object>(PyCFunction_New(&call_def, bound.ptr()));
       })
+      .def("forget", &FastPath::forget, py::arg("algorithm"))
       .def("next_seq", &FastPath::next_seq)
       .def("hold", &FastPath::hold, py::arg("delta"))
       .def("records", &FastPath::records)

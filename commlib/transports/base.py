@@ -96,6 +96,11 @@ class Transport:
         self._plans[key] = (algo, plan)
         return algo, plan, True
 
+    def use_table(self, table) -> None:
+        """Choose by ``table`` (tuning.Table) from now on, not as before it."""
+        self.measured = table
+        self._plans.clear()
+
     def run(self, algo, plan, call) -> None:
         """Run ``call`` with ``algo`` (its ``plan``, or its runner), then scale an average."""
         if plan is None:

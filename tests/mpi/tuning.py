@@ -20,6 +20,7 @@ os.environ.pop("COMMLIB_TUNING", None)
 
 import commlib  # noqa: E402
 from commlib import tuning  # noqa: E402
+from commlib.algorithms import entries  # noqa: E402
 from commlib.call import COLLECTIVES  # noqa: E402
 from harness import Checker  # noqa: E402
 
@@ -68,6 +69,26 @@ def the_choice_is_the_tables_and_the_same_everywhere():
         nbytes = None if collective == "all_to_all" else count * 4  # (one choice for all)
         assert name == table.fastest(collective, nbytes, world.algorithms(collective)), \
             (collective, count, name)
+
+
+def a_new_table_replaces_what_auto_chose():
+    """Auto's choices so far, on the general path and the fast one, give way to a table
+    set later (as they must to the table measured after the calls that measure it)."""
+    comm = world.dup()
+    a = np.ones(16, np.float32)
+
+    def chosen():
+        comm.all_reduce(a)
+        comm.all_reduce(a)  # (the fast path's, where the transport has one)
+        return [r["algorithm"] for r in comm.flight_record()[-2:]]
+    before = chosen()
+    other = next(name for name in comm.algorithms("all_reduce") if name != before[0] and
+                 not (entries("all_reduce")[name].refuses or (lambda *_: None))(n, 64))
+    times = {"all_reduce": {name: [[256, 1e-9 if name == other else 1.0]]
+                            for name in comm.algorithms("all_reduce")}}
+    comm.algorithm_table = tuning.Table(times)
+    assert chosen() == [other, other], (before, other, chosen())
+    comm.free()
 
 
 def rank_0s_table_wins():
@@ -143,7 +164,8 @@ def off_is_off():
 
 if n >= 2:
     for case in (measured_and_cached, the_choice_is_the_tables_and_the_same_everywhere,
-                 rank_0s_table_wins, another_layouts_table_is_ignored,
+                 a_new_table_replaces_what_auto_chose, rank_0s_table_wins,
+                 another_layouts_table_is_ignored,
                  deterministic_communicators_take_the_table_and_never_measure, off_is_off):
         check.check(case.__name__, case)
 check.finish()
