@@ -271,6 +271,7 @@ def init() -> Communicator:
     from . import trace  # (here: ``python -m commlib.trace`` imports commlib first)
     if _world is None and MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         _world = _torchrun_world()
+        trace.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
         trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
     if _world is None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -279,7 +280,7 @@ def init() -> Communicator:
         _world = Communicator(MPI.COMM_WORLD)  # collective: every rank is past MPI_Init
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
-        trace.name_job(_world)  # (collective) for failures' timelines
+        trace.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
         trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
     return _world
 

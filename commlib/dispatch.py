@@ -227,7 +227,7 @@ class Dispatcher:
             self.recorder.dump()
         if isinstance(error, CommError):
             from . import trace  # (on failure only: ``python -m commlib.trace`` runs it)
-            trace.on_failure(self.recorder, error)
+            trace.on_failure(error)
         return error
 
     def tell_peers(self, collective: str, error: Exception) -> None:

@@ -21,12 +21,13 @@ later (``waited_for``, ``waited_us``, ``late_peers`` in the call's arguments). R
 hosts that share no file system write their files on their own host: copy the directories
 together, or name them all (``python -m commlib.trace host1/run host2/run``).
 
-When a call fails (a timeout, a disagreement, a dead peer), each rank that sees it writes its
-last calls where the others write theirs (COMMLIB_TRACE, else ``commlib-failure-JOB`` in the
-temporary directory) and merges what is there into ``trace.json``, named in a note on the
-error: the ranks that are stuck elsewhere show where they are. Recording costs what the
-flight recorder always costs: a row per call, on either path; without COMMLIB_TRACE nothing
-more is kept.
+When a call fails (a timeout, a disagreement, a dead peer), each rank that sees it asks every
+rank of the job for its last calls (commlib/responder.py: each answers from a thread, on any
+host, whether in a call or not) and writes those that answer, on one clock, with a merged
+``trace.json`` (in COMMLIB_TRACE, else ``commlib-failure-JOB`` in the temporary directory),
+named in a note on the error: the ranks stuck elsewhere show where they are. Recording
+costs what the flight recorder always costs: a row per call, on either path; without
+COMMLIB_TRACE nothing more is kept.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import argparse
 import atexit
 import json
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -46,6 +48,7 @@ import numpy as np
 from .call import env_number
 from .dtypes import DTYPES
 from .recorder import FlightRecorder, default_size
+from .responder import Responder, ask
 
 _ROUNDS = 8  # ping-pongs per rank when measuring clock offsets
 _TAG = 32766
@@ -70,13 +73,17 @@ class Tracer:
         self.regions: list = []  # (name, start, end): what the program was doing
         FlightRecorder.on_create = self.recorders.append
 
+    def content(self) -> dict:
+        """This rank's trace file's content: its calls so far."""
+        return {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
+                "pid": os.getpid(), "offset": self.offset, "regions": list(self.regions),
+                "communicators": [_communicator(r, self.since) for r in list(self.recorders)]}
+
     def write(self) -> Path:
         """Write this rank's calls so far to ``DIR/rank-NNNNN.json``."""
         self.where.mkdir(parents=True, exist_ok=True)
         path = self.where / f"rank-{self.rank:05d}.json"
-        _write(path, {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
-                      "pid": os.getpid(), "offset": self.offset, "regions": self.regions,
-                      "communicators": [_communicator(r, self.since) for r in self.recorders]})
+        _write(path, self.content())
         return path
 
 
@@ -122,43 +129,73 @@ def clock_offset(world) -> float:
 
 
 _tracer: Tracer | None = None  # this process's trace, if COMMLIB_TRACE asked for one
-_job: tuple | None = None  # (the job's name, this rank in the world, the world's size)
+_job: "_Job | None" = None  # the job this process is a rank of, for failures' timelines
 
 
-def name_job(world) -> None:
-    """Remember the job (rank 0's host and pid, the same on every rank) and this rank in
-    it, for failure views; collective over ``world``'s MPI communicator."""
+class _Job:
+    """The job (rank 0's host and pid, the same on every rank), this rank in it, and how to
+    reach every rank's responder (commlib/responder.py) when a call fails."""
+
+    def __init__(self, meeting, rank: int, size: int):
+        hosts_and_names = meeting.allgather(
+            (socket.gethostname(), f"{socket.gethostname()}-{os.getpid()}" if rank == 0
+             else None, secrets.token_hex(16) if rank == 0 else None))
+        hosts = [host for host, _, _ in hosts_and_names]
+        _, self.name, self.token = hosts_and_names[0]
+        self.rank, self.size = rank, size
+        self.responder = Responder(self.token, snapshot, loopback=len(set(hosts)) == 1)
+        ports = meeting.allgather(self.responder.port)
+        here = hosts[rank]
+        self.peers = {r: ("127.0.0.1" if host == here else host, port)
+                      for r, (host, port) in enumerate(zip(hosts, ports)) if r != rank}
+
+
+def name_job(meeting, rank: int, size: int) -> None:
+    """Remember the job and start this rank's responder, for failures' timelines;
+    collective over the world's ``meeting`` (its allgather)."""
     global _job
-    job = world.mpi.bcast(f"{socket.gethostname()}-{os.getpid()}", root=0)
-    _job = (job, world.rank, world.size)
+    _job = _Job(meeting, rank, size)
 
 
-def on_failure(recorder, error: BaseException) -> None:
-    """A call failed (a timeout, a disagreement, a dead peer): write this rank's last calls
-    where every rank of the job writes its own (COMMLIB_TRACE, else a directory in the
-    temporary directory named after the job), merge the ranks found there into
-    ``trace.json``, and say where in a note on ``error``."""
+def snapshot() -> dict:
+    """This rank's trace file's content now: the trace's, when tracing, else the last calls
+    of every live communicator (clock offset 0: the reader puts it on its own clock)."""
+    if _tracer is not None:
+        return _tracer.content()
+    recorders = sorted(FlightRecorder.alive, key=lambda r: (-len(r.members), r.members,
+                                                           r.ordinal))
+    return {"rank": _job.rank, "size": _job.size, "host": socket.gethostname(),
+            "pid": os.getpid(), "offset": 0.0, "regions": [],
+            "communicators": [_communicator(r) for r in recorders]}
+
+
+def on_failure(error: BaseException) -> None:
+    """A call failed (a timeout, a disagreement, a dead peer): ask every rank of the job for
+    its last calls (those that answer in responder.ASK_SECONDS), put them on rank 0's
+    clock (this rank's, if rank 0 does not answer), write them where every rank writes
+    its own (COMMLIB_TRACE, else a directory in the temporary directory named after the
+    job), merge them into ``trace.json``, and say where in a note on ``error``."""
     if _job is None:
         return
-    job, rank, size = _job
-    where = directory() or Path(tempfile.gettempdir()) / f"commlib-failure-{job}"
+    where = directory() or Path(tempfile.gettempdir()) / f"commlib-failure-{_job.name}"
+    ranks = {_job.rank: (snapshot(), 0.0), **ask(_job.peers, _job.token)}
+    base = ranks[0][1] if 0 in ranks else 0.0
     try:
-        if _tracer is not None:
-            _tracer.write()
-        else:
-            where.mkdir(parents=True, exist_ok=True)
-            _write(where / f"rank-{rank:05d}.json",
-                   {"rank": rank, "size": size, "host": socket.gethostname(),
-                    "pid": os.getpid(), "offset": 0.0, "regions": [],
-                    "communicators": [_communicator(recorder)]})
-        ranks = load(where, complete=False)
-        _write(where / "trace.json", chrome_trace(ranks))
+        where.mkdir(parents=True, exist_ok=True)
+        for rank, (content, offset) in ranks.items():
+            content["offset"] = offset - base
+            _write(where / f"rank-{rank:05d}.json", content)
+        _write(where / "trace.json", chrome_trace([ranks[r][0] for r in sorted(ranks)]))
     except OSError as e:
         error.add_note(f"commlib: writing the failure's timeline to {where} failed: {e}")
         return
-    error.add_note(f"commlib: the last calls of the {len(ranks)} of {size} ranks that have "
-                   f"failed so far: {where / 'trace.json'} (ui.perfetto.dev; redraw it with "
-                   f"python -m commlib.trace {where})")
+    missing = sorted(set(range(_job.size)) - set(ranks))
+    error.add_note(f"commlib: the last calls of the {len(ranks)} of {_job.size} ranks that "
+                   f"answered: {where / 'trace.json'} (ui.perfetto.dev; redraw it with "
+                   f"python -m commlib.trace {where})"
+                   + (f"; no answer from rank{'s' * (len(missing) > 1)} "
+                      f"{', '.join(map(str, missing[:16]))}{', ...' * (len(missing) > 16)} "
+                      "(dead, stopped, or holding the interpreter)" if missing else ""))
 
 
 def start(world, recorder: FlightRecorder) -> Tracer | None:

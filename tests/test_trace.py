@@ -105,12 +105,11 @@ def test_trace_merge_errors(tmp_path):
 
 def test_a_failure_writes_every_failed_ranks_last_calls():
     """A disagreement: each rank's error names one merged timeline of the ranks that
-    failed so far; merged again, it holds every rank's failed call."""
+    answered; merged again, it holds every rank's failed call."""
     code, out = run_command([mpiexec(), "-n", "3", sys.executable,
                              str(ROOT / "tests/mpi/trace_failure.py")], 120, checkout_env())
     assert code == 0, out[-3000:]
-    notes = re.findall(r"rank (\d): commlib: the last calls of the (\d) of 3 ranks that have "
-                       r"failed so far: (\S+trace\.json)", out)
+    notes = _notes(out, 3)
     assert sorted(int(rank) for rank, _, _ in notes) == [0, 1, 2], out[-3000:]
     (path,) = {p for _, _, p in notes}
     assert json.loads(open(path).read())["traceEvents"]
@@ -121,3 +120,47 @@ def test_a_failure_writes_every_failed_ranks_last_calls():
     assert {e["pid"] for e in failed} == {0, 1, 2}
     assert all("do not match" in e["args"]["error"] for e in failed)
     shutil.rmtree(os.path.dirname(path))
+
+
+def _notes(out: str, ranks: int) -> list:
+    """(rank, ranks that answered, path) of each failing rank's note."""
+    return re.findall(rf"rank (\d): commlib: the last calls of the (\d) of {ranks} ranks that "
+                      r"answered: (\S+trace\.json)", out)
+
+
+def test_a_failure_shows_every_rank_that_answers(tmp_path):
+    """Ranks 0 and 1 time out while rank 2 is in no call: their timeline holds rank 2's
+    last calls, every rank on rank 0's clock (rank 1's runs 1000 s ahead); rank 2 stopped
+    (SIGSTOP) does not answer, and the note says so."""
+    script = [sys.executable, str(ROOT / "tests/mpi/trace_stuck.py")]
+    ahead = ["unshare", "--time", "--fork", "--monotonic", str(int(AHEAD))]
+    if subprocess.run(ahead + ["true"], capture_output=True).returncode:
+        ahead = []  # (no time namespaces here: the clocks agree already)
+    env = {**checkout_env(), "TMPDIR": str(tmp_path)}
+    cmd = [mpiexec(), "-n", "1", *script, "sleep", ":", "-n", "1", *ahead, *script, "sleep",
+           ":", "-n", "1", *script, "sleep"]
+    code, out = run_command(cmd, 120, env)
+    assert code == 0, out[-3000:]
+    notes = _notes(out, 3)
+    assert sorted(int(rank) for rank, _, _ in notes) == [0, 1] and \
+        {answered for _, answered, _ in notes} == {"3"}, out[-3000:]
+    (path,) = {p for _, _, p in notes}
+    where = os.path.dirname(path)
+    offsets = [json.loads(open(f"{where}/rank-{r:05d}.json").read())["offset"] for r in range(3)]
+    assert offsets[0] == 0.0 and abs(offsets[2]) < 0.1, offsets
+    assert offsets[1] == pytest.approx(AHEAD if ahead else 0.0, abs=0.1), offsets
+    events = [e for e in json.loads(open(path).read())["traceEvents"] if e["ph"] == "X"]
+    (broadcast,) = [e for e in events if e["name"] == "broadcast"]
+    assert broadcast["pid"] == 2 and broadcast["tid"] != 0  # on its own communicator
+    failed = [e for e in events if e["args"]["state"] == "failed"]
+    assert sorted(e["pid"] for e in failed) == [0, 1], failed
+    agreed = [e["ts"] for e in events if e["name"] == "all_reduce" and e["args"]["bytes"] == 32]
+    assert len(agreed) == 3 and max(agreed) - min(agreed) < 0.1e6, agreed  # (microseconds)
+
+    shutil.rmtree(where)
+    code, out = run_command([mpiexec(), "-n", "3", *script, "stop"], 120, env)
+    assert code == 0, out[-3000:]
+    notes = _notes(out, 3)
+    assert sorted(int(rank) for rank, _, _ in notes) == [0, 1], out[-3000:]
+    assert all(answered == "2" for _, answered, _ in notes), notes
+    assert "no answer from rank 2 (dead, stopped, or holding the interpreter)" in out, out[-3000:]

@@ -40,6 +40,10 @@ def collective_that_a_peer_never_joins():
             for part in ("collective #2", "all_reduce", "waiting for"):
                 assert part in message, f"{part!r} not in {message}"
             assert any(f"rank {peer}" in message for peer in range(1, n)), message
+            # every rank, though outside any call of commlib's (in MPI's barrier, on other
+            # hosts too), answers for the failure's timeline
+            (note,) = [note for note in error.__notes__ if "last calls" in note]
+            assert f"the last calls of the {n} of {n} ranks that answered" in note, note
             last = comm.flight_record()[-1]
             assert (last["seq"], last["state"], last["collective"]) == (2, "failed",
                                                                           "all_reduce"), last
