@@ -8,6 +8,8 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
+import training  # noqa: E402
+
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
@@ -19,3 +21,10 @@ def nothing_left_behind():
     ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m commlib_bench|-m commlib_strategies"
                             "|commlib-hosts-"], capture_output=True, text=True).stdout.strip()
     assert not ranks, f"processes left running: {ranks}"
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory):
+    """The losses of training.ONE_PROCESS's runs on one rank, by their arguments (one
+    launch for the whole session)."""
+    return training.one_process_losses(tmp_path_factory.mktemp("one-process"))

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mpirun import checkout_env, mpirun, run_checked
+from training import SMALL, losses, train_many
 
 pytest.importorskip("torch")
 
@@ -52,13 +53,13 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, point):
     run_checked(2, SCRIPT, "after-crash", str(tmp_path))
 
 
-def _train(tmp_path, n, name, *args, layout=("--zero", "3")):
+def _train(tmp_path, n, name, *args):
+    """The training CLI in a launch of its own."""
     log = tmp_path / f"{name}.json"
-    code, out = mpirun(n, "-m", "commlib_strategies.train", *layout, "--steps", "4", "--layers",
-                       "2", "--d-model", "32", "--seq-len", "16", "--quiet", "--log", str(log),
-                       *args, timeout=120, env=ENV)
+    code, out = mpirun(n, "-m", "commlib_strategies.train", "--zero", "3", *SMALL, "--log",
+                       str(log), *args, timeout=120, env=ENV)
     assert code == 0, out[-4000:]
-    return [(r["step"], r["loss"]) for r in json.loads(log.read_text())], out
+    return _steps(json.loads(log.read_text())), out
 
 
 def test_training_cli_resumes_bit_identical_in_a_new_launch(tmp_path):
@@ -76,73 +77,78 @@ def test_training_cli_resumes_bit_identical_in_a_new_launch(tmp_path):
     assert code != 0 and "no checkpoint at" in out, out[-2000:]
 
 
+def _steps(log: list) -> list:
+    return [(r["step"], r["loss"]) for r in log]
+
+
 @pytest.mark.parametrize("saved,resharded", [
     (["--pp", "2", "--schedule", "zb-h1"], ["--tp", "2"]),
     (["--ep", "2", "--experts", "4"], ["--dp", "2", "--experts", "4"]),
 ])
 def test_pipeline_and_expert_checkpoints(tmp_path, saved, resharded):
     """A stage, or an expert-parallel rank, saves and loads the parameters it holds: resumed
-    in the same layout the losses are bit-identical, in another one equal to fp32 rounding."""
+    in the same layout the losses are bit-identical, in another one equal to fp32 rounding.
+    (One launch: each run builds its trainer from the files alone.)"""
     root = tmp_path / "ckpt"
-    full, _ = _train(tmp_path, 2, "full", "--save-dir", str(root), "--save-every", "2",
-                     layout=saved)
     step2 = str(root / "step-00000002")
-    same, _ = _train(tmp_path, 2, "same", "--resume", step2, layout=saved)
+    logs, _ = train_many(2, tmp_path,
+                         (*saved, *SMALL, "--save-dir", str(root), "--save-every", "2"),
+                         (*saved, *SMALL, "--resume", step2),
+                         (*resharded, *SMALL, "--resume", step2))
+    full, same, other = map(_steps, logs)
     assert same == full[2:]
-    other, _ = _train(tmp_path, 2, "other", "--resume", step2, layout=resharded)
     assert [s for s, _ in other] == [2, 3]
     assert [loss for _, loss in other] == pytest.approx([loss for _, loss in full[2:]], rel=1e-5)
 
 
-def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path):
+def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path, one_process):
     """transformers' GPT-2 (tied lm_head) through the CLI: ZeRO-3 on 2 ranks gives the
     losses of one process; a checkpoint resumes, to fp32 rounding, in another layout
     (ZeRO-3 to pp x tp, and back)."""
     pytest.importorskip("transformers")
-    model = ("--model", "gpt2")
+    model = (*SMALL, "--model", "gpt2")
+    one = one_process[model]
     root = tmp_path / "ckpt"
-    one, _ = _train(tmp_path, 1, "one", *model, layout=())
-    full, _ = _train(tmp_path, 2, "full", *model, "--save-dir", str(root), "--save-every", "2")
-    assert [loss for _, loss in full] == pytest.approx([loss for _, loss in one], rel=1e-5)
-    step2 = str(root / "step-00000002")
+    (full,), _ = train_many(2, tmp_path, ("--zero", "3", *model, "--save-dir", str(root),
+                                          "--save-every", "2"))
+    assert losses(full) == pytest.approx(one, rel=1e-5)
     # pipeline x tensor parallel: the first and last stages each hold a copy of the LM head
     # tied to the embedding (their gradients summed), GPT-2's fused q|k|v split part by
     # part; the checkpoint holds the tied weight once, half from each stage; both ways
-    staged = ("--pp", "2", "--tp", "2")
-    pp, _ = _train(tmp_path, 4, "pp", *model, "--resume", step2, layout=staged)
-    assert [loss for _, loss in pp] == pytest.approx([loss for _, loss in one[2:]], rel=1e-5)
-    pp_root = tmp_path / "pp"
-    _train(tmp_path, 4, "pp-save", *model, "--save-dir", str(pp_root), "--save-every", "2",
-           layout=staged)
-    back, _ = _train(tmp_path, 2, "back", *model, "--resume", str(pp_root / "step-00000002"))
-    assert [loss for _, loss in back] == pytest.approx([loss for _, loss in one[2:]], rel=1e-5)
+    staged, pp_root = ("--pp", "2", "--tp", "2"), tmp_path / "pp"
+    (pp, _), _ = train_many(4, tmp_path, (*staged, *model, "--resume", str(root / "step-00000002")),
+                            (*staged, *model, "--save-dir", str(pp_root), "--save-every", "2"))
+    assert losses(pp) == pytest.approx(one[2:], rel=1e-5)
+    (back,), _ = train_many(2, tmp_path, ("--zero", "3", *model, "--resume",
+                                          str(pp_root / "step-00000002")))
+    assert losses(back) == pytest.approx(one[2:], rel=1e-5)
 
 
-def test_llama_checkpoints_reshard_across_world_sizes(tmp_path):
+def test_llama_checkpoints_reshard_across_world_sizes(tmp_path, one_process):
     """Llama saved under pp x tp (Megatron SP) on 4 ranks resumes, to fp32 rounding, under
     cp (Ulysses) on 2 ranks."""
     pytest.importorskip("transformers")
-    model = ("--model", "llama")
-    one, _ = _train(tmp_path, 1, "one", *model, layout=())
+    model = (*SMALL, "--model", "llama")
+    one = one_process[model]
     root = tmp_path / "ckpt"
-    full, _ = _train(tmp_path, 4, "full", *model, "--save-dir", str(root), "--save-every", "2",
-                     layout=("--pp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1"))
-    assert [loss for _, loss in full] == pytest.approx([loss for _, loss in one], rel=1e-5)
-    got, _ = _train(tmp_path, 2, "cp", *model, "--resume", str(root / "step-00000002"),
-                    layout=("--cp", "2", "--sp", "ulysses"))
-    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in one[2:]], rel=1e-5)
+    saved = ("--pp", "2", "--tp", "2", "--sp", "megatron", "--zero", "1")
+    (full,), _ = train_many(4, tmp_path, (*saved, *model, "--save-dir", str(root),
+                                          "--save-every", "2"))
+    assert losses(full) == pytest.approx(one, rel=1e-5)
+    (got,), _ = train_many(2, tmp_path, ("--cp", "2", "--sp", "ulysses", *model, "--resume",
+                                         str(root / "step-00000002")))
+    assert losses(got) == pytest.approx(one[2:], rel=1e-5)
 
 
-def test_expert_parallel_mixtral_checkpoints_reshard(tmp_path):
+def test_expert_parallel_mixtral_checkpoints_reshard(tmp_path, one_process):
     """Mixtral split over ep (each rank holds its experts' slice of the stacked weights)
     saves a checkpoint that resumes, to fp32 rounding, under ZeRO-3 without ep."""
     pytest.importorskip("transformers")
-    model = ("--model", "mixtral")
+    model = (*SMALL, "--model", "mixtral")
+    one = one_process[model]
     root = tmp_path / "ckpt"
-    one, _ = _train(tmp_path, 1, "one", *model, layout=())
-    ep, _ = _train(tmp_path, 2, "ep", *model, "--save-dir", str(root), "--save-every", "2",
-                   layout=("--ep", "2"))
-    assert [loss for _, loss in ep] == pytest.approx([loss for _, loss in one], rel=1e-5)
-    step2 = str(root / "step-00000002")
-    other, _ = _train(tmp_path, 2, "other", *model, "--resume", step2)
-    assert [loss for _, loss in other] == pytest.approx([loss for _, loss in one[2:]], rel=1e-5)
+    (ep, other), _ = train_many(2, tmp_path, ("--ep", "2", *model, "--save-dir", str(root),
+                                              "--save-every", "2"),
+                                ("--zero", "3", *model, "--resume", str(root / "step-00000002")))
+    assert losses(ep) == pytest.approx(one, rel=1e-5)
+    assert losses(other) == pytest.approx(one[2:], rel=1e-5)

@@ -1,13 +1,13 @@
 """commlib_strategies/ under mpiexec: the mesh and the communication mappings at 1-4 ranks, and each
 parallel layout training like the single-process reference."""
 import importlib.util
-import json
 import math
 import re
 
 import pytest
 
 from mpirun import checkout_env, mpirun, run_checked
+from training import RUN, losses, train_many
 
 torch = pytest.importorskip("torch")
 from commlib_strategies import accounting  # noqa: E402  (needs torch)
@@ -39,76 +39,72 @@ def test_dp_zero_and_tp_train_models_nobody_here_wrote(n):
     assert f"commlib-check: {cases} cases" in out, out[-2000:]
 
 
-def _train(n, tmp_path, *args):
-    """Run the training CLI; return its log (one record per step)."""
-    log = tmp_path / f"log-{n}-{'_'.join(args).replace('-', '')}.json"
-    code, out = mpirun(n, "-m", "commlib_strategies.train", *args, "--steps", "4", "--quiet",
-                       "--log", str(log), timeout=300, env=ENV)
-    assert code == 0, out[-4000:]
-    return json.loads(log.read_text()), out
-
-
-def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path):
-    want = [r["loss"] for r in _train(1, tmp_path)[0]]
+def test_training_cli_prints_the_same_losses_in_every_layout(tmp_path, one_process):
+    want = one_process[RUN]
     assert want[-1] < want[0]
-    # one launch per composition the trainer wires up (each schedule, and each pair on its
+    # one run per composition the trainer wires up (each schedule, and each pair on its
     # own, is checked against the reference by the library tests: test_pipeline.py, ...,
     # and dp x cp, dp x tp with Megatron SP by strategies_families.py); plain dp is part
-    # of ZeRO's launch. Three dimensions at once need 8 ranks, which 2
-    # cores run too slowly for the suite: see the README for that launch.
-    for n, layout in [(2, ["--zero", "3"]),
-                      (4, ["--dp", "2", "--pp", "2", "--zero", "2"]),
-                      (4, ["--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule",
-                           "zb-h1"]),
-                      (4, ["--cp", "2", "--tp", "2", "--sp", "ulysses"]),
-                      (4, ["--pp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"])]:
-        got = [r["loss"] for r in _train(n, tmp_path, *layout)[0]]
-        assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
-    mixed = [r["loss"] for r in _train(2, tmp_path, "--zero", "2", "--bf16")[0]]
+    # of ZeRO's run. Three dimensions at once need 8 ranks, which 2 cores run too slowly
+    # for the suite: see the README for that launch.
+    (zero3, mixed), _ = train_many(2, tmp_path, (*RUN, "--zero", "3"),
+                                   (*RUN, "--zero", "2", "--bf16"))
+    assert losses(zero3) == pytest.approx(want, rel=1e-5)
+    layouts = [["--dp", "2", "--pp", "2", "--zero", "2"],
+               ["--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule", "zb-h1"],
+               ["--cp", "2", "--tp", "2", "--sp", "ulysses"],
+               ["--pp", "2", "--cp", "2", "--sp", "ring", "--zero", "2"]]
+    logs, _ = train_many(4, tmp_path, *[(*RUN, *layout) for layout in layouts])
+    for layout, log in zip(layouts, logs):
+        assert losses(log) == pytest.approx(want, rel=1e-5), (layout, losses(log), want)
+    mixed = losses(mixed)
     assert mixed[-1] < mixed[0] and mixed == pytest.approx(want, rel=0.02), (mixed, want)
 
 
-def test_training_cli_mixture_of_experts_in_every_layout(tmp_path):
-    want = [r["loss"] for r in _train(1, tmp_path, "--experts", "4")[0]]
+def test_training_cli_mixture_of_experts_in_every_layout(tmp_path, one_process):
+    experts = (*RUN, "--experts", "4")
+    want = one_process[experts]
     assert want[-1] < want[0]
     # ep alone is part of both; dp x ep (ZeRO 0-3) is checked by tests/mpi/strategies_moe.py
-    for n, layout in [(4, ["--pp", "2", "--ep", "2"]),
-                      (4, ["--tp", "2", "--ep", "2", "--sp", "megatron", "--zero", "3"])]:
-        got = [r["loss"] for r in _train(n, tmp_path, "--experts", "4", *layout)[0]]
-        assert got == pytest.approx(want, rel=1e-5), (layout, got, want)
+    layouts = [["--pp", "2", "--ep", "2"],
+               ["--tp", "2", "--ep", "2", "--sp", "megatron", "--zero", "3"]]
+    logs, _ = train_many(4, tmp_path, *[(*experts, *layout) for layout in layouts])
+    for layout, log in zip(layouts, logs):
+        assert losses(log) == pytest.approx(want, rel=1e-5), (layout, losses(log), want)
 
 
-def test_training_cli_pipelines_models_nobody_here_wrote(tmp_path):
+def test_training_cli_pipelines_models_nobody_here_wrote(tmp_path, one_process):
     """transformers' models cut into pipeline stages by their plans, beside dp (ZeRO 2,
     interleaved), tp (Megatron SP, zero-bubble's split backward), ep: the one-process
     losses. GPT-2's LM head tied to its embedding lies on the first and the last stage.
     (Llama's pipeline: test_checkpoint.py's pp x tp run against one process.)"""
     pytest.importorskip("transformers")
-    for family, layouts in [
-            ("gpt2", [(4, ["--pp", "2", "--dp", "2", "--zero", "2", "--virtual", "2",
-                           "--schedule", "interleaved-1f1b", "--layers", "4",
-                           "--micro-batches", "4"])]),
-            ("mixtral", [(4, ["--pp", "2", "--ep", "2", "--zero", "2", "--schedule", "zb-h1"]),
-                         (4, ["--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule",
-                              "zb-h1"])])]:
-        want = {}  # the one-process losses, by depth
-        for n, layout in layouts:
-            depth = layout[layout.index("--layers"):][:2] if "--layers" in layout else []
-            if tuple(depth) not in want:
-                want[tuple(depth)] = [r["loss"] for r in
-                                      _train(1, tmp_path, "--model", family, *depth)[0]]
-            got = [r["loss"] for r in _train(n, tmp_path, "--model", family, *layout)[0]]
-            assert got == pytest.approx(want[tuple(depth)], rel=1e-5), (family, layout, got)
+    gpt2, mixtral = (*RUN, "--model", "gpt2", "--layers", "4"), (*RUN, "--model", "mixtral")
+    runs = [(*gpt2, "--pp", "2", "--dp", "2", "--zero", "2", "--virtual", "2", "--schedule",
+             "interleaved-1f1b", "--micro-batches", "4"),
+            (*mixtral, "--pp", "2", "--ep", "2", "--zero", "2", "--schedule", "zb-h1"),
+            (*mixtral, "--pp", "2", "--tp", "2", "--sp", "megatron", "--schedule", "zb-h1")]
+    logs, _ = train_many(4, tmp_path, *runs)
+    for run, model, log in zip(runs, [gpt2, mixtral, mixtral], logs):
+        assert losses(log) == pytest.approx(one_process[model], rel=1e-5), (run, losses(log))
+
+
+@pytest.fixture(scope="module")
+def zero_stages(tmp_path_factory):
+    """test_memory_and_traffic_match_the_seeds_figures's runs, ZeRO 0-3 on 2 ranks, in one
+    launch: their logs and its output."""
+    return train_many(2, tmp_path_factory.mktemp("zero"), *[
+        (*RUN, "--zero", str(stage), "--d-model", "128", *(["--bf16"] if stage else []))
+        for stage in range(4)])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_memory_and_traffic_match_the_seeds_figures(tmp_path, stage):
+def test_memory_and_traffic_match_the_seeds_figures(zero_stages, stage):
     """Measured bytes of parameters, gradients and optimizer state per rank, and bytes sent
     per step (commlib's counters), within 10% of the ZeRO accounting (the model is large
     enough for padding and the loss's own all-reduce to be negligible)."""
-    args = ["--zero", str(stage), "--d-model", "128"] + (["--bf16"] if stage else [])
-    log, out = _train(2, tmp_path, *args)
-    held = log[-1]["bytes_held_max"]
+    logs, out = zero_stages
+    held = logs[stage][-1]["bytes_held_max"]
     numel = int(re.search(r"GPT ([\d,]+) parameters", out).group(1).replace(",", ""))
     dtype = torch.bfloat16 if stage else torch.float32
     want = accounting.theory(numel, dtype, 2, stage)
