@@ -32,9 +32,10 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
 def checkout_env() -> dict:
     """Environment that puts this checkout first on the launched processes' path, with
     the measured algorithm table off (COMMLIB_TUNING=off: the cost model chooses, the same
-    on every machine; tests/mpi/tuning.py turns it on)."""
+    on every machine; tests/mpi/tuning.py turns it on), and one thread per rank for torch's
+    kernels (a launch's ranks share the machine's cores already)."""
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "COMMLIB_TUNING": "off"}
+            "COMMLIB_TUNING": "off", "OMP_NUM_THREADS": "1"}
 
 
 def mpiexec() -> str:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from commlib.testing import NamespaceHosts, usable
-from mpirun import (checkout_env, mpirun, on_hosts, run_checked, run_command,
+from mpirun import (checkout_env, on_hosts, run_checked, run_command,
                     torchrun_on_hosts)
+from training import RUN, losses
 
 pytestmark = [pytest.mark.multihost,
               pytest.mark.skipif(usable() is not None, reason=str(usable()))]
@@ -35,8 +36,8 @@ def test_collective_matrix(hosts, per_host):
     must be the one the real layout calls for."""
     start = time.monotonic()
     # (3 hosts x 1 and 2 + 1 run the mpi transport, whose large counts over 3 ranks the
-    # one-host runs give it)
-    large = ["large"] if per_host in ([1, 1], [2, 2]) else []
+    # one-host runs give it; every dtype and op of the large counts too, but not over TCP)
+    large = ["large-float32"] if per_host in ([1, 1], [2, 2]) else []
     out = run_checked(sum(per_host), "tests/mpi/matrix.py", "numpy", *large, "narrow",
                       launch=on_hosts(hosts, per_host), timeout=400)
     print(per_host, f"{time.monotonic() - start:.1f} s", out.splitlines()[-1])
@@ -87,18 +88,16 @@ def test_torch_backend_collectives_and_ddp_like_gloo(hosts):
     run_checked(2, "tests/mpi/torch_train.py", launch=on_hosts(hosts, [1, 1]), timeout=300)
 
 
-def test_training_dp_across_hosts_tp_inside_them(hosts, tmp_path):
+def test_training_dp_across_hosts_tp_inside_them(hosts, tmp_path, one_process):
     """The strategies' CLI at dp 2 x tp 2 (tp's ranks on one host, dp's across the two)
     prints the single-process run's losses."""
-    def losses(launch, n, *layout):
-        log = tmp_path / f"log-{n}.json"
-        code, out = launch(n, "-m", "commlib_strategies.train", *layout, "--steps", "4",
-                           "--quiet", "--log", str(log), timeout=300, env=checkout_env())
-        assert code == 0, out[-4000:]
-        return [r["loss"] for r in json.loads(log.read_text())]
-    want = losses(mpirun, 1)
-    got = losses(on_hosts(hosts, [2, 2]), 4, "--dp", "2", "--tp", "2", "--sp", "megatron")
-    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    log = tmp_path / "log.json"
+    code, out = on_hosts(hosts, [2, 2])(4, "-m", "commlib_strategies.train", *RUN, "--dp", "2",
+                                        "--tp", "2", "--sp", "megatron", "--log", str(log),
+                                        timeout=300, env=checkout_env())
+    assert code == 0, out[-4000:]
+    got = losses(json.loads(log.read_text()))
+    assert got == pytest.approx(one_process[RUN], rel=1e-5), (got, one_process[RUN])
 
 
 def test_torchrun_across_nodes(hosts):
@@ -113,8 +112,9 @@ def test_torchrun_across_nodes(hosts):
 
 def test_collective_matrix_under_torchrun_across_nodes(hosts):
     """commlib.init() under torchrun on 2 nodes x 2: every collective, dtype, op and
-    algorithm (gloo's own across all four, and hier: shared memory, then gloo)."""
-    run_checked(4, "tests/mpi/matrix.py", "numpy", "large-float32",
+    algorithm (gloo's own across all four, and hier: shared memory, then gloo), at the
+    small counts (the mpiexec layouts cross TCP with the large ones)."""
+    run_checked(4, "tests/mpi/matrix.py", "numpy", "narrow",
                 launch=torchrun_on_hosts(hosts, 2, 2), timeout=400)
 
 

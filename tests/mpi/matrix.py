@@ -37,7 +37,10 @@ USER_OPS = {"absmax": commlib.ReduceOp.define(absmax, [d for d in ALL_DTYPES if 
 SIZES = [(count, DTYPES, OPS) for count in sorted({0, 1, max(n - 1, 0), 13})]
 if "large" in sys.argv:
     # torch's large counts only where numpy has no such dtype (numpy runs the others)
-    SIZES += [((1 << 18) + 7, DTYPES if BACKEND == "numpy" else ["bfloat16"], OPS),
+    # (the ops' kernels at the small counts; at the large ones, one of each kind: a sum, a
+    # comparison, the scaled, a bitwise and the user-defined op, across every piece)
+    SIZES += [((1 << 18) + 7, DTYPES, ["sum", "max", "avg", "bxor", "absmax"])
+              if BACKEND == "numpy" else ((1 << 18) + 7, ["bfloat16"], OPS),
               ((1 << 21) + 3, ["float32"], ["sum"])]
 elif "large-float32" in sys.argv:  # (where every byte crosses TCP: the large counts once)
     SIZES += [((1 << 18) + 7, ["float32"], ["sum", "max"]), ((1 << 21) + 3, ["float32"], ["sum"])]
