@@ -143,7 +143,8 @@ class _Job:
         hosts = [host for host, _, _ in hosts_and_names]
         _, self.name, self.token = hosts_and_names[0]
         self.rank, self.size = rank, size
-        self.responder = Responder(self.token, snapshot, loopback=len(set(hosts)) == 1)
+        self.responder = Responder(self.token, lambda: snapshot(self),
+                                   loopback=len(set(hosts)) == 1)
         ports = meeting.allgather(self.responder.port)
         here = hosts[rank]
         self.peers = {r: ("127.0.0.1" if host == here else host, port)
@@ -157,14 +158,14 @@ def name_job(meeting, rank: int, size: int) -> None:
     _job = _Job(meeting, rank, size)
 
 
-def snapshot() -> dict:
+def snapshot(job: _Job) -> dict:
     """This rank's trace file's content now: the trace's, when tracing, else the last calls
     of every live communicator (clock offset 0: the reader puts it on its own clock)."""
     if _tracer is not None:
         return _tracer.content()
     recorders = sorted(FlightRecorder.alive, key=lambda r: (-len(r.members), r.members,
                                                            r.ordinal))
-    return {"rank": _job.rank, "size": _job.size, "host": socket.gethostname(),
+    return {"rank": job.rank, "size": job.size, "host": socket.gethostname(),
             "pid": os.getpid(), "offset": 0.0, "regions": [],
             "communicators": [_communicator(r) for r in recorders]}
 
@@ -178,7 +179,7 @@ def on_failure(error: BaseException) -> None:
     if _job is None:
         return
     where = directory() or Path(tempfile.gettempdir()) / f"commlib-failure-{_job.name}"
-    ranks = {_job.rank: (snapshot(), 0.0), **ask(_job.peers, _job.token)}
+    ranks = {_job.rank: (snapshot(_job), 0.0), **ask(_job.peers, _job.token)}
     base = ranks[0][1] if 0 in ranks else 0.0
     try:
         where.mkdir(parents=True, exist_ok=True)
