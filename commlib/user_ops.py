@@ -63,11 +63,14 @@ def define(fn, dtype="float32", name: str | None = None) -> UserOp:
     if code in _defined:
         return _defined[code]
     by_dtype = [(0, 0)] * len(DTYPES)
-    kernels = []
+    compiled: dict = {}  # compiled dtype -> (apart, into): 16-bit floats share float32's
     for d in dtypes:
-        apart, into = _compile(fn, "float32" if d in _THROUGH_FLOAT32 else d, name)
+        through = "float32" if d in _THROUGH_FLOAT32 else d
+        if through not in compiled:
+            compiled[through] = _compile(fn, through, name)
+        apart, into = compiled[through]
         by_dtype[DTYPES[d].code] = (apart.address, into.address)
-        kernels += [apart, into]
+    kernels = [k for pair in compiled.values() for k in pair]
     _C.define_user_op(code, name, by_dtype)
     op = _defined[code] = UserOp(name, code, dtypes, fn, tuple(kernels))
     from . import fast_path

@@ -29,8 +29,6 @@ def absmax(a, b):
     return max(abs(a), abs(b))
 
 
-# a user-defined op (numba-compiled) for every dtype but int8, which it must refuse
-USER_OPS = {"absmax": commlib.ReduceOp.define(absmax, [d for d in ALL_DTYPES if d != "int8"])}
 # (count, dtypes, ops): small counts (empty, one, fewer than the ranks, odd); with "large",
 # past the slot, segment and staging sizes in every dtype, and past csrc/shm.h's
 # kStreamingBytes (8 MB) in one dtype and op
@@ -48,6 +46,10 @@ elif "large-float32" in sys.argv:  # (where every byte crosses TCP: the large co
 # kernels through another op) run float32 alone: the one-host runs give them every dtype.
 # Where every byte crosses TCP (large-float32), ordered runs the small counts only, too.
 NARROW = "narrow" in sys.argv or "large-float32" in sys.argv
+# a user-defined op (numba-compiled) for every dtype but int8, which it must refuse; narrow
+# runs it in float32 alone, so compiles it for that alone (a second or more a rank, else)
+USER_OPS = {"absmax": commlib.ReduceOp.define(
+    absmax, ["float32"] if NARROW else [d for d in ALL_DTYPES if d != "int8"])}
 SMALL_ONLY = {"ordered"} if "large-float32" in sys.argv else set()
 # "only=a,b": just those algorithms (where only they use what a test varies)
 ONLY = next((arg.removeprefix("only=").split(",") for arg in sys.argv if arg.startswith("only=")),
