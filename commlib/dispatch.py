@@ -73,11 +73,11 @@ class Dispatcher:
             seconds = self.timeout if timeout is None else check_timeout(timeout)
             if call.device is not None:
                 return self._on_device(call, algorithm, async_op, seconds, result)
-            algo, plan, new = t.choose(call, algorithm)
+            algo, plan, teach = t.choose(call, algorithm, teaching=True)
         except (ValueError, TypeError) as e:
             self.tell_peers(collective, e)
             raise
-        if new and self.fast is not None:
+        if teach and self.fast is not None:
             self.fast.learn(call, algorithm, algo, plan)
         return self.engine.run(collective, self._task(call, algo, plan, seconds), async_op,
                                result)

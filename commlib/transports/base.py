@@ -78,23 +78,29 @@ class Transport:
     def close(self) -> None:
         self.world.close()
 
-    def choose(self, call, requested: str | None):
-        """(algorithm, plan or None, whether new) for ``call`` asked for ``requested`` (None:
-        COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape."""
+    def choose(self, call, requested: str | None, teaching: bool = False):
+        """(algorithm, plan or None, whether to teach it) for ``call`` asked for
+        ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape.
+        Only a ``teaching`` caller (the dispatcher, which teaches the fast path) is told to
+        teach a shape, once: inner calls (ordered's stages, staging) share the cache but
+        must not use up that turn, or the shape would stay on the general path for good."""
         user_op = call.op is not None and not call.op.builtin
         key = (call.collective, requested, call.count, call.dtype.itemsize, call.params,
                user_op, self.rank_order)
         hit = self._plans.get(key)
-        if hit is not None:
-            return hit[0], hit[1], False
-        algo = choose(call.collective, requested or self._overrides.get(call.collective, "auto"),
-                      self.size, call.nbytes, where=self.where, offers=self.offers,
-                      measured=self.measured, user_op=user_op, deterministic=self.rank_order)
-        plan = None if algo.run is not None else self.plan(algo, call)
-        if len(self._plans) >= 4096:
-            self._plans.clear()
-        self._plans[key] = (algo, plan)
-        return algo, plan, True
+        if hit is None:
+            algo = choose(call.collective,
+                          requested or self._overrides.get(call.collective, "auto"),
+                          self.size, call.nbytes, where=self.where, offers=self.offers,
+                          measured=self.measured, user_op=user_op,
+                          deterministic=self.rank_order)
+            plan = None if algo.run is not None else self.plan(algo, call)
+            if len(self._plans) >= 4096:
+                self._plans.clear()
+            hit = self._plans[key] = [algo, plan, False]
+        teach = teaching and not hit[2]
+        hit[2] = hit[2] or teaching
+        return hit[0], hit[1], teach
 
     def use_table(self, table) -> None:
         """Choose by ``table`` (tuning.Table) from now on, not as before it."""

@@ -105,6 +105,21 @@ def naming_an_algorithm_keeps_the_fast_path():
             assert comm.flight_record()[-1]["algorithm"] == name, (name, comm.flight_record()[-1])
 
 
+def a_shape_met_first_inside_another_call_still_runs_fast():
+    """ordered's all_reduce runs an auto all_gather of 7 elements a rank inside it (not
+    taught: it is not the dispatcher's call); a user's own auto all_gather of that shape
+    must still be taught, and then run on the fast path."""
+    t = np.full(7 * n, rank + 1.0)
+    comm.all_reduce(t, algorithm="ordered")
+    assert_equal(t, np.full(7 * n, n * (n + 1) / 2))
+
+    def all_gather():
+        out = np.zeros(7 * n)
+        comm.all_gather(out, np.full(7, float(rank)))
+        assert_equal(out, np.repeat(np.arange(n, dtype=float), 7))
+    _twice(all_gather)
+
+
 def in_place_forms():
     def all_gather():
         whole = np.zeros(6 * n, np.float32)
