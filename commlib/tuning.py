@@ -33,10 +33,15 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 3  # 3: the agreement and eager in C++
+VERSION = 4  # 4: one_copy on both kinds of pages
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
+# An algorithm whose speed depends on the pages (Algorithm.pages: one_copy, in place on
+# huge pages, staged on 4 KiB ones) is timed on both; the table keeps the larger of its
+# huge-page time and its small-page time over this allowance, so auto takes it where it
+# wins on huge pages and costs at most 5% more on the others.
+SMALL_PAGES_ALLOWANCE = 1.05
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
@@ -120,22 +125,23 @@ def describe(comm, transport) -> dict:
 
 def measure(comm) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm``; collective. The
-    algorithms of a size share their buffers, so that none is timed on memory in another
-    state (fresh pages, huge pages: what the kernel's copies between processes depend
-    on)."""
+    algorithms of a size share their buffers, on 4 KiB pages (and, for those whose speed
+    depends on it, huge pages too), so that none is timed on memory in another state."""
     keys, mine = [], []
     n = comm.size
     for nbytes in SIZES:
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-        a, b = _small_pages(count * n), _small_pages(count * n)
-        a[:], b[:] = 1, 0
+        small, huge = _buffers(count * n, huge=False), _buffers(count * n, huge=True)
         for collective in COLLECTIVES:
             for name in comm.algorithms(collective):
-                refuses = entries(collective)[name].refuses
-                if refuses and refuses(n, nbytes):
+                algo = entries(collective)[name]
+                if algo.refuses and algo.refuses(n, nbytes):
                     continue  # (never chosen there: select.choose asks it too)
                 keys.append((collective, name, nbytes))
-                mine.append(_time(comm, _call(comm, collective, name, a, b, count), nbytes))
+                mine.append(_time(comm, _call(comm, collective, name, *small, count), nbytes))
+                if algo.pages:
+                    on_huge = _time(comm, _call(comm, collective, name, *huge, count), nbytes)
+                    mine[-1] = max(on_huge, mine[-1] / SMALL_PAGES_ALLOWANCE)
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     times: dict = {}
@@ -144,16 +150,23 @@ def measure(comm) -> Table:
     return Table(times)
 
 
-def _small_pages(count: int) -> np.ndarray:
-    """float32 memory on 4 KiB pages. Reading a peer's memory with process_vm_readv
-    (one_copy) costs per page, several times more on 4 KiB pages than on huge ones, and a
-    user's buffers may lie on either (numpy asks for huge pages from 4 MiB, torch does
-    not): the table times the costlier case, so that auto never picks one_copy where it
-    would lose on the user's memory."""
-    raw = mmap.mmap(-1, max(1, count * 4))
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        raw.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(raw, np.float32, count)
+def _buffers(count: int, huge: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Two float32 arrays (input ones, output zeros) on 4 KiB pages, or (``huge``) on
+    huge pages where the kernel gives them (private memory asked for them, aligned to
+    2 MiB). Which a user's buffers lie on varies (numpy asks for huge pages from 4 MiB,
+    torch does not), and reading a peer's memory in place costs per page."""
+    align = 2 << 20
+    arrays = []
+    for fill in (1, 0):
+        raw = mmap.mmap(-1, count * 4 + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advice = "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE"
+        if hasattr(mmap, advice):
+            raw.madvise(getattr(mmap, advice))
+        whole = np.frombuffer(raw, np.float32)
+        skip = (-whole.ctypes.data % align) // 4
+        arrays.append(whole[skip:skip + count])
+        arrays[-1][:] = fill
+    return arrays[0], arrays[1]
 
 
 def _call(comm, collective: str, name: str, a, b, count: int):

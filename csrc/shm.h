@@ -76,6 +76,7 @@ struct alignas(kLine) Exposed {
   int64_t in_region, out_region;  // the shared regions they lie in (-1: none)
   uint64_t self;     // where this struct lies in the owner's address space (the probe)
   uint64_t nonce;    // random: what the probe expects to read there
+  int64_t in_place;  // whether the buffer peers read is cheap to read where it lies
 };
 
 struct alignas(kLine) Doorbell {
@@ -151,6 +152,7 @@ class ShmComm : public FastTransport {
                 int op, int64_t root, const std::vector<int64_t>& in_splits = {},
                 const std::vector<int64_t>& out_splits = {});
   std::string probe_one_copy();
+  uint64_t one_copies_staged() const { return one_copies_staged_; }  // ran as direct's
   // Region `index` of rank `owner`: at `owner_base` in the owner's address space, mapped
   // here at `local` (the owner's own: the same address). Removed by the owner before it
   // frees the memory, and by the others then.
@@ -280,7 +282,15 @@ class ShmComm : public FastTransport {
   void all_reduce_small(char* buf, int64_t count, int dtype, int op);
 
   // one-copy collectives (shm_one_copy.cpp)
-  void expose(uintptr_t in, uintptr_t out);
+  // The call run in place; false (before touching any data, the same on every rank) where
+  // some rank's buffer would cost more to pin than to stage: the caller stages instead.
+  bool read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
+                     int op, int64_t root, const std::vector<int64_t>& in_splits,
+                     const std::vector<int64_t>& out_splits);
+  // Publishes this call's buffers, and whether `read` (the one peers read, of `bytes`) is
+  // cheap to read where it lies; every_rank_in_place() reads that back after a meet.
+  void expose(uintptr_t in, uintptr_t out, uint64_t Exposed::*read, int64_t bytes);
+  bool every_rank_in_place() const;
   void meet();  // a barrier inside a call: every peer arrived, signatures checked
   // Where the peer's exposed buffer `which` (+ offset, nbytes) is mapped here, or null.
   const char* view(int peer, uint64_t Exposed::*which, int64_t offset, int64_t nbytes) const;
@@ -291,6 +301,7 @@ class ShmComm : public FastTransport {
   void reduce_from_peers(char* out, const char* own, int64_t first, int64_t n, int dtype,
                          int op, uint64_t Exposed::*which);
   bool one_copy_ok_ = false;
+  uint64_t one_copies_staged_ = 0;
   struct Region {
     int64_t index;
     uintptr_t owner_base, local;

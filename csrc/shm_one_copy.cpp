@@ -20,10 +20,19 @@
 //                   its own buffer; meet; then read the other reduced blocks from their
 //                   owners (three meetings).
 //
+//   in place        whether a rank's buffer that peers read is cheap to read where it
+//                   lies: in a region, or at most a quarter of its bytes on base pages
+//                   (the kernel pins every page it reads, and pinning 4 KiB pages costs
+//                   more than staging their bytes). Each rank says so for its own buffer
+//                   in the first meeting; where any says no, every rank sees it alike and
+//                   the call runs as direct's instead (a meeting dearer than direct).
+//
 // Nothing is staged, so there are no pieces: one read per peer and block. probe_one_copy
 // reads a nonce from every peer at set-up; where the host forbids the system call (a
 // container's seccomp profile, Yama's ptrace_scope) or the ranks cannot see each other's
 // pids, it says why and these collectives are not offered.
+#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -31,6 +40,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <mutex>
 
 #include "kernels.h"
 #include "shm.h"
@@ -50,6 +60,49 @@ Desc descriptor(Collective collective, int64_t count, int dtype, int64_t op, int
 std::pair<int64_t, int64_t> block(int64_t count, int parts, int i) {
   int64_t base = count / parts, extra = count % parts;
   return {i * base + std::min<int64_t>(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+// PAGEMAP_SCAN (Linux 6.7): an ioctl of /proc/self/pagemap that lists a range's pages by
+// category. Older headers lack it; these are linux/fs.h's definitions.
+struct PageRegion {
+  uint64_t start, end, categories;
+};
+struct PmScanArg {
+  uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages, category_inverted,
+      category_mask, category_anyof_mask, return_mask;
+};
+constexpr unsigned long kPagemapScan = _IOWR('f', 16, PmScanArg);
+constexpr uint64_t kPageIsHuge = 1 << 6;
+
+// Whether at most a quarter of [addr, addr + nbytes) lies on base pages (absent ones
+// too) rather than huge ones; true where the kernel cannot tell (before 6.7), as before it
+// could. The walk stops at a quarter: a range of base pages costs a few microseconds a MiB.
+bool mostly_huge(uintptr_t addr, int64_t nbytes) {
+  static std::mutex mutex;  // (communicators on several threads share the file)
+  static int fd = -1, opened_by = -1;  // reopened after a fork: /proc/self was the parent
+  std::lock_guard<std::mutex> lock(mutex);
+  if (opened_by != getpid()) {
+    if (fd >= 0) close(fd);
+    fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC), opened_by = getpid();
+  }
+  if (fd < 0) return true;
+  const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE)), end = addr + nbytes;
+  const int64_t allowed = nbytes / 4;
+  uint64_t at = addr & ~(page - 1);
+  int64_t found = 0;
+  PageRegion runs[16];
+  while (at < end && found <= allowed) {  // runs of pages that are not huge, 16 at a time
+    PmScanArg arg{sizeof(PmScanArg), 0, at, (end + page - 1) & ~(page - 1), 0,
+                  reinterpret_cast<uint64_t>(runs), 16, uint64_t(allowed) / page + 2,
+                  kPageIsHuge, kPageIsHuge, 0, kPageIsHuge};
+    int n = ioctl(fd, kPagemapScan, &arg);
+    if (n < 0) return true;
+    for (int i = 0; i < n; ++i)
+      found += std::min(runs[i].end, end) - std::max<uint64_t>(runs[i].start, addr);
+    if (arg.walk_end <= at) break;
+    at = arg.walk_end;
+  }
+  return found <= allowed;
 }
 
 std::string forbidden_hint(int error) {
@@ -98,7 +151,7 @@ void ShmComm::remove_region(int owner, int64_t index) {
              list.end());
 }
 
-void ShmComm::expose(uintptr_t in, uintptr_t out) {
+void ShmComm::expose(uintptr_t in, uintptr_t out, uint64_t Exposed::*read, int64_t bytes) {
   auto region_of = [&](uintptr_t p) -> int64_t {
     for (const Region& r : regions_[rank_])
       if (p >= r.owner_base && p < r.owner_base + r.bytes) return r.index;
@@ -107,6 +160,14 @@ void ShmComm::expose(uintptr_t in, uintptr_t out) {
   Exposed* mine = peers_[rank_].exposed;  // published by the next arrive()'s release
   mine->in = in, mine->out = out;
   mine->in_region = region_of(in), mine->out_region = region_of(out);
+  bool shared = (read == &Exposed::in ? mine->in_region : mine->out_region) >= 0;
+  mine->in_place = shared || bytes <= 0 || mostly_huge(mine->*read, bytes);
+}
+
+bool ShmComm::every_rank_in_place() const {
+  for (int r = 0; r < size_; ++r)
+    if (!peers_[r].exposed->in_place) return false;
+  return true;
 }
 
 void ShmComm::meet() { wait_arrivals(arrive(), [](int) { return true; }); }
@@ -176,6 +237,15 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
                        const std::vector<int64_t>& out_splits) {
   if (!one_copy_ok_)
     throw std::invalid_argument("one-copy collectives are unavailable here (probe_one_copy)");
+  if (read_in_place(collective, out, in, count, dtype, op, root, in_splits, out_splits)) return;
+  ++one_copies_staged_;
+  direct(collective, out, in, count, dtype, op, root, in_splits, out_splits);
+}
+
+bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
+                            int dtype, int op, int64_t root,
+                            const std::vector<int64_t>& in_splits,
+                            const std::vector<int64_t>& out_splits) {
   const int64_t isz = itemsize(dtype), nbytes = count * isz;
   char* output = reinterpret_cast<char*>(out);
   const char* input = reinterpret_cast<const char*>(in);
@@ -183,9 +253,10 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
   switch (collective) {
     case ALL_REDUCE:
       begin(descriptor(ALL_REDUCE, count, dtype, op, kNone));
-      if (size_ == 1 || count == 0) return;
-      expose(out, out);
+      if (size_ == 1 || count == 0) return true;
+      expose(out, out, &Exposed::out, nbytes);
       meet();
+      if (!every_rank_in_place()) return false;
       {
         auto [mine, n] = block(count, size_, rank_);
         reduce_from_peers(output + mine * isz, output + mine * isz, mine, n, dtype, op,
@@ -201,17 +272,19 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
       break;
     case REDUCE_SCATTER:
       begin(descriptor(REDUCE_SCATTER, count, dtype, op, kNone));
-      if (size_ == 1) return copy(output, input, nbytes);
-      if (count == 0) return;
-      expose(in, out);
+      if (size_ == 1) return copy(output, input, nbytes), true;
+      if (count == 0) return true;
+      expose(in, out, &Exposed::in, nbytes * size_);
       meet();
+      if (!every_rank_in_place()) return false;
       reduce_from_peers(output, input + rank_ * nbytes, rank_ * count, count, dtype, op,
                         &Exposed::in);
       break;
     case ALL_GATHER:
       begin(descriptor(ALL_GATHER, count, dtype, kNone, kNone));
-      expose(in, out);
+      expose(in, out, &Exposed::in, nbytes);
       meet();
+      if (!every_rank_in_place()) return false;
       if (output + rank_ * nbytes != input) copy(output + rank_ * nbytes, input, nbytes);
       for (int j = 0; j < size_; ++j)
         if (j != rank_) read_peer(j, output + j * nbytes, &Exposed::in, 0, nbytes);
@@ -219,9 +292,10 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
       break;
     case BROADCAST:
       begin(descriptor(BROADCAST, count, dtype, kNone, root));
-      if (size_ == 1) return;
-      expose(out, out);
+      if (size_ == 1) return true;
+      expose(out, out, &Exposed::out, rank_ == root ? nbytes : 0);  // only the root's is read
       meet();
+      if (!every_rank_in_place()) return false;
       if (rank_ != root) read_peer(int(root), output, &Exposed::out, 0, nbytes);
       else count_sent(uint64_t(nbytes) * (size_ - 1));
       break;
@@ -229,9 +303,12 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
       auto send = part_bytes(count, isz, in_splits), recv = part_bytes(count, isz, out_splits);
       publish_splits(send, recv);
       begin(descriptor(ALL_TO_ALL, kNone, dtype, kNone, kNone));
-      expose(in, out);
+      int64_t sent = 0;
+      for (int64_t b : send) sent += b;
+      expose(in, out, &Exposed::in, sent);
       meet();
       check_splits(isz);
+      if (!every_rank_in_place()) return false;
       int64_t at = 0;
       for (int j = 0; j < size_; ++j) {
         int64_t from = 0;  // where rank j's part for this rank starts in its input
@@ -251,6 +328,7 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
                                   std::to_string(collective));
   }
   meet();  // no rank leaves while a peer may still read its buffers
+  return true;
 }
 
 }  // namespace commlib::shm

@@ -1,7 +1,9 @@
 """one_copy: host-only collectives that read the peers' buffers where they lie with
 process_vm_readv (csrc/shm_one_copy.cpp): one copy per byte where direct makes two, but
-a system call per read and the kernel pinning the pages. Which wins depends on the
-machine, so self-tuning measures both (commlib/tuning.py).
+a system call per read and the kernel pinning the pages. Pinning 4 KiB pages costs more
+than staging their bytes, so where a rank's buffer lies mostly on them the call stages
+as direct does (each rank looks at its own pages; all see the same verdict). Which wins
+depends on the machine and the memory, so self-tuning measures both (commlib/tuning.py).
 """
 from . import register
 
@@ -28,4 +30,4 @@ def run(transport, call):
 for _collective in FORMULAS:
     register("one_copy", _collective, lambda model, where, n, nbytes, c=_collective:
              terms(c, n, nbytes), run=run, needs="one_copy", agrees=True,
-             rank_order=True)
+             rank_order=True, pages=True)

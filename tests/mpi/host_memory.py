@@ -1,10 +1,12 @@
 """Communicator.empty: host memory every rank maps (commlib/host_memory.py), and the
-one_copy collectives reading it where it lies; mixed with ordinary memory on some ranks;
+one_copy collectives reading it where it lies; mixed with ordinary memory on some ranks
+(on huge pages: read in place with process_vm_readv; on 4 KiB pages: the call stages);
 freed regions unpublished and unmapped; refused shapes; other transports.
 
 Usage: mpiexec -n N python tests/mpi/host_memory.py
 """
 import gc
+import mmap
 import os
 
 import numpy as np
@@ -32,6 +34,42 @@ def _own_segments() -> set:
                 for line in maps if f"commlib-{os.getuid()}-{os.getpid()}-m" in line}
 
 
+HUGE_PAGE = 2 << 20
+
+
+def private(count: int, dtype, huge: bool) -> np.ndarray:
+    """``count`` zeros of ordinary (private) memory from a 2 MiB boundary, asked to lie on
+    huge pages, or on 4 KiB ones."""
+    nbytes = count * np.dtype(dtype).itemsize
+    raw = mmap.mmap(-1, -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    whole = np.frombuffer(raw, np.uint8)
+    skip = -whole.ctypes.data % HUGE_PAGE
+    array = whole[skip:skip + nbytes].view(dtype)
+    array[...] = 0
+    return array
+
+
+def on_huge_pages(array: np.ndarray) -> bool:
+    """Whether the kernel put ``array``'s mapping on huge pages (/proc/self/smaps)."""
+    at, inside = array.ctypes.data, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            field = line.split()
+            if "-" in field[0] and not field[0].endswith(":"):
+                low, high = (int(x, 16) for x in field[0].split("-"))
+                inside = low <= at < high
+            elif inside and field[0] == "AnonHugePages:":
+                return int(field[1]) > 0
+    return False
+
+
+def staged() -> int:
+    """one_copy calls so far that staged instead of reading in place (white-box)."""
+    return comm._transport.shm.one_copies_staged if SHARED else 0
+
+
 def arrays_of_every_kind():
     a = comm.empty((3, 4), np.int32)
     assert a.shape == (3, 4) and a.dtype == np.int32
@@ -46,13 +84,21 @@ def arrays_of_every_kind():
 
 def collectives_on_shared_memory():
     """Every one_copy collective with inputs and outputs in comm.empty memory; on odd
-    ranks the output (or input) is ordinary memory, read with process_vm_readv."""
+    ranks the output (or input) is ordinary memory on huge pages, read with
+    process_vm_readv: no call stages, where the kernel gave huge pages."""
     for count in (0, 1, 13, (1 << 16) + 3):
         for algo in ALGORITHMS:
             a = None if algo == "auto" else algo
+            huge = []
+
             def alloc(c):  # (collective: every rank allocates, the odd ones use their own)
                 shared = comm.empty(c, np.float64)
-                return np.empty(c, np.float64) if rank % 2 else shared
+                if rank % 2 == 0:
+                    return shared
+                mine = private(c, np.float64, huge=True)
+                huge.append(c == 0 or on_huge_pages(mine))
+                return mine
+            before = staged()
             buf = alloc(count)
             buf[:] = np.arange(count) + rank
             comm.all_reduce(buf, algorithm=a)
@@ -76,6 +122,38 @@ def collectives_on_shared_memory():
             x[:] = np.repeat([100 * rank + j for j in range(n)], send)
             comm.all_to_all(y, x, recv, send, algorithm=a)
             assert_equal(y, np.repeat([100 * j + rank for j in range(n)], recv))
+            if a == "one_copy" and comm.mpi.allreduce(all(huge), op=MPI.LAND):
+                assert staged() == before, "one_copy staged buffers that lie on huge pages"
+
+
+def ordinary_memory_on_small_pages_stages():
+    """Where any rank's buffer lies on 4 KiB pages, every rank stages the one_copy call
+    (pinning those pages costs more than staging them), with the same results; where all
+    lie on huge pages, none does."""
+    if "one_copy" not in ALGORITHMS or n == 1:
+        return
+    count = 3 << 16  # 1.5 MiB of float32 a rank: within one huge page
+    for small_on in (None, n - 1, 0):
+        mine = private(count * n, np.float32, huge=rank != small_on)
+        out = private(count * n, np.float32, huge=rank != small_on)
+        all_huge = comm.mpi.allreduce(on_huge_pages(mine), op=MPI.LAND)
+        before = staged()
+        mine[:] = rank + 1
+        comm.all_reduce(mine, algorithm="one_copy")
+        assert_equal(mine, np.full(count * n, n * (n + 1) / 2, np.float32))
+        mine[:] = np.arange(count * n) % 7 + rank
+        comm.all_to_all(out, mine, algorithm="one_copy")
+        want = np.concatenate([np.arange(rank * count, (rank + 1) * count) % 7 + j
+                               for j in range(n)])
+        assert_equal(out, want.astype(np.float32))
+        comm.all_gather(out, mine[:count], algorithm="one_copy")
+        assert_equal(out, np.concatenate([np.arange(count) % 7 + j for j in range(n)])
+                     .astype(np.float32))
+        calls = staged() - before
+        if small_on is not None:
+            assert calls == 3, f"rank {small_on} on 4 KiB pages: {calls} of 3 calls staged"
+        elif all_huge:
+            assert calls == 0, f"all on huge pages: {calls} of 3 calls staged"
 
 
 def in_place_forms():
