@@ -22,7 +22,6 @@ import mmap
 import os
 import platform
 import socket
-import statistics
 import time
 import warnings
 from collections import Counter
@@ -36,7 +35,7 @@ from .call import COLLECTIVES
 VERSION = 4  # 4: one_copy on both kinds of pages
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
-CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
+CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 5 at 16 MiB: a median)
 # An algorithm whose speed depends on the pages (Algorithm.pages: one_copy, in place on
 # huge pages, staged on 4 KiB ones) is timed on both; the table keeps the larger of its
 # huge-page time and its small-page time over this allowance, so auto takes it where it
@@ -126,22 +125,29 @@ def describe(comm, transport) -> dict:
 def measure(comm) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm``; collective. The
     algorithms of a size share their buffers, on 4 KiB pages (and, for those whose speed
-    depends on it, huge pages too), so that none is timed on memory in another state."""
+    depends on it, huge pages too), so that none is timed on memory in another state, and
+    their calls take turns, so that a slow spell of the machine hits them all alike."""
     keys, mine = [], []
     n = comm.size
     for nbytes in SIZES:
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
         small, huge = _buffers(count * n, huge=False), _buffers(count * n, huge=True)
+        calls = []  # (key, on 4 KiB pages, on huge pages or None)
         for collective in COLLECTIVES:
             for name in comm.algorithms(collective):
                 algo = entries(collective)[name]
                 if algo.refuses and algo.refuses(n, nbytes):
                     continue  # (never chosen there: select.choose asks it too)
-                keys.append((collective, name, nbytes))
-                mine.append(_time(comm, _call(comm, collective, name, *small, count), nbytes))
-                if algo.pages:
-                    on_huge = _time(comm, _call(comm, collective, name, *huge, count), nbytes)
-                    mine[-1] = max(on_huge, mine[-1] / SMALL_PAGES_ALLOWANCE)
+                calls.append(((collective, name, nbytes),
+                              _call(comm, collective, name, *small, count),
+                              _call(comm, collective, name, *huge, count) if algo.pages
+                              else None))
+        on_small = _times(comm, [c[1] for c in calls], nbytes)
+        on_huge = _times(comm, [c[2] for c in calls if c[2]], nbytes)
+        for (key, _, paged), seconds in zip(calls, on_small):
+            keys.append(key)
+            mine.append(max(on_huge.pop(0), seconds / SMALL_PAGES_ALLOWANCE) if paged
+                        else seconds)
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     times: dict = {}
@@ -181,17 +187,21 @@ def _call(comm, collective: str, name: str, a, b, count: int):
     }[collective]
 
 
-def _time(comm, call, nbytes: int) -> float:
-    """Seconds of one call from a common start (after a barrier), as the benchmark times
-    it: this rank's median over a few calls, after a warm-up."""
-    call()
-    times = []
-    for _ in range(max(3, min(CALLS, CALLS * (1 << 20) // nbytes))):
-        comm.barrier()
-        start = time.perf_counter()
+def _times(comm, calls: list, nbytes: int) -> list[float]:
+    """Seconds of one of each of ``calls`` from a common start (after a barrier), as the
+    benchmark times them: this rank's median over a few rounds in which every call takes
+    its turn, after a warm-up."""
+    for call in calls:
         call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    rounds = max(5, min(CALLS, CALLS * (1 << 20) // nbytes))
+    times = np.empty((rounds, len(calls)))
+    for r in range(rounds):
+        for i, call in enumerate(calls):
+            comm.barrier()
+            start = time.perf_counter()
+            call()
+            times[r, i] = time.perf_counter() - start
+    return np.median(times, axis=0).tolist()
 
 
 def _path(digest: str) -> Path:
