@@ -200,8 +200,8 @@ PYBIND11_MODULE(_C, m) {
       .def("agree", &ShmComm::agree, py::arg("fields"), py::arg("send"), py::arg("recv"),
            py::arg("itemsize"), nogil())
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
-      .def_property_readonly("one_copies_staged", &ShmComm::one_copies_staged,
-                             "one-copy calls that staged instead (a buffer on base pages)")
+      .def_property_readonly("calls_read_in_place", &ShmComm::calls_read_in_place,
+                             "calls that read the peers' buffers where they lie")
       .def_property_readonly("staging_bytes",
                              [](const ShmComm& c) { return c.config().staging_bytes; })
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,

@@ -76,7 +76,9 @@ struct alignas(kLine) Exposed {
   int64_t in_region, out_region;  // the shared regions they lie in (-1: none)
   uint64_t self;     // where this struct lies in the owner's address space (the probe)
   uint64_t nonce;    // random: what the probe expects to read there
-  int64_t in_place;  // whether the buffer peers read is cheap to read where it lies
+  // whether the buffers peers read are cheap to read where they lie, by call parity (as
+  // Control::sig: a rank one call ahead must not overwrite what a peer still reads)
+  int64_t in_place[2];
 };
 
 struct alignas(kLine) Doorbell {
@@ -152,7 +154,8 @@ class ShmComm : public FastTransport {
                 int op, int64_t root, const std::vector<int64_t>& in_splits = {},
                 const std::vector<int64_t>& out_splits = {});
   std::string probe_one_copy();
-  uint64_t one_copies_staged() const { return one_copies_staged_; }  // ran as direct's
+  // calls so far that read peers' buffers where they lie (one_copy's, all_to_all's rest)
+  uint64_t calls_read_in_place() const { return calls_read_in_place_; }
   // Region `index` of rank `owner`: at `owner_base` in the owner's address space, mapped
   // here at `local` (the owner's own: the same address). Removed by the owner before it
   // frees the memory, and by the others then.
@@ -280,6 +283,9 @@ class ShmComm : public FastTransport {
                      int gather_root);
   void gather_pieces(const std::vector<Block>& blocks);
   void all_reduce_small(char* buf, int64_t count, int dtype, int op);
+  void read_rest_in_place(char* output, const std::vector<int64_t>& recv_offsets,
+                          const std::vector<int64_t>& recv_lengths,
+                          const std::vector<int64_t>& send_lengths, int64_t skip);
 
   // one-copy collectives (shm_one_copy.cpp)
   // The call run in place; false (before touching any data, the same on every rank) where
@@ -287,9 +293,13 @@ class ShmComm : public FastTransport {
   bool read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
                      int op, int64_t root, const std::vector<int64_t>& in_splits,
                      const std::vector<int64_t>& out_splits);
-  // Publishes this call's buffers, and whether `read` (the one peers read, of `bytes`) is
-  // cheap to read where it lies; every_rank_in_place() reads that back after a meet.
-  void expose(uintptr_t in, uintptr_t out, uint64_t Exposed::*read, int64_t bytes);
+  // Publishes this call's buffers (after begin), and whether peers may read them where
+  // they lie (say_in_place); every_rank_in_place() reads that back after a meet.
+  // cheap_to_read: whether this rank's exposed `which`, of `bytes`, is (in a region, or
+  // mostly on huge pages).
+  void expose(uintptr_t in, uintptr_t out);
+  void say_in_place(bool cheap);
+  bool cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const;
   bool every_rank_in_place() const;
   void meet();  // a barrier inside a call: every peer arrived, signatures checked
   // Where the peer's exposed buffer `which` (+ offset, nbytes) is mapped here, or null.
@@ -301,7 +311,7 @@ class ShmComm : public FastTransport {
   void reduce_from_peers(char* out, const char* own, int64_t first, int64_t n, int dtype,
                          int op, uint64_t Exposed::*which);
   bool one_copy_ok_ = false;
-  uint64_t one_copies_staged_ = 0;
+  uint64_t calls_read_in_place_ = 0;
   struct Region {
     int64_t index;
     uintptr_t owner_base, local;

@@ -10,10 +10,12 @@
 //   gather_pieces   rank r stages its own block; after the barrier it copies the blocks it
 //                   wants from the peers' stagings. (all_gather, broadcast)
 //   all_to_all      rank r stages piece k of its part for peer j in slot j of its
-//                   staging; after the barrier rank j copies it out. (Reading the peers'
-//                   buffers in place with process_vm_readv, one copy instead of two, was
-//                   measured slower on 2 ranks at every size from 64 KiB to 64 MiB: the
-//                   syscall pins pages, staging stays in cache.)
+//                   staging; after the barrier rank j copies it out. Where the parts take
+//                   several pieces and every rank's input lies mostly on huge pages (each
+//                   says so at the first barrier), the rest after piece 0 is read where it
+//                   lies with process_vm_readv instead, one copy instead of two, as
+//                   one_copy reads (shm_one_copy.cpp): the kernel pins each page it reads,
+//                   cheap for huge pages, dearer than staging for 4 KiB ones.
 #include <algorithm>
 #include <cstring>
 
@@ -259,6 +261,18 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
   const char* input = reinterpret_cast<const char*>(in);
   char* output = reinterpret_cast<char*>(out);
   const int64_t per_peer = config_.staging_bytes / 2 / size_ / kLine * kLine;
+  // whether the peers may read this rank's parts after piece 0 where they lie: trivially
+  // where there is nothing after piece 0; else where they sit in order (where one_copy
+  // finds them) on memory cheap to read
+  int64_t sent = 0, longest_sent = 0;
+  bool in_order = true;
+  for (int j = 0; j < size_; ++j) {
+    in_order = in_order && send_offsets[j] == sent;
+    sent += send_lengths[j], longest_sent = std::max(longest_sent, send_lengths[j]);
+  }
+  expose(in, out);
+  say_in_place(longest_sent <= per_peer ||
+               (one_copy_ok_ && in_order && cheap_to_read(&Exposed::in, sent)));
   int64_t received = 0;
   for (int64_t n : recv_lengths) received += n;
   auto copy_out = received >= kStreamingBytes ? copy_streaming : copy;
@@ -296,7 +310,27 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
         copy_out(output + recv_offsets[j] + k * per_peer, staging(j, g) + rank_ * per_peer,
              piece_len(recv_lengths[j], k, per_peer));
     release_piece(g);
+    if (k == 0 && npieces > 1 && every_rank_in_place())
+      return read_rest_in_place(output, recv_offsets, recv_lengths, send_lengths, per_peer);
   }
+}
+
+// all_to_all's parts after their first `skip` bytes, read from the peers' inputs where
+// they lie (each peer's parts in rank order: its part for this rank starts after those
+// for lower ranks); then a meeting, so that no rank leaves while a peer still reads.
+void ShmComm::read_rest_in_place(char* output, const std::vector<int64_t>& recv_offsets,
+                                 const std::vector<int64_t>& recv_lengths,
+                                 const std::vector<int64_t>& send_lengths, int64_t skip) {
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    int64_t from = 0;
+    for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
+    read_peer(j, output + recv_offsets[j] + skip, &Exposed::in, from + skip,
+              recv_lengths[j] - skip);
+    count_sent(uint64_t(std::max<int64_t>(0, send_lengths[j] - skip)));
+  }
+  meet();
+  ++calls_read_in_place_;
 }
 
 void ShmComm::direct(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,

@@ -76,7 +76,8 @@ constexpr uint64_t kPageIsHuge = 1 << 6;
 
 // Whether at most a quarter of [addr, addr + nbytes) lies on base pages (absent ones
 // too) rather than huge ones; true where the kernel cannot tell (before 6.7), as before it
-// could. The walk stops at a quarter: a range of base pages costs a few microseconds a MiB.
+// could. A buffer of base pages shows it in its middle page, looked at first; the walk
+// over the rest (cheap on huge pages: one entry each) stops at a quarter.
 bool mostly_huge(uintptr_t addr, int64_t nbytes) {
   static std::mutex mutex;  // (communicators on several threads share the file)
   static int fd = -1, opened_by = -1;  // reopened after a fork: /proc/self was the parent
@@ -88,21 +89,27 @@ bool mostly_huge(uintptr_t addr, int64_t nbytes) {
   if (fd < 0) return true;
   const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE)), end = addr + nbytes;
   const int64_t allowed = nbytes / 4;
-  uint64_t at = addr & ~(page - 1);
-  int64_t found = 0;
   PageRegion runs[16];
-  while (at < end && found <= allowed) {  // runs of pages that are not huge, 16 at a time
-    PmScanArg arg{sizeof(PmScanArg), 0, at, (end + page - 1) & ~(page - 1), 0,
-                  reinterpret_cast<uint64_t>(runs), 16, uint64_t(allowed) / page + 2,
-                  kPageIsHuge, kPageIsHuge, 0, kPageIsHuge};
-    int n = ioctl(fd, kPagemapScan, &arg);
-    if (n < 0) return true;
-    for (int i = 0; i < n; ++i)
-      found += std::min(runs[i].end, end) - std::max<uint64_t>(runs[i].start, addr);
-    if (arg.walk_end <= at) break;
-    at = arg.walk_end;
-  }
-  return found <= allowed;
+  // bytes of [from, to) on base pages, up to about `most` (-1: the kernel cannot tell)
+  auto base_bytes = [&](uint64_t from, uint64_t to, int64_t most) -> int64_t {
+    int64_t found = 0;
+    for (uint64_t at = from & ~(page - 1); at < to && found <= most;) {  // 16 runs a time
+      PmScanArg arg{sizeof(PmScanArg), 0, at, (to + page - 1) & ~(page - 1), 0,
+                    reinterpret_cast<uint64_t>(runs), 16, uint64_t(most) / page + 1,
+                    kPageIsHuge, kPageIsHuge, 0, kPageIsHuge};
+      int n = ioctl(fd, kPagemapScan, &arg);
+      if (n < 0) return -1;
+      for (int i = 0; i < n; ++i)
+        found += std::min(runs[i].end, to) - std::max<uint64_t>(runs[i].start, from);
+      if (arg.walk_end <= at) break;
+      at = arg.walk_end;
+    }
+    return found;
+  };
+  const uint64_t middle = addr + nbytes / 2;
+  if (int64_t found = base_bytes(middle, middle + 1, 0)) return found < 0;
+  int64_t found = base_bytes(addr, end, allowed);
+  return found < 0 || found <= allowed;
 }
 
 std::string forbidden_hint(int error) {
@@ -151,7 +158,7 @@ void ShmComm::remove_region(int owner, int64_t index) {
              list.end());
 }
 
-void ShmComm::expose(uintptr_t in, uintptr_t out, uint64_t Exposed::*read, int64_t bytes) {
+void ShmComm::expose(uintptr_t in, uintptr_t out) {
   auto region_of = [&](uintptr_t p) -> int64_t {
     for (const Region& r : regions_[rank_])
       if (p >= r.owner_base && p < r.owner_base + r.bytes) return r.index;
@@ -160,13 +167,19 @@ void ShmComm::expose(uintptr_t in, uintptr_t out, uint64_t Exposed::*read, int64
   Exposed* mine = peers_[rank_].exposed;  // published by the next arrive()'s release
   mine->in = in, mine->out = out;
   mine->in_region = region_of(in), mine->out_region = region_of(out);
-  bool shared = (read == &Exposed::in ? mine->in_region : mine->out_region) >= 0;
-  mine->in_place = shared || bytes <= 0 || mostly_huge(mine->*read, bytes);
+}
+
+void ShmComm::say_in_place(bool cheap) { peers_[rank_].exposed->in_place[call_ % 2] = cheap; }
+
+bool ShmComm::cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const {
+  const Exposed* mine = peers_[rank_].exposed;
+  return (which == &Exposed::in ? mine->in_region : mine->out_region) >= 0 || bytes <= 0 ||
+         mostly_huge(mine->*which, bytes);
 }
 
 bool ShmComm::every_rank_in_place() const {
   for (int r = 0; r < size_; ++r)
-    if (!peers_[r].exposed->in_place) return false;
+    if (!peers_[r].exposed->in_place[call_ % 2]) return false;
   return true;
 }
 
@@ -238,7 +251,6 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
   if (!one_copy_ok_)
     throw std::invalid_argument("one-copy collectives are unavailable here (probe_one_copy)");
   if (read_in_place(collective, out, in, count, dtype, op, root, in_splits, out_splits)) return;
-  ++one_copies_staged_;
   direct(collective, out, in, count, dtype, op, root, in_splits, out_splits);
 }
 
@@ -254,7 +266,8 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
     case ALL_REDUCE:
       begin(descriptor(ALL_REDUCE, count, dtype, op, kNone));
       if (size_ == 1 || count == 0) return true;
-      expose(out, out, &Exposed::out, nbytes);
+      expose(out, out);
+      say_in_place(cheap_to_read(&Exposed::out, nbytes));
       meet();
       if (!every_rank_in_place()) return false;
       {
@@ -274,7 +287,8 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(REDUCE_SCATTER, count, dtype, op, kNone));
       if (size_ == 1) return copy(output, input, nbytes), true;
       if (count == 0) return true;
-      expose(in, out, &Exposed::in, nbytes * size_);
+      expose(in, out);
+      say_in_place(cheap_to_read(&Exposed::in, nbytes * size_));
       meet();
       if (!every_rank_in_place()) return false;
       reduce_from_peers(output, input + rank_ * nbytes, rank_ * count, count, dtype, op,
@@ -282,7 +296,8 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       break;
     case ALL_GATHER:
       begin(descriptor(ALL_GATHER, count, dtype, kNone, kNone));
-      expose(in, out, &Exposed::in, nbytes);
+      expose(in, out);
+      say_in_place(cheap_to_read(&Exposed::in, nbytes));
       meet();
       if (!every_rank_in_place()) return false;
       if (output + rank_ * nbytes != input) copy(output + rank_ * nbytes, input, nbytes);
@@ -293,7 +308,8 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
     case BROADCAST:
       begin(descriptor(BROADCAST, count, dtype, kNone, root));
       if (size_ == 1) return true;
-      expose(out, out, &Exposed::out, rank_ == root ? nbytes : 0);  // only the root's is read
+      expose(out, out);
+      say_in_place(cheap_to_read(&Exposed::out, rank_ == root ? nbytes : 0));  // the root's
       meet();
       if (!every_rank_in_place()) return false;
       if (rank_ != root) read_peer(int(root), output, &Exposed::out, 0, nbytes);
@@ -305,7 +321,8 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(ALL_TO_ALL, kNone, dtype, kNone, kNone));
       int64_t sent = 0;
       for (int64_t b : send) sent += b;
-      expose(in, out, &Exposed::in, sent);
+      expose(in, out);
+      say_in_place(cheap_to_read(&Exposed::in, sent));
       meet();
       check_splits(isz);
       if (!every_rank_in_place()) return false;
@@ -328,6 +345,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
                                   std::to_string(collective));
   }
   meet();  // no rank leaves while a peer may still read its buffers
+  ++calls_read_in_place_;
   return true;
 }
 

@@ -65,9 +65,9 @@ def on_huge_pages(array: np.ndarray) -> bool:
     return False
 
 
-def staged() -> int:
-    """one_copy calls so far that staged instead of reading in place (white-box)."""
-    return comm._transport.shm.one_copies_staged if SHARED else 0
+def read_in_place() -> int:
+    """Calls so far that read the peers' buffers where they lie (white-box)."""
+    return comm._transport.shm.calls_read_in_place if SHARED else 0
 
 
 def arrays_of_every_kind():
@@ -85,7 +85,7 @@ def arrays_of_every_kind():
 def collectives_on_shared_memory():
     """Every one_copy collective with inputs and outputs in comm.empty memory; on odd
     ranks the output (or input) is ordinary memory on huge pages, read with
-    process_vm_readv: no call stages, where the kernel gave huge pages."""
+    process_vm_readv: every call reads in place, where the kernel gave huge pages."""
     for count in (0, 1, 13, (1 << 16) + 3):
         for algo in ALGORITHMS:
             a = None if algo == "auto" else algo
@@ -98,7 +98,7 @@ def collectives_on_shared_memory():
                 mine = private(c, np.float64, huge=True)
                 huge.append(c == 0 or on_huge_pages(mine))
                 return mine
-            before = staged()
+            before = read_in_place()
             buf = alloc(count)
             buf[:] = np.arange(count) + rank
             comm.all_reduce(buf, algorithm=a)
@@ -122,14 +122,17 @@ def collectives_on_shared_memory():
             x[:] = np.repeat([100 * rank + j for j in range(n)], send)
             comm.all_to_all(y, x, recv, send, algorithm=a)
             assert_equal(y, np.repeat([100 * j + rank for j in range(n)], recv))
-            if a == "one_copy" and comm.mpi.allreduce(all(huge), op=MPI.LAND):
-                assert staged() == before, "one_copy staged buffers that lie on huge pages"
+            if a == "one_copy" and n > 1 and count and comm.mpi.allreduce(all(huge),
+                                                                          op=MPI.LAND):
+                calls = read_in_place() - before
+                assert calls == 5, f"on huge pages, {calls} of 5 calls read in place"
 
 
 def ordinary_memory_on_small_pages_stages():
     """Where any rank's buffer lies on 4 KiB pages, every rank stages the one_copy call
-    (pinning those pages costs more than staging them), with the same results; where all
-    lie on huge pages, none does."""
+    (pinning those pages costs more than staging them), and direct's all_to_all stages
+    all its pieces, with the same results; where all lie on huge pages, every call reads
+    in place (direct's all_to_all after its first piece)."""
     if "one_copy" not in ALGORITHMS or n == 1:
         return
     count = 3 << 16  # 1.5 MiB of float32 a rank: within one huge page
@@ -137,23 +140,25 @@ def ordinary_memory_on_small_pages_stages():
         mine = private(count * n, np.float32, huge=rank != small_on)
         out = private(count * n, np.float32, huge=rank != small_on)
         all_huge = comm.mpi.allreduce(on_huge_pages(mine), op=MPI.LAND)
-        before = staged()
+        before = read_in_place()
         mine[:] = rank + 1
         comm.all_reduce(mine, algorithm="one_copy")
         assert_equal(mine, np.full(count * n, n * (n + 1) / 2, np.float32))
         mine[:] = np.arange(count * n) % 7 + rank
-        comm.all_to_all(out, mine, algorithm="one_copy")
         want = np.concatenate([np.arange(rank * count, (rank + 1) * count) % 7 + j
-                               for j in range(n)])
-        assert_equal(out, want.astype(np.float32))
+                               for j in range(n)]).astype(np.float32)
+        for algorithm in ("one_copy", "direct"):  # (parts of many pieces: see shm_direct)
+            out[:] = -1
+            comm.all_to_all(out, mine, algorithm=algorithm)
+            assert_equal(out, want)
         comm.all_gather(out, mine[:count], algorithm="one_copy")
         assert_equal(out, np.concatenate([np.arange(count) % 7 + j for j in range(n)])
                      .astype(np.float32))
-        calls = staged() - before
+        calls = read_in_place() - before
         if small_on is not None:
-            assert calls == 3, f"rank {small_on} on 4 KiB pages: {calls} of 3 calls staged"
+            assert calls == 0, f"rank {small_on} on 4 KiB pages: {calls} calls read in place"
         elif all_huge:
-            assert calls == 0, f"all on huge pages: {calls} of 3 calls staged"
+            assert calls == 4, f"all on huge pages: {calls} of 4 calls read in place"
 
 
 def in_place_forms():
