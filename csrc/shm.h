@@ -283,9 +283,7 @@ class ShmComm : public FastTransport {
                      int gather_root);
   void gather_pieces(const std::vector<Block>& blocks);
   void all_reduce_small(char* buf, int64_t count, int dtype, int op);
-  void read_rest_in_place(char* output, const std::vector<int64_t>& recv_offsets,
-                          const std::vector<int64_t>& recv_lengths,
-                          const std::vector<int64_t>& send_lengths, int64_t skip);
+  void read_part_in_place(int peer, char* dst, int64_t nbytes);  // all_to_all's
 
   // one-copy collectives (shm_one_copy.cpp)
   // The call run in place; false (before touching any data, the same on every rank) where
@@ -300,6 +298,7 @@ class ShmComm : public FastTransport {
   void expose(uintptr_t in, uintptr_t out);
   void say_in_place(bool cheap);
   bool cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const;
+  bool in_place_at(int rank) const;
   bool every_rank_in_place() const;
   void meet();  // a barrier inside a call: every peer arrived, signatures checked
   // Where the peer's exposed buffer `which` (+ offset, nbytes) is mapped here, or null.

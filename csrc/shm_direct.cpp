@@ -10,12 +10,13 @@
 //   gather_pieces   rank r stages its own block; after the barrier it copies the blocks it
 //                   wants from the peers' stagings. (all_gather, broadcast)
 //   all_to_all      rank r stages piece k of its part for peer j in slot j of its
-//                   staging; after the barrier rank j copies it out. Where the parts take
-//                   several pieces and every rank's input lies mostly on huge pages (each
-//                   says so at the first barrier), the rest after piece 0 is read where it
-//                   lies with process_vm_readv instead, one copy instead of two, as
-//                   one_copy reads (shm_one_copy.cpp): the kernel pins each page it reads,
-//                   cheap for huge pages, dearer than staging for 4 KiB ones.
+//                   staging; after the barrier rank j copies it out. A rank whose parts
+//                   take several pieces and whose input lies mostly on huge pages stages
+//                   nothing and says so at the first barrier: its peers read its parts
+//                   where they lie with process_vm_readv instead, one copy instead of two,
+//                   as one_copy reads (shm_one_copy.cpp; the kernel pins each page it
+//                   reads, cheap for huge pages, dearer than staging for 4 KiB ones), and
+//                   the call ends with a meeting so that it stays until they have.
 #include <algorithm>
 #include <cstring>
 
@@ -261,27 +262,28 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
   const char* input = reinterpret_cast<const char*>(in);
   char* output = reinterpret_cast<char*>(out);
   const int64_t per_peer = config_.staging_bytes / 2 / size_ / kLine * kLine;
-  // whether the peers may read this rank's parts after piece 0 where they lie: trivially
-  // where there is nothing after piece 0; else where they sit in order (where one_copy
-  // finds them) on memory cheap to read
+  // Whether this rank's parts are read where they lie instead of staged: parts of several
+  // pieces, in order (where the peers find them), on memory cheap to read.
   int64_t sent = 0, longest_sent = 0;
   bool in_order = true;
   for (int j = 0; j < size_; ++j) {
     in_order = in_order && send_offsets[j] == sent;
     sent += send_lengths[j], longest_sent = std::max(longest_sent, send_lengths[j]);
   }
+  const bool unstaged = longest_sent > per_peer && one_copy_ok_ && in_order &&
+                        cheap_to_read(&Exposed::in, sent);
   expose(in, out);
-  say_in_place(longest_sent <= per_peer ||
-               (one_copy_ok_ && in_order && cheap_to_read(&Exposed::in, sent)));
+  say_in_place(unstaged);
   int64_t received = 0;
   for (int64_t n : recv_lengths) received += n;
   auto copy_out = received >= kStreamingBytes ? copy_streaming : copy;
   int64_t npieces = 1;
+  bool any_unstaged = false;  // (known after the first barrier, alike on every rank)
   for (int64_t k = 0; k < npieces; ++k) {
     uint64_t g = pieces_++;
     wait_staging_free(g);
     char* mine = staging(rank_, g);
-    for (int j = 0; j < size_; ++j) {
+    for (int j = 0; j < size_ && !unstaged; ++j) {
       if (j == rank_) continue;
       int64_t n = piece_len(send_lengths[j], k, per_peer);
       copy(mine + j * per_peer, input + send_offsets[j] + k * per_peer, n);
@@ -299,38 +301,36 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
         release_piece(g);
         throw;
       }
-      int64_t longest = 0;
-      for (int i = 0; i < size_; ++i)
+      int64_t longest = 0;  // of the staged parts
+      for (int i = 0; i < size_; ++i) {
+        if (in_place_at(i)) {
+          any_unstaged = true;
+          if (i != rank_) read_part_in_place(i, output + recv_offsets[i], recv_lengths[i]);
+          continue;
+        }
         for (int j = 0; j < size_; ++j)
           if (i != j) longest = std::max(longest, splits(i, call_)[j]);
+      }
       npieces = std::max<int64_t>(1, (longest + per_peer - 1) / per_peer);
     }
     for (int j = 0; j < size_; ++j)
-      if (j != rank_)
+      if (j != rank_ && !in_place_at(j))
         copy_out(output + recv_offsets[j] + k * per_peer, staging(j, g) + rank_ * per_peer,
              piece_len(recv_lengths[j], k, per_peer));
     release_piece(g);
-    if (k == 0 && npieces > 1 && every_rank_in_place())
-      return read_rest_in_place(output, recv_offsets, recv_lengths, send_lengths, per_peer);
   }
+  if (!any_unstaged) return;
+  if (unstaged) count_sent(uint64_t(sent - send_lengths[rank_]));
+  meet();  // no rank leaves while a peer may still read its parts
+  ++calls_read_in_place_;
 }
 
-// all_to_all's parts after their first `skip` bytes, read from the peers' inputs where
-// they lie (each peer's parts in rank order: its part for this rank starts after those
-// for lower ranks); then a meeting, so that no rank leaves while a peer still reads.
-void ShmComm::read_rest_in_place(char* output, const std::vector<int64_t>& recv_offsets,
-                                 const std::vector<int64_t>& recv_lengths,
-                                 const std::vector<int64_t>& send_lengths, int64_t skip) {
-  for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
-    int64_t from = 0;
-    for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
-    read_peer(j, output + recv_offsets[j] + skip, &Exposed::in, from + skip,
-              recv_lengths[j] - skip);
-    count_sent(uint64_t(std::max<int64_t>(0, send_lengths[j] - skip)));
-  }
-  meet();
-  ++calls_read_in_place_;
+// Peer j's part for this rank, read from j's input where it lies: j's parts lie in rank
+// order, so this rank's starts after those for lower ranks.
+void ShmComm::read_part_in_place(int j, char* dst, int64_t nbytes) {
+  int64_t from = 0;
+  for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
+  read_peer(j, dst, &Exposed::in, from, nbytes);
 }
 
 void ShmComm::direct(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,

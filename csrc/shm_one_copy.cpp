@@ -177,9 +177,13 @@ bool ShmComm::cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const {
          mostly_huge(mine->*which, bytes);
 }
 
+bool ShmComm::in_place_at(int rank) const {
+  return peers_[rank].exposed->in_place[call_ % 2];
+}
+
 bool ShmComm::every_rank_in_place() const {
   for (int r = 0; r < size_; ++r)
-    if (!peers_[r].exposed->in_place[call_ % 2]) return false;
+    if (!in_place_at(r)) return false;
   return true;
 }
 
