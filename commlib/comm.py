@@ -269,19 +269,19 @@ def init() -> Communicator:
     under torchrun (each process alone in its MPI world) through torchrun's store."""
     global _world
     from . import trace  # (here: ``python -m commlib.trace`` imports commlib first)
-    if _world is None and MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if _world is not None:
+        return _world
+    if MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         _world = _torchrun_world()
-        trace.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
-        trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
-    if _world is None:
+    else:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("commlib needs MPI_THREAD_MULTIPLE; MPI was initialised with "
                                "a lower thread level before commlib was imported")
         _world = Communicator(MPI.COMM_WORLD)  # collective: every rank is past MPI_Init
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
-        trace.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
-        trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
+    trace.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
+    trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
     return _world
 
 

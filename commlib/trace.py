@@ -158,13 +158,18 @@ def name_job(meeting, rank: int, size: int) -> None:
     _job = _Job(meeting, rank, size)
 
 
+def _live_recorders() -> list:
+    """Every live communicator's flight recorder, the world's first (the widest, then by
+    members and creation)."""
+    return sorted(FlightRecorder.alive, key=lambda r: (-len(r.members), r.members, r.ordinal))
+
+
 def snapshot(job: _Job) -> dict:
     """This rank's trace file's content now: the trace's, when tracing, else the last calls
     of every live communicator (clock offset 0: the reader puts it on its own clock)."""
     if _tracer is not None:
         return _tracer.content()
-    recorders = sorted(FlightRecorder.alive, key=lambda r: (-len(r.members), r.members,
-                                                           r.ordinal))
+    recorders = _live_recorders()
     return {"rank": job.rank, "size": job.size, "host": socket.gethostname(),
             "pid": os.getpid(), "offset": 0.0, "regions": [],
             "communicators": [_communicator(r) for r in recorders]}
@@ -223,8 +228,7 @@ def tracing(where):
                            "window around this one); one trace at a time")
     world = init()
     calls = int(env_number("COMMLIB_TRACE_CALLS", 100000, int))
-    recorders = sorted(FlightRecorder.alive, key=lambda r: (-len(r.members), r.members,
-                                                           r.ordinal))
+    recorders = _live_recorders()
     for r in recorders:
         r.keep(calls)
     tracer = _tracer = Tracer(Path(where), world, recorders, since=time.monotonic())

@@ -35,7 +35,7 @@ from .call import COLLECTIVES
 VERSION = 5  # 5: what huge pages gain, as a bonus
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
-CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 7 at 16 MiB: a median)
+CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
 # Every algorithm is compared on 4 KiB pages (a user's buffers may lie on them; torch's
 # do). One whose speed depends on the pages (Algorithm.pages: in place on huge pages,
 # staged on others) is timed on huge pages too, and where they make it faster by more
@@ -195,7 +195,7 @@ def _times(comm, calls: list, nbytes: int) -> list[float]:
     its turn, after a warm-up."""
     for call in calls:
         call()
-    rounds = max(7, min(CALLS, CALLS * (1 << 20) // nbytes))
+    rounds = max(3, min(CALLS, CALLS * (1 << 20) // nbytes))
     times = np.empty((rounds, len(calls)))
     for r in range(rounds):
         for i, call in enumerate(calls):
