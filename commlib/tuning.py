@@ -32,17 +32,10 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 5  # 5: what huge pages gain, as a bonus
+VERSION = 4  # 4: one_copy and direct's all_to_all read in place on huge pages
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
-# Every algorithm is compared on 4 KiB pages (a user's buffers may lie on them; torch's
-# do). One whose speed depends on the pages (Algorithm.pages: in place on huge pages,
-# staged on others) is timed on huge pages too, and where they make it faster by more
-# than this, its time is lowered by as much: auto takes it where it costs at most 5% more
-# than the best on 4 KiB pages, and gains on huge ones. (Its huge-page time is not
-# compared with the others' small-page times: they gain on huge pages too.)
-HUGE_PAGES_BONUS = 1.05
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
@@ -126,30 +119,25 @@ def describe(comm, transport) -> dict:
 
 def measure(comm) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm``; collective. The
-    algorithms of a size share their buffers, on 4 KiB pages (and, for those whose speed
-    depends on it, huge pages too), so that none is timed on memory in another state, and
-    their calls take turns, so that a slow spell of the machine hits them all alike."""
+    algorithms of a size share their buffers, on 4 KiB pages (where a user's may lie:
+    torch's do; one_copy and direct's all_to_all read in place where they lie on huge
+    pages, and stage on these), and their calls take turns, so that none is timed on
+    memory in another state and a slow spell of the machine hits them all alike."""
     keys, mine = [], []
     n = comm.size
     for nbytes in SIZES:
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-        small, huge = _buffers(count * n, huge=False), _buffers(count * n, huge=True)
-        calls = []  # (key, on 4 KiB pages, on huge pages or None)
+        a, b = _small_pages(count * n), _small_pages(count * n)
+        a[:], b[:] = 1, 0
+        calls = []
         for collective in COLLECTIVES:
             for name in comm.algorithms(collective):
-                algo = entries(collective)[name]
-                if algo.refuses and algo.refuses(n, nbytes):
+                refuses = entries(collective)[name].refuses
+                if refuses and refuses(n, nbytes):
                     continue  # (never chosen there: select.choose asks it too)
-                calls.append(((collective, name, nbytes),
-                              _call(comm, collective, name, *small, count),
-                              _call(comm, collective, name, *huge, count) if algo.pages
-                              else None))
-        on_small = _times(comm, [c[1] for c in calls], nbytes)
-        on_huge = _times(comm, [c[2] for c in calls if c[2]], nbytes)
-        for (key, _, paged), seconds in zip(calls, on_small):
-            keys.append(key)
-            gains = paged and on_huge.pop(0) * HUGE_PAGES_BONUS < seconds
-            mine.append(seconds / HUGE_PAGES_BONUS if gains else seconds)
+                keys.append((collective, name, nbytes))
+                calls.append(_call(comm, collective, name, a, b, count))
+        mine.extend(_times(comm, calls, nbytes))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     times: dict = {}
@@ -158,23 +146,12 @@ def measure(comm) -> Table:
     return Table(times)
 
 
-def _buffers(count: int, huge: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Two float32 arrays (input ones, output zeros) on 4 KiB pages, or (``huge``) on
-    huge pages where the kernel gives them (private memory asked for them, aligned to
-    2 MiB). Which a user's buffers lie on varies (numpy asks for huge pages from 4 MiB,
-    torch does not), and reading a peer's memory in place costs per page."""
-    align = 2 << 20
-    arrays = []
-    for fill in (1, 0):
-        raw = mmap.mmap(-1, count * 4 + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        advice = "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE"
-        if hasattr(mmap, advice):
-            raw.madvise(getattr(mmap, advice))
-        whole = np.frombuffer(raw, np.float32)
-        skip = (-whole.ctypes.data % align) // 4
-        arrays.append(whole[skip:skip + count])
-        arrays[-1][:] = fill
-    return arrays[0], arrays[1]
+def _small_pages(count: int) -> np.ndarray:
+    """float32 private memory on 4 KiB pages."""
+    raw = mmap.mmap(-1, max(1, count * 4), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        raw.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(raw, np.float32, count)
 
 
 def _call(comm, collective: str, name: str, a, b, count: int):

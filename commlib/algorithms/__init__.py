@@ -50,9 +50,6 @@ class Algorithm:
     # reduces every element in rank order, ((x0 op x1) op x2) ..., whatever the size: the
     # same bits as every other such algorithm (deterministic mode)
     rank_order: bool = False
-    # runs in place where the buffers lie on huge pages, else stages: its time depends on
-    # the user's memory, so self-tuning times it on both (commlib/tuning.py)
-    pages: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 memory once and reads what it needs straight from the others: no chain of n-1 steps, one
 barrier or two per piece (a piece is what fits in half the transport's staging area).
 all_to_all reads a rank's parts where they lie instead, where they take several pieces
-and lie on huge pages: its speed depends on the pages (Algorithm.pages).
+and lie on huge pages (csrc/shm_direct.cpp).
 """
 import math
 
@@ -45,5 +45,4 @@ def run(transport, call):
 
 for _collective in COLLECTIVES:
     register("direct", _collective, lambda model, where, n, nbytes, c=_collective:
-             terms(c, where, n, nbytes), run=run, needs="shm", agrees=True, rank_order=True,
-             pages=_collective == "all_to_all")
+             terms(c, where, n, nbytes), run=run, needs="shm", agrees=True, rank_order=True)

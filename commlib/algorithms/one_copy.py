@@ -3,7 +3,8 @@ process_vm_readv (csrc/shm_one_copy.cpp): one copy per byte where direct makes t
 a system call per read and the kernel pinning the pages. Pinning 4 KiB pages costs more
 than staging their bytes, so where a rank's buffer lies mostly on them the call stages
 as direct does (each rank looks at its own pages; all see the same verdict). Which wins
-depends on the machine and the memory, so self-tuning measures both (commlib/tuning.py).
+depends on the machine and the memory; self-tuning compares them on 4 KiB pages
+(commlib/tuning.py).
 """
 from . import register
 
@@ -30,4 +31,4 @@ def run(transport, call):
 for _collective in FORMULAS:
     register("one_copy", _collective, lambda model, where, n, nbytes, c=_collective:
              terms(c, n, nbytes), run=run, needs="one_copy", agrees=True,
-             rank_order=True, pages=True)
+             rank_order=True)
