@@ -76,9 +76,12 @@ struct alignas(kLine) Exposed {
   int64_t in_region, out_region;  // the shared regions they lie in (-1: none)
   uint64_t self;     // where this struct lies in the owner's address space (the probe)
   uint64_t nonce;    // random: what the probe expects to read there
-  // whether the buffers peers read are cheap to read where they lie, by call parity (as
-  // Control::sig: a rank one call ahead must not overwrite what a peer still reads)
-  int64_t in_place[2];
+  // whether the buffers peers read are cheap to read where they lie: 2 * call + yes, by
+  // call parity (as Control::sig: a rank one call ahead must not overwrite what a peer
+  // still reads). A rank two calls ahead (a call between that did not wait for the
+  // reader) left this one without reading in place, or it would wait for its readers: a
+  // later call's number reads as no.
+  uint64_t in_place[2];
 };
 
 struct alignas(kLine) Doorbell {

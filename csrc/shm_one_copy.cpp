@@ -169,7 +169,9 @@ void ShmComm::expose(uintptr_t in, uintptr_t out) {
   mine->in_region = region_of(in), mine->out_region = region_of(out);
 }
 
-void ShmComm::say_in_place(bool cheap) { peers_[rank_].exposed->in_place[call_ % 2] = cheap; }
+void ShmComm::say_in_place(bool cheap) {
+  peers_[rank_].exposed->in_place[call_ % 2] = 2 * call_ + cheap;
+}
 
 bool ShmComm::cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const {
   const Exposed* mine = peers_[rank_].exposed;
@@ -178,7 +180,7 @@ bool ShmComm::cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const {
 }
 
 bool ShmComm::in_place_at(int rank) const {
-  return peers_[rank].exposed->in_place[call_ % 2];
+  return peers_[rank].exposed->in_place[call_ % 2] == 2 * call_ + 1;
 }
 
 bool ShmComm::every_rank_in_place() const {
