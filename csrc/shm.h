@@ -286,7 +286,6 @@ class ShmComm : public FastTransport {
                      int gather_root);
   void gather_pieces(const std::vector<Block>& blocks);
   void all_reduce_small(char* buf, int64_t count, int dtype, int op);
-  void read_part_in_place(int peer, char* dst, int64_t nbytes);  // all_to_all's
 
   // one-copy collectives (shm_one_copy.cpp)
   // The call run in place; false (before touching any data, the same on every rank) where
@@ -312,6 +311,10 @@ class ShmComm : public FastTransport {
                  int64_t nbytes);
   void reduce_from_peers(char* out, const char* own, int64_t first, int64_t n, int dtype,
                          int op, uint64_t Exposed::*which);
+  // all_to_all: where `owner`'s part for this rank starts in its input (its parts lie in
+  // rank order), and that part read from there into `dst`
+  int64_t part_offset(int owner) const;
+  void read_part_in_place(int owner, char* dst, int64_t nbytes);
   bool one_copy_ok_ = false;
   uint64_t calls_read_in_place_ = 0;
   struct Region {

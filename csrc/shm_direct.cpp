@@ -325,14 +325,6 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
   ++calls_read_in_place_;
 }
 
-// Peer j's part for this rank, read from j's input where it lies: j's parts lie in rank
-// order, so this rank's starts after those for lower ranks.
-void ShmComm::read_part_in_place(int j, char* dst, int64_t nbytes) {
-  int64_t from = 0;
-  for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
-  read_peer(j, dst, &Exposed::in, from, nbytes);
-}
-
 void ShmComm::direct(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
                      int op, int64_t root, const std::vector<int64_t>& in_splits,
                      const std::vector<int64_t>& out_splits) {

@@ -189,6 +189,16 @@ bool ShmComm::every_rank_in_place() const {
   return true;
 }
 
+int64_t ShmComm::part_offset(int owner) const {
+  int64_t from = 0;
+  for (int i = 0; i < rank_; ++i) from += splits(owner, call_)[i];
+  return from;
+}
+
+void ShmComm::read_part_in_place(int owner, char* dst, int64_t nbytes) {
+  read_peer(owner, dst, &Exposed::in, part_offset(owner), nbytes);
+}
+
 void ShmComm::meet() { wait_arrivals(arrive(), [](int) { return true; }); }
 
 const char* ShmComm::view(int peer, uint64_t Exposed::*which, int64_t offset,
@@ -291,7 +301,10 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       break;
     case REDUCE_SCATTER:
       begin(descriptor(REDUCE_SCATTER, count, dtype, op, kNone));
-      if (size_ == 1) return copy(output, input, nbytes), true;
+      if (size_ == 1) {
+        copy(output, input, nbytes);
+        return true;
+      }
       if (count == 0) return true;
       expose(in, out);
       say_in_place(cheap_to_read(&Exposed::in, nbytes * size_));
@@ -334,12 +347,10 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       if (!every_rank_in_place()) return false;
       int64_t at = 0;
       for (int j = 0; j < size_; ++j) {
-        int64_t from = 0;  // where rank j's part for this rank starts in its input
-        for (int i = 0; i < rank_; ++i) from += splits(j, call_)[i];
         if (j == rank_) {
-          copy(output + at, input + from, recv[j]);
+          copy(output + at, input + part_offset(j), recv[j]);
         } else {
-          read_peer(j, output + at, &Exposed::in, from, recv[j]);
+          read_part_in_place(j, output + at, recv[j]);
           count_sent(send[j]);
         }
         at += recv[j];

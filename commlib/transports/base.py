@@ -99,7 +99,8 @@ class Transport:
                 self._plans.clear()
             hit = self._plans[key] = [algo, plan, False]
         teach = teaching and not hit[2]
-        hit[2] = hit[2] or teaching
+        if teaching:
+            hit[2] = True
         return hit[0], hit[1], teach
 
     def use_table(self, table) -> None:
