@@ -3,7 +3,10 @@
 The first communicator of a layout (transport, ranks on each host, CPU model, cores, the
 algorithms on offer) times every algorithm of every collective at a few sizes, each call
 from a common start as the benchmark does: each rank takes the median of a few calls, and
-the table keeps the slowest rank's time, so every rank computes the same table. It is
+the table keeps the slowest rank's time, so every rank computes the same table. Buffers
+lie on 4 KiB pages, where torch's do (and the algorithms that read huge-page memory in
+place stage); all_to_all, whose choice cannot depend on the size, is timed on huge pages
+too (where numpy's large arrays lie), and its choice is the best over both. It is
 cached in the user's cache directory (a versioned JSON file) and reused by every later
 communicator of that layout, in this process and the next. ``auto`` then takes the
 algorithm with the least time at the call's size, interpolated in log size between
@@ -32,33 +35,48 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 4  # 4: one_copy and direct's all_to_all read in place on huge pages
+VERSION = 5  # 5: all_to_all timed on huge pages too
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
+# chosen once for every size (commlib/select.py), so once for both kinds of memory too
+ON_HUGE_PAGES_TOO = ("all_to_all",)
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
 class Table:
-    """Measured seconds per (collective, algorithm) at SIZES' primary bytes."""
+    """Measured seconds per (collective, algorithm) at SIZES' primary bytes: ``times`` on
+    4 KiB pages, ``on_huge_pages`` (ON_HUGE_PAGES_TOO's collectives) on huge ones."""
 
-    def __init__(self, times: dict):
+    def __init__(self, times: dict, on_huge_pages: dict | None = None):
         self.times = times  # collective -> algorithm -> [[nbytes, seconds], ...]
+        self.on_huge_pages = on_huge_pages or {}
+
+    def shared(self, comm) -> "Table":
+        """Rank 0's table, on every rank of ``comm`` (collective)."""
+        return Table(*comm.allgather((self.times, self.on_huge_pages))[0])
 
     def fastest(self, collective: str, nbytes: int | None, names) -> str | None:
         """The measured algorithm among ``names`` with the least time at ``nbytes``, or
-        (None: a choice that may not depend on the size) the least geometric mean over
-        the measured sizes of its time relative to the fastest's there."""
+        (None: a choice that may not depend on the size) the least geometric mean, over
+        the measured sizes and kinds of memory, of its time relative to the fastest's."""
         measured = self.times.get(collective, {})
         names = [n for n in names if n in measured]
         if not names:
             return None
         if nbytes is not None:
             return min((self.seconds(measured[n], nbytes), n) for n in names)[1]
-        sizes = sorted({b for n in names for b, _ in measured[n]})
-        at = {n: [self.seconds(measured[n], b) for b in sizes] for n in names}
-        best = [min(at[n][i] for n in names) for i in range(len(sizes))]
-        return min((sum(math.log(t / b) for t, b in zip(at[n], best)), n) for n in names)[1]
+        loss = dict.fromkeys(names, 0.0)
+        for kind in (self.times, self.on_huge_pages):
+            measured = kind.get(collective, {})
+            if any(n not in measured for n in names):
+                continue
+            sizes = sorted({b for n in names for b, _ in measured[n]})
+            at = {n: [self.seconds(measured[n], b) for b in sizes] for n in names}
+            best = [min(at[n][i] for n in names) for i in range(len(sizes))]
+            for n in names:
+                loss[n] += sum(math.log(t / b) for t, b in zip(at[n], best))
+        return min((loss[n], n) for n in names)[1]
 
     @staticmethod
     def seconds(points: list, nbytes: int) -> float:
@@ -93,7 +111,7 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
     table = None
     if comm.rank == 0 and mode() != "refresh" and not refresh:
         table = _tables.get(digest) or _load(digest, layout)
-    table = transport.world.allgather(table.times if table else None)[0]  # rank 0's
+    table = transport.world.allgather(table and (table.times, table.on_huge_pages))[0]
     if table is None and transport.rank_order:
         return None  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
@@ -102,7 +120,7 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
         if comm.rank == 0:
             _save(digest, layout, table, time.perf_counter() - started)
     else:
-        table = Table(table)
+        table = Table(*table)  # rank 0's
     _tables[digest] = table
     return table
 
@@ -121,29 +139,34 @@ def measure(comm) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm``; collective. The
     algorithms of a size share their buffers, on 4 KiB pages (where a user's may lie:
     torch's do; one_copy and direct's all_to_all read in place where they lie on huge
-    pages, and stage on these), and their calls take turns, so that none is timed on
-    memory in another state and a slow spell of the machine hits them all alike."""
+    pages, and stage on these), ON_HUGE_PAGES_TOO's on huge pages too, and their calls
+    take turns, so that none is timed on memory in another state and a slow spell of the
+    machine hits them all alike."""
     keys, mine = [], []
     n = comm.size
     for nbytes in SIZES:
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-        a, b = _small_pages(count * n), _small_pages(count * n)
-        a[:], b[:] = 1, 0
+        small = _small_pages(count * n), _small_pages(count * n)
+        huge = _huge_pages(count), _huge_pages(count)  # (all_to_all takes count of each)
+        for a, b in (small, huge):
+            a[:], b[:] = 1, 0
         calls = []
         for collective in COLLECTIVES:
             for name in comm.algorithms(collective):
                 refuses = entries(collective)[name].refuses
                 if refuses and refuses(n, nbytes):
                     continue  # (never chosen there: select.choose asks it too)
-                keys.append((collective, name, nbytes))
-                calls.append(_call(comm, collective, name, a, b, count))
+                for a, b in (small, huge) if collective in ON_HUGE_PAGES_TOO else (small,):
+                    keys.append((a is huge[0], collective, name, nbytes))
+                    calls.append(_call(comm, collective, name, a, b, count))
         mine.extend(_times(comm, calls, nbytes))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
-    times: dict = {}
-    for (collective, name, nbytes), seconds in zip(keys, slowest.tolist()):
-        times.setdefault(collective, {}).setdefault(name, []).append([nbytes, seconds])
-    return Table(times)
+    table = Table({}, {})
+    for (on_huge, collective, name, nbytes), seconds in zip(keys, slowest.tolist()):
+        kind = table.on_huge_pages if on_huge else table.times
+        kind.setdefault(collective, {}).setdefault(name, []).append([nbytes, seconds])
+    return table
 
 
 def _small_pages(count: int) -> np.ndarray:
@@ -152,6 +175,25 @@ def _small_pages(count: int) -> np.ndarray:
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         raw.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(raw, np.float32, count)
+
+
+def _huge_pages(count: int) -> np.ndarray:
+    """float32 private memory on huge pages, where the kernel gives them (THP "madvise"
+    or "always"; else on 4 KiB pages, as _small_pages)."""
+    page = _huge_page_bytes()
+    raw = mmap.mmap(-1, -(-count * 4 // page) * page + page,
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        raw.madvise(mmap.MADV_HUGEPAGE)
+    start = -np.frombuffer(raw, np.uint8, 1).ctypes.data % page  # the first whole page
+    return np.frombuffer(raw, np.float32, count, offset=start)
+
+
+def _huge_page_bytes() -> int:
+    try:
+        return int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20
 
 
 def _call(comm, collective: str, name: str, a, b, count: int):
@@ -196,7 +238,7 @@ def _load(digest: str, layout: dict) -> Table | None:
         data = json.loads(path.read_text())
         if data.get("layout") != layout:
             raise ValueError("it was measured for another machine or layout")
-        return Table(data["times"])
+        return Table(data["times"], data["on_huge_pages"])
     except (ValueError, KeyError, TypeError) as e:
         warnings.warn(f"commlib: ignoring the algorithm table {path} ({e}); measuring "
                       "again", stacklevel=2)
@@ -209,7 +251,8 @@ def _save(digest: str, layout: dict, table: Table, seconds: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"layout": layout, "measured_in_seconds": round(seconds, 3),
-                                   "times": table.times}, indent=1) + "\n")
+                                   "times": table.times,
+                                   "on_huge_pages": table.on_huge_pages}, indent=1) + "\n")
         tmp.replace(path)
     except OSError as e:  # a read-only home: the table lives in this process only
         warnings.warn(f"commlib: cannot cache the algorithm table in {path}: {e}",

@@ -270,9 +270,9 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
     in_order = in_order && send_offsets[j] == sent;
     sent += send_lengths[j], longest_sent = std::max(longest_sent, send_lengths[j]);
   }
+  expose(in, out);  // (before cheap_to_read, which looks at the exposed input)
   const bool unstaged = longest_sent > per_peer && one_copy_ok_ && in_order &&
                         cheap_to_read(&Exposed::in, sent);
-  expose(in, out);
   say_in_place(unstaged);
   int64_t received = 0;
   for (int64_t n : recv_lengths) received += n;

@@ -99,3 +99,8 @@ def test_measured_table_choice():
     assert choose("all_reduce", None, 2, 1024, offers=offers, measured=table).name == "eager"
     # beyond eager's limit it is never chosen, however its time extrapolates
     assert choose("all_reduce", None, 2, 1 << 21, offers=offers, measured=table).name == "ring"
+    # the size-free choice weighs huge pages too: b's 4x there outweighs a's 2.5x at 64 KiB
+    table.on_huge_pages = {"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 40.0]],
+                                          "b": [[1 << 16, 1.0], [1 << 20, 10.0]]}}
+    assert table.fastest("all_to_all", None, ["a", "b"]) == "b"
+    assert table.fastest("all_to_all", 1 << 16, ["a", "b"]) == "a"  # (sized: 4 KiB pages)

@@ -70,6 +70,13 @@ def read_in_place() -> int:
     return comm._transport.shm.calls_read_in_place if SHARED else 0
 
 
+def in_place(call) -> int:
+    """Whether ``call`` read the peers' buffers where they lie."""
+    before = read_in_place()
+    call()
+    return read_in_place() - before
+
+
 def arrays_of_every_kind():
     a = comm.empty((3, 4), np.int32)
     assert a.shape == (3, 4) and a.dtype == np.int32
@@ -136,11 +143,6 @@ def ordinary_memory_on_small_pages_stages():
     if "one_copy" not in ALGORITHMS or n == 1:
         return
     count = 3 << 16  # 1.5 MiB of float32 a rank: within one huge page, and several pieces
-
-    def in_place(call) -> int:
-        before = read_in_place()
-        call()
-        return read_in_place() - before
     for small_on in (None, n - 1, 0):
         mine = private(count * n, np.float32, huge=rank != small_on)
         out = private(count * n, np.float32, huge=rank != small_on)
@@ -163,6 +165,24 @@ def ordinary_memory_on_small_pages_stages():
             == all_huge
         assert_equal(out, np.concatenate([np.arange(count) % 7 + j for j in range(n)])
                      .astype(np.float32))
+
+
+def each_call_is_judged_by_its_own_buffer():
+    """direct's all_to_all looks at this call's input, not the last call's: calls that
+    alternate between huge and 4 KiB pages read in place exactly on the huge ones."""
+    if "one_copy" not in ALGORITHMS or n == 1:
+        return
+    count = 3 << 16
+    inputs = [private(count * n, np.float32, huge=huge) for huge in (True, False)]
+    out = private(count * n, np.float32, huge=False)
+    huge = comm.mpi.allreduce(on_huge_pages(inputs[0]), op=MPI.LAND)
+    want = np.repeat(np.arange(n, dtype=np.float32), count)
+    for kind in (0, 1, 0, 1):
+        inputs[kind][:] = rank
+        out[:] = -1
+        assert in_place(lambda: comm.all_to_all(out, inputs[kind], algorithm="direct")) \
+            == (huge and kind == 0), (kind, huge)
+        assert_equal(out, want)
 
 
 def in_place_forms():

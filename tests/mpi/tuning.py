@@ -51,6 +51,8 @@ def measured_and_cached():
     assert table is not None, "no table attached to the world"
     for collective in COLLECTIVES:
         assert set(table.times[collective]) == set(world.algorithms(collective)), collective
+    for collective in tuning.ON_HUGE_PAGES_TOO:
+        assert set(table.on_huge_pages[collective]) == set(world.algorithms(collective))
     files = sorted(tables.glob("*.json"))
     if rank == 0:
         assert len(files) == 1, files
