@@ -3,10 +3,11 @@
 For each collective and size, repetitions interleave the implementations so machine drift
 hits all alike; each reports the median over all its iterations of the max over ranks, and
 is then checked once on exact data. The table gives busbw per implementation, the ratio
-of commlib's best (and of auto) to the best peer (MPI or gloo), and commlib's best as a
-fraction of this machine's memcpy bandwidth at that size (one rank copying alone). --json
-writes every number, --plot a PNG of busbw against size with the measured memcpy bandwidth
-drawn as a bound.
+of commlib's best (and of auto) to the best peer (MPI or gloo), and commlib's best and
+the best peer's as fractions of the bound: the busbw at which each rank would move the
+bytes it must read and write at this machine's memcpy bandwidth at that size, every rank
+copying at once (Spec.bound: commlib_bench/specs.py). --json writes every number, --plot
+a PNG of busbw against size with the bound drawn.
 """
 from __future__ import annotations
 
@@ -126,8 +127,11 @@ def main(args, comm) -> int:
                 busbw = case.nbytes / t / 1e9 * spec.busbw_factor(n) if t > 0 else 0.0
                 rows.append({"collective": name, "size": case.nbytes, "count": count,
                              "impl": p.name, "time_us": t * 1e6, "busbw": busbw, "wrong": wrong})
-            rows.append({"collective": name, "size": case.nbytes, "impl": "memcpy",
-                         "busbw": world.allreduce(memcpy_gbs(case.nbytes, args.device)) / n})
+            world.Barrier()  # (every rank copies at once, as in the collective)
+            memcpy = world.allreduce(memcpy_gbs(case.nbytes, args.device)) / n
+            rows += [{"collective": name, "size": case.nbytes, "impl": "memcpy", "busbw": memcpy},
+                     {"collective": name, "size": case.nbytes, "impl": "bound",
+                      "busbw": spec.bound(n, memcpy)}]
             progress.step(f"{name} {case.nbytes} B")
         tables[name] = [p.name for p in peers]
     if comm.rank == 0:
@@ -144,14 +148,15 @@ def main(args, comm) -> int:
 
 def _print(rows, tables, n, dtype):
     for name, impls in tables.items():
-        mine = [r for r in rows if r["collective"] == name and r["impl"] != "memcpy"]
-        memcpy = {r["size"]: r["busbw"] for r in rows
-                  if r["collective"] == name and r["impl"] == "memcpy"}
+        mine = [r for r in rows if r["collective"] == name and r["impl"] in impls]
+        bound = {r["size"]: r["busbw"] for r in rows
+                 if r["collective"] == name and r["impl"] == "bound"}
         print(f"# compare {name}: {n} ranks, {dtype}; busbw in GB/s (median of the max over "
               f"ranks); ratios are busbw over the best peer's (mpi, gloo)")
         # (deterministic mode: auto among the rank-order algorithms, priced against auto)
         det = "commlib:deterministic" in impls
-        header = (["size"] + impls + ["best", "best/peer", "auto/peer", "best/memcpy"]
+        header = (["size"] + impls + ["best", "best/peer", "auto/peer", "best/bound",
+                                      "peer/bound"]
                   + (["det/auto"] if det else []) + ["#wrong"])
         table = []
         for size in sorted({r["size"] for r in mine}):
@@ -165,8 +170,8 @@ def _print(rows, tables, n, dtype):
             table.append([size, *bw.values(), best.removeprefix("commlib:"),
                           ours.get(best, float("nan")) / peer if peer else float("nan"),
                           auto / peer if peer else float("nan"),
-                          ours.get(best, float("nan")) / memcpy[size] if memcpy.get(size)
-                          else float("nan"),
+                          *(v / bound[size] if bound.get(size) else float("nan")
+                            for v in (ours.get(best, float("nan")), peer)),
                           *([bw["commlib:deterministic"] / auto if auto else float("nan")]
                             if det else []),
                           sum(r["wrong"] for r in at.values())])
@@ -186,13 +191,13 @@ def plot(rows, tables, path, n, dtype):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(tables), figsize=(7 * len(tables), 4.5), squeeze=False)
     for ax, (name, impls) in zip(axes[0], tables.items()):
-        for impl in impls + ["memcpy"]:
+        for impl in impls + ["bound"]:
             pts = sorted((r["size"], r["busbw"]) for r in rows
                          if r["collective"] == name and r["impl"] == impl and r["size"] > 0)
             if pts:
-                style = dict(color="black", linestyle="--") if impl == "memcpy" else {}
-                ax.plot(*zip(*pts), marker="." if impl != "memcpy" else None,
-                        label=impl if impl != "memcpy" else "memcpy bound", **style)
+                style = dict(color="black", linestyle="--") if impl == "bound" else {}
+                ax.plot(*zip(*pts), marker="." if impl != "bound" else None,
+                        label=impl if impl != "bound" else "bound (memcpy)", **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("size (bytes)")

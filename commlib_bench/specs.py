@@ -4,6 +4,15 @@
 for all_reduce/broadcast/reduce, the input of reduce_scatter, the output of all_gather, the
 input (= output) of all_to_all. busbw = algbw * factor(n), comparable to the hardware's
 bandwidth whatever the collective.
+
+The bound on busbw where ranks share one host's memory: ``traffic(n)`` is the least a
+rank must read plus write, per byte of ``size``, when the ranks share the work and each
+byte is read and written once where it must be (a memcpy moves 2 per byte copied):
+all_to_all and all_gather write ``size`` of output and read it from the inputs (2); a
+broadcast's receivers copy ``size`` (2); a reduce_scatter reads its block from every
+input and writes it (1 + 1/n); an all_reduce reduce-scatters, then copies the n - 1
+blocks it lacks (3 - 1/n), as does a reduce's root. At memcpy's bandwidth M (every rank
+copying at once) that takes traffic * size / (2 M), so busbw <= 2 M factor(n) / traffic(n).
 """
 from __future__ import annotations
 
@@ -31,6 +40,11 @@ class Spec:
     reduces: bool = False
     rooted: bool = False
     blocked: bool = False  # count splits into n blocks (rounded down to a multiple of n)
+    traffic: Callable[[int], float] = lambda n: 2.0  # (see the module's docstring)
+
+    def bound(self, n: int, memcpy_gbs: float) -> float:
+        """busbw if every rank moved its least traffic at ``memcpy_gbs`` (bytes copied/s)."""
+        return 2 * memcpy_gbs * self.busbw_factor(n) / self.traffic(n)
 
     def buffer_counts(self, n: int, count: int) -> tuple[int, int]:
         """(input elements, output elements) per rank; equal means one in-place buffer."""
@@ -64,12 +78,13 @@ class Spec:
 
 
 SPECS = {s.name: s for s in (
-    Spec("all_reduce", lambda n: 2 * (n - 1) / n, reduces=True),
-    Spec("reduce_scatter", lambda n: (n - 1) / n, reduces=True, blocked=True),
+    Spec("all_reduce", lambda n: 2 * (n - 1) / n, reduces=True, traffic=lambda n: 3 - 1 / n),
+    Spec("reduce_scatter", lambda n: (n - 1) / n, reduces=True, blocked=True,
+         traffic=lambda n: 1 + 1 / n),
     Spec("all_gather", lambda n: (n - 1) / n, blocked=True),
     Spec("all_to_all", lambda n: (n - 1) / n, blocked=True),
     Spec("broadcast", lambda n: 1.0, rooted=True),
-    Spec("reduce", lambda n: 1.0, reduces=True, rooted=True),
+    Spec("reduce", lambda n: 1.0, reduces=True, rooted=True, traffic=lambda n: 3 - 1 / n),
 )}
 
 

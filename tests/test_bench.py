@@ -35,6 +35,20 @@ def test_busbw_factors_follow_nccl_tests():
         assert SPECS["broadcast"].busbw_factor(n) == SPECS["reduce"].busbw_factor(n) == 1
 
 
+def test_bounds_follow_the_bytes_each_rank_moves():
+    """At memcpy's 10 GB/s: a copy of the whole size per rank bounds all_to_all and
+    all_gather at 10 (n-1)/n, a broadcast at 10; reductions read more than they write."""
+    for n in (2, 3, 8):
+        for name in ("all_gather", "all_to_all"):
+            assert SPECS[name].bound(n, 10) == pytest.approx(10 * (n - 1) / n)
+        assert SPECS["broadcast"].bound(n, 10) == pytest.approx(10)
+        # reduce_scatter: read the block from n inputs, write it: (1 + 1/n) per byte
+        assert SPECS["reduce_scatter"].bound(n, 10) == pytest.approx(20 * (n - 1) / (n + 1))
+        # all_reduce: that, then copy the n - 1 missing blocks in: (3 - 1/n) per byte
+        assert SPECS["all_reduce"].bound(n, 10) == pytest.approx(40 * (n - 1) / (3 * n - 1))
+    assert SPECS["all_reduce"].bound(2, 10) == pytest.approx(8)
+
+
 def test_overlap_formula():
     assert overlap_percent(overall=100, compute_time=100, pure_comm=50) == 100  # all hidden
     assert overlap_percent(overall=150, compute_time=100, pure_comm=50) == 0    # none hidden
@@ -111,7 +125,8 @@ def test_compare_writes_table_json_and_plot(tmp_path):
     assert "best/peer" in out and "commlib:auto" in out
     doc = json.loads(js.read_text())
     impls = {r["impl"] for r in doc["results"]}
-    assert {"commlib:ring", "commlib:auto", "mpi", "memcpy"} <= impls
+    assert {"commlib:ring", "commlib:auto", "mpi", "memcpy", "bound"} <= impls
+    assert "best/bound" in out and "peer/bound" in out
     assert all(r.get("wrong", 0) == 0 for r in doc["results"])
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
