@@ -2,12 +2,12 @@
 
 The first communicator of a layout (transport, ranks on each host, CPU model, cores, the
 algorithms on offer) times every algorithm of every collective at a few sizes, each call
-from a common start as the benchmark does: each rank takes the median of a few calls, and
-the table keeps the slowest rank's time, so every rank computes the same table. Buffers
-lie on 4 KiB pages, where torch's do (and the algorithms that read huge-page memory in
-place stage); all_to_all, whose choice cannot depend on the size, is timed on huge pages
-too (where numpy's large arrays lie), and its choice is the best over both. It is
-cached in the user's cache directory (a versioned JSON file) and reused by every later
+from a common start (MPI's barrier) as the benchmark does: each rank takes the median of
+a few calls, and the table keeps the slowest rank's time, so every rank computes the same
+table. Buffers lie on 4 KiB pages, where torch's do (and the algorithms that read
+huge-page memory in place stage); all_to_all, whose choice cannot depend on the size, is
+timed on huge pages too (where numpy's large arrays lie), and its choice is the best over
+both. It is cached in the user's cache directory (a versioned JSON file) and reused by every later
 communicator of that layout, in this process and the next. ``auto`` then takes the
 algorithm with the least time at the call's size, interpolated in log size between
 measured sizes (beyond the largest, time grows with the bytes); collectives or algorithms
@@ -35,7 +35,7 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 5  # 5: all_to_all timed on huge pages too
+VERSION = 5  # 5: all_to_all timed on huge pages too; calls start after MPI's barrier
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
@@ -116,7 +116,7 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
         return None  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
         started = time.perf_counter()
-        table = measure(comm)
+        table = measure(comm, _starting_line(comm, transport))
         if comm.rank == 0:
             _save(digest, layout, table, time.perf_counter() - started)
     else:
@@ -135,13 +135,14 @@ def describe(comm, transport) -> dict:
             "algorithms": {c: comm.algorithms(c) for c in COLLECTIVES}}
 
 
-def measure(comm) -> Table:
+def measure(comm, start=None) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm``; collective. The
     algorithms of a size share their buffers, on 4 KiB pages (where a user's may lie:
     torch's do; one_copy and direct's all_to_all read in place where they lie on huge
     pages, and stage on these), ON_HUGE_PAGES_TOO's on huge pages too, and their calls
     take turns, so that none is timed on memory in another state and a slow spell of the
-    machine hits them all alike."""
+    machine hits them all alike. Each timed call follows ``start()`` (default
+    ``comm.barrier``) on every rank."""
     keys, mine = [], []
     n = comm.size
     for nbytes in SIZES:
@@ -159,7 +160,7 @@ def measure(comm) -> Table:
                 for a, b in (small, huge) if collective in ON_HUGE_PAGES_TOO else (small,):
                     keys.append((a is huge[0], collective, name, nbytes))
                     calls.append(_call(comm, collective, name, a, b, count))
-        mine.extend(_times(comm, calls, nbytes))
+        mine.extend(_times(start or comm.barrier, calls, nbytes))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     table = Table({}, {})
@@ -208,8 +209,18 @@ def _call(comm, collective: str, name: str, a, b, count: int):
     }[collective]
 
 
-def _times(comm, calls: list, nbytes: int) -> list[float]:
-    """Seconds of one of each of ``calls`` from a common start (after a barrier), as the
+def _starting_line(comm, transport):
+    """What every timed call starts after: MPI's barrier where there is MPI, as the
+    benchmark's calls start (its ranks leave with the skew real calls meet, so an algorithm
+    that lets a rank go early shows it; commlib's own barrier releases them within a few
+    hundred ns, which hid that: broadcast of 64 KiB at 2 ranks took `tree` at 0.64 of
+    `direct`), else (torchrun) commlib's."""
+    mpi = getattr(transport.world, "coll", None)  # (MpiWorld's collective communicator)
+    return mpi.Barrier if mpi is not None else comm.barrier
+
+
+def _times(start, calls: list, nbytes: int) -> list[float]:
+    """Seconds of one of each of ``calls`` from a common start (after ``start()``), as the
     benchmark times them: this rank's median over a few rounds in which every call takes
     its turn, after a warm-up."""
     for call in calls:
@@ -218,10 +229,10 @@ def _times(comm, calls: list, nbytes: int) -> list[float]:
     times = np.empty((rounds, len(calls)))
     for r in range(rounds):
         for i, call in enumerate(calls):
-            comm.barrier()
-            start = time.perf_counter()
+            start()
+            began = time.perf_counter()
             call()
-            times[r, i] = time.perf_counter() - start
+            times[r, i] = time.perf_counter() - began
     return np.median(times, axis=0).tolist()
 
 

@@ -6,8 +6,9 @@ is then checked once on exact data. The table gives busbw per implementation, th
 of commlib's best (and of auto) to the best peer (MPI or gloo), and commlib's best and
 the best peer's as fractions of the bound: the busbw at which each rank would move the
 bytes it must read and write at this machine's memcpy bandwidth at that size, every rank
-copying at once (Spec.bound: commlib_bench/specs.py). --json writes every number, --plot
-a PNG of busbw against size with the bound drawn.
+copying at once (Spec.bound: commlib_bench/specs.py; where the ranks share one host:
+across hosts the network bounds them). --json writes every number, --plot a PNG of busbw
+against size with the bound drawn.
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def main(args, comm) -> int:
         torch.cuda.set_device(device)
         what = f"{args.datatype} on cuda (device {device} of rank {comm.rank})"
     grid = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    one_host = len(set(world.allgather(MPI.Get_processor_name()))) == 1  # (else no bound)
     rows, tables, any_wrong = [], {}, False
     progress = Progress(len(grid) * len(args.collectives), comm.rank == 0)
     for name in args.collectives:
@@ -131,7 +133,7 @@ def main(args, comm) -> int:
             memcpy = world.allreduce(memcpy_gbs(case.nbytes, args.device)) / n
             rows += [{"collective": name, "size": case.nbytes, "impl": "memcpy", "busbw": memcpy},
                      {"collective": name, "size": case.nbytes, "impl": "bound",
-                      "busbw": spec.bound(n, memcpy)}]
+                      "busbw": spec.bound(n, memcpy) if one_host else float("nan")}]
             progress.step(f"{name} {case.nbytes} B")
         tables[name] = [p.name for p in peers]
     if comm.rank == 0:
