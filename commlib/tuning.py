@@ -151,16 +151,16 @@ def measure(comm, start=None) -> Table:
         huge = _huge_pages(count), _huge_pages(count)  # (all_to_all takes count of each)
         for a, b in (small, huge):
             a[:], b[:] = 1, 0
-        calls = []
-        for collective in COLLECTIVES:
-            for name in comm.algorithms(collective):
-                refuses = entries(collective)[name].refuses
-                if refuses and refuses(n, nbytes):
-                    continue  # (never chosen there: select.choose asks it too)
-                for a, b in (small, huge) if collective in ON_HUGE_PAGES_TOO else (small,):
-                    keys.append((a is huge[0], collective, name, nbytes))
+        for on_huge, (a, b) in ((False, small), (True, huge)):  # (each kind its own turns)
+            calls = []
+            for collective in ON_HUGE_PAGES_TOO if on_huge else COLLECTIVES:
+                for name in comm.algorithms(collective):
+                    refuses = entries(collective)[name].refuses
+                    if refuses and refuses(n, nbytes):
+                        continue  # (never chosen there: select.choose asks it too)
+                    keys.append((on_huge, collective, name, nbytes))
                     calls.append(_call(comm, collective, name, a, b, count))
-        mine.extend(_times(start or comm.barrier, calls, nbytes))
+            mine.extend(_times(start or comm.barrier, calls, nbytes))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     table = Table({}, {})
