@@ -284,7 +284,7 @@ class ShmComm : public FastTransport {
   // direct collectives (shm_direct.cpp)
   void reduce_pieces(const std::vector<Block>& blocks, int dtype, int op, bool gather,
                      int gather_root);
-  void gather_pieces(const std::vector<Block>& blocks);
+  void gather_pieces(const std::vector<Block>& blocks, bool one_owner = false);
   void all_reduce_small(char* buf, int64_t count, int dtype, int op);
 
   // one-copy collectives (shm_one_copy.cpp)
