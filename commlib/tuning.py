@@ -39,6 +39,10 @@ VERSION = 5  # 5: all_to_all timed on huge pages too; calls start after MPI's ba
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
+# seconds the largest size may take, foreseen from the one before it: where the transport
+# is slow (TCP between hosts on shared cores: 5.6 s at 16 MiB, 2 x 2 ranks here) a smaller
+# largest size is measured instead (8 or 4 MiB), and auto extrapolates beyond it
+LARGEST_SIZE_SECONDS = 2.0
 # chosen once for every size (commlib/select.py), so once for both kinds of memory too
 ON_HUGE_PAGES_TOO = ("all_to_all",)
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
@@ -136,7 +140,8 @@ def describe(comm, transport) -> dict:
 
 
 def measure(comm, start=None) -> Table:
-    """Time every algorithm of every collective at SIZES on ``comm``; collective. The
+    """Time every algorithm of every collective at SIZES on ``comm`` (the largest, or a
+    smaller one where it would take too long: LARGEST_SIZE_SECONDS); collective. The
     algorithms of a size share their buffers, on 4 KiB pages (where a user's may lie:
     torch's do; one_copy and direct's all_to_all read in place where they lie on huge
     pages, and stage on these), ON_HUGE_PAGES_TOO's on huge pages too, and their calls
@@ -145,12 +150,16 @@ def measure(comm, start=None) -> Table:
     ``comm.barrier``) on every rank."""
     keys, mine = [], []
     n = comm.size
+    before = (0, 0.0)  # (bytes, seconds that one of each call took there)
     for nbytes in SIZES:
+        if nbytes == SIZES[-1]:
+            nbytes = _affordable(comm, nbytes, *before)
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
         small = _small_pages(count * n), _small_pages(count * n)
         huge = _huge_pages(count), _huge_pages(count)  # (all_to_all takes count of each)
         for a, b in (small, huge):
             a[:], b[:] = 1, 0
+        first = len(mine)
         for on_huge, (a, b) in ((False, small), (True, huge)):  # (each kind its own turns)
             calls = []
             for collective in ON_HUGE_PAGES_TOO if on_huge else COLLECTIVES:
@@ -161,6 +170,7 @@ def measure(comm, start=None) -> Table:
                     keys.append((on_huge, collective, name, nbytes))
                     calls.append(_call(comm, collective, name, a, b, count))
             mine.extend(_times(start or comm.barrier, calls, nbytes))
+        before = (nbytes, sum(mine[first:]))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     table = Table({}, {})
@@ -219,13 +229,31 @@ def _starting_line(comm, transport):
     return mpi.Barrier if mpi is not None else comm.barrier
 
 
+def _affordable(comm, largest: int, before: int, seconds_before: float) -> int:
+    """``largest``, or half of it as often as the calls would take more than
+    LARGEST_SIZE_SECONDS, foreseen by bytes from the ``seconds_before`` one of each took at
+    ``before`` bytes (the slowest rank's: every rank takes the same), down to twice
+    ``before``."""
+    seconds = np.array([seconds_before])
+    comm.all_reduce(seconds, op="max")
+    nbytes = largest
+    while nbytes > 2 * before and \
+            seconds[0] * nbytes / before * (_rounds(nbytes) + 1) > LARGEST_SIZE_SECONDS:
+        nbytes //= 2
+    return nbytes
+
+
+def _rounds(nbytes: int) -> int:
+    return max(3, min(CALLS, CALLS * (1 << 20) // nbytes))
+
+
 def _times(start, calls: list, nbytes: int) -> list[float]:
     """Seconds of one of each of ``calls`` from a common start (after ``start()``), as the
     benchmark times them: this rank's median over a few rounds in which every call takes
     its turn, after a warm-up."""
     for call in calls:
         call()
-    rounds = max(3, min(CALLS, CALLS * (1 << 20) // nbytes))
+    rounds = _rounds(nbytes)
     times = np.empty((rounds, len(calls)))
     for r in range(rounds):
         for i, call in enumerate(calls):

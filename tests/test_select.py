@@ -104,3 +104,18 @@ def test_measured_table_choice():
                                           "b": [[1 << 16, 1.0], [1 << 20, 10.0]]}}
     assert table.fastest("all_to_all", None, ["a", "b"]) == "b"
     assert table.fastest("all_to_all", 1 << 16, ["a", "b"]) == "a"  # (sized: 4 KiB pages)
+
+
+def test_the_largest_size_measured_fits_its_time():
+    """The tuning pass measures 16 MiB where one of each call there is foreseen to take at
+    most LARGEST_SIZE_SECONDS (from the 2 MiB calls' time, by bytes), else 8 or 4 MiB."""
+    from commlib import tuning
+
+    class OneRank:
+        def all_reduce(self, array, op):
+            pass
+    fits = tuning._affordable
+    assert tuning.LARGEST_SIZE_SECONDS == 2.0  # (the cases below assume it)
+    assert fits(OneRank(), 16 << 20, 2 << 20, 0.01) == 16 << 20  # 0.32 s foreseen
+    assert fits(OneRank(), 16 << 20, 2 << 20, 0.1) == 8 << 20  # 3.2 s at 16, 1.6 s at 8
+    assert fits(OneRank(), 16 << 20, 2 << 20, 1.0) == 4 << 20  # never below twice 2 MiB
