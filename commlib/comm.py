@@ -94,7 +94,7 @@ class Communicator:
     def algorithm_table(self, table) -> None:
         """Choose by ``table`` (a tuning.Table, say measured on another run) from now on;
         collective: rank 0's is taken everywhere, so that no two ranks choose differently."""
-        self._calls.use_table(table.shared(self._transport.world))
+        self._calls.use_table(tuning.Table.rank_0s(self._transport.world, table))
 
     def measure_algorithms(self) -> None:
         """Measure this layout's algorithm table again and cache it for later runs

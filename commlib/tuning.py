@@ -56,9 +56,12 @@ class Table:
         self.times = times  # collective -> algorithm -> [[nbytes, seconds], ...]
         self.on_huge_pages = on_huge_pages or {}
 
-    def shared(self, comm) -> "Table":
-        """Rank 0's table, on every rank of ``comm`` (collective)."""
-        return Table(*comm.allgather((self.times, self.on_huge_pages))[0])
+    @staticmethod
+    def rank_0s(world, table: "Table | None") -> "Table | None":
+        """Rank 0's ``table`` (None where rank 0 has none), on every rank of ``world``
+        (collective), so that no two ranks choose differently."""
+        parts = world.allgather(table and (table.times, table.on_huge_pages))[0]
+        return Table(*parts) if parts else None
 
     def fastest(self, collective: str, nbytes: int | None, names) -> str | None:
         """The measured algorithm among ``names`` with the least time at ``nbytes``, or
@@ -115,7 +118,7 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
     table = None
     if comm.rank == 0 and mode() != "refresh" and not refresh:
         table = _tables.get(digest) or _load(digest, layout)
-    table = transport.world.allgather(table and (table.times, table.on_huge_pages))[0]
+    table = Table.rank_0s(transport.world, table)
     if table is None and transport.rank_order:
         return None  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
@@ -123,8 +126,6 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
         table = measure(comm, _starting_line(comm, transport))
         if comm.rank == 0:
             _save(digest, layout, table, time.perf_counter() - started)
-    else:
-        table = Table(*table)  # rank 0's
     _tables[digest] = table
     return table
 
