@@ -4,11 +4,15 @@ The first communicator of a layout (transport, ranks on each host, CPU model, co
 algorithms on offer) times every algorithm of every collective at a few sizes, each call
 from a common start (MPI's barrier) as the benchmark does: each rank takes the median of
 a few calls, and the table keeps the slowest rank's time, so every rank computes the same
-table. Buffers lie on 4 KiB pages, where torch's do (and the algorithms that read
-huge-page memory in place stage); all_to_all, whose choice cannot depend on the size, is
-timed on huge pages too (where numpy's large arrays lie), and its choice is the best over
-both. It is cached in the user's cache directory (a versioned JSON file) and reused by every later
-communicator of that layout, in this process and the next. ``auto`` then takes the
+table. Buffers lie on 4 KiB pages, where torch's do; all_to_all, whose choice cannot
+depend on the size, is timed on huge pages too (where numpy's large arrays lie), and its
+choice is the best over both. How the algorithms that read the peers' memory in place
+read is measured first, and holds for the rest of the pass and wherever the table is
+used: for which collectives buffers on 4 KiB pages are read in place too, rather than
+staged (the kernel pins every page it reads: dearer than staging on one machine, cheaper
+on another), and from what size of its parts direct's all_to_all reads a rank's parts in
+place. It is cached in the user's cache directory (a versioned JSON file) and reused by
+every later communicator of that layout, in this process and the next. ``auto`` then takes the
 algorithm with the least time at the call's size, interpolated in log size between
 measured sizes (beyond the largest, time grows with the bytes); collectives or algorithms
 the table lacks fall back to the cost model (commlib/select.py). Rank 0's table is the one
@@ -35,7 +39,7 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 5  # 5: all_to_all timed on huge pages too; calls start after MPI's barrier
+VERSION = 6  # 6: how to read in place measured (base_pages_in_place, parts_in_place_from)
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
@@ -50,17 +54,28 @@ _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 class Table:
     """Measured seconds per (collective, algorithm) at SIZES' primary bytes: ``times`` on
-    4 KiB pages, ``on_huge_pages`` (ON_HUGE_PAGES_TOO's collectives) on huge ones."""
+    4 KiB pages, ``on_huge_pages`` (ON_HUGE_PAGES_TOO's collectives) on huge ones; and how
+    the transport reads in place, as the times were measured: the collectives that read
+    buffers on 4 KiB pages so too (``base_pages_in_place``), and from what bytes of a
+    rank's largest part direct's all_to_all reads its parts in place
+    (``parts_in_place_from``; -1: where they take several staging pieces)."""
 
-    def __init__(self, times: dict, on_huge_pages: dict | None = None):
+    def __init__(self, times: dict, on_huge_pages: dict | None = None,
+                 base_pages_in_place=(), parts_in_place_from: int = -1):
         self.times = times  # collective -> algorithm -> [[nbytes, seconds], ...]
         self.on_huge_pages = on_huge_pages or {}
+        self.base_pages_in_place = sorted(base_pages_in_place)
+        self.parts_in_place_from = parts_in_place_from
+
+    def parts(self) -> tuple:
+        return (self.times, self.on_huge_pages, self.base_pages_in_place,
+                self.parts_in_place_from)
 
     @staticmethod
     def rank_0s(world, table: "Table | None") -> "Table | None":
         """Rank 0's ``table`` (None where rank 0 has none), on every rank of ``world``
         (collective), so that no two ranks choose differently."""
-        parts = world.allgather(table and (table.times, table.on_huge_pages))[0]
+        parts = world.allgather(table and table.parts())[0]
         return Table(*parts) if parts else None
 
     def fastest(self, collective: str, nbytes: int | None, names) -> str | None:
@@ -123,7 +138,7 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
         return None  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
         started = time.perf_counter()
-        table = measure(comm, _starting_line(comm, transport))
+        table = measure(comm, _starting_line(comm, transport), transport)
         if comm.rank == 0:
             _save(digest, layout, table, time.perf_counter() - started)
     _tables[digest] = table
@@ -140,15 +155,20 @@ def describe(comm, transport) -> dict:
             "algorithms": {c: comm.algorithms(c) for c in COLLECTIVES}}
 
 
-def measure(comm, start=None) -> Table:
+def measure(comm, start=None, transport=None) -> Table:
     """Time every algorithm of every collective at SIZES on ``comm`` (the largest, or a
-    smaller one where it would take too long: LARGEST_SIZE_SECONDS); collective. The
-    algorithms of a size share their buffers, on 4 KiB pages (where a user's may lie:
-    torch's do; one_copy and direct's all_to_all read in place where they lie on huge
-    pages, and stage on these), ON_HUGE_PAGES_TOO's on huge pages too, and their calls
-    take turns, so that none is timed on memory in another state and a slow spell of the
-    machine hits them all alike. Each timed call follows ``start()`` (default
-    ``comm.barrier``) on every rank."""
+    smaller one where it would take too long: LARGEST_SIZE_SECONDS); collective. First,
+    where ``transport`` (comm's) reads in place, how it should (_how_to_read_in_place),
+    which then holds for the pass. The algorithms of a size share their buffers, on 4 KiB
+    pages (where a user's may lie: torch's do), ON_HUGE_PAGES_TOO's on huge pages too, and
+    a collective's algorithms take turns call by call, so that none is timed on memory in
+    another state and a slow spell of the machine hits those compared alike. Each timed
+    call follows ``start()`` (default ``comm.barrier``) on every rank."""
+    start = start or comm.barrier
+    reading = ((), -1)
+    if transport is not None and transport.base_pages_in_place is not None \
+            and "one_copy" in comm.algorithms("all_gather"):
+        reading = _how_to_read_in_place(comm, transport, start)
     keys, mine = [], []
     n = comm.size
     before = (0, 0.0)  # (bytes, seconds that one of each call took there)
@@ -161,24 +181,94 @@ def measure(comm, start=None) -> Table:
         for a, b in (small, huge):
             a[:], b[:] = 1, 0
         first = len(mine)
-        for on_huge, (a, b) in ((False, small), (True, huge)):  # (each kind its own turns)
-            calls = []
+        for on_huge, (a, b) in ((False, small), (True, huge)):
             for collective in ON_HUGE_PAGES_TOO if on_huge else COLLECTIVES:
+                calls = []  # (a collective's algorithms take turns among themselves)
                 for name in comm.algorithms(collective):
                     refuses = entries(collective)[name].refuses
                     if refuses and refuses(n, nbytes):
                         continue  # (never chosen there: select.choose asks it too)
                     keys.append((on_huge, collective, name, nbytes))
                     calls.append(_call(comm, collective, name, a, b, count))
-            mine.extend(_times(start or comm.barrier, calls, nbytes))
+                mine.extend(_times(start, calls, nbytes))
         before = (nbytes, sum(mine[first:]))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
-    table = Table({}, {})
+    table = Table({}, {}, *reading)
     for (on_huge, collective, name, nbytes), seconds in zip(keys, slowest.tolist()):
         kind = table.on_huge_pages if on_huge else table.times
         kind.setdefault(collective, {}).setdefault(name, []).append([nbytes, seconds])
     return table
+
+
+# The trials that fix how the transport reads in place, before the rest of the pass: each
+# one_copy collective at a size in the caches and one beyond on 4 KiB pages, staged against
+# in place; then direct's all_to_all, staged against in place, at what a rank sends.
+BASE_PAGES_TRIAL = (256 << 10, 2 << 20)
+PARTS_TRIAL = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+NEVER = 1 << 62  # parts_in_place_from where reading in place never pays in the trial
+
+
+def _how_to_read_in_place(comm, transport, start) -> tuple[list, int]:
+    """(base_pages_in_place, parts_in_place_from) as measured here, and set on
+    ``transport`` (collective; alike on every rank: each verdict is the slowest rank's).
+
+    A collective reads buffers on base pages in place where its one_copy calls on them run
+    faster so than staged (the geometric mean of the ratios at BASE_PAGES_TRIAL): the
+    kernel pins every page it reads, which on a 2-core AMD EPYC cost more than staging
+    (4 MiB all_to_all at 2 ranks: 173 us against 113), and on a 2-core Intel Xeon less,
+    except for broadcast and all_gather at 4 ranks (their readers pin the same pages at
+    once). direct's all_to_all then reads a rank's parts in place from the least size (a
+    rank sends it all: its parts are an n-th) from which doing so is faster at every
+    size of the trial, on memory it reads in place (base pages where it does, else huge
+    pages); where it is never faster, never."""
+    collectives = [c for c in COLLECTIVES if "one_copy" in comm.algorithms(c)]
+    times = _slowest_times(comm, start, BASE_PAGES_TRIAL, _small_pages, lambda count, a, b: [
+        _with(transport, "base_pages_in_place", [c] if on else [],
+              _call(comm, c, "one_copy", a, b, count))
+        for c in collectives for on in (False, True)])
+    gain = np.sum(np.log(times[:, 1::2] / times[:, 0::2]), axis=0)  # < 0: in place wins
+    base = transport.base_pages_in_place = [c for c, g in zip(collectives, gain) if g < 0]
+    times = _slowest_times(comm, start, PARTS_TRIAL,
+                           _small_pages if "all_to_all" in base else _huge_pages,
+                           lambda count, a, b: [
+        _with(transport, "parts_in_place_from", bytes_from,
+              _call(comm, "all_to_all", "direct", a, b, count)) for bytes_from in (NEVER, 0)])
+    first = wins_from(times[:, 1] < times[:, 0])
+    parts = NEVER if first == len(PARTS_TRIAL) else PARTS_TRIAL[first] // comm.size
+    transport.parts_in_place_from = parts
+    return base, parts
+
+
+def wins_from(faster) -> int:
+    """The least index from which every one of ``faster`` is true (len(faster): none)."""
+    first = len(faster)
+    while first > 0 and faster[first - 1]:
+        first -= 1
+    return first
+
+
+def _slowest_times(comm, start, sizes, memory, calls_at) -> np.ndarray:
+    """The slowest rank's seconds of each of ``calls_at(count, a, b)`` at each of
+    ``sizes`` (a row each), its buffers ``a`` and ``b`` on ``memory`` (_small_pages or
+    _huge_pages), the calls taking turns."""
+    n, mine = comm.size, []
+    for nbytes in sizes:
+        count = max(n, nbytes // 4 // n * n)
+        a, b = memory(count * n), memory(count * n)
+        a[:], b[:] = 1, 0
+        mine.extend(_times(start, calls_at(count, a, b), nbytes))
+    slowest = np.array(mine)
+    comm.all_reduce(slowest, op="max")
+    return slowest.reshape(len(sizes), -1)
+
+
+def _with(transport, setting: str, value, call):
+    """``call`` with the transport's ``setting`` at ``value``."""
+    def run():
+        setattr(transport, setting, value)
+        call()
+    return run
 
 
 def _small_pages(count: int) -> np.ndarray:
@@ -278,7 +368,8 @@ def _load(digest: str, layout: dict) -> Table | None:
         data = json.loads(path.read_text())
         if data.get("layout") != layout:
             raise ValueError("it was measured for another machine or layout")
-        return Table(data["times"], data["on_huge_pages"])
+        return Table(data["times"], data["on_huge_pages"], data["base_pages_in_place"],
+                     data["parts_in_place_from"])
     except (ValueError, KeyError, TypeError) as e:
         warnings.warn(f"commlib: ignoring the algorithm table {path} ({e}); measuring "
                       "again", stacklevel=2)
@@ -291,6 +382,8 @@ def _save(digest: str, layout: dict, table: Table, seconds: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"layout": layout, "measured_in_seconds": round(seconds, 3),
+                                   "base_pages_in_place": table.base_pages_in_place,
+                                   "parts_in_place_from": table.parts_in_place_from,
                                    "times": table.times,
                                    "on_huge_pages": table.on_huge_pages}, indent=1) + "\n")
         tmp.replace(path)

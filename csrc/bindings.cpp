@@ -202,6 +202,14 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes_sent", &ShmComm::bytes_sent)
       .def_property_readonly("calls_read_in_place", &ShmComm::calls_read_in_place,
                              "calls that read the peers' buffers where they lie")
+      .def_property("base_pages_in_place", &ShmComm::base_pages_in_place,
+                    &ShmComm::set_base_pages_in_place,
+                    "the collectives (bits by code) whose buffers on base (4 KiB) pages are "
+                    "read in place too (else staged)")
+      .def_property("parts_in_place_from", &ShmComm::parts_in_place_from,
+                    &ShmComm::set_parts_in_place_from,
+                    "bytes of a rank's largest part from which direct's all_to_all reads its "
+                    "parts in place (-1: where they take several staging pieces)")
       .def_property_readonly("staging_bytes",
                              [](const ShmComm& c) { return c.config().staging_bytes; })
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,

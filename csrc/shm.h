@@ -159,6 +159,17 @@ class ShmComm : public FastTransport {
   std::string probe_one_copy();
   // calls so far that read peers' buffers where they lie (one_copy's, all_to_all's rest)
   uint64_t calls_read_in_place() const { return calls_read_in_place_; }
+  // The collectives (a bit per Collective code) whose buffers on base (4 KiB) pages are
+  // read in place too. None by default: where pinning base pages costs more than staging
+  // their bytes (2-core AMD EPYC, 4 MiB all_to_all: 173 us against 113), they are
+  // staged; the tuning pass measures which wins on this machine (commlib/tuning.py).
+  uint32_t base_pages_in_place() const { return base_pages_in_place_; }
+  void set_base_pages_in_place(uint32_t collectives) { base_pages_in_place_ = collectives; }
+  // The bytes of a rank's largest all_to_all part from which direct's all_to_all reads
+  // its parts in place (where they are cheap to read) rather than staging them; -1, the
+  // default: where they take several staging pieces. The tuning pass measures it.
+  int64_t parts_in_place_from() const { return parts_in_place_from_; }
+  void set_parts_in_place_from(int64_t bytes) { parts_in_place_from_ = bytes; }
   // Region `index` of rank `owner`: at `owner_base` in the owner's address space, mapped
   // here at `local` (the owner's own: the same address). Removed by the owner before it
   // frees the memory, and by the others then.
@@ -296,10 +307,10 @@ class ShmComm : public FastTransport {
   // Publishes this call's buffers (after begin), and whether peers may read them where
   // they lie (say_in_place); every_rank_in_place() reads that back after a meet.
   // cheap_to_read: whether this rank's exposed `which`, of `bytes`, is (in a region, or
-  // mostly on huge pages).
+  // mostly on huge pages, or anywhere where `collective` reads base pages in place).
   void expose(uintptr_t in, uintptr_t out);
   void say_in_place(bool cheap);
-  bool cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const;
+  bool cheap_to_read(int64_t collective, uint64_t Exposed::*which, int64_t bytes) const;
   bool in_place_at(int rank) const;
   bool every_rank_in_place() const;
   void meet();  // a barrier inside a call: every peer arrived, signatures checked
@@ -316,6 +327,8 @@ class ShmComm : public FastTransport {
   int64_t part_offset(int owner) const;
   void read_part_in_place(int owner, char* dst, int64_t nbytes);
   bool one_copy_ok_ = false;
+  std::atomic<uint32_t> base_pages_in_place_{0};  // (these two: set between calls)
+  std::atomic<int64_t> parts_in_place_from_{-1};
   uint64_t calls_read_in_place_ = 0;
   struct Region {
     int64_t index;

@@ -11,7 +11,9 @@
 //                   wants from the peers' stagings. (all_gather, broadcast)
 //   all_to_all      rank r stages piece k of its part for peer j in slot j of its
 //                   staging; after the barrier rank j copies it out. A rank whose parts
-//                   take several pieces and whose input lies mostly on huge pages stages
+//                   take several pieces (or are as large as the tuning pass measured
+//                   reading in place to pay from: parts_in_place_from) and whose input
+//                   lies mostly on huge pages (or anywhere: base_pages_in_place) stages
 //                   nothing and says so at the first barrier: its peers read its parts
 //                   where they lie with process_vm_readv instead, one copy instead of two,
 //                   as one_copy reads (shm_one_copy.cpp; the kernel pins each page it
@@ -274,7 +276,8 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
   char* output = reinterpret_cast<char*>(out);
   const int64_t per_peer = config_.staging_bytes / 2 / size_ / kLine * kLine;
   // Whether this rank's parts are read where they lie instead of staged: parts of several
-  // pieces, in order (where the peers find them), on memory cheap to read.
+  // pieces (or as large as parts_in_place_from), in order (where the peers find them), on
+  // memory cheap to read.
   int64_t sent = 0, longest_sent = 0;
   bool in_order = true;
   for (int j = 0; j < size_; ++j) {
@@ -282,8 +285,9 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
     sent += send_lengths[j], longest_sent = std::max(longest_sent, send_lengths[j]);
   }
   expose(in, out);  // (before cheap_to_read, which looks at the exposed input)
-  const bool unstaged = longest_sent > per_peer && one_copy_ok_ && in_order &&
-                        cheap_to_read(&Exposed::in, sent);
+  const int64_t measured = parts_in_place_from_, from = measured >= 0 ? measured : per_peer + 1;
+  const bool unstaged = longest_sent >= from && one_copy_ok_ && in_order &&
+                        cheap_to_read(ALL_TO_ALL, &Exposed::in, sent);
   say_in_place(unstaged);
   int64_t received = 0;
   for (int64_t n : recv_lengths) received += n;

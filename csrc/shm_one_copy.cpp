@@ -22,8 +22,11 @@
 //
 //   in place        whether a rank's buffer that peers read is cheap to read where it
 //                   lies: in a region, or at most a quarter of its bytes on base pages
-//                   (the kernel pins every page it reads, and pinning 4 KiB pages costs
-//                   more than staging their bytes). Each rank says so for its own buffer
+//                   (the kernel pins every page it reads, and on some machines pinning
+//                   4 KiB pages costs more than staging their bytes; on others it does
+//                   not, and where the tuning pass measured that for a collective, its
+//                   buffers are read in place wherever they lie: base_pages_in_place).
+//                   Each rank says so for its own buffer
 //                   in the first meeting; where any says no, every rank sees it alike and
 //                   the call runs as direct's instead (a meeting dearer than direct).
 //
@@ -173,10 +176,11 @@ void ShmComm::say_in_place(bool cheap) {
   peers_[rank_].exposed->in_place[call_ % 2] = 2 * call_ + cheap;
 }
 
-bool ShmComm::cheap_to_read(uint64_t Exposed::*which, int64_t bytes) const {
+bool ShmComm::cheap_to_read(int64_t collective, uint64_t Exposed::*which,
+                            int64_t bytes) const {
   const Exposed* mine = peers_[rank_].exposed;
   return (which == &Exposed::in ? mine->in_region : mine->out_region) >= 0 || bytes <= 0 ||
-         mostly_huge(mine->*which, bytes);
+         (base_pages_in_place_ >> collective & 1) || mostly_huge(mine->*which, bytes);
 }
 
 bool ShmComm::in_place_at(int rank) const {
@@ -283,7 +287,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(ALL_REDUCE, count, dtype, op, kNone));
       if (size_ == 1 || count == 0) return true;
       expose(out, out);
-      say_in_place(cheap_to_read(&Exposed::out, nbytes));
+      say_in_place(cheap_to_read(ALL_REDUCE, &Exposed::out, nbytes));
       meet();
       if (!every_rank_in_place()) return false;
       {
@@ -307,7 +311,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       }
       if (count == 0) return true;
       expose(in, out);
-      say_in_place(cheap_to_read(&Exposed::in, nbytes * size_));
+      say_in_place(cheap_to_read(REDUCE_SCATTER, &Exposed::in, nbytes * size_));
       meet();
       if (!every_rank_in_place()) return false;
       reduce_from_peers(output, input + rank_ * nbytes, rank_ * count, count, dtype, op,
@@ -316,7 +320,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
     case ALL_GATHER:
       begin(descriptor(ALL_GATHER, count, dtype, kNone, kNone));
       expose(in, out);
-      say_in_place(cheap_to_read(&Exposed::in, nbytes));
+      say_in_place(cheap_to_read(ALL_GATHER, &Exposed::in, nbytes));
       meet();
       if (!every_rank_in_place()) return false;
       if (output + rank_ * nbytes != input) copy(output + rank_ * nbytes, input, nbytes);
@@ -328,7 +332,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(BROADCAST, count, dtype, kNone, root));
       if (size_ == 1) return true;
       expose(out, out);
-      say_in_place(cheap_to_read(&Exposed::out, rank_ == root ? nbytes : 0));  // the root's
+      say_in_place(cheap_to_read(BROADCAST, &Exposed::out, rank_ == root ? nbytes : 0));  // the root's
       meet();
       if (!every_rank_in_place()) return false;
       if (rank_ != root) read_peer(int(root), output, &Exposed::out, 0, nbytes);
@@ -341,7 +345,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       int64_t sent = 0;
       for (int64_t b : send) sent += b;
       expose(in, out);
-      say_in_place(cheap_to_read(&Exposed::in, sent));
+      say_in_place(cheap_to_read(ALL_TO_ALL, &Exposed::in, sent));
       meet();
       check_splits(isz);
       if (!every_rank_in_place()) return false;

@@ -119,3 +119,13 @@ def test_the_largest_size_measured_fits_its_time():
     assert fits(OneRank(), 16 << 20, 2 << 20, 0.01) == 16 << 20  # 0.32 s foreseen
     assert fits(OneRank(), 16 << 20, 2 << 20, 0.1) == 8 << 20  # 3.2 s at 16, 1.6 s at 8
     assert fits(OneRank(), 16 << 20, 2 << 20, 1.0) == 4 << 20  # never below twice 2 MiB
+
+
+def test_parts_read_in_place_from_where_that_wins_at_every_larger_size():
+    """direct's all_to_all reads parts in place from the least trial size from which doing
+    so won at that size and every larger one (a win amid losses is noise, not a size)."""
+    from commlib.tuning import wins_from
+    assert wins_from([False, True, False, True, True]) == 3
+    assert wins_from([True, True, True]) == 0
+    assert wins_from([True, True, False]) == 3  # never
+    assert wins_from([]) == 0

@@ -25,6 +25,12 @@ class Transport:
 
     name: str
     offers: frozenset
+    # where algorithms read the peers' memory in place (shm), how (tuning.py measures it):
+    # the collectives whose buffers on base pages are read in place too, else staged, and
+    # the bytes of a part from which direct's all_to_all reads parts in place; None where
+    # none do
+    base_pages_in_place = None
+    parts_in_place_from = None
 
     def __init__(self, world):
         self.world = world

@@ -71,6 +71,36 @@ class ShmTransport(Transport):
     def set_timeout(self, seconds: float) -> None:
         self.timeout = self.shm.timeout = seconds
 
+    @property
+    def base_pages_in_place(self) -> frozenset:
+        """The collectives whose one_copy (and direct's all_to_all) read buffers on base
+        pages in place too, else stage them (csrc/shm_one_copy.cpp): as this layout's
+        table measured."""
+        mask = self.shm.base_pages_in_place
+        return frozenset(c for c, code in _C.COLLECTIVES.items() if mask >> code & 1)
+
+    @base_pages_in_place.setter
+    def base_pages_in_place(self, collectives) -> None:
+        if self.shm is not None:  # (None: closed)
+            self.shm.base_pages_in_place = sum(1 << _C.COLLECTIVES[c] for c in set(collectives))
+
+    @property
+    def parts_in_place_from(self) -> int:
+        """The bytes of a rank's largest part from which direct's all_to_all reads its
+        parts in place, where cheap to read (-1: where they take several staging pieces):
+        as this layout's table measured."""
+        return self.shm.parts_in_place_from
+
+    @parts_in_place_from.setter
+    def parts_in_place_from(self, nbytes) -> None:
+        if self.shm is not None:
+            self.shm.parts_in_place_from = int(nbytes)
+
+    def use_table(self, table) -> None:
+        super().use_table(table)
+        self.base_pages_in_place = () if table is None else table.base_pages_in_place
+        self.parts_in_place_from = -1 if table is None else table.parts_in_place_from
+
     def direct(self, call) -> None:
         """The call's direct collective (csrc/shm_direct.cpp)."""
         self.shm.direct(*_arguments(call))

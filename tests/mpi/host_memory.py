@@ -65,16 +65,17 @@ def on_huge_pages(array: np.ndarray) -> bool:
     return False
 
 
-def read_in_place() -> int:
-    """Calls so far that read the peers' buffers where they lie (white-box)."""
-    return comm._transport.shm.calls_read_in_place if SHARED else 0
+def read_in_place(on=comm) -> int:
+    """Calls so far that read the peers' buffers where they lie, on communicator ``on``
+    (white-box)."""
+    return on._transport.shm.calls_read_in_place if SHARED else 0
 
 
-def in_place(call) -> int:
-    """Whether ``call`` read the peers' buffers where they lie."""
-    before = read_in_place()
+def in_place(call, on=comm) -> int:
+    """Whether ``call`` (on communicator ``on``) read the peers' buffers where they lie."""
+    before = read_in_place(on)
     call()
-    return read_in_place() - before
+    return read_in_place(on) - before
 
 
 def arrays_of_every_kind():
@@ -183,6 +184,47 @@ def each_call_is_judged_by_its_own_buffer():
         assert in_place(lambda: comm.all_to_all(out, inputs[kind], algorithm="direct")) \
             == (huge and kind == 0), (kind, huge)
         assert_equal(out, want)
+
+
+def a_table_decides_how_to_read_in_place():
+    """Where the algorithm table measured that reading 4 KiB pages in place beats staging
+    them for a collective (tuning.Table.base_pages_in_place), one_copy and direct's
+    all_to_all read them in place for that collective alone; direct's all_to_all reads
+    parts in place from the size the table says (parts_in_place_from); no table: as
+    before."""
+    if "one_copy" not in ALGORITHMS or n == 1:
+        return
+    from commlib import tuning
+    count = 3 << 16  # (several pieces: direct's all_to_all would read in place on huge pages)
+    mine, out = (private(count * n, np.float32, huge=False) for _ in range(2))
+    assert not comm.mpi.allreduce(on_huge_pages(mine), op=MPI.LOR)
+    gathered = np.repeat(np.arange(n, dtype=np.float32), count)
+    fresh = comm.dup()
+    for reads in (["all_gather", "all_to_all"], ["all_reduce"], []):
+        fresh.algorithm_table = tuning.Table({}, {}, reads)
+        mine[:] = rank + 1
+        assert in_place(lambda: fresh.all_reduce(mine, algorithm="one_copy"), fresh) \
+            == ("all_reduce" in reads)
+        assert_equal(mine, np.full(count * n, n * (n + 1) / 2, np.float32))
+        mine[:] = rank
+        assert in_place(lambda: fresh.all_gather(out, mine[:count], algorithm="one_copy"),
+                        fresh) == ("all_gather" in reads)
+        assert_equal(out, gathered)
+        out[:] = -1
+        assert in_place(lambda: fresh.all_to_all(out, mine, algorithm="direct"), fresh) \
+            == ("all_to_all" in reads)
+        assert_equal(out, gathered)
+    small = 768 * n  # parts of 3 KiB: staged unless the table says otherwise
+    for parts_from in (-1, 3 << 10, 4 << 10, 0):
+        fresh.algorithm_table = tuning.Table({}, {}, ["all_to_all"], parts_from)
+        out[:] = -1
+        assert in_place(lambda: fresh.all_to_all(out[:small], mine[:small],
+                                                 algorithm="direct"), fresh) \
+            == (0 <= parts_from <= 3 << 10), parts_from
+        assert_equal(out[:small], np.repeat(np.arange(n, dtype=np.float32), small // n))
+    fresh.algorithm_table = None
+    assert not in_place(lambda: fresh.broadcast(mine, algorithm="one_copy"), fresh)
+    fresh.free()
 
 
 def in_place_forms():

@@ -53,11 +53,22 @@ def measured_and_cached():
         assert set(table.times[collective]) == set(world.algorithms(collective)), collective
     for collective in tuning.ON_HUGE_PAGES_TOO:
         assert set(table.on_huge_pages[collective]) == set(world.algorithms(collective))
+    # how to read in place, measured where algorithms do, and in force
+    reads = world._transport
+    if "one_copy" in world.algorithms("all_gather"):
+        assert set(table.base_pages_in_place) <= set(COLLECTIVES)
+        assert reads.base_pages_in_place == set(table.base_pages_in_place)
+        assert table.parts_in_place_from >= 0
+        assert reads.parts_in_place_from == table.parts_in_place_from
+    else:
+        assert (table.base_pages_in_place, table.parts_in_place_from) == ([], -1)
     files = sorted(tables.glob("*.json"))
     if rank == 0:
         assert len(files) == 1, files
         data = json.loads(files[0].read_text())
         assert data["layout"]["version"] == tuning.VERSION and data["layout"]["ranks"] == n
+        assert (data["base_pages_in_place"], data["parts_in_place_from"]) == \
+            (table.base_pages_in_place, table.parts_in_place_from)
     else:
         assert not files, "only rank 0 writes the table"
 
