@@ -13,6 +13,7 @@ import weakref
 from . import _C
 from .call import CODES, NAMES, NONE, ROOTED, ReduceOp
 from .dtypes import BY_CODE
+from .work import keep_for_good
 
 # what a reducing collective's op may be given as (as ReduceOp.parse takes it)
 _OP_CODES = {**{o.value: _C.OPS[o.value] for o in ReduceOp},
@@ -60,9 +61,10 @@ class FastPath:
         algorithm = 0 if requested is None else self.algorithms.setdefault(
             requested, len(self.algorithms) + 1)
         steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if kind == "plan" else ([], 0)
-        # eager sends its descriptor; rooted plans agree first (transports/shm.py): dtype
-        # and op are filled in per call
-        needs_descriptor = kind == "eager" or (kind == "plan" and call.collective in ROOTED)
+        # eager sends its descriptor, native agrees on it first, and so do rooted plans
+        # (transports/shm.py): dtype and op are filled in per call
+        needs_descriptor = kind in ("eager", "native") or (
+            kind == "plan" and call.collective in ROOTED)
         self.native.learn(CODES[call.collective], algorithm, call.count, call.dtype.itemsize,
                           NONE if call.root is None else call.root, kind, steps, tmp,
                           len(self.entries), call.descriptor(algo.name) if needs_descriptor
@@ -85,8 +87,12 @@ class FastPath:
 
 
 def _failed(calls, collective: int, op: int, root: int, issued: float, kind: str,
-            message: str) -> Exception:
-    """A fast-path call failed: record it as the general path would; the error to raise."""
+            message: str, arrays: tuple) -> Exception:
+    """A fast-path call failed: record it as the general path would; the error to raise.
+    After a timeout its ``arrays`` are kept for good, as MPI (native entries) may still
+    hold them."""
+    if kind == "CommTimeoutError":
+        keep_for_good(arrays)
     record = calls.recorder.issue(NAMES[collective], None, None, None, _OP_NAMES.get(op),
                                   None if root == NONE else root)
     record[8] = issued

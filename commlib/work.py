@@ -129,6 +129,12 @@ def wait_request(request: MPI.Request, deadline: Deadline, waiting_for: str,
         os.sched_yield()  # lets the GIL go (time.sleep(0) would nap for ~0.4 ms)
 
 
+def keep_for_good(buffers) -> None:
+    """Keep ``buffers`` alive for good: a request the C++ fast path left to MPI after a
+    timeout may still write them."""
+    _abandoned.append((None, buffers))
+
+
 def _abandon(request: MPI.Request, keep, cancel: bool = True) -> None:
     """Leave ``request`` to MPI with ``keep`` (its buffers) alive; a receive nobody matched
     is cancelled first (not a send: cancelling one, deprecated since MPI 4.1, crashed

@@ -12,7 +12,8 @@
 //           what the general path would.
 //   decline anything this path does not take (not numpy, not contiguous, a call that
 //           breaks call.h's rules, an op or algorithm it does not know, uneven
-//           all_to_all parts, another timeout, an unknown call, a hold) returns False and
+//           all_to_all parts, another timeout, an unknown call, a call the entry's
+//           transport does not take (FastTransport::takes), a hold) returns False and
 //           the general path takes the call, raising its usual errors. Ranks may take
 //           different paths for one collective: both run the same entry, which agrees
 //           with itself on the wire.
@@ -21,8 +22,9 @@
 //   record  the flight recorder's row for a call run here, kept in a ring as big as the
 //           recorder (commlib/recorder.py); calls are numbered by one counter for both paths.
 //   failure a call that fails here (timeout, disagreement, a dead peer) is handed to
-//           Python's `on_failure(collective, op, root, issued, kind, message)`, which
-//           records it as the general path would and returns the exception to raise.
+//           Python's `on_failure(collective, op, root, issued, kind, message, arrays)`,
+//           which records it as the general path would (keeping the arrays after a
+//           timeout, as MPI may still hold them) and returns the exception to raise.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -88,14 +90,15 @@ class FastPath {
         ring_(records) {}
 
   // What the general path runs for this call: an entry of `kind` ("plan", "direct",
-  // "one_copy" or "eager": fast_path.h), with `plan` and its scratch bytes for a plan and
+  // "one_copy", "eager" or "native": fast_path.h), with `plan` and its scratch bytes for a plan and
   // the call's `descriptor` where the entry needs it. `id` names the entry to the caller.
   void learn(int collective, int algorithm, int64_t count, int64_t itemsize, int64_t root,
              const std::string& kind, std::vector<int64_t> plan, int64_t tmp_bytes, int id,
              std::vector<int64_t> descriptor) {
     static const std::map<std::string, EntryKind> kinds = {
         {"plan", EntryKind::PLAN}, {"direct", EntryKind::DIRECT},
-        {"one_copy", EntryKind::ONE_COPY}, {"eager", EntryKind::EAGER}};
+        {"one_copy", EntryKind::ONE_COPY}, {"eager", EntryKind::EAGER},
+        {"native", EntryKind::NATIVE}};
     auto found = kinds.find(kind);
     if (found == kinds.end()) throw std::invalid_argument("no fast-path entry of kind " + kind);
     if (entries_.size() >= kMaxEntries) return;  // the general path runs the rest
@@ -164,13 +167,14 @@ class FastPath {
       last_key_ = key, last_ = found->second.get();  // entries are never removed
     }
     const FastEntry* entry = last_;
+    const FastCall fast{collective, out, in, checked.primary, reduces ? int(op) : SUM, root, op};
+    if (!comm_.takes(*entry, fast)) return false;
     const double issued = now();
     const char* failed = nullptr;  // the kind of error, named as in commlib/errors.py
     std::string why;
     try {
       py::gil_scoped_release nogil;
-      comm_.run(*entry, {collective, out, in, checked.primary, reduces ? int(op) : SUM, root,
-                         op});
+      comm_.run(*entry, fast);
       if (checked.scale != 0)
         scale(reinterpret_cast<void*>(out.ptr), out.count, out.dtype, checked.scale);
     } catch (const TimeoutError& e) {
@@ -180,8 +184,9 @@ class FastPath {
     } catch (const PeerError& e) {
       failed = "CommError", why = e.what();
     }
-    if (failed) {
-      py::object error = on_failure_(collective, op, root, issued, failed, why);
+    if (failed) {  // (`a` and `b` kept: MPI may still hold them after a timeout)
+      py::object error = on_failure_(collective, op, root, issued, failed, why,
+                                     py::make_tuple(a, b));
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
       throw py::error_already_set();
     }

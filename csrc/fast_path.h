@@ -5,6 +5,7 @@
 //   DIRECT    the direct collective (shm_direct.cpp)          ShmComm
 //   ONE_COPY  the one-copy collective (shm_one_copy.cpp)      ShmComm
 //   EAGER     the data ride in the agreement's rows           mpi_exchange.cpp's MpiExchange
+//   NATIVE    MPI's own collective, after the agreement       MpiExchange (mpi_native.h)
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,7 @@
 
 namespace commlib {
 
-enum class EntryKind { PLAN, DIRECT, ONE_COPY, EAGER };
+enum class EntryKind { PLAN, DIRECT, ONE_COPY, EAGER, NATIVE };
 
 struct FastEntry {
   EntryKind kind;
@@ -42,6 +43,8 @@ class FastTransport {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual double timeout() const = 0;  // seconds (0: none); the fast path runs only its own
+  // Whether `call` can run as `entry` says (else the general path takes it).
+  virtual bool takes(const FastEntry&, const FastCall&) const { return true; }
   // Runs `call` as `entry` says; throws TimeoutError, MismatchError or PeerError.
   virtual void run(const FastEntry& entry, const FastCall& call) = 0;
 };

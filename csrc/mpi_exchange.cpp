@@ -17,7 +17,8 @@
 //            handles kept as bytes, so an int (MPICH) and a pointer (Open MPI) both work.
 //   eager    small collectives whose data ride in the rows (commlib/algorithms/eager.py):
 //            every rank reduces the rows in rank order, so results are bitwise equal
-//            everywhere. The fast path's EAGER entries run here (fast_path.h).
+//            everywhere. The fast path's EAGER entries run here (fast_path.h), and its
+//            NATIVE ones: the exchange, then MPI's own collective (mpi_native.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -28,12 +29,14 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "agreement.h"
 #include "fast_path.h"
 #include "kernels.h"
+#include "mpi_native.h"
 
 namespace py = pybind11;
 
@@ -145,9 +148,28 @@ class MpiExchange : public FastTransport {
     }
   }
 
+  // MPI's own collectives for NATIVE entries (mpi_native.h), from now on.
+  void use_native(std::unique_ptr<MpiNative> native) { native_ = std::move(native); }
+
+  bool takes(const FastEntry& entry, const FastCall& call) const override {
+    return entry.kind == EntryKind::EAGER ||
+           (entry.kind == EntryKind::NATIVE && native_ && native_->takes(call, size()));
+  }
+
   void run(const FastEntry& entry, const FastCall& call) override {
-    if (entry.kind != EntryKind::EAGER) throw std::logic_error("MPI runs only eager entries");
-    eager(entry.descriptor, call);
+    if (entry.kind == EntryKind::EAGER) return eager(entry.descriptor, call);
+    if (entry.kind != EntryKind::NATIVE || !native_)
+      throw std::logic_error("MPI runs only eager and native entries");
+    // agreed on first, as the general path agrees (equal all_to_all parts, in bytes)
+    int64_t* mine = row(rank_);
+    std::copy(entry.descriptor.begin(), entry.descriptor.end(), mine);
+    mine[DTYPE] = call.out.dtype, mine[OP] = call.op_given;
+    const int64_t width = itemsize(call.out.dtype);
+    const bool splits = call.collective == ALL_TO_ALL;
+    if (splits) std::fill(mine + kDescFields, mine + kDescFields + 2 * size(),
+                          call.in.count / size() * width);
+    exchange(header_, width, splits, 0);
+    sent_ += native_->run(call, rank_, size(), timeout_);
   }
   int rank() const override { return rank_; }
   int size() const override { return int(peers_.size()) + 1; }
@@ -260,6 +282,7 @@ class MpiExchange : public FastTransport {
   MpiEntryPoints mpi_;
   std::vector<uint8_t> receives_;
   py::function make_sends_;
+  std::unique_ptr<MpiNative> native_;  // (none until use_native)
   py::list sends_;  // every send made, as mpi4py's requests (Agreement.free frees them)
   std::map<int64_t, std::vector<uint8_t>> requests_;  // words -> receives, then those sends
   double timeout_ = 0;
@@ -295,6 +318,17 @@ void bind_mpi_exchange(py::module_& m) {
           py::arg("in_count"), py::arg("op"),
           "An eager collective as the descriptor says (its dtype, root); `op` the reduction's "
           "code (SUM where none).")
+      .def(
+          "use_native",
+          [](MpiExchange& x, py::dict entry_points, int status_bytes, uintptr_t comm,
+             std::map<int, uintptr_t> dtypes, std::map<int, uintptr_t> ops,
+             std::vector<int> reducible, uintptr_t in_place, int handle_bytes) {
+            x.use_native(std::make_unique<MpiNative>(entry_points, handle_bytes, status_bytes,
+                                                     comm, dtypes, ops, reducible, in_place));
+          },
+          py::arg("entry_points"), py::arg("status_bytes"), py::arg("comm"), py::arg("dtypes"),
+          py::arg("ops"), py::arg("reducible"), py::arg("in_place"), py::arg("handle_bytes"),
+          "Run the fast path's native entries: MPI's own collectives on `comm` (mpi_native.h).")
       .def_property_readonly("sends", &MpiExchange::sends)
       .def_property("timeout", &MpiExchange::timeout, &MpiExchange::set_timeout)
       .def_property_readonly("bytes_sent", &MpiExchange::bytes_sent);

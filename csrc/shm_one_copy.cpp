@@ -26,9 +26,9 @@
 //                   4 KiB pages costs more than staging their bytes; on others it does
 //                   not, and where the tuning pass measured that for a collective, its
 //                   buffers are read in place wherever they lie: base_pages_in_place).
-//                   Each rank says so for its own buffer
-//                   in the first meeting; where any says no, every rank sees it alike and
-//                   the call runs as direct's instead (a meeting dearer than direct).
+//                   Each rank says so for its own buffer in the first meeting; where any
+//                   says no, every rank sees it alike and the call runs as direct's
+//                   instead (a meeting dearer than direct).
 //
 // Nothing is staged, so there are no pieces: one read per peer and block. probe_one_copy
 // reads a nonce from every peer at set-up; where the host forbids the system call (a

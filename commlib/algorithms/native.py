@@ -3,7 +3,9 @@
 MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats (and commlib's
 user-defined ops) reduce through an MPI op (MPI.Op.Create) that calls commlib's own
 kernels. Each runs as MPI's non-blocking collective, waited for with the transport's
-timeout (a blocking one cannot time out), on the world's ``coll`` communicator. With a
+timeout (a blocking one cannot time out), on the world's ``coll`` communicator. The fast
+path makes the same calls from C++ (csrc/mpi_native.cpp), for MPI's own datatypes and
+ops. With a
 CUDA-aware MPI the same calls run on GPU arrays themselves (the "device" entries), except
 where the host must touch the data.
 """
@@ -31,6 +33,16 @@ def _kernel_op(dtype_code: int, op_code: int) -> MPI.Op:
         _C.reduce_into(dst.ctypes.data, src.ctypes.data, dst.size // itemsize, dtype_code,
                        op_code)
     return MPI.Op.Create(apply, commute=True)
+
+
+def c_tables() -> tuple[dict, dict, list]:
+    """What csrc/mpi_native.cpp needs to make these calls itself (the fast path's): MPI's
+    datatype per dtype code and op per op code, as handles, and the dtypes MPI reduces
+    itself (not 16-bit floats)."""
+    dtypes = {d.code: MPI._handleof(getattr(MPI, d.mpi)) for d in BY_CODE
+              if getattr(MPI, d.mpi, MPI.DATATYPE_NULL) != MPI.DATATYPE_NULL}
+    ops = {_C.OPS[name]: MPI._handleof(op) for name, op in _MPI_OPS.items()}
+    return dtypes, ops, [d.code for d in BY_CODE if not (d.itemsize == 2 and d.floating)]
 
 
 def _spec(buf):

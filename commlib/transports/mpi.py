@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
+from ..algorithms import native
 from ..call import NONE, descriptor
 from ..errors import CommError, CommTimeoutError
 from ..schedule import RecvReduce, Schedule
@@ -124,6 +125,13 @@ class Agreement:
             _mpi_entry_points(), MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status), self.inbox,
             self.header, me, self.peer_ranks, [MPI._handleof(r) for r in self.receives],
             partial(_persistent_sends, mpi_comm, self.inbox[me], self.peer_ranks))
+        # the fast path's native entries: MPI's own collectives on this communicator, where
+        # every handle MPI takes by value is as wide as a request (MPICH's and Open MPI's)
+        if {MPI._sizeof(t) for t in (MPI.Datatype, MPI.Op, MPI.Comm)} == {
+                MPI._sizeof(MPI.Request)}:
+            self.native.use_native(_mpi_entry_points(), MPI._sizeof(MPI.Status),
+                                   MPI._handleof(mpi_comm), *native.c_tables(),
+                                   int(MPI.IN_PLACE) % (1 << 64), MPI._sizeof(MPI.Request))
 
     def check(self, desc: list, itemsize: int, splits=None) -> None:
         self.native.check(desc, itemsize, [*splits[0], *splits[1]] if splits else [])
@@ -149,17 +157,19 @@ def _mpi_entry_points() -> dict:
     library = ctypes.CDLL(MPI.__file__)
     return {name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
             for name in ("MPI_Startall", "MPI_Testall", "MPI_Test", "MPI_Cancel",
-                         "MPI_Error_string")}
+                         "MPI_Error_string", "MPI_Iallreduce", "MPI_Ireduce",
+                         "MPI_Ireduce_scatter_block", "MPI_Iallgather", "MPI_Ialltoallv",
+                         "MPI_Ibcast")}
 
 
 class MpiTransport(Transport):
     name = "mpi"
     offers = frozenset({"mpi", "schedules", "eager"})
-    fast_kinds = frozenset({"eager"})
-
     def __init__(self, world: MpiWorld):
         super().__init__(world)
         self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
+        # (native entries agree first, as the general path does where calls are checked)
+        self.fast_kinds = frozenset({"eager", "native"} if self.checks_calls else {"eager"})
         self.agreement = Agreement(world.coll)  # (eager's exchange, even unchecked)
         self._arena = np.empty(0, np.uint8)  # a plan's tmp, then its receive scratch
         self._lock = threading.Lock()  # one plan at a time (they share the arena)

@@ -1,7 +1,8 @@
 """The fast path (commlib/fast_path.py): numpy calls after the first of their kind run in
 one C++ call; results, declines, mixed paths across ranks, errors and the flight record.
 On shared memory every algorithm but MPI's own runs there; on the mpi transport
-(COMMLIB_TRANSPORT=mpi), eager does."""
+(COMMLIB_TRANSPORT=mpi), eager does, and MPI's own (but for reductions of 16-bit floats,
+which MPI cannot reduce itself)."""
 import gc
 import os
 import weakref
@@ -20,9 +21,13 @@ fast = comm._calls.fast.native  # (white-box: which path a call took)
 ON_MPI = comm._transport.name == "mpi"
 
 
-def _runs_fast(algorithm: str) -> bool:
-    # (MPI's own, and ordered, made of other collectives, stay on the general path)
-    return algorithm == "eager" if ON_MPI else algorithm not in ("native", "ordered")
+def _runs_fast(record: dict) -> bool:
+    """Whether the call of flight-record row ``record`` runs on the fast path."""
+    algorithm = record["algorithm"]
+    if ON_MPI:  # (MPI reduces 16-bit floats through an op Python made)
+        reduces_halves = record["op"] is not None and record["dtype"] in ("float16", "bfloat16")
+        return algorithm == "eager" or (algorithm == "native" and not reduces_halves)
+    return algorithm not in ("native", "ordered")  # (ordered: made of other collectives)
 
 
 def _twice(call) -> None:
@@ -32,8 +37,8 @@ def _twice(call) -> None:
     call()
     before = fast.taken
     call()
-    algorithm = comm.flight_record()[-1]["algorithm"]
-    assert fast.taken == before + _runs_fast(algorithm), f"{algorithm}: the general path"
+    record = comm.flight_record()[-1]
+    assert fast.taken == before + _runs_fast(record), f"{record}: the general path"
 
 
 def _cases():
@@ -153,6 +158,40 @@ def ranks_may_take_different_paths():
     assert fast.timeout == comm.timeout
     assert fast.taken >= before + 1
     assert_equal(t, want * n ** 2)
+
+
+def mpi_s_own_collectives_meet_across_paths():
+    """MPI's own collectives (native) on a torch tensor on rank 0 (the general path) meet
+    numpy arrays on the other ranks (the fast path, where the transport runs them): both
+    agree first and make the same MPI call, whichever collective it is."""
+    if "native" not in comm.algorithms("all_reduce"):
+        return
+    count, ranks = 1000, np.arange(n)
+    as_given = (lambda a: torch.from_numpy(a)) if rank == 0 and torch is not None else \
+        (lambda a: a)
+    for dt in ("float32", "int64", "float16"):
+        for _ in range(2):
+            t = np.full(count, rank + 1, dt)
+            comm.all_reduce(as_given(t), algorithm="native")
+            assert_equal(t, np.full(count, n * (n + 1) // 2, dt))
+            out = np.zeros(count * n, dt)
+            comm.all_gather(as_given(out), as_given(np.full(count, rank, dt)),
+                            algorithm="native")
+            assert_equal(out, np.repeat(ranks, count).astype(dt))
+            out = np.zeros(count, dt)
+            comm.reduce_scatter(as_given(out), as_given(np.repeat(ranks + rank, count)
+                                                        .astype(dt)), algorithm="native")
+            assert_equal(out, np.full(count, n * rank + n * (n - 1) // 2, dt))
+            out = np.zeros(count * n, dt)
+            comm.all_to_all(as_given(out), as_given(np.full(count * n, rank, dt)),
+                            algorithm="native")
+            assert_equal(out, np.repeat(ranks, count).astype(dt))
+            t = np.full(count, rank, dt)
+            comm.broadcast(as_given(t), root=n - 1, algorithm="native")
+            assert_equal(t, np.full(count, n - 1, dt))
+            t = np.full(count, rank + 1, dt)
+            comm.reduce(as_given(t), root=0, algorithm="native")
+            assert_equal(t, np.full(count, n * (n + 1) // 2 if rank == 0 else rank + 1, dt))
 
 
 def declined_calls_raise_the_general_paths_errors():

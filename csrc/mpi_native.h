@@ -1,0 +1,59 @@
+// MPI's own collectives started from C++, for the fast path's NATIVE entries (fast_path.h):
+// the same calls commlib/algorithms/native.py makes from Python (MPI's non-blocking
+// collective on the world's `coll` communicator, polled until it completes or the
+// communicator's timeout passes), so that a rank on either path meets its peers on the
+// other. After the agreement's exchange (mpi_exchange.cpp), a call across hosts then costs
+// MPI's collective and the exchange's round trip, without a Python frame.
+//
+// Vocabulary:
+//   handles  MPI datatypes, ops, the communicator and requests as mpi4py made them
+//            (MPI._handleof): an int (MPICH) or a pointer (Open MPI), `handle_bytes` each.
+//            MPI's functions take the first three by value, so they are called through
+//            one of two sets of signatures (Calls<H>), chosen by that size.
+//   takes    whether a call can run here: its dtype has an MPI datatype, and a reduction
+//            an MPI op (16-bit floats and user-defined ops reduce through an op Python
+//            made: they stay on the general path).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "fast_path.h"
+
+namespace commlib {
+
+class MpiNative {
+ public:
+  // `entry_points`: name -> address of MPI_Iallreduce, MPI_Ireduce, MPI_Ireduce_scatter_block,
+  // MPI_Iallgather, MPI_Ialltoallv, MPI_Ibcast, MPI_Test; `dtypes`: commlib dtype code ->
+  // MPI datatype; `ops`: op code -> MPI op, for the dtypes in `reducible`; `in_place`: the
+  // value of MPI_IN_PLACE.
+  MpiNative(pybind11::dict entry_points, int handle_bytes, int status_bytes, uintptr_t comm,
+            std::map<int, uintptr_t> dtypes, std::map<int, uintptr_t> ops,
+            std::vector<int> reducible, uintptr_t in_place);
+
+  bool takes(const FastCall& c, int size) const;
+  // Runs `c` among `size` ranks (this one `rank`); returns the bytes it counts as sent
+  // (the least any algorithm sends, as native.py counts). Throws TimeoutError past
+  // `timeout` seconds (0: none), leaving the request to MPI (the caller keeps the buffers).
+  uint64_t run(const FastCall& c, int rank, int size, double timeout);
+
+ private:
+  template <class H>
+  void start(const FastCall& c, int rank, int size, void* result, void* request) const;
+  void wait(void* request, double timeout) const;
+
+  // MPI's entry points, by address (cast to Calls<H>'s signatures where called)
+  uintptr_t iallreduce_, ireduce_, ireduce_scatter_block_, iallgather_, ialltoallv_, ibcast_,
+      test_;
+  int handle_bytes_, status_bytes_;
+  uintptr_t comm_, in_place_;
+  std::map<int, uintptr_t> dtypes_, ops_;
+  std::vector<int> reducible_;
+  std::vector<char> result_;  // a reduce_scatter's result, where its output is in its input
+};
+
+}  // namespace commlib
