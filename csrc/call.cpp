@@ -11,14 +11,14 @@ namespace commlib {
 
 int64_t Operand::nbytes() const { return count * itemsize(dtype); }
 
-namespace {
-
-std::string str(int64_t v) { return std::to_string(v); }
-
 bool overlap(const Operand& a, const Operand& b) {
   return a.nbytes() > 0 && b.nbytes() > 0 && a.ptr < b.ptr + b.nbytes() &&
          b.ptr < a.ptr + a.nbytes();
 }
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
 
 void same_dtype(const Operand& a, const Operand& b, const char* names) {
   if (a.dtype != b.dtype)

@@ -24,6 +24,9 @@ struct Operand {
   int64_t nbytes() const;
 };
 
+// Whether two operands share any byte (empty ones share none).
+bool overlap(const Operand& a, const Operand& b);
+
 struct CheckedCall {
   int64_t primary;
   double scale;

@@ -90,8 +90,8 @@ class FastPath {
         ring_(records) {}
 
   // What the general path runs for this call: an entry of `kind` ("plan", "direct",
-  // "one_copy", "eager" or "native": fast_path.h), with `plan` and its scratch bytes for a plan and
-  // the call's `descriptor` where the entry needs it. `id` names the entry to the caller.
+  // "one_copy", "eager" or "native": fast_path.h), with `plan` and its scratch bytes for a
+  // plan and the call's `descriptor` where the entry needs it. `id` names the entry to the caller.
   void learn(int collective, int algorithm, int64_t count, int64_t itemsize, int64_t root,
              const std::string& kind, std::vector<int64_t> plan, int64_t tmp_bytes, int id,
              std::vector<int64_t> descriptor) {

@@ -25,8 +25,6 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -55,12 +53,6 @@ struct MpiEntryPoints {  // MPI's own signatures, with every handle passed by ad
 template <class F>
 F entry_point(const py::dict& addresses, const char* name) {
   return reinterpret_cast<F>(addresses[name].cast<uintptr_t>());
-}
-
-std::string seconds_text(double s) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", s);
-  return text;
 }
 
 }  // namespace
@@ -240,23 +232,19 @@ class MpiExchange : public FastTransport {
     throw PeerError(std::string(what) + " failed inside MPI: " + text);
   }
 
-  // Polls back to back (MPI progresses only while called), yielding the core between polls
-  // (ranks may outnumber cores). Past the timeout, abandons what is pending (receives are
-  // cancelled; the communicator is unusable after a timeout anyway) and names the late.
+  // Polls until every request is done (poll_until). Past the timeout, abandons what is
+  // pending (receives are cancelled; the communicator is unusable after a timeout anyway)
+  // and names the late.
   void wait(std::vector<uint8_t>& requests) {
     const int count = this->count(requests);
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
     std::vector<uint8_t> statuses(size_t(count) * status_bytes_);
-    for (uint64_t polls = 1;; ++polls) {
-      int done = 0;
-      require_success(mpi_.testall(count, requests.data(), &done, statuses.data()), "MPI_Testall");
-      if (done) return;
-      if (polls % 64 == 0 && timeout_ > 0 &&
-          std::chrono::duration<double>(clock::now() - start).count() >= timeout_)
-        break;
-      sched_yield();
-    }
+    if (poll_until([&] {
+          int done = 0;
+          require_success(mpi_.testall(count, requests.data(), &done, statuses.data()),
+                          "MPI_Testall");
+          return done != 0;
+        }, timeout_))
+      return;
     std::vector<int> late;  // peers, in the order of the requests (receives first)
     const int receives = int(peers_.size());
     for (int i = 0; i < count; ++i) {

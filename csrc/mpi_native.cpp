@@ -1,10 +1,7 @@
 // MPI's own collectives started from C++ (mpi_native.h).
 #include "mpi_native.h"
 
-#include <sched.h>
-
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstring>
@@ -41,12 +38,6 @@ F as(uintptr_t address) {
   return reinterpret_cast<F>(address);
 }
 
-bool overlap(const Operand& a, const Operand& b) {
-  const uintptr_t a_end = a.ptr + a.count * itemsize(a.dtype);
-  const uintptr_t b_end = b.ptr + b.count * itemsize(b.dtype);
-  return a.ptr < b_end && b.ptr < a_end;
-}
-
 }  // namespace
 
 MpiNative::MpiNative(py::dict entry_points, int handle_bytes, int status_bytes, uintptr_t comm,
@@ -59,10 +50,11 @@ MpiNative::MpiNative(py::dict entry_points, int handle_bytes, int status_bytes, 
       ialltoallv_(address(entry_points, "MPI_Ialltoallv")),
       ibcast_(address(entry_points, "MPI_Ibcast")),
       test_(address(entry_points, "MPI_Test")),
-      handle_bytes_(handle_bytes), status_bytes_(status_bytes), comm_(comm),
+      request_(size_t(handle_bytes)), status_(size_t(status_bytes)), comm_(comm),
       in_place_(in_place), dtypes_(std::move(dtypes)), ops_(std::move(ops)),
       reducible_(std::move(reducible)) {
-  if (handle_bytes != 4 && handle_bytes != 8) throw std::invalid_argument("handles are 4 or 8 bytes");
+  if (handle_bytes != 4 && handle_bytes != 8)
+    throw std::invalid_argument("handles are 4 or 8 bytes");
 }
 
 bool MpiNative::takes(const FastCall& c, int size) const {
@@ -76,13 +68,14 @@ bool MpiNative::takes(const FastCall& c, int size) const {
 }
 
 template <class H>
-void MpiNative::start(const FastCall& c, int rank, int size, void* result, void* request) const {
+void MpiNative::start(const FastCall& c, int rank, int size, void* result) {
   using F = Calls<H>;
   const H dtype = H(dtypes_.at(c.out.dtype)), comm = H(comm_);
   void* out = reinterpret_cast<void*>(c.out.ptr);
   const void* in = reinterpret_cast<const void*>(c.in.ptr);
   const void* in_place = reinterpret_cast<const void*>(in_place_);
   const int count = int(c.out.count);
+  void* request = request_.data();
   int code = 0;
   switch (c.collective) {
     case ALL_REDUCE:
@@ -105,11 +98,11 @@ void MpiNative::start(const FastCall& c, int rank, int size, void* result, void*
       break;
     case ALL_TO_ALL: {  // (as native.py calls it, so that ranks on either path match)
       const int part = int(c.in.count / size);
-      std::vector<int> counts(size, part), displs(size);
-      for (int r = 0; r < size; ++r) displs[r] = r * part;
-      code = as<typename F::Ialltoallv>(ialltoallv_)(in, counts.data(), displs.data(), dtype,
-                                                     out, counts.data(), displs.data(), dtype,
-                                                     comm, request);
+      counts_.assign(size, part), displs_.resize(size);
+      for (int r = 0; r < size; ++r) displs_[r] = r * part;
+      code = as<typename F::Ialltoallv>(ialltoallv_)(in, counts_.data(), displs_.data(), dtype,
+                                                     out, counts_.data(), displs_.data(),
+                                                     dtype, comm, request);
       break;
     }
     case BROADCAST:
@@ -130,13 +123,12 @@ uint64_t MpiNative::run(const FastCall& c, int rank, int size, double timeout) {
   const bool apart = c.collective == REDUCE_SCATTER && overlap(c.out, c.in);
   if (apart) result_.resize(c.out.count * width);
   void* result = apart ? result_.data() : reinterpret_cast<void*>(c.out.ptr);
-  std::vector<uint8_t> request(size_t(handle_bytes_), 0);
-  if (handle_bytes_ == 4)
-    start<uint32_t>(c, rank, size, result, request.data());
+  if (request_.size() == 4)
+    start<uint32_t>(c, rank, size, result);
   else
-    start<uint64_t>(c, rank, size, result, request.data());
+    start<uint64_t>(c, rank, size, result);
   try {
-    wait(request.data(), timeout);
+    wait(timeout);
   } catch (const TimeoutError&) {
     if (apart) new std::vector<char>(std::move(result_));  // MPI may still write it: kept
     throw;
@@ -151,26 +143,24 @@ uint64_t MpiNative::run(const FastCall& c, int rank, int size, double timeout) {
   }
 }
 
-void MpiNative::wait(void* request, double timeout) const {
-  using clock = std::chrono::steady_clock;
-  const auto began = clock::now();
-  std::vector<uint8_t> status(static_cast<size_t>(status_bytes_));
+void MpiNative::wait(double timeout) {
   const Test test = as<Test>(test_);
-  for (uint64_t polls = 1;; ++polls) {  // (as work.wait_request polls from Python)
-    int done = 0;
-    if (int code = test(request, &done, status.data()))
+  const bool done = poll_until([&] {
+    int finished = 0;
+    if (int code = test(request_.data(), &finished, status_.data()))
       throw PeerError("MPI_Test failed inside MPI's own collective (error " +
                       std::to_string(code) + ")");
-    if (done) return;
-    if (polls % 64 == 0 && timeout > 0 &&
-        std::chrono::duration<double>(clock::now() - began).count() >= timeout) {
-      char text[32];
-      std::snprintf(text, sizeof text, "%g", timeout);
-      throw TimeoutError(std::string("timed out after ") + text + " s waiting for its peers "
-                         "inside MPI's collective (MPI does not say which)");
-    }
-    sched_yield();
-  }
+    return finished != 0;
+  }, timeout);
+  if (!done)
+    throw TimeoutError("timed out after " + seconds_text(timeout) + " s waiting for its "
+                       "peers inside MPI's collective (MPI does not say which)");
+}
+
+std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", seconds);
+  return text;
 }
 
 }  // namespace commlib

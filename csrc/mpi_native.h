@@ -16,14 +16,34 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <sched.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "fast_path.h"
 
 namespace commlib {
+
+// Polls `done()` back to back (MPI progresses only while called), yielding the core
+// between polls (ranks may outnumber cores); false once `timeout` seconds (0: none) pass.
+template <class Done>
+bool poll_until(Done done, double timeout) {
+  using clock = std::chrono::steady_clock;
+  const auto began = clock::now();
+  for (uint64_t polls = 1;; ++polls) {
+    if (done()) return true;
+    if (polls % 64 == 0 && timeout > 0 &&
+        std::chrono::duration<double>(clock::now() - began).count() >= timeout)
+      return false;
+    sched_yield();
+  }
+}
+
+std::string seconds_text(double seconds);  // "%g"
 
 class MpiNative {
  public:
@@ -43,17 +63,18 @@ class MpiNative {
 
  private:
   template <class H>
-  void start(const FastCall& c, int rank, int size, void* result, void* request) const;
-  void wait(void* request, double timeout) const;
+  void start(const FastCall& c, int rank, int size, void* result);
+  void wait(double timeout);
 
   // MPI's entry points, by address (cast to Calls<H>'s signatures where called)
   uintptr_t iallreduce_, ireduce_, ireduce_scatter_block_, iallgather_, ialltoallv_, ibcast_,
       test_;
-  int handle_bytes_, status_bytes_;
+  std::vector<uint8_t> request_, status_;  // a handle's and a status's bytes, reused
   uintptr_t comm_, in_place_;
   std::map<int, uintptr_t> dtypes_, ops_;
   std::vector<int> reducible_;
   std::vector<char> result_;  // a reduce_scatter's result, where its output is in its input
+  std::vector<int> counts_, displs_;  // all_to_all's, as MPI takes them
 };
 
 }  // namespace commlib

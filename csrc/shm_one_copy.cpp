@@ -332,7 +332,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(BROADCAST, count, dtype, kNone, root));
       if (size_ == 1) return true;
       expose(out, out);
-      say_in_place(cheap_to_read(BROADCAST, &Exposed::out, rank_ == root ? nbytes : 0));  // the root's
+      say_in_place(cheap_to_read(BROADCAST, &Exposed::out, rank_ == root ? nbytes : 0));
       meet();
       if (!every_rank_in_place()) return false;
       if (rank_ != root) read_peer(int(root), output, &Exposed::out, 0, nbytes);

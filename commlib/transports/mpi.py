@@ -165,6 +165,7 @@ def _mpi_entry_points() -> dict:
 class MpiTransport(Transport):
     name = "mpi"
     offers = frozenset({"mpi", "schedules", "eager"})
+
     def __init__(self, world: MpiWorld):
         super().__init__(world)
         self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
