@@ -11,7 +11,7 @@ from glob import glob
 from pathlib import Path
 
 import pybind11
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 # -O3 for vectorisation. No -march=native: the .so must run on other machines;
@@ -20,6 +20,9 @@ from setuptools import setup
 # (it will not otherwise speculate a float op that might raise an FP flag);
 # values are unchanged, we never read the FP exception flags.
 CXX_FLAGS = ["-O3", "-fno-trapping-math"]
+
+# _C's units compile side by side, on every core unless COMMLIB_BUILD_JOBS says how many
+ParallelCompile("COMMLIB_BUILD_JOBS", default=0).install()
 
 extensions = [Pybind11Extension(
     "commlib._C",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -112,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="global batch in sequences, split over dp (default 16)")
     run.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     run.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the model and data live (default cpu); cuda: each rank takes "
+                          "GPU (its rank on the host mod the GPUs there), ranks may share one")
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument("--save-dir", help="save checkpoints in this directory (step-N/ each)")
     ckpt.add_argument("--save-every", type=int, default=0,
@@ -133,6 +137,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.bf16 and args.zero == 0:
         p.error("--bf16 keeps fp32 master weights in ZeRO's optimizer shards: add --zero 1, 2 or 3")
     return args
+
+
+# the rank on this host, as each launcher names it
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def use_device(name: str, world: commlib.Communicator) -> torch.device:
+    """Make ``name`` (cpu or cuda) torch's default device, so the model and data are made
+    there: for cuda, GPU (rank on the host mod the host's GPUs)."""
+    if name == "cpu":
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() "
+                             "is False); run on a GPU machine or leave --device out")
+        local = next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if v in os.environ),
+                     world.rank)
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    torch.set_default_device(device)
+    return device
 
 
 def layout_of(args, world_size: int) -> Layout:
@@ -282,6 +307,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     world = commlib.init()
     try:
+        use_device(args.device, world)
         trainer = Trainer(args, world)
         first = _resume(args, trainer)
     except ValueError as e:
@@ -292,7 +318,8 @@ def main(argv=None) -> int:
     if lead:
         name = "GPT" if args.model == "gpt" else args.model
         print(f"# {name} {trainer.numel:,} parameters; {world.size} ranks as "
-              f"{trainer.layout.describe()}{', bf16 + fp32 master' if args.bf16 else ''}; "
+              f"{trainer.layout.describe()}{', bf16 + fp32 master' if args.bf16 else ''} on "
+              f"{args.device}; "
               f"global batch {args.batch} x {args.seq_len} tokens", flush=True)
     if lead and first:
         print(f"# resumed at step {first}", flush=True)

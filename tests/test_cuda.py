@@ -9,6 +9,8 @@ import glob
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -304,6 +306,24 @@ def test_copy_and_stream_order():
         cuda.copy(dst, src)
     side.synchronize()
     torch.testing.assert_close(dst, torch.arange(1 << 22, device="cuda", dtype=torch.float32) * 2)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["side-stream", "default-stream", "torch-behind", "queue-full"])
+def test_a_stream_goes_on_once_the_host_raises_its_counter(case):
+    """tests/cuda_counter.py CASE, in a process of its own: a stream that never goes on
+    fails the case (after the timeout) instead of hanging the suite."""
+    _torch_cuda()
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    try:
+        done = subprocess.run([sys.executable, str(root / "tests" / "cuda_counter.py"), case],
+                              capture_output=True, text=True, timeout=60, env=env, cwd=root)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{case}: no answer within 60 s (the stream never went on?)\n{e.stdout}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(done.stdout)
 
 
 @gpu

@@ -3,11 +3,19 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
 
 #include <stdexcept>
 #include <string>
 
 namespace commlib_cuda_host {
+
+// The GIL is let go during every binding whose CUDA call can block (a full launch queue,
+// an implicit device synchronisation, a wait): a stream may be waiting for a counter that
+// the communicator's engine thread raises, and the engine needs the GIL to do it. Holding
+// it would close a circle: the caller waits for the GPU, the GPU for the engine, the
+// engine for the caller.
+using WithoutGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 inline void check(cudaError_t status, const std::string& what) {
   if (status != cudaSuccess) {

@@ -14,6 +14,7 @@
 namespace py = pybind11;
 using commlib_cuda_host::check;
 using commlib_cuda_host::OnDevice;
+using commlib_cuda_host::WithoutGil;
 
 void bind_ipc(py::module_& m) {
   m.def("device_alloc", [](size_t nbytes, int device) {
@@ -21,11 +22,11 @@ void bind_ipc(py::module_& m) {
     void* p = nullptr;
     check(cudaMalloc(&p, nbytes), "cudaMalloc of " + std::to_string(nbytes) + " bytes");
     return reinterpret_cast<uintptr_t>(p);
-  }, py::arg("nbytes"), py::arg("device"), "Device memory that peers may map (ipc_handle)");
+  }, WithoutGil(), py::arg("nbytes"), py::arg("device"), "Device memory that peers may map (ipc_handle)");
   m.def("device_free", [](uintptr_t p, int device) {
     OnDevice on(device);
     check(cudaFree(reinterpret_cast<void*>(p)), "cudaFree");
-  }, py::arg("ptr"), py::arg("device"));
+  }, WithoutGil(), py::arg("ptr"), py::arg("device"));
 
   m.def("address_range", [](uintptr_t p, int device) {
     using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -62,7 +63,7 @@ void bind_ipc(py::module_& m) {
   m.def("ipc_close", [](uintptr_t p, int device) {
     OnDevice on(device);
     check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(p)), "cudaIpcCloseMemHandle");
-  }, py::arg("ptr"), py::arg("device"));
+  }, WithoutGil(), py::arg("ptr"), py::arg("device"));
 
   m.def("can_access", [](int device, int peer) {
     if (device == peer) return true;

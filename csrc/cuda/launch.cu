@@ -10,6 +10,7 @@
 
 #include "device.h"
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 namespace py = pybind11;
 using commlib_cuda_host::check;
 using commlib_cuda_host::OnDevice;
+using commlib_cuda_host::WithoutGil;
 
 void bind_streams(py::module_& m);  // streams.cu
 void bind_ipc(py::module_& m);      // ipc.cu
@@ -72,10 +74,31 @@ int blocks_for(int device, long long work) {
   return int(wanted < 1 ? 1 : (wanted < most ? wanted : most));
 }
 
+// Under lazy loading (CUDA's default) a kernel's first launch loads it, which may wait for
+// the device to go idle; behind a stream that waits for the host's counter (a staged or an
+// IPC call) that wait lasts until the engine thread gets to the call. So the first launch
+// on a device loads every kernel, before any of our streams waits.
+void load_every_kernel(int device) {
+  static std::mutex mutex;
+  static std::vector<bool> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (loaded.size() <= size_t(device)) loaded.resize(device + 1, false);
+  if (loaded[device]) return;
+  cudaFuncAttributes attributes;
+  auto load = [&](Kernel kernel) { check(cudaFuncGetAttributes(&attributes, kernel), "loading the kernels"); };
+  for (const auto& row : kReduce) for (Kernel kernel : row) load(kernel);
+  for (const auto& row : kReduceN) for (Kernel kernel : row) load(kernel);
+  for (const auto& row : kCast) for (Kernel kernel : row) load(kernel);
+  for (Kernel kernel : kScale) load(kernel);
+  load((Kernel)commlib_copy);
+  loaded[device] = true;
+}
+
 void launch(Kernel kernel, long long work, void** args, int device, uintptr_t stream,
             const char* what) {
   if (work <= 0) return;
   OnDevice on(device);
+  load_every_kernel(device);
   check(cudaLaunchKernel(kernel, dim3(blocks_for(device, work)), dim3(kThreads), args, 0,
                          reinterpret_cast<cudaStream_t>(stream)),
         what);
@@ -95,7 +118,7 @@ PYBIND11_MODULE(_cuda, m) {
     if (op < 0 || op >= NOPS) throw std::invalid_argument("reduce: unknown op code " + std::to_string(op));
     void* args[] = {&dst, &a, &b, &count};
     launch(kReduce[dtype][op], vectors(count, kItemsize[dtype]), args, device, stream, "reduce kernel");
-  }, py::arg("dst"), py::arg("a"), py::arg("b"), py::arg("count"), py::arg("dtype"),
+  }, WithoutGil(), py::arg("dst"), py::arg("a"), py::arg("b"), py::arg("count"), py::arg("dtype"),
      py::arg("op"), py::arg("device"), py::arg("stream"));
 
   m.def("reduce_n", [](std::vector<uintptr_t> targets, std::vector<uintptr_t> sources,
@@ -113,7 +136,7 @@ PYBIND11_MODULE(_cuda, m) {
     int m = int(targets.size()), n = int(sources.size());
     void* args[] = {&dst, &m, &src, &n, &count};
     launch(kReduceN[dtype][op], vectors(count, kItemsize[dtype]), args, device, stream, "reduce_n kernel");
-  }, py::arg("targets"), py::arg("sources"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+  }, WithoutGil(), py::arg("targets"), py::arg("sources"), py::arg("count"), py::arg("dtype"), py::arg("op"),
      py::arg("device"), py::arg("stream"),
      "every target = sources[0] op ... op sources[n-1] elementwise (1 to 16 of each; a target "
      "may be a source)");
@@ -122,7 +145,7 @@ PYBIND11_MODULE(_cuda, m) {
     check_dtype(dtype, 4, "scale (floating dtypes only)");
     void* args[] = {&x, &factor, &count};
     launch(kScale[dtype], vectors(count, kItemsize[dtype]), args, device, stream, "scale kernel");
-  }, py::arg("x"), py::arg("factor"), py::arg("count"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  }, WithoutGil(), py::arg("x"), py::arg("factor"), py::arg("count"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
 
   m.def("cast", [](uintptr_t dst, uintptr_t src, long long count, int src_dtype, int dst_dtype,
                    int device, uintptr_t stream) {
@@ -131,13 +154,13 @@ PYBIND11_MODULE(_cuda, m) {
     void* args[] = {&dst, &src, &count};
     const int wider = kItemsize[src_dtype] > kItemsize[dst_dtype] ? kItemsize[src_dtype] : kItemsize[dst_dtype];
     launch(kCast[src_dtype][dst_dtype], vectors(count, wider), args, device, stream, "cast kernel");
-  }, py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"),
+  }, WithoutGil(), py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"),
      py::arg("dst_dtype"), py::arg("device"), py::arg("stream"));
 
   m.def("copy", [](uintptr_t dst, uintptr_t src, long long nbytes, int device, uintptr_t stream) {
     void* args[] = {&dst, &src, &nbytes};
     launch((Kernel)commlib_copy, (nbytes + 15) / 16, args, device, stream, "copy kernel");
-  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"));
+  }, WithoutGil(), py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"));
 
   m.def("device_count", [] {
     int n = 0;

@@ -18,6 +18,7 @@
 namespace py = pybind11;
 using commlib_cuda_host::check;
 using commlib_cuda_host::OnDevice;
+using commlib_cuda_host::WithoutGil;
 
 namespace {
 
@@ -58,7 +59,6 @@ class Event {
     check(cudaStreamWaitEvent(as_stream(stream), event_, 0), "cudaStreamWaitEvent");
   }
   void synchronize() {
-    py::gil_scoped_release free;
     check(cudaEventSynchronize(event_), "cudaEventSynchronize");
   }
 
@@ -72,20 +72,20 @@ class Event {
 void bind_streams(py::module_& m) {
   py::class_<Event>(m, "Event", "A CUDA event on one device (timing disabled)")
       .def(py::init<int>(), py::arg("device"))
-      .def("record", &Event::record, py::arg("stream"))
-      .def("query", &Event::query)
-      .def("wait", &Event::wait, py::arg("stream"))
-      .def("synchronize", &Event::synchronize);
+      .def("record", &Event::record, WithoutGil(), py::arg("stream"))
+      .def("query", &Event::query, WithoutGil())
+      .def("wait", &Event::wait, WithoutGil(), py::arg("stream"))
+      .def("synchronize", &Event::synchronize, WithoutGil());
 
   m.def("host_alloc", [](size_t nbytes) {
     void* p = nullptr;
     check(cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocPortable | cudaHostAllocMapped),
           "cudaHostAlloc of " + std::to_string(nbytes) + " pinned bytes");
     return reinterpret_cast<uintptr_t>(p);
-  }, py::arg("nbytes"), "Pinned host memory, mapped into every device's address space");
+  }, WithoutGil(), py::arg("nbytes"), "Pinned host memory, mapped into every device's address space");
   m.def("host_free", [](uintptr_t p) {
     check(cudaFreeHost(reinterpret_cast<void*>(p)), "cudaFreeHost");
-  }, py::arg("ptr"));
+  }, WithoutGil(), py::arg("ptr"));
 
   m.def("copy_async", [](uintptr_t dst, uintptr_t src, size_t nbytes, int device, uintptr_t stream) {
     if (nbytes == 0) return;
@@ -93,7 +93,7 @@ void bind_streams(py::module_& m) {
     check(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes,
                           cudaMemcpyDefault, as_stream(stream)),
           "cudaMemcpyAsync");
-  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"),
+  }, WithoutGil(), py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"),
      "Copy between any two of host and device memory, ordered on `stream`");
 
   m.def("stream_create", [](int device) {
@@ -101,12 +101,11 @@ void bind_streams(py::module_& m) {
     cudaStream_t s = nullptr;
     check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     return reinterpret_cast<uintptr_t>(s);
-  }, py::arg("device"), "A new stream that does not synchronise with the legacy default one");
+  }, WithoutGil(), py::arg("device"), "A new stream that does not synchronise with the legacy default one");
   m.def("stream_synchronize", [](uintptr_t stream, int device) {
     OnDevice on(device);
-    py::gil_scoped_release free;
     check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
-  }, py::arg("stream"), py::arg("device"));
+  }, WithoutGil(), py::arg("stream"), py::arg("device"));
 
   m.def("wait_value", [](uintptr_t stream, int device, uintptr_t counter, uint32_t value) {
     OnDevice on(device);
@@ -118,7 +117,7 @@ void bind_streams(py::module_& m) {
                                          CU_STREAM_WAIT_VALUE_GEQ);
     if (status != CUDA_SUCCESS)
       throw std::runtime_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(status));
-  }, py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
+  }, WithoutGil(), py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
      "Work enqueued on `stream` from now on waits until the uint32 at `counter` (pinned, "
      "from host_alloc) reaches `value` (a cyclic >=)");
   m.def("store_counter", [](uintptr_t counter, uint32_t value) {
