@@ -79,3 +79,12 @@ class HostKernels:
     def copy(self, dst, src, nbytes, device=0, stream=0) -> None:
         p = ctypes.c_void_p
         self._launch("commlib_copy", [p, p, ctypes.c_longlong], dst, src, nbytes)
+
+    def wait_counter(self, counter: int, value: int) -> None:
+        """commlib_wait_counter on one thread: returns once the uint32 at ``counter`` has
+        reached ``value`` (a cyclic >=)."""
+        self.blocks, self.threads, shape = 1, 1, (self.blocks, self.threads)
+        try:
+            self._launch("commlib_wait_counter", [ctypes.c_void_p, ctypes.c_uint], counter, value)
+        finally:
+            self.blocks, self.threads = shape

@@ -308,20 +308,42 @@ def test_copy_and_stream_order():
     torch.testing.assert_close(dst, torch.arange(1 << 22, device="cuda", dtype=torch.float32) * 2)
 
 
+def test_the_wait_kernel_waits_for_a_cyclic_greater_or_equal(host_kernels):
+    """commlib_wait_counter (COMMLIB_CUDA_WAIT=kernel) run on the CPU: it returns at once
+    where the counter has reached the value, cyclically as cuStreamWaitValue32's >=, and
+    otherwise once another thread raises it."""
+    import threading
+    import time
+    counter = ctypes.c_uint32(0)
+    for now, value in [(5, 3), (5, 5), (1, 0xFFFFFFFF), (0x80000000, 1)]:
+        counter.value = now
+        host_kernels.wait_counter(ctypes.addressof(counter), value)  # returns at once
+    for now, value in [(0, 1), (0xFFFFFFFF, 1)]:
+        counter.value = now
+        raised = threading.Timer(0.05, lambda: setattr(counter, "value", value))
+        raised.start()
+        start = time.monotonic()
+        host_kernels.wait_counter(ctypes.addressof(counter), value)
+        assert time.monotonic() - start >= 0.04 and counter.value == value
+        raised.join()
+
+
 @gpu
+@pytest.mark.parametrize("how", ["stream", "kernel"])
 @pytest.mark.parametrize("case", ["side-stream", "default-stream", "torch-behind", "queue-full"])
-def test_a_stream_goes_on_once_the_host_raises_its_counter(case):
-    """tests/cuda_counter.py CASE, in a process of its own: a stream that never goes on
-    fails the case (after the timeout) instead of hanging the suite."""
+def test_a_stream_goes_on_once_the_host_raises_its_counter(case, how):
+    """tests/cuda_counter.py CASE, in a process of its own, with each way of waiting
+    (COMMLIB_CUDA_WAIT): a stream that never goes on fails the case (after the timeout)
+    instead of hanging the suite."""
     _torch_cuda()
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, PYTHONPATH=path, COMMLIB_CUDA_WAIT=how)
     try:
         done = subprocess.run([sys.executable, str(root / "tests" / "cuda_counter.py"), case],
                               capture_output=True, text=True, timeout=60, env=env, cwd=root)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{case}: no answer within 60 s (the stream never went on?)\n{e.stdout}")
+        pytest.fail(f"{case}, {how}: no answer within 60 s (the stream never went on?)\n{e.stdout}")
     assert done.returncode == 0, done.stdout + done.stderr
     print(done.stdout)
 

@@ -120,6 +120,9 @@ def test_training_cli_errors():
     assert code != 0 and "dp=3 makes 3 ranks, but the world has 2" in out, out[-2000:]
     code, out = mpirun(1, "-m", "commlib_strategies.train", "--bf16", env=ENV)
     assert code != 0 and "--zero 1, 2 or 3" in out, out[-2000:]
+    if not torch.cuda.is_available():
+        code, out = mpirun(1, "-m", "commlib_strategies.train", "--device", "cuda", env=ENV)
+        assert code != 0 and "--device cuda: torch sees no CUDA device" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("ranks,flags,message", [

@@ -286,3 +286,15 @@ COMMLIB_CASTS_FROM(f64, double)
 extern "C" __global__ void commlib_copy(char* d, const char* s, long long nbytes) {
   commlib_cuda::copy(d, s, nbytes);
 }
+
+// A stream's wait for a counter in pinned host memory that the host raises, by a kernel:
+// one thread reads it until it reaches `value` (a cyclic >=, as cuStreamWaitValue32's),
+// then the stream goes on. The other way to wait (COMMLIB_CUDA_WAIT=kernel), for a driver
+// whose stream memory operations do not see the host's writes.
+extern "C" __global__ void commlib_wait_counter(const volatile unsigned* counter, unsigned value) {
+  while (static_cast<int>(*counter - value) < 0) {
+#ifndef COMMLIB_KERNELS_ON_HOST
+    __nanosleep(200);
+#endif
+  }
+}

@@ -4,6 +4,7 @@ and ipc.cu through CuPy's runtime bindings (cuStreamWaitValue32, which CuPy does
 from libcuda through ctypes). Importing this module fails without CuPy."""
 import ctypes
 import math
+import os
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -177,13 +178,17 @@ class CupyRuntime:
         with cupy.cuda.Device(device):
             runtime.streamSynchronize(stream)
 
-    @staticmethod
-    def wait_value(stream: int, device: int, counter: int, value: int) -> None:
+    def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
         wait, device_pointer, _ = _driver()
         with _driver_on(device):
             on_device = ctypes.c_uint64()
             _check(device_pointer(ctypes.byref(on_device), counter, 0),
                    "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
+            if os.environ.get("COMMLIB_CUDA_WAIT") == "kernel":  # as streams.cu
+                self._module.get_function("commlib_wait_counter")(
+                    (1,), (1,), (np.uint64(on_device.value), np.uint32(value)),
+                    stream=cupy.cuda.ExternalStream(stream))
+                return
             _check(wait(stream, on_device.value, value, _WAIT_GEQ), "cuStreamWaitValue32")
 
     @staticmethod

@@ -91,6 +91,7 @@ void load_every_kernel(int device) {
   for (const auto& row : kCast) for (Kernel kernel : row) load(kernel);
   for (Kernel kernel : kScale) load(kernel);
   load((Kernel)commlib_copy);
+  load((Kernel)commlib_wait_counter);
   loaded[device] = true;
 }
 
@@ -108,6 +109,17 @@ void launch(Kernel kernel, long long work, void** args, int device, uintptr_t st
 long long vectors(long long count, int itemsize) { return (count * itemsize + 15) / 16; }
 
 }  // namespace
+
+// streams.cu's wait_value, by a kernel (COMMLIB_CUDA_WAIT=kernel); `counter` as the device
+// sees it.
+void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream) {
+  OnDevice on(device);
+  load_every_kernel(device);
+  void* args[] = {&counter, &value};
+  check(cudaLaunchKernel((Kernel)commlib_wait_counter, dim3(1), dim3(1), args, 0,
+                         reinterpret_cast<cudaStream_t>(stream)),
+        "wait kernel");
+}
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "commlib's CUDA kernels (commlib/cuda/kernels.cu), launched on a given stream";

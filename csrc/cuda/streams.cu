@@ -12,6 +12,7 @@
 #include "device.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -25,6 +26,15 @@ namespace {
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// COMMLIB_CUDA_WAIT=kernel: streams wait for counters by a kernel of ours instead
+bool wait_by_kernel() {
+  static const bool by_kernel = [] {
+    const char* how = std::getenv("COMMLIB_CUDA_WAIT");
+    return how != nullptr && std::string(how) == "kernel";
+  }();
+  return by_kernel;
+}
 
 WaitValue32 wait_value_entry() {
   static WaitValue32 entry = reinterpret_cast<WaitValue32>(
@@ -69,6 +79,8 @@ class Event {
 
 }  // namespace
 
+void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream);  // launch.cu
+
 void bind_streams(py::module_& m) {
   py::class_<Event>(m, "Event", "A CUDA event on one device (timing disabled)")
       .def(py::init<int>(), py::arg("device"))
@@ -112,6 +124,7 @@ void bind_streams(py::module_& m) {
     void* on_device = nullptr;
     check(cudaHostGetDevicePointer(&on_device, reinterpret_cast<void*>(counter), 0),
           "cudaHostGetDevicePointer (the counter must be from host_alloc)");
+    if (wait_by_kernel()) return launch_wait_counter(on_device, value, device, stream);
     CUresult status = wait_value_entry()(reinterpret_cast<CUstream>(stream),
                                          reinterpret_cast<CUdeviceptr>(on_device), value,
                                          CU_STREAM_WAIT_VALUE_GEQ);
