@@ -279,6 +279,8 @@ class ProgressEngine(_Background):
                 self._task_ended()
                 self._cv.notify_all()
             work._finish(work.result, error)
+            # the task's arrays and events go here, not when the next one is taken
+            del work, task, error
 
 
 class RequestPoller(_Background):

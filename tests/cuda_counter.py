@@ -10,6 +10,7 @@ on fails that case instead of hanging the suite.
   torch-behind    torch's kernels (their first launch) and a copy to the host behind the wait
   queue-full      thousands of copies enqueued behind the wait: the launch queue fills and
                   enqueueing blocks, which must let the thread that raises the counter run"""
+import faulthandler
 import os
 import sys
 import threading
@@ -70,4 +71,5 @@ def main(case: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(45, exit=True, file=sys.stdout)  # where a hang stood
     main(sys.argv[1])

@@ -48,7 +48,14 @@ class Event {
     OnDevice on(device);
     check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
   }
-  ~Event() { cudaEventDestroy(event_); }
+  ~Event() {
+    if (PyGILState_Check()) {  // dropped by Python: as the calls, without the GIL
+      py::gil_scoped_release free;
+      cudaEventDestroy(event_);
+    } else {
+      cudaEventDestroy(event_);
+    }
+  }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
 
