@@ -20,7 +20,7 @@ import torch
 
 from commlib import cuda
 
-WAIT = 20.0  # seconds for the stream to go on once the counter is raised
+WAIT = 10.0  # seconds for the stream to go on once the counter is raised
 
 
 def fail(message: str) -> None:
@@ -71,5 +71,5 @@ def main(case: str) -> None:
 
 
 if __name__ == "__main__":
-    faulthandler.dump_traceback_later(45, exit=True, file=sys.stdout)  # where a hang stood
+    faulthandler.dump_traceback_later(2 * WAIT, exit=True, file=sys.stdout)  # where a hang stood
     main(sys.argv[1])

@@ -341,9 +341,9 @@ def test_a_stream_goes_on_once_the_host_raises_its_counter(case, how):
     env = dict(os.environ, PYTHONPATH=path, COMMLIB_CUDA_WAIT=how)
     try:
         done = subprocess.run([sys.executable, str(root / "tests" / "cuda_counter.py"), case],
-                              capture_output=True, text=True, timeout=60, env=env, cwd=root)
+                              capture_output=True, text=True, timeout=30, env=env, cwd=root)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{case}, {how}: no answer within 60 s (the stream never went on?)\n{e.stdout}")
+        pytest.fail(f"{case}, {how}: no answer within 30 s (the stream never went on?)\n{e.stdout}")
     assert done.returncode == 0, done.stdout + done.stderr
     print(done.stdout)
 
