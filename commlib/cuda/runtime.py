@@ -105,6 +105,8 @@ class CupyRuntime:
         self.BUILD_INFO = {"cuda_version": str(runtime.runtimeGetVersion()),
                            "compiled_by": "nvrtc (cupy)"}
         self._module = cupy.RawModule(code=source(), options=("-std=c++17",))
+        # COMMLIB_CUDA_WAIT=kernel: streams wait for counters by a kernel (as streams.cu)
+        self._wait_by_kernel = os.environ.get("COMMLIB_CUDA_WAIT") == "kernel"
 
     @staticmethod
     def device_count() -> int:
@@ -184,7 +186,7 @@ class CupyRuntime:
             on_device = ctypes.c_uint64()
             _check(device_pointer(ctypes.byref(on_device), counter, 0),
                    "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
-            if os.environ.get("COMMLIB_CUDA_WAIT") == "kernel":  # as streams.cu
+            if self._wait_by_kernel:
                 self._module.get_function("commlib_wait_counter")(
                     (1,), (1,), (np.uint64(on_device.value), np.uint32(value)),
                     stream=cupy.cuda.ExternalStream(stream))

@@ -10,7 +10,7 @@
 
 #include "device.h"
 
-#include <mutex>
+#include <mutex>  // call_once
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -78,34 +78,42 @@ int blocks_for(int device, long long work) {
 // the device to go idle; behind a stream that waits for the host's counter (a staged or an
 // IPC call) that wait lasts until the engine thread gets to the call. So the first launch
 // on a device loads every kernel, before any of our streams waits.
+constexpr int kMostDevices = 64;
+
 void load_every_kernel(int device) {
-  static std::mutex mutex;
-  static std::vector<bool> loaded;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (loaded.size() <= size_t(device)) loaded.resize(device + 1, false);
-  if (loaded[device]) return;
-  cudaFuncAttributes attributes;
-  auto load = [&](Kernel kernel) { check(cudaFuncGetAttributes(&attributes, kernel), "loading the kernels"); };
-  for (const auto& row : kReduce) for (Kernel kernel : row) load(kernel);
-  for (const auto& row : kReduceN) for (Kernel kernel : row) load(kernel);
-  for (const auto& row : kCast) for (Kernel kernel : row) load(kernel);
-  for (Kernel kernel : kScale) load(kernel);
-  load((Kernel)commlib_copy);
-  load((Kernel)commlib_wait_counter);
-  loaded[device] = true;
+  static std::once_flag loaded[kMostDevices];
+  if (device < 0 || device >= kMostDevices)
+    throw std::invalid_argument("device " + std::to_string(device) + " is beyond the " +
+                                std::to_string(kMostDevices) + " commlib handles");
+  std::call_once(loaded[device], [] {
+    cudaFuncAttributes attributes;
+    auto load = [&](Kernel kernel) { check(cudaFuncGetAttributes(&attributes, kernel), "loading the kernels"); };
+    for (const auto& row : kReduce) for (Kernel kernel : row) load(kernel);
+    for (const auto& row : kReduceN) for (Kernel kernel : row) load(kernel);
+    for (const auto& row : kCast) for (Kernel kernel : row) load(kernel);
+    for (Kernel kernel : kScale) load(kernel);
+    load((Kernel)commlib_copy);
+    load((Kernel)commlib_wait_counter);
+  });
 }
 
-void launch(Kernel kernel, long long work, void** args, int device, uintptr_t stream,
-            const char* what) {
-  if (work <= 0) return;
+// `kernel` on `blocks` x `threads` on `device`'s `stream`.
+void launch_grid(Kernel kernel, int blocks, int threads, void** args, int device, uintptr_t stream,
+                 const char* what) {
   OnDevice on(device);
   load_every_kernel(device);
-  check(cudaLaunchKernel(kernel, dim3(blocks_for(device, work)), dim3(kThreads), args, 0,
+  check(cudaLaunchKernel(kernel, dim3(blocks), dim3(threads), args, 0,
                          reinterpret_cast<cudaStream_t>(stream)),
         what);
 }
 
-// Work items of an elementwise kernel: one per 16-byte vector, plus the tail.
+// A grid-stride kernel over `work` items.
+void launch(Kernel kernel, long long work, void** args, int device, uintptr_t stream,
+            const char* what) {
+  if (work <= 0) return;
+  launch_grid(kernel, blocks_for(device, work), kThreads, args, device, stream, what);
+}
+
 long long vectors(long long count, int itemsize) { return (count * itemsize + 15) / 16; }
 
 }  // namespace
@@ -113,12 +121,8 @@ long long vectors(long long count, int itemsize) { return (count * itemsize + 15
 // streams.cu's wait_value, by a kernel (COMMLIB_CUDA_WAIT=kernel); `counter` as the device
 // sees it.
 void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream) {
-  OnDevice on(device);
-  load_every_kernel(device);
   void* args[] = {&counter, &value};
-  check(cudaLaunchKernel((Kernel)commlib_wait_counter, dim3(1), dim3(1), args, 0,
-                         reinterpret_cast<cudaStream_t>(stream)),
-        "wait kernel");
+  launch_grid((Kernel)commlib_wait_counter, 1, 1, args, device, stream, "wait kernel");
 }
 
 PYBIND11_MODULE(_cuda, m) {

@@ -48,14 +48,7 @@ class Event {
     OnDevice on(device);
     check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
   }
-  ~Event() {
-    if (PyGILState_Check()) {  // dropped by Python: as the calls, without the GIL
-      py::gil_scoped_release free;
-      cudaEventDestroy(event_);
-    } else {
-      cudaEventDestroy(event_);
-    }
-  }
+  ~Event() { cudaEventDestroy(event_); }  // returns at once, even before the event passed
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
 
