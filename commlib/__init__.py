@@ -7,15 +7,15 @@
 from . import _C
 from .call import ReduceOp
 from .algorithms import algorithms
-from .comm import (Communicator, all_gather, all_reduce, all_to_all, barrier, broadcast, init,
-                   recv, reduce, reduce_scatter, send)
+from .comm import (Communicator, all_gather, all_reduce, all_to_all, barrier, broadcast, finalize,
+                   init, recv, reduce, reduce_scatter, send)
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .work import Work, wait_all
 
 __all__ = ["CollectiveMismatchError", "Communicator", "CommError", "CommTimeoutError",
            "ReduceOp", "Work", "algorithms", "all_gather", "all_reduce", "all_to_all", "barrier",
-           "broadcast", "build_info", "init", "recv", "reduce", "reduce_scatter", "send",
-           "wait_all"]
+           "broadcast", "build_info", "finalize", "init", "recv", "reduce", "reduce_scatter",
+           "send", "wait_all"]
 
 
 def build_info() -> dict:

@@ -284,6 +284,18 @@ def init() -> Communicator:
     return _world
 
 
+def finalize() -> None:
+    """Free the world communicator (collective), so that the next init() makes a new one
+    from the environment as it is then; MPI itself stays initialised. For a process that
+    runs one job after another (the tests' rank pool, tests/mpi/serve.py)."""
+    global _world
+    from . import trace
+    if _world is not None:
+        world, _world = _world, None
+        world.free()
+        trace.end_job()
+
+
 def _torchrun_world() -> Communicator:
     """The ranks torchrun started, meeting through its store (MASTER_ADDR, MASTER_PORT:
     served by torchrun's agent, or by rank 0 where the agent's store is not in use)."""

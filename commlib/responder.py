@@ -47,6 +47,10 @@ class Responder:
                     continue  # (the asker gave up, say, or the content changed while read)
 
     def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept (close alone
+        except OSError:                               # does not, on Linux)
+            pass
         self.listener.close()
 
 

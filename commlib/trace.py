@@ -158,6 +158,14 @@ def name_job(meeting, rank: int, size: int) -> None:
     _job = _Job(meeting, rank, size)
 
 
+def end_job() -> None:
+    """Stop answering for the job: its world was freed (commlib.finalize)."""
+    global _job
+    if _job is not None:
+        _job.responder.close()
+        _job = None
+
+
 def _live_recorders() -> list:
     """Every live communicator's flight recorder, the world's first (the widest, then by
     members and creation)."""

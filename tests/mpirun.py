@@ -8,19 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pool import POOLS, pooled
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict | None = None,
                 launch=None) -> str:
-    """Run a tests/mpi script built on harness.Checker on ``n`` ranks (``launch``: mpirun,
-    or torchrun) with this checkout first on the path; it must exit 0 and report at least
-    one case and no failures. Returns its output."""
-    env = {**checkout_env(), **(env or {})}
-    if launch is None or launch is mpirun:
-        code, out = mpirun(n, script, *args, timeout=timeout, env=env)
+    """Run a tests/mpi script built on harness.Checker on ``n`` ranks with this checkout
+    first on the path (``launch``: None for run_shared's choice, or mpirun, torchrun,
+    on_hosts...); it must exit 0 and report at least one case and no failures. Returns its
+    output."""
+    if launch is None:
+        code, out = run_shared(n, script, *args, timeout=timeout, env=env)
     else:
-        code, out = launch(n, script, *args, timeout=timeout, env=env)
+        code, out = launch(n, script, *args, timeout=timeout, env={**checkout_env(), **(env or {})})
     summary = re.search(r"commlib-check: (\d+) cases, (\d+) failures", out)
     name = getattr(launch, "__name__", "mpirun")
     assert code == 0 and summary, (f"{name} {n} {script} {' '.join(args)} exited {code}:\n"
@@ -57,6 +59,15 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 300, env: dict | No
     target = [script] if script == "-m" else [str(ROOT / script)]
     return run_command([mpiexec(), *options, "-n", str(n), sys.executable, *target, *args],
                        timeout, env)
+
+
+def run_shared(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):
+    """As mpirun, in the suite's launch of ``n`` ranks (tests/pool.py) where ``script``
+    with the settings ``env`` may run there, else in a launch of its own."""
+    if not pooled(script, env or {}):
+        return mpirun(n, script, *args, timeout=timeout, env=env)
+    return POOLS.run(n, script, *args, timeout=timeout, env=env or {},
+                     launch_env={**os.environ, **checkout_env()})
 
 
 def torchrun(n: int, script: str, *args: str, timeout: float = 300, env: dict | None = None):

@@ -6,7 +6,7 @@ import itertools
 import json
 import shlex
 
-from mpirun import checkout_env, mpirun
+from mpirun import run_shared
 
 RUN = ("--steps", "4", "--quiet")
 SMALL = (*RUN, "--layers", "2", "--d-model", "32", "--seq-len", "16")  # test_checkpoint's
@@ -18,8 +18,8 @@ def train_many(n: int, tmp_path, *runs, timeout: float = 300) -> tuple[list, str
     launch; returns their logs (a record per step) and the launch's output."""
     where = tmp_path / f"runs-{next(_launches)}"
     where.mkdir(parents=True)
-    code, out = mpirun(n, "tests/mpi/train_many.py", str(where), *map(shlex.join, runs),
-                       timeout=timeout, env=checkout_env())
+    code, out = run_shared(n, "tests/mpi/train_many.py", str(where), *map(shlex.join, runs),
+                           timeout=timeout)
     assert code == 0, out[-4000:]
     return [json.loads((where / f"{i}.json").read_text()) for i in range(len(runs))], out
 

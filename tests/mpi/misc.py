@@ -1,7 +1,9 @@
 """Sub-communicators concurrent with the world, point-to-point, barrier, module functions,
-algorithm selection, fp16/bf16 accuracy and argument errors, under mpiexec."""
+algorithm selection, fp16/bf16 accuracy, argument errors, and a world freed and made anew,
+under mpiexec."""
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -201,6 +203,21 @@ def large_transfers():
     a2a_out = np.zeros(n * count, np.int32)
     comm.all_to_all(a2a_out, np.tile(mine, n))
     assert_equal(a2a_out, want)
+
+
+def finalize_frees_the_world_and_init_makes_a_new_one():  # (last: the cases above use it)
+    global comm
+    commlib.finalize()
+    raises(commlib.CommError, "freed", lambda: comm.all_reduce(np.ones(3)))
+    deadline = time.monotonic() + 5  # the job's responder (commlib/responder.py) ends too
+    while any(t.name == "commlib-responder" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the responder outlived its world"
+        time.sleep(0.01)
+    old, comm = comm, commlib.init()
+    assert comm is not old and commlib.init() is comm
+    t = np.ones(3)
+    comm.all_reduce(t)
+    assert_equal(t, np.full(3, float(n)))
 
 
 check.run_cases(globals())
