@@ -9,6 +9,7 @@ updated by "env", its output (file descriptors 1 and 2) going to DIR/<id>.<r>, t
 process back as it found it (the world communicator, torch's process group and defaults,
 the environment) and writes "<id> <r> <exit code>" to the FIFO DIR/done. A script that
 ends with an exception rather than an exit code ends the launch, as it would end its own."""
+import faulthandler
 import gc
 import json
 import os
@@ -62,9 +63,12 @@ for line in open(directory / f"jobs.{rank}"):
     with open(directory / f"{job['id']}.{rank}", "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
+    if os.environ.get("COMMLIB_TEST_STACKS"):  # per job, as harness.py's for a launch
+        faulthandler.dump_traceback_later(float(os.environ["COMMLIB_TEST_STACKS"]), exit=True)
     try:
         code = run(job)
         reset(environ)
+        faulthandler.cancel_dump_traceback_later()
         failed = False
     except BaseException:  # noqa: BLE001 - the script's own launch would end here
         traceback.print_exc()
