@@ -47,9 +47,10 @@ class Responder:
                     continue  # (the asker gave up, say, or the content changed while read)
 
     def close(self) -> None:
+        # shutting down wakes the thread in accept(); on Linux closing alone does not
         try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept (close alone
-        except OSError:                               # does not, on Linux)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
         self.listener.close()
 

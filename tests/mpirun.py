@@ -66,7 +66,7 @@ def run_shared(n: int, script: str, *args: str, timeout: float = 300, env: dict 
     with the settings ``env`` may run there, else in a launch of its own."""
     if not pooled(script, env or {}):
         return mpirun(n, script, *args, timeout=timeout, env=env)
-    return POOLS.run(n, script, *args, timeout=timeout, env=env or {},
+    return POOLS.run(n, script, *args, timeout=timeout, env=env or {}, mpiexec=mpiexec(),
                      launch_env={**os.environ, **checkout_env()})
 
 

@@ -37,7 +37,7 @@ def pooled(script: str, env: dict) -> bool:
 class Pool:
     """``n`` ranks of tests/mpi/serve.py, and the FIFOs that give them jobs."""
 
-    def __init__(self, n: int, env: dict):
+    def __init__(self, n: int, mpiexec: str, env: dict):
         self.n, self.jobs_sent = n, 0
         self.dir = Path(tempfile.mkdtemp(prefix=f"commlib-pool-{n}-"))
         for name in ["done", *(f"jobs.{r}" for r in range(n))]:
@@ -46,9 +46,8 @@ class Pool:
         self.done = os.open(self.dir / "done", os.O_RDWR | os.O_NONBLOCK)
         self.jobs = [os.open(self.dir / f"jobs.{r}", os.O_RDWR) for r in range(n)]
         self.log = open(self.dir / "launch", "w")
-        from mpirun import mpiexec
         self.proc = subprocess.Popen(
-            [mpiexec(), "-n", str(n), sys.executable, str(ROOT / "tests/mpi/serve.py"),
+            [mpiexec, "-n", str(n), sys.executable, str(ROOT / "tests/mpi/serve.py"),
              str(self.dir)], stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
             start_new_session=True)
         self.pending = b""
@@ -73,8 +72,8 @@ class Pool:
                     got_job, rank, code = map(int, got.split())
                     assert got_job == job, (got_job, job)
                     codes[rank] = code
-        out = "".join((self.dir / f"{job}.{r}").read_text() if (self.dir / f"{job}.{r}").exists()
-                      else "" for r in range(self.n))
+        outputs = [self.dir / f"{job}.{r}" for r in range(self.n)]
+        out = "".join(o.read_text() for o in outputs if o.exists())
         if len(codes) == self.n and not any(codes.values()):
             return 0, out
         timed_out = len(codes) < self.n and self.proc.poll() is None
@@ -119,12 +118,13 @@ class Pools:
         self.by_size: dict[int, Pool] = {}
         self.dirs: list[str] = []  # of every pool started, open or closed
 
-    def run(self, n: int, script: str, *args: str, timeout: float, env: dict, launch_env: dict):
+    def run(self, n: int, script: str, *args: str, timeout: float, env: dict, mpiexec: str,
+            launch_env: dict):
         pool = self.by_size.get(n)
         if pool is None or not pool.open:
             if pool is not None:  # its launch ended between jobs
                 pool.close()
-            pool = self.by_size[n] = Pool(n, launch_env)
+            pool = self.by_size[n] = Pool(n, mpiexec, launch_env)
             self.dirs.append(str(pool.dir))
         return pool.run(script, args, env, timeout)
 
