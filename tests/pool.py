@@ -80,7 +80,9 @@ class Pool:
         out += self.close(kill=timed_out)
         if timed_out:
             return None, f"TIMEOUT after {timeout}s\n{out}"
-        return max([*codes.values(), self.proc.returncode or 0], key=abs) or 1, out
+        if len(codes) == self.n:  # the job's exit codes, not how its launch ended after it
+            return max(codes.values(), key=abs), out
+        return self.proc.returncode or 1, out
 
     def hang_up(self) -> None:
         """Close the job files: each rank ends when it has read them to the end."""
