@@ -5,11 +5,24 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests import the mpirun helper
 sys.path.insert(0, str(Path(__file__).parent.parent))  # and the bench package
 
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
 import training  # noqa: E402
 from pool import POOLS  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_stay_in_the_session(tmp_path_factory):
+    """What the launches write to the temporary directory (the failure reports of the tests
+    that kill ranks on purpose, torch's file stores) goes under the session's own pytest
+    directory, which pytest prunes to the last three runs, instead of piling up in /tmp."""
+    where = str(tmp_path_factory.mktemp("tmp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", where)
+        patch.setattr(tempfile, "tempdir", where)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

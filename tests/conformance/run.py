@@ -49,7 +49,7 @@ def run_column(column: str, world_size: int, select: str | None, limit: int) -> 
     with tempfile.TemporaryDirectory(prefix="commlib-conformance-") as tmp:
         report = Path(tmp) / "report.xml"
         env = {**os.environ, **COLUMNS[column], "WORLD_SIZE": str(world_size),
-               "TEMP_DIR": tmp, "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(limit)}
+               "TEMP_DIR": tmp, "TMPDIR": tmp, "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(limit)}
         command = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider",
                    f"--junitxml={report}", "-o", "junit_family=xunit1"]
         if select:
@@ -77,7 +77,7 @@ def run_under_mpiexec(world_size: int, tests: list, limit: int) -> dict:
             for part in ("barrier", "test_dir", "init_dir"):
                 os.mkdir(os.path.join(tmp, part))
             env = {**os.environ, **COLUMNS["commlib*"], "WORLD_SIZE": str(world_size),
-                   "TEMP_DIR": tmp, "INIT_METHOD": f"file://{tmp}/init_dir/shared_init_file"}
+                   "TEMP_DIR": tmp, "TMPDIR": tmp, "INIT_METHOD": f"file://{tmp}/init_dir/shared_init_file"}
             job = subprocess.Popen([str(mpiexec), "-n", str(world_size), sys.executable,
                                     str(MPI_RANK), test], env=env, cwd=SUITE.parent,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
