@@ -133,7 +133,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         found = [a for a in candidates(collective, offers) if a.name == name]
         if not found:
             raise unavailable(collective, name, offers, False)
-        why = (found[0].refuses and found[0].refuses(n, nbytes)) or \
+        why = (found[0].refuses and found[0].refuses(n, nbytes, where)) or \
             _lacks(found[0], user_op, deterministic)
         if why:
             raise ValueError(f"{collective}: algorithm={name!r} cannot run this call: {why}")
@@ -145,7 +145,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         raise ValueError(f"{collective}: no algorithm here can run this call: "
                          f"{_lacks(None, user_op, deterministic)}")
     if measured is not None:
-        found = [a for a in fits if a.refuses is None or not a.refuses(n, nbytes)]
+        found = [a for a in fits if a.refuses is None or not a.refuses(n, nbytes, where)]
         fastest = measured.fastest(collective, None if collective == "all_to_all" else nbytes,
                                    [a.name for a in found])
         if fastest is not None:

@@ -171,6 +171,7 @@ def measure(comm, start=None, transport=None) -> Table:
         reading = _how_to_read_in_place(comm, transport, start)
     keys, mine = [], []
     n = comm.size
+    where = transport.where if transport is not None else None  # (None: as under MPI)
     before = (0, 0.0)  # (bytes, seconds that one of each call took there)
     for nbytes in SIZES:
         if nbytes == SIZES[-1]:
@@ -186,7 +187,7 @@ def measure(comm, start=None, transport=None) -> Table:
                 calls = []  # (a collective's algorithms take turns among themselves)
                 for name in comm.algorithms(collective):
                     refuses = entries(collective)[name].refuses
-                    if refuses and refuses(n, nbytes):
+                    if refuses and refuses(n, nbytes, where):
                         continue  # (never chosen there: select.choose asks it too)
                     keys.append((on_huge, collective, name, nbytes))
                     calls.append(_call(comm, collective, name, a, b, count))

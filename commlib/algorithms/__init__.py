@@ -21,8 +21,8 @@ from ..call import COLLECTIVES
 NEEDS = {"schedules": "a transport that runs schedules (shared memory or MPI; not gloo, which "
                       "joins the nodes of a torchrun job)",
          "shm": "all ranks on one host with shared memory",
-         "eager": "ranks that agree on each call through MPI messages (the mpi and hosts "
-                  "transports)",
+         "eager": "ranks that agree on each call through messages (the mpi, hosts and "
+                  "gloo transports)",
          "one_copy": "all ranks on one host, each able to read the others' memory with "
                      "process_vm_readv (probed at set-up; off where the host forbids it, "
                      "or with COMMLIB_ONE_COPY=0)",
@@ -44,7 +44,8 @@ class Algorithm:
     memory: str = "host"
     family: Optional[str] = None  # a name that asks for the cheapest of several (ipc)
     applies: Optional[Callable] = None  # applies(transport, call) -> why it cannot, or None
-    refuses: Optional[Callable] = None  # refuses(n, nbytes) -> why not at that size, or None
+    # refuses(n, nbytes, where=None) -> why not at that size (there; None: MPI), or None
+    refuses: Optional[Callable] = None
     agrees: bool = False  # its run checks that the ranks made the same call (no agreement)
     user_ops: bool = True  # reduces with user-defined ops too (commlib/user_ops.py)
     # reduces every element in rank order, ((x0 op x1) op x2) ..., whatever the size: the

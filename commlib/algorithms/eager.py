@@ -5,40 +5,54 @@ small call across hosts costs one exchange, where checking the call and then run
 own collective costs two or more. Every rank reduces the rows in rank order, so the
 results are bitwise equal everywhere. What a rank sends: all_reduce and reduce its buffer,
 all_gather its input, reduce_scatter its whole input, broadcast the root's buffer (the
-others only their descriptor); at most Agreement.payload_bytes (64 KiB, less among many
-ranks), and it goes to all n - 1 peers, so it pays only while the messages are small.
+others only their descriptor); at most payload_bytes(n, where), and it goes to all n - 1
+peers, so it pays only while the messages are small.
+
+Between torchrun's nodes (transports/gloo.py) the rows are one gloo all-gather, of a fixed
+length (gloo aborts the process on an all-gather whose ranks differ in length): every
+agreement there sends a row that long, so a call that is eager on one rank and not on
+another still meets a row of its length, and is told they disagree.
 """
+from ..transports.gloo import GlooTransport
 from ..transports.mpi import Agreement
-from . import register
+from . import Where, register
+from .gloo import agreement_terms
 
 
-def _payload_bytes(collective: str, n: int, nbytes: int) -> int:
+def payload_bytes(n: int, where: Where | None = None) -> int:
+    """The most data a rank's row carries among ``n`` ranks at ``where`` (None: MPI)."""
+    if where is not None and "gloo" in (where.transport, where.cross):
+        return GlooTransport.payload_bytes(n)
+    return Agreement.payload_bytes(n)
+
+
+def _sent_bytes(collective: str, n: int, nbytes: int) -> int:
     return n * nbytes if collective == "reduce_scatter" else nbytes
 
 
 def _refuses(collective):
-    def refuses(n, nbytes):
-        sent, most = _payload_bytes(collective, n, nbytes), Agreement.payload_bytes(n)
+    def refuses(n, nbytes, where=None):
+        sent, most = _sent_bytes(collective, n, nbytes), payload_bytes(n, where)
         if sent > most:
             return (f"eager sends at most {most} bytes with its descriptor among {n} "
-                    f"ranks, and this call would send {sent}")
+                    f"ranks here, and this call would send {sent}")
         return None
     return refuses
 
 
 def _terms(collective):
     def terms(model, where, n, nbytes):
-        if _refuses(collective)(n, nbytes):
+        if _refuses(collective)(n, nbytes, where):
             return None
-        sent = _payload_bytes(collective, n, nbytes)
+        if "gloo" in (where.transport, where.cross):  # the agreement's all-gather alone
+            return {**agreement_terms(n), "gamma": n * nbytes}
+        sent = _sent_bytes(collective, n, nbytes)
         return {"alpha_native": 1, "beta": (n - 1) * sent, "gamma": n * nbytes}
     return terms
 
 
 def run(t, call):
-    inp = call.out if call.inp is None else call.inp
-    t.agreement.native.eager(call.descriptor("eager"), call.out.ptr, call.out.numel, inp.ptr,
-                             inp.numel, call.op_code)
+    t.eager(call)
 
 
 for _collective in ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast"):

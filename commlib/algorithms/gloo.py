@@ -3,6 +3,7 @@
 stage between hosts (commlib/transports/gloo.py). Buffers go to gloo as torch views of
 their memory; an average is a sum the caller scales.
 """
+from ..transports.gloo import GlooTransport
 from . import COLLECTIVES, register
 from .native import FORMULAS
 
@@ -73,9 +74,18 @@ def reduce(t, call):
 
 
 def terms(collective, n, nbytes) -> dict:
-    """A library's own collective, like MPI's (native.FORMULAS), at gloo's constants."""
+    """A library's own collective, like MPI's (native.FORMULAS), at gloo's constants, after
+    the agreement's all-gather of rows (GlooTransport.agree)."""
     rounds, moved = FORMULAS[collective](n, nbytes)
-    return {"alpha_gloo": max(1, rounds), "beta_gloo": moved}
+    agreement = agreement_terms(n)
+    return {"alpha_gloo": max(1, rounds) + agreement["alpha_gloo"],
+            "beta_gloo": moved + agreement["beta_gloo"]}
+
+
+def agreement_terms(n) -> dict:
+    """GlooTransport.agree among ``n`` ranks: one all-gather of whole rows."""
+    rounds, _ = FORMULAS["all_gather"](n, 0)
+    return {"alpha_gloo": max(1, rounds), "beta_gloo": (n - 1) * GlooTransport.row_bytes(n)}
 
 
 RUNNERS = {f.__name__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all,

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from .. import _C
 from ..call import Call, ReduceOp
-from . import candidates, register
+from . import candidates, gloo, register
 from .direct import terms as direct_terms
 
 
@@ -96,7 +96,10 @@ def terms(collective, model, where, n, nbytes) -> dict | None:
     cross = min((a.cost(model, cross_where, hosts, int(cross_bytes))
                  for a in candidates(collective, CROSS_OFFERS[where.cross])), key=model.price)
     total = dict(direct_terms(collective, replace(where, transport="shm"), local, int(host_bytes)))
-    for name, coefficient in cross.items():
+    # between torchrun's nodes the whole call is agreed on first, over gloo (its MPI
+    # agreement, like every algorithm's there, is left out)
+    extra = gloo.agreement_terms(n) if where.cross == "gloo" else {}
+    for name, coefficient in [*cross.items(), *extra.items()]:
         total[name] = total.get(name, 0) + coefficient
     return total
 

@@ -1,8 +1,9 @@
 """gloo: a communicator made from a store (torchrun) whose ranks are on several hosts.
 There is no MPI library to join the hosts, so torch's gloo process group (TCP, under the
 same store) does: each call's agreement is an all-gather of its descriptor there, and the
-call runs as gloo's collective (commlib/algorithms/gloo.py). With as many ranks on every
-host, GlooHostsTransport adds hier: shared memory inside each host, gloo between them.
+call runs as gloo's collective (commlib/algorithms/gloo.py), or, when small, rides in that
+all-gather (eager). With as many ranks on every host, GlooHostsTransport adds hier: shared
+memory inside each host, gloo between them.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .store import StoreTransport, StoreWorld
 
 class GlooTransport(Transport):
     name = "gloo"
-    offers = frozenset({"gloo"})
+    offers = frozenset({"gloo", "eager"})
 
     def __init__(self, world: StoreWorld):
         import torch.distributed as dist
@@ -27,10 +28,22 @@ class GlooTransport(Transport):
         timeout = getattr(world.store, "timeout", None) or timedelta(minutes=30)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"{world.prefix}/gloo", world.store),
                                            world.rank, world.size, timeout)
-        # a row per rank: the descriptor's 8 fields, then all_to_all's bytes per peer
-        self._table = np.zeros((world.size, 8 + 2 * world.size), np.int64)
+        # a row per rank: the descriptor's 8 fields, all_to_all's bytes to and from each
+        # peer, then eager's data (algorithms/eager.py); every agreement sends a whole row
+        self.header = 8 + 2 * world.size
+        self._table = np.zeros((world.size, self.row_bytes(world.size) // 8), np.int64)
         self._mine = np.zeros(self._table.shape[1], np.int64)  # reused by every call
         self._sent = 0
+
+    @staticmethod
+    def payload_bytes(size: int) -> int:
+        """The data an eager row carries: 4 KiB, less among many ranks (every call's
+        agreement sends a whole row to every peer)."""
+        return max(256, min(4096, (64 << 10) // size)) // 8 * 8
+
+    @classmethod
+    def row_bytes(cls, size: int) -> int:
+        return 8 * (8 + 2 * size) + cls.payload_bytes(size)
 
     @staticmethod
     def suits(world) -> bool:
@@ -48,15 +61,47 @@ class GlooTransport(Transport):
             raise CommError(f"gloo failed while waiting for {what}: {e}") from None
 
     def agree(self, desc, splits=None, itemsize=1) -> None:
-        import torch
-        mine = self._mine
-        mine[:8] = desc
+        self._mine[:8] = desc
         if splits:
-            mine[8:] = list(splits[0]) + list(splits[1])
+            self._mine[8:self.header] = list(splits[0]) + list(splits[1])
+        self._exchange(itemsize, bool(splits))
+
+    def _exchange(self, itemsize: int, splits: bool) -> None:
+        """Every rank's row into the table (one all-gather), then checked."""
+        import torch
         self.wait(self.group._allgather_base(torch.from_numpy(self._table).view(-1),
-                                             torch.from_numpy(mine)),
+                                             torch.from_numpy(self._mine)),
                   "its peers to start the same collective")
-        _C.check_agreement(self._table, itemsize, bool(splits))
+        _C.check_agreement(self._table[:, :self.header], itemsize, splits)
+
+    def eager(self, call) -> None:
+        """An eager collective (algorithms/eager.py): the data ride in this rank's row; the
+        result comes from every rank's row, reduced in rank order."""
+        n, collective, out = self.size, call.collective, call.out
+        data = call.inp if collective in ("all_gather", "reduce_scatter") else out
+        sent = data.nbytes if collective != "broadcast" or self.rank == call.root else 0
+        if sent > self.payload_bytes(n):  # (select.py refuses such calls before they start)
+            raise ValueError(f"eager sends at most {self.payload_bytes(n)} bytes here")
+        self._mine[:8] = call.descriptor("eager")
+        _C.copy(self._mine.ctypes.data + 8 * self.header, data.ptr, sent)
+        self._exchange(call.dtype.itemsize, False)
+        rows = self._table
+
+        def payload(r: int) -> int:  # the address of rank r's data
+            return rows.ctypes.data + r * rows.strides[0] + 8 * self.header
+        if collective in ("all_reduce", "reduce_scatter") or (
+                collective == "reduce" and self.rank == call.root):
+            at = self.rank * out.nbytes if collective == "reduce_scatter" else 0
+            if n == 1:
+                _C.copy(out.ptr, payload(0) + at, out.nbytes)
+            for r in range(1, n):  # ((row 0 op row 1) op row 2) ...
+                _C.reduce(out.ptr, payload(0) + at if r == 1 else out.ptr, payload(r) + at,
+                          out.numel, call.dtype.code, call.op_code)
+        elif collective == "broadcast" and self.rank != call.root:
+            _C.copy(out.ptr, payload(call.root), out.nbytes)
+        elif collective == "all_gather":
+            for r in range(n):
+                _C.copy(out.ptr + r * sent, payload(r), sent)
 
     def barrier(self) -> None:
         self.wait(self.group.barrier(), "its peers to arrive")
@@ -72,7 +117,7 @@ class GlooTransport(Transport):
 class GlooHostsTransport(HostLayout, GlooTransport):
     """As many ranks on every host: hier over shared memory inside hosts, gloo between."""
     name = "hosts"
-    offers = frozenset({"hosts", "gloo"})
+    offers = frozenset({"hosts", "gloo", "eager"})
 
     def __init__(self, world: StoreWorld, color: int):
         super().__init__(world)

@@ -187,6 +187,12 @@ class MpiTransport(Transport):
     def agree(self, desc, splits=None, itemsize=1) -> None:
         self.agreement.check(desc, itemsize, splits)
 
+    def eager(self, call) -> None:
+        """An eager collective (algorithms/eager.py), run by the agreement's exchange."""
+        inp = call.out if call.inp is None else call.inp
+        self.agreement.native.eager(call.descriptor("eager"), call.out.ptr, call.out.numel,
+                                    inp.ptr, inp.numel, call.op_code)
+
     def fast_path(self, **kwargs):
         if os.environ.get("COMMLIB_FAST_PATH", "1") == "0":
             return None

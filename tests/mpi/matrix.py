@@ -187,6 +187,24 @@ def on_expected_transport():
 
 
 check.check(f"transport {expected_transport()}", on_expected_transport)
+
+
+def eager_over_gloo():
+    """Between torchrun's nodes, eager's data ride in rows of a fixed length, shorter than
+    MPI's (transports/gloo.py): a call they cannot carry is refused, on every rank alike;
+    ranks of which some run a call eagerly and some not are told they disagree (gloo
+    would abort the processes on all-gathers of different lengths), and go on."""
+    big = np.ones(4096, np.float32)  # 16 KiB
+    raises(ValueError, "eager sends at most", lambda: comm.all_reduce(big, algorithm="eager"))
+    mismatch = commlib.CollectiveMismatchError
+    raises(mismatch, "", lambda: comm.all_reduce(big[:8], algorithm="eager" if rank else "gloo"))
+    raises(mismatch, "", lambda: comm.all_reduce(big if rank == 0 else big[:8]))  # auto
+    comm.all_reduce(big[:8], algorithm="eager")
+    assert big[:8].tolist() == [n] * 8
+
+
+if "gloo" in comm.algorithms("all_reduce"):
+    check.check("eager over gloo", eager_over_gloo)
 # count and data outermost, so the cached inputs and references are reused by every algorithm
 for count, dtypes, ops in SIZES:
     for dtype in dtypes:
