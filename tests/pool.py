@@ -21,12 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 POOLED = {f"tests/mpi/{name}.py" for name in (
-    "async_ops", "deterministic", "fast_path", "fuzz", "host_memory", "matrix", "misc",
-    "strategies_basics", "strategies_checkpoint", "strategies_families", "strategies_moe",
-    "strategies_pp", "strategies_sp", "strategies_tp", "strategies_train", "torch_collectives",
-    "torch_errors", "torch_train", "train_many")}
+    "async_ops", "cuda_staged", "deterministic", "fast_path", "fuzz", "host_memory", "matrix",
+    "misc", "strategies_basics", "strategies_checkpoint", "strategies_families",
+    "strategies_moe", "strategies_pp", "strategies_sp", "strategies_tp", "strategies_train",
+    "torch_collectives", "torch_errors", "torch_train", "train_many")}
 FRESH = {"COMMLIB_TRANSPORT", "COMMLIB_RANKS_PER_HOST", "COMMLIB_SHM_STAGING_BYTES",
-         "COMMLIB_DETERMINISTIC"}
+         "COMMLIB_DETERMINISTIC", "COMMLIB_CUDA_STREAMS", "COMMLIB_CUDA_IPC",
+         "COMMLIB_CUDA_IPC_SLOT_BYTES", "COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
+         "COMMLIB_CUDA_AWARE_MPI"}
 
 
 def pooled(script: str, env: dict) -> bool:

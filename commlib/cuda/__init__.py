@@ -64,13 +64,17 @@ def kernels():
     return CupyRuntime()
 
 
-@lru_cache(maxsize=None)
 def mpi_is_cuda_aware() -> bool:
     """Whether the MPI library moves GPU memory itself (CUDA-aware), so that send and recv
     hand it device pointers instead of staging through host memory.
-    COMMLIB_CUDA_AWARE_MPI=1 or 0 says so; else the loaded libmpi's MPIX_Query_cuda_support
-    (Open MPI and MPICH have it) is asked. Call once MPI is initialised."""
-    said = os.environ.get("COMMLIB_CUDA_AWARE_MPI")
+    COMMLIB_CUDA_AWARE_MPI=1 or 0 says so (read at each call, as worlds are made); else the
+    loaded libmpi's MPIX_Query_cuda_support (Open MPI and MPICH have it) is asked, once.
+    Call once MPI is initialised."""
+    return _mpi_is_cuda_aware(os.environ.get("COMMLIB_CUDA_AWARE_MPI"))
+
+
+@lru_cache(maxsize=None)
+def _mpi_is_cuda_aware(said: str | None) -> bool:
     if said in ("0", "1"):
         return said == "1"
     import ctypes
@@ -87,12 +91,15 @@ def mpi_is_cuda_aware() -> bool:
     return bool(query())
 
 
-@lru_cache(maxsize=None)
 def streams():
     """The stream-ordering calls of the collectives on GPU memory (staging.py,
     transports/cuda_ipc.py): kernels()'s, or those of the object COMMLIB_CUDA_STREAMS names
-    as module:class (the tests' simulated GPU, tests/simulated_gpu.py)."""
-    plugged = os.environ.get("COMMLIB_CUDA_STREAMS")
+    as module:class (the tests' simulated GPU, tests/simulated_gpu.py), one per setting."""
+    return _streams(os.environ.get("COMMLIB_CUDA_STREAMS"))
+
+
+@lru_cache(maxsize=None)
+def _streams(plugged: str | None):
     if plugged:
         import importlib
         module, cls = plugged.split(":")
