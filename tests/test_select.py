@@ -4,6 +4,7 @@ import math
 import pytest
 
 from commlib import algorithms
+from commlib.algorithms import Where, get
 from commlib.select import CostModel, choose
 
 DEFAULTS = CostModel()  # not the machine's tuning file: these tests must not depend on it
@@ -129,3 +130,24 @@ def test_parts_read_in_place_from_where_that_wins_at_every_larger_size():
     assert wins_from([True, True, True]) == 0
     assert wins_from([True, True, False]) == 3  # never
     assert wins_from([]) == 0
+
+
+def test_between_torchrun_nodes_small_calls_ride_in_the_check():
+    """Over gloo a checked call costs the check's all-gather and then gloo's collective;
+    eager is that all-gather alone, so it wins small calls, and is refused past the rows'
+    fixed length. Unchecked (COMMLIB_CHECK=0) gloo's and hier's costs lose the check."""
+    offers = frozenset({"hosts", "gloo", "eager"})
+    checked = Where("hosts", 2, cross="gloo")
+    unchecked = Where("hosts", 2, cross="gloo", checked=False)
+    for collective in ("all_reduce", "broadcast", "all_gather", "reduce"):
+        assert choose(collective, None, 4, 64, DEFAULTS, where=checked,
+                      offers=offers).name == "eager", collective
+    assert choose("all_reduce", None, 4, 64 << 10, DEFAULTS, where=checked,
+                  offers=offers).name != "eager"
+    with pytest.raises(ValueError, match="eager sends at most 4096 bytes"):
+        choose("all_reduce", "eager", 4, 8192, DEFAULTS, where=checked, offers=offers)
+    choose("all_reduce", "eager", 4, 8192, DEFAULTS, offers=frozenset({"mpi", "eager"}))  # MPI
+    assert choose("all_reduce", None, 4, 64, DEFAULTS, where=unchecked,
+                  offers=offers).name == "hier"
+    gloo = get("all_reduce", "gloo", offers)
+    assert DEFAULTS.cost(gloo, unchecked, 4, 64) < DEFAULTS.cost(gloo, checked, 4, 64)

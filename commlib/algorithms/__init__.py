@@ -63,6 +63,7 @@ class Where:
     staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
     slot_bytes: int = 16 << 20      # a CUDA IPC slot (commlib/transports/cuda_ipc.py)
     one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
+    checked: bool = True  # calls agreed on before they run (COMMLIB_CHECK): gloo's cost
 
 
 _registry: dict[tuple[str, str], dict[str, Algorithm]] = {

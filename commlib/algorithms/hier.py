@@ -98,7 +98,7 @@ def terms(collective, model, where, n, nbytes) -> dict | None:
     total = dict(direct_terms(collective, replace(where, transport="shm"), local, int(host_bytes)))
     # between torchrun's nodes the whole call is agreed on first, over gloo (its MPI
     # agreement, like every algorithm's there, is left out)
-    extra = gloo.agreement_terms(n) if where.cross == "gloo" else {}
+    extra = gloo.agreement_terms(n) if where.cross == "gloo" and where.checked else {}
     for name, coefficient in [*cross.items(), *extra.items()]:
         total[name] = total.get(name, 0) + coefficient
     return total

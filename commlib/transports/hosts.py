@@ -31,7 +31,7 @@ class HostLayout:
         for r, (i, h) in enumerate(self.position):
             self.owner[i][h] = r
         self.where = replace(self.local.where, transport=self.name, local=self.local.size,
-                             cross=cross)
+                             cross=cross, checked=self.checks_calls)
 
     def set_timeout(self, seconds: float) -> None:
         """Each stage of hier is bounded by its call's timeout too."""

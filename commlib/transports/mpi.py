@@ -198,10 +198,6 @@ class MpiTransport(Transport):
             return None
         return _C.FastPath(self.agreement.native, **kwargs)
 
-    def agree_call(self, call, algo) -> None:
-        if self.checks_calls and not algo.agrees:
-            super().agree_call(call, algo)
-
     def barrier(self) -> None:
         if self.checks_calls:  # the agreement's exchange is a barrier too
             self.agree(descriptor("barrier", "native", 0, NONE, NONE, NONE))
