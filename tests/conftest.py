@@ -4,6 +4,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # tests import the mpirun helper
 sys.path.insert(0, str(Path(__file__).parent.parent))  # and the bench package
 
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -14,15 +15,21 @@ from pool import POOLS  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def temporary_files_stay_in_the_session(tmp_path_factory):
+def temporary_files_stay_in_the_session(request):
     """What the launches write to the temporary directory (the failure reports of the tests
-    that kill ranks on purpose, torch's file stores) goes under the session's own pytest
-    directory, which pytest prunes to the last three runs, instead of piling up in /tmp."""
-    where = str(tmp_path_factory.mktemp("tmp"))
+    that kill ranks on purpose, torch's file stores) goes to a directory of the session's,
+    removed at its end unless a test failed, instead of piling up in /tmp. Its path is
+    short: sockets are made under it (multiprocessing's forkserver), and a socket's path
+    must fit in 108 bytes."""
+    where = tempfile.mkdtemp(prefix="commlib-tests-")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TMPDIR", where)
         patch.setattr(tempfile, "tempdir", where)
         yield
+    if request.session.testsfailed:
+        print(f"\nthe launches' temporary files are kept in {where}")
+    else:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
