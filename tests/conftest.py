@@ -33,9 +33,10 @@ def temporary_files_stay_in_the_session(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind():
+def nothing_left_behind(temporary_files_stay_in_the_session):
     """After the whole suite: no commlib segment in /dev/shm, no rank still running, no
-    namespace host (commlib/testing.py) still up; the shared launches end first."""
+    namespace host (commlib/testing.py) still up; the shared launches end first (and
+    before their directories, in the session's temporary one, go)."""
     yield
     POOLS.close()
     left = sorted(str(p) for p in Path("/dev/shm").glob("commlib-*"))
