@@ -65,6 +65,11 @@ class Where:
     one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
     checked: bool = True  # calls agreed on before they run (COMMLIB_CHECK): gloo's cost
 
+    @property
+    def over_gloo(self) -> bool:
+        """Whether gloo joins the ranks (torchrun's nodes): the whole group, or hier's hosts."""
+        return "gloo" in (self.transport, self.cross)
+
 
 _registry: dict[tuple[str, str], dict[str, Algorithm]] = {
     (c, m): {} for c in COLLECTIVES for m in ("host", "device")}

@@ -21,7 +21,7 @@ from .gloo import agreement_terms
 
 def payload_bytes(n: int, where: Where | None = None) -> int:
     """The most data a rank's row carries among ``n`` ranks at ``where`` (None: MPI)."""
-    if where is not None and "gloo" in (where.transport, where.cross):
+    if where is not None and where.over_gloo:
         return GlooTransport.payload_bytes(n)
     return Agreement.payload_bytes(n)
 
@@ -44,7 +44,7 @@ def _terms(collective):
     def terms(model, where, n, nbytes):
         if _refuses(collective)(n, nbytes, where):
             return None
-        if "gloo" in (where.transport, where.cross):  # the agreement's all-gather alone
+        if where.over_gloo:  # the agreement's all-gather alone
             return {**agreement_terms(n), "gamma": n * nbytes}
         sent = _sent_bytes(collective, n, nbytes)
         return {"alpha_native": 1, "beta": (n - 1) * sent, "gamma": n * nbytes}

@@ -93,7 +93,7 @@ def terms(collective, model, where, n, nbytes) -> dict:
     total = {"gamma_shm" if shm else "gamma":
              (n - 1) * (nbytes if collective == "reduce_scatter" else nbytes / n),
              "alpha_shm" if shm else "alpha": 2, "beta_shm": nbytes}
-    gloo = "gloo" in (where.transport, where.cross)  # (hosts: hier, else gloo)
+    gloo = where.over_gloo
     stages = [("all_to_all", "gloo" if gloo else "pairwise", exchange)]
     if gather:
         stages.append(("all_gather", "gloo" if gloo else "ring", gather))
