@@ -210,6 +210,9 @@ PYBIND11_MODULE(_C, m) {
                     &ShmComm::set_parts_in_place_from,
                     "bytes of a rank's largest part from which direct's all_to_all reads its "
                     "parts in place (-1: where they take several staging pieces)")
+      .def_property("streaming_from", &ShmComm::streaming_from, &ShmComm::set_streaming_from,
+                    "bytes of a transfer from which received data land with non-temporal "
+                    "stores (skipping the cache)")
       .def_property_readonly("staging_bytes",
                              [](const ShmComm& c) { return c.config().staging_bytes; })
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,

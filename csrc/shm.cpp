@@ -101,9 +101,19 @@ int64_t* ShmComm::splits(int owner, uint64_t call) const {
          (call % 2) * 2 * size_;
 }
 
+// streaming_from's default among `ranks` on this host: where their copies together fill
+// half the last-level cache (as the C library reports it; glibc's own memcpy streams from
+// three quarters of a thread's share of it), and from kStreamingBytes at least.
+static int64_t streaming_from_cache(int ranks) {
+  long cache = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (cache <= 0) cache = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return std::max<int64_t>(ShmComm::kStreamingBytes, cache > 0 ? cache / 2 / ranks : 0);
+}
+
 ShmComm::ShmComm(int rank, int size, const Config& config)
     : rank_(rank), size_(size), config_(config), peers_(size), sent_(size), received_(size) {
   if (size < 1 || rank < 0 || rank >= size) throw std::invalid_argument("bad rank or size");
+  streaming_from_ = streaming_from_cache(size);
   if (config.slot_bytes < 64 || config.slot_bytes % 64 || config.slots < 1 ||
       config.staging_bytes < 128 * size || config.staging_bytes % 128)
     throw std::invalid_argument(

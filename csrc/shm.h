@@ -170,6 +170,15 @@ class ShmComm : public FastTransport {
   // default: where they take several staging pieces. The tuning pass measures it.
   int64_t parts_in_place_from() const { return parts_in_place_from_; }
   void set_parts_in_place_from(int64_t bytes) { parts_in_place_from_ = bytes; }
+  // The bytes of a transfer from which received data land with non-temporal stores
+  // (copy_streaming), skipping the read-for-ownership a store that misses the cache makes:
+  // a third less DRAM traffic, but the data leave the cache, which pays only where they
+  // would not have stayed there. So from where the host's ranks, copying at once, would
+  // fill half the last-level cache, and from 8 MiB at least (streaming_from_cache). With
+  // a fixed 8 MiB, an Intel Xeon reporting 300 MiB of L3 lost a quarter of a ring
+  // all_reduce's speed at 16-64 MiB (2 ranks), and one_copy's after it almost half.
+  int64_t streaming_from() const { return streaming_from_; }
+  void set_streaming_from(int64_t bytes) { streaming_from_ = bytes; }
   // Region `index` of rank `owner`: at `owner_base` in the owner's address space, mapped
   // here at `local` (the owner's own: the same address). Removed by the owner before it
   // frees the memory, and by the others then.
@@ -193,8 +202,7 @@ class ShmComm : public FastTransport {
 
   // Messages up to this size reduce with one barrier: every rank reduces the whole vector.
   static constexpr int64_t kSmallBytes = 4096;
-  // Received data lands with non-temporal stores in transfers at least this large (far
-  // beyond the cache, where skipping the read-for-ownership saves DRAM traffic).
+  // The least streaming_from (see there).
   static constexpr int64_t kStreamingBytes = 8 << 20;
 
   int rank() const override { return rank_; }
@@ -327,8 +335,9 @@ class ShmComm : public FastTransport {
   int64_t part_offset(int owner) const;
   void read_part_in_place(int owner, char* dst, int64_t nbytes);
   bool one_copy_ok_ = false;
-  std::atomic<uint32_t> base_pages_in_place_{0};  // (these two: set between calls)
+  std::atomic<uint32_t> base_pages_in_place_{0};  // (these three: set between calls)
   std::atomic<int64_t> parts_in_place_from_{-1};
+  std::atomic<int64_t> streaming_from_{kStreamingBytes};
   uint64_t calls_read_in_place_ = 0;
   struct Region {
     int64_t index;

@@ -139,6 +139,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
       return slot(peer, rank_, received_[peer])->seq.load(std::memory_order_acquire) ==
              received_[peer] + 1;
     };
+    const uint64_t streaming_from = uint64_t(std::max<int64_t>(streaming_from_, 0));
     // One pass: move what can move; true if anything did.
     auto pass = [&]() {
       bool moved = false;
@@ -187,7 +188,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           else if (r.src)
             commlib::reduce(r.dst + r.done, r.src + r.done, data, int64_t(h->nbytes) / item_bytes,
                             dtype, op);
-          else if (r.nbytes >= uint64_t(kStreamingBytes))
+          else if (r.nbytes >= streaming_from)
             copy_streaming(r.dst + r.done, data, h->nbytes);
           else
             std::memcpy(r.dst + r.done, data, h->nbytes);

@@ -191,18 +191,41 @@ def bytes_sent_counts_what_each_algorithm_sends():
         assert comm.bytes_sent - before == (80 if rank == 0 else 0)
 
 
-def large_transfers():
-    """Transfers beyond the cache (>= 8 MiB per peer) take the streaming-store copies."""
-    count = (9 << 20) // 4 + 3
+def streaming_copies():
+    """Received data land with streaming stores from the transport's streaming_from (8 MiB
+    at least; where the host's ranks would fill half the cache): every collective and
+    algorithm that copies received data, with every transfer streaming, gives what it
+    gives without (odd sizes: the streaming copy's unaligned head and tail)."""
+    shm = getattr(comm._transport, "shm", None)
+    if shm is None:
+        return
+    default = shm.streaming_from
+    assert default >= 8 << 20, default
+    count = (1 << 20) // 4 + 3
     mine = np.arange(count, dtype=np.int32) + rank
     want = np.concatenate([np.arange(count, dtype=np.int32) + r for r in range(n)])
-    for algo in comm.algorithms("all_gather"):
-        out = np.zeros(n * count, np.int32)
-        comm.all_gather(out, mine, algorithm=algo)
-        assert_equal(out, want)
-    a2a_out = np.zeros(n * count, np.int32)
-    comm.all_to_all(a2a_out, np.tile(mine, n))
-    assert_equal(a2a_out, want)
+    shared = comm.empty(count, np.int32)  # (one_copy reads it through the mapping)
+    shared[:] = mine
+    try:
+        shm.streaming_from = 0
+        for algo in comm.algorithms("all_gather"):
+            for source in (mine, shared):
+                out = np.zeros(n * count, np.int32)
+                comm.all_gather(out, source, algorithm=algo)
+                assert_equal(out, want)
+        for algo in comm.algorithms("all_reduce"):
+            total = mine.astype(np.float32)
+            comm.all_reduce(total, algorithm=algo)
+            assert_equal(total, (np.arange(count) * n + n * (n - 1) // 2).astype(np.float32))
+        for algo in comm.algorithms("broadcast"):
+            got = mine.copy()
+            comm.broadcast(got, root=n - 1, algorithm=algo)
+            assert_equal(got, np.arange(count, dtype=np.int32) + n - 1)
+        a2a_out = np.zeros(n * count, np.int32)
+        comm.all_to_all(a2a_out, np.tile(mine, n))
+        assert_equal(a2a_out, want)
+    finally:
+        shm.streaming_from = default
 
 
 def finalize_frees_the_world_and_init_makes_a_new_one():  # (last: the cases above use it)
