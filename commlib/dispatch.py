@@ -87,15 +87,20 @@ class Dispatcher:
                                    call.op.value if call.op else None, call.root)
 
     def _task(self, call, algo, plan, seconds):
-        """The call as the engine's task: recorded now, bounded, agreed on, run."""
+        """The call as the engine's task: recorded now, bounded, agreed on, run; after
+        ``before()`` where the task is given one (a staged call's wait for its stream),
+        within the call, so that a timeout there fails the communicator as any does."""
         t, record = self.transport, self._record(call, algo)
 
-        def body():
+        def body(before):
+            if before is not None:
+                before()
             if t.timeout != seconds:
                 t.set_timeout(seconds)
             t.agree_call(call, algo)
             t.run(algo, plan, call)
-        return lambda: self.run_recorded(record, f"{call.collective} ({algo.name})", body)
+        return lambda before=None: self.run_recorded(
+            record, f"{call.collective} ({algo.name})", lambda: body(before))
 
     def _on_device(self, call, algorithm, async_op, seconds, result):
         staging, t = self.staging, self.transport

@@ -26,6 +26,7 @@ constexpr int NPY_ARRAY_WRITEABLE_ = 0x0400;  // numpy's flag bit (pybind11 does
 namespace commlib {
 void bind_fast_path(py::module_& m);     // fast_path.cpp
 void bind_mpi_exchange(py::module_& m);  // mpi_exchange.cpp
+void bind_eager(py::module_& m);         // eager.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -156,6 +157,7 @@ PYBIND11_MODULE(_C, m) {
       "Raise CollectiveMismatchError naming what differs if the ranks' calls disagree.");
   commlib::bind_fast_path(m);  // (FastTransport: the base of ShmComm and MpiExchange)
   commlib::bind_mpi_exchange(m);
+  commlib::bind_eager(m);
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm, commlib::FastTransport>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "

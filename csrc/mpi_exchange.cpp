@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "agreement.h"
+#include "eager.h"
 #include "fast_path.h"
 #include "kernels.h"
 #include "mpi_native.h"
@@ -98,7 +99,6 @@ class MpiExchange : public FastTransport {
   void eager(const std::vector<int64_t>& desc, const FastCall& c) {
     const int n = size();
     const int64_t width = itemsize(c.out.dtype);
-    const int64_t out_bytes = c.out.count * width;
     const bool two = c.collective == ALL_GATHER || c.collective == REDUCE_SCATTER;
     const Operand& data = two ? c.in : c.out;
     const int64_t bytes = c.collective != BROADCAST || rank_ == c.root ? data.count * width : 0;
@@ -109,35 +109,8 @@ class MpiExchange : public FastTransport {
     mine[DTYPE] = c.out.dtype, mine[OP] = c.op_given;
     std::memcpy(payload(rank_), reinterpret_cast<const void*>(data.ptr), bytes);
     exchange(header_ + (bytes + 7) / 8, width, false, bytes);
-    char* out = reinterpret_cast<char*>(c.out.ptr);
-    auto reduce_rows = [&](int64_t offset) {  // out = row 0 (op) row 1 (op) ... in rank order
-      if (n == 1) {
-        std::memcpy(out, payload(0) + offset, out_bytes);
-        return;
-      }
-      reduce(out, payload(0) + offset, payload(1) + offset, c.out.count, c.out.dtype, c.op);
-      for (int r = 2; r < n; ++r)
-        reduce(out, out, payload(r) + offset, c.out.count, c.out.dtype, c.op);
-    };
-    switch (c.collective) {
-      case ALL_REDUCE:
-        reduce_rows(0);
-        break;
-      case REDUCE:
-        if (rank_ == c.root) reduce_rows(0);
-        break;
-      case REDUCE_SCATTER:
-        reduce_rows(rank_ * out_bytes);
-        break;
-      case BROADCAST:
-        if (rank_ != c.root) std::memcpy(out, payload(int(c.root)), out_bytes);
-        break;
-      case ALL_GATHER:
-        for (int r = 0; r < n; ++r) std::memcpy(out + r * bytes, payload(r), bytes);
-        break;
-      default:
-        throw std::invalid_argument(std::string("no eager ") + collective_name(c.collective));
-    }
+    eager_result(c.collective, rank_, n, c.root, payload(0), row_words() * 8, bytes,
+                 reinterpret_cast<char*>(c.out.ptr), c.out.count, c.out.dtype, c.op);
   }
 
   // MPI's own collectives for NATIVE entries (mpi_native.h), from now on.

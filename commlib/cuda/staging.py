@@ -256,7 +256,9 @@ class Staging:
     def issue(self, engine, what: str, call, staged: Staged, async_op: bool, result,
               seconds: float):
         """Enqueue ``staged`` on its stream and queue ``call`` (the collective on the twins)
-        on ``engine``; returns ``result``, or a StagedWork if ``async_op``."""
+        on ``engine``; returns ``result``, or a StagedWork if ``async_op``. ``call(before)``
+        calls ``before()`` first, within the call: the wait for the stream to copy the
+        inputs in (a timeout there fails the call as a peer's absence does)."""
         stream = self.stream_for(staged.array, async_op)
         ready = self.copy_in(staged, stream)
         done = self.copy_out(staged, stream)
@@ -264,8 +266,7 @@ class Staging:
         def task():
             error = None
             try:
-                wait_event(ready, seconds, what)
-                call()
+                call(lambda: wait_event(ready, seconds, what))
             except BaseException as e:
                 error = e
                 raise

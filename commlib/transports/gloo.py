@@ -92,22 +92,10 @@ class GlooTransport(Transport):
         _C.copy(self._mine.ctypes.data + 8 * self.header, data.ptr, sent)
         self._exchange(call.dtype.itemsize, False)
         rows = self._table
-
-        def payload(r: int) -> int:  # the address of rank r's data
-            return rows.ctypes.data + r * rows.strides[0] + 8 * self.header
-        if collective in ("all_reduce", "reduce_scatter") or (
-                collective == "reduce" and self.rank == call.root):
-            at = self.rank * out.nbytes if collective == "reduce_scatter" else 0
-            if n == 1:
-                _C.copy(out.ptr, payload(0) + at, out.nbytes)
-            for r in range(1, n):  # ((row 0 op row 1) op row 2) ...
-                _C.reduce(out.ptr, payload(0) + at if r == 1 else out.ptr, payload(r) + at,
-                          out.numel, call.dtype.code, call.op_code)
-        elif collective == "broadcast" and self.rank != call.root:
-            _C.copy(out.ptr, payload(call.root), out.nbytes)
-        elif collective == "all_gather":
-            for r in range(n):
-                _C.copy(out.ptr + r * sent, payload(r), sent)
+        root = _C.NONE if call.root is None else call.root
+        _C.eager_result(_C.COLLECTIVES[collective], self.rank, n, root,
+                        rows.ctypes.data + 8 * self.header, rows.strides[0], sent, out.ptr,
+                        out.numel, call.dtype.code, call.op_code)
 
     def barrier(self) -> None:
         self.wait(self.group.barrier(), "its peers to arrive")

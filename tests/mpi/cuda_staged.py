@@ -555,6 +555,25 @@ def a_failure_releases_the_stream_and_is_raised_next():
     comm.barrier()
 
 
+def a_stream_slower_than_the_timeout_fails_the_call():
+    """A call whose stream has not reached it within its timeout (a slow kernel before it)
+    fails as a call whose peers do not come: raised by the next call, and the communicator
+    unusable after (its peers may be inside the call), on the staged path as through IPC."""
+    if n == 1:
+        return
+    c = comm.dup()
+    c.all_reduce(device(np.ones(2)))  # (sets up IPC, collectively)
+    if rank == 0:
+        t = device(np.full(4, 1.0))
+        on_stream(lambda: time.sleep(1.0))
+        c.all_reduce(t, timeout=0.3)
+        host(t)
+        raises(commlib.CommError, "an earlier collective on GPU buffers failed",
+               lambda: c.all_reduce(t, timeout=5))
+        raises(commlib.CommError, "unusable", lambda: c.all_reduce(t, timeout=5))
+    comm.barrier()
+
+
 def a_mismatch_is_raised_by_the_next_call():
     if n == 1:
         return
