@@ -145,22 +145,41 @@ class Dispatcher:
             for a in entries(call.collective, "device").values())
 
     def _through(self, gpu, call, algo, async_op, seconds, result):
-        """Through CUDA IPC: the work on the stream now, the meetings on the engine."""
+        """Through CUDA IPC: the meetings go to the engine first, then the caller enqueues
+        the work on the stream (the engine meets its first steps meanwhile)."""
         staging = self.staging
         stream = staging.stream_for(call.device, async_op)
-        meet, release, done = gpu.issue(call, algo.name, stream, seconds)
-        staging.keep_until(done, [b.obj for b in call.bufs.values()])
         record, desc = self._record(call, algo), call.descriptor(algo.name)
         what = f"{call.collective} (ipc)"
 
+        def exchange(fn):
+            got = []
+
+            def body():
+                t = self.transport
+                t.set_timeout(seconds)
+                t.agree(desc, call.split_bytes(), call.dtype.itemsize)
+                got.append(fn(t.world))
+            self.engine.run(what, lambda: self.run_recorded(record, what, body), False)
+            return got[0]
+        try:
+            on_gpu = gpu.issue(call, algo.name, stream, seconds, exchange)
+        except CommError as e:  # the exchange failed: raised by the next call, as a failure
+            staging.remember(e)  # in the meetings would be
+            on_gpu = gpu.failed(e, stream)
+
         def task():
             try:
-                self.run_recorded(record, what, lambda: meet(desc))
+                self.run_recorded(record, what, lambda: on_gpu.meet(desc))
             except BaseException as e:
                 staging.remember(e)  # before the stream goes on, so the next call sees it
-                release()
+                on_gpu.release()
                 raise
-        return staging.submit(self.engine, what, task, done, call.device, async_op, result)
+        work = staging.submit(self.engine, what, task, on_gpu.done, call.device, async_op,
+                              result)
+        on_gpu.enqueue()
+        staging.keep_until(on_gpu.done, [b.obj for b in call.bufs.values()])
+        return work
 
     def gpu(self, device: int, desc: list, itemsize: int, seconds: float):
         """The CUDA IPC transport on ``device`` (``usable``: every rank could map the others'

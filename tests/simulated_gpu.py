@@ -8,6 +8,14 @@ from device_alloc is POSIX shared memory, which peers map by its name (the IPC h
 Each stream is a thread that runs its operations in order, as a GPU runs a stream's.
 Tests make slow "kernels" with ``enqueue``.
 
+What hung on a real GPU (an H200) is refused here, with an error instead of a hang:
+- lazy loading: a kernel's first launch may wait for the device to go idle, so a first
+  launch while a stream waits for the host's counter raises (``load_kernels`` loads all);
+- a stream's launch queue is bounded, as CUDA's is: enqueuing onto a full one blocks, and
+  raises if the stream does not drain within QUEUE_SECONDS;
+- the communicators' engine threads enqueue nothing (there a CUDA call blocked behind the
+  caller's synchronous copy, whose stream waited for that engine).
+
 It checks the ordering logic only; whether CUDA does what streams.cu asks of it is for the
 GPU tests."""
 from __future__ import annotations
@@ -27,6 +35,10 @@ from commlib.dtypes import BY_CODE
 # what a launch's environment sets to run commlib's GPU calls on this simulated device
 SIMULATED = "tests.simulated_gpu:SimulatedDevice"
 
+LAUNCH_QUEUE = 32  # operations a stream holds before enqueuing blocks (CUDA's: ~1000)
+QUEUE_SECONDS = 20.0
+ENGINE_THREADS = "commlib-coll-"  # commlib/work.py's ProgressEngine names its thread so
+
 # numpy's reductions by op code
 _REDUCE = (np.add, np.multiply, np.minimum, np.maximum, np.add)
 
@@ -38,7 +50,7 @@ def _spin_until(condition) -> None:
 
 class _Stream:
     def __init__(self, handle: int):
-        self.ops: queue.Queue = queue.Queue()
+        self.ops: queue.Queue = queue.Queue(LAUNCH_QUEUE)
         threading.Thread(target=self._run, name=f"simulated-stream-{handle}", daemon=True).start()
 
     def _run(self):
@@ -78,15 +90,26 @@ class SimulatedDevice:
         self._memory: dict[int, np.ndarray] = {}
         self._shared: dict[int, shared_memory.SharedMemory] = {}  # device_alloc's, and mapped
         self._owned: set[int] = set()  # device_alloc's: unlinked at exit if not freed
+        self._loaded = False  # every kernel (load_kernels)
+        self._waiting = 0  # enqueued waits for a counter that have not passed yet
         atexit.register(self._unlink_owned)
 
     def enqueue(self, stream: int, op) -> None:
         """Run ``op()`` on ``stream``'s thread after what the stream already holds."""
+        if threading.current_thread().name.startswith(ENGINE_THREADS):
+            raise RuntimeError("the simulated GPU refuses work enqueued by a communicator's "
+                               "engine thread: on a GPU such a call may block behind the "
+                               "caller's synchronous copy, whose stream waits for the engine")
         with self._lock:
             if stream not in self._streams:
                 self._streams[stream] = _Stream(stream)
             target = self._streams[stream]
-        target.ops.put(op)
+        try:
+            target.ops.put(op, timeout=QUEUE_SECONDS)
+        except queue.Full:
+            raise RuntimeError(f"the simulated GPU's stream {stream} stayed full for "
+                               f"{QUEUE_SECONDS:g} s: nothing drains it while this thread "
+                               "enqueues (on a GPU: a hang)") from None
 
     def Event(self, device: int) -> _Event:  # noqa: N802 - as commlib._cuda.Event
         return _Event(self)
@@ -113,8 +136,26 @@ class SimulatedDevice:
 
     def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
         word = ctypes.c_uint32.from_address(counter)
-        self.enqueue(stream, lambda: _spin_until(
-            lambda: (word.value - value) & 0xFFFFFFFF < 0x80000000))  # cyclic >=
+
+        def wait():
+            _spin_until(lambda: (word.value - value) & 0xFFFFFFFF < 0x80000000)  # cyclic >=
+            with self._lock:
+                self._waiting -= 1
+        with self._lock:
+            self._waiting += 1
+        self.enqueue(stream, wait)
+
+    def load_kernels(self, device: int) -> None:
+        self._loaded = True
+
+    def _first_launch(self, kernel: str) -> None:
+        """Lazy loading: a first launch behind a wait for the host would hang on a GPU."""
+        with self._lock:
+            if not self._loaded and self._waiting:
+                raise RuntimeError(
+                    f"the simulated GPU's first {kernel} launch came while a stream waits for "
+                    "the host: under lazy loading it would wait for the device to go idle, "
+                    "for good (call load_kernels before enqueuing a wait)")
 
     @staticmethod
     def store_counter(counter: int, value: int) -> None:
@@ -134,6 +175,8 @@ class SimulatedDevice:
         return np.frombuffer(raw, kind)
 
     def reduce_n(self, targets, sources, count, dtype, op, device, stream) -> None:
+        self._first_launch("reduce_n")
+
         def run():
             arrays = [self._array(p, count, dtype) for p in sources]
             acc = arrays[0].copy()
@@ -144,6 +187,8 @@ class SimulatedDevice:
         self.enqueue(stream, run)
 
     def scale(self, x, factor, count, dtype, device, stream) -> None:
+        self._first_launch("scale")
+
         def run():
             a = self._array(x, count, dtype)
             a[:] = (a * factor).astype(a.dtype)

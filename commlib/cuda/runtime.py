@@ -107,6 +107,7 @@ class CupyRuntime:
         self._module = cupy.RawModule(code=source(), options=("-std=c++17",))
         # COMMLIB_CUDA_WAIT=kernel: streams wait for counters by a kernel (as streams.cu)
         self._wait_by_kernel = os.environ.get("COMMLIB_CUDA_WAIT") == "kernel"
+        self._loaded: set[int] = set()  # devices load_kernels has loaded every kernel on
 
     @staticmethod
     def device_count() -> int:
@@ -116,6 +117,21 @@ class CupyRuntime:
             return 0
 
     # kernels (kernels.cu)
+    def load_kernels(self, device: int) -> None:
+        """Every kernel loaded on ``device`` now, once (csrc/cuda/launch.cu says why)."""
+        if device in self._loaded:
+            return
+        ops = sorted(set(KERNEL_OPS))
+        floating = [d.kernel for d in BY_CODE if d.floating]
+        names = [f"commlib_{kind}_{dtype}_{op}" for kind in ("reduce", "reduce_n")
+                 for dtype in KERNEL_DTYPES for op in ops]
+        names += [f"commlib_scale_{dtype}" for dtype in floating]
+        names += [f"commlib_cast_{a}_{b}" for a in floating for b in floating]
+        with cupy.cuda.Device(device):
+            for name in [*names, "commlib_copy", "commlib_wait_counter"]:
+                self._module.get_function(name).num_regs  # reading an attribute loads it
+        self._loaded.add(device)
+
     def _launch(self, name, work, args, device, stream):
         if work <= 0:
             return

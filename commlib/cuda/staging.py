@@ -214,13 +214,19 @@ class Staging:
         """Enqueue the wait for the flag and the copies of what the call writes; the block
         goes back to the pool, reusable once the returned event has passed."""
         rt = self.runtime
+        rt.load_kernels(staged.device)  # before any wait: a first launch behind one may hang
         rt.wait_value(stream, staged.device, staged.block.flag, 1)
-        for name in staged.writes:
-            b = staged.bufs[name]
-            rt.copy_async(b.ptr, staged.host[name].ptr, b.nbytes, staged.device, stream)
-        if staged.scale is not None:
-            out = staged.bufs["out"]
-            rt.scale(out.ptr, staged.scale, out.numel, out.dtype.code, staged.device, stream)
+        try:
+            for name in staged.writes:
+                b = staged.bufs[name]
+                rt.copy_async(b.ptr, staged.host[name].ptr, b.nbytes, staged.device, stream)
+            if staged.scale is not None:
+                out = staged.bufs["out"]
+                rt.scale(out.ptr, staged.scale, out.numel, out.dtype.code, staged.device,
+                         stream)
+        except BaseException:
+            rt.store_counter(staged.block.flag, 1)  # the call never starts: let the stream go
+            raise
         done = rt.Event(staged.device)
         done.record(stream)
         self.pool.give(staged.block, done)

@@ -21,10 +21,9 @@ Vocabulary:
   one-shot   all_reduce where every rank reduces the whole chunk from every slot; two-shot:
              rank r reduces part r, and every rank copies the others after a second
              meeting (commlib/algorithms/ipc.py chooses).
-  on the host  a call of one step whose work the host enqueues on our stream (``side``)
-             between its two meetings and waits for: all_to_all (its steps depend on every
-             rank's splits) and zero-copy. It may use both slots: by call order, the calls
-             before it are done on every rank, and those after it wait for it.
+  exchange   what a call's steps depend on from the peers (all_to_all's splits, the
+             registered buffers' places): the ranks agree on the call and allgather it
+             on the engine before the caller enqueues the steps.
   zero-copy  a call whose input lies in registered memory (Communicator.register) at every
              rank: each rank reads the peers' inputs where they lie, with no slot between.
   call order the calls of a communicator share the slots and counters, so they run in call
@@ -32,15 +31,20 @@ Vocabulary:
 
 Synchronisation goes through the host, as for the staged calls: ranks that share a GPU take
 turns on it, so a kernel spinning on a peer's flag would wait out its time slice.
+The engine thread makes no CUDA call but querying events: on an H200 a cudaMemcpyAsync
+there blocked while the caller sat in torch's copy to pageable host memory behind the call
+(`.cpu()`), whose stream waited for that engine. The caller enqueues everything.
 """
 from __future__ import annotations
 
 import os
+import queue
 
 from ..algorithms import Where
 from ..cuda import MAX_POINTERS
 from ..cuda.registered import Registrations
 from ..cuda.staging import wait_event
+from ..errors import CommError, CommTimeoutError
 from .base import Transport
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
@@ -69,7 +73,6 @@ class CudaIpc(Transport):
         self.where = Where(self.name, slot_bytes=self.slot_bytes,
                            one_shot_bytes=self.one_shot_bytes)
         self.step = 0  # steps issued so far
-        self.side = None  # our stream: the work of calls on the host
         self.tail = None  # (event after the last call's work, its stream)
         self.registered = Registrations(runtime, device, self.rank)
         self.usable = False
@@ -123,7 +126,7 @@ class CudaIpc(Transport):
         self.counters = rt.host_alloc(3 * 64)
         for k in range(3):
             rt.store_counter(self.counters + 64 * k, 0)
-        self.side = rt.stream_create(device)
+        rt.load_kernels(device)  # before any wait: a first launch behind one may hang
         self.usable = True
 
     @property
@@ -152,16 +155,26 @@ class CudaIpc(Transport):
     # The collectives: each cuts its call into steps and says what a step does in each
     # phase (before the first meeting of the ranks, after it, after the second); or, with
     # its input registered at every rank, enqueues its zero-copy work on the host.
-    def issue(self, call, algorithm: str, stream: int, seconds: float):
-        """Enqueue ``call`` by ``algorithm`` (commlib/algorithms/ipc.py) on ``stream``; returns
-        (``meet(desc)``: the host's part, for the engine; ``release()``: lets the streams go
-        on if that fails; the event after the call's work)."""
+    def issue(self, call, algorithm: str, stream: int, seconds: float, exchange) -> OnGpu:
+        """``call`` by ``algorithm`` (commlib/algorithms/ipc.py) on ``stream``, to enqueue.
+        ``exchange(fn)``: the ranks agree on the call and return ``fn(group)`` (a host
+        collective, run by the engine), for calls whose steps depend on the peers' values."""
         if algorithm == "zerocopy":
             buf = call.inp if call.inp is not None else call.out
-            return self._zero_copy(call, self.registered.of(buf), stream, seconds)
+            return self._zero_copy(call, self.registered.of(buf), stream, seconds, exchange)
         if call.collective == "all_reduce":
             return self._all_reduce(call, algorithm == "oneshot", stream, seconds)
+        if call.collective == "all_to_all":
+            return self._all_to_all(call, stream, seconds, exchange)
         return getattr(self, "_" + call.collective)(call, stream, seconds)
+
+    def failed(self, error: BaseException, stream: int) -> OnGpu:
+        """A call whose exchange failed: nothing on the stream; its meetings raise ``error``."""
+        done = self.rt.Event(self.device)
+
+        def meet(desc):
+            raise error
+        return OnGpu(lambda: done.record(stream), meet, lambda: None, done)
 
     def _all_reduce(self, call, one_shot: bool, stream, seconds, root=None):
         """``call.out`` reduced in place. With ``root``, a reduce: only the root reduces (in
@@ -256,84 +269,79 @@ class CudaIpc(Transport):
                     lambda st: rt.copy_async(chunk, slots[root], n * itemsize, device, st)]
         return self.run(call, stream, seconds, _steps(count, per_step), step)
 
-    def _all_to_all(self, call, stream, seconds):
+    def _all_to_all(self, call, stream, seconds, exchange):
         """Rank r's part j of the input (in_splits[j] elements) into rank j's output, at its
-        part r. Through the slots, on the host: step i has every rank copy piece i of its
-        part for rank j into region j of its slot, and after a meeting, piece i of region
-        r of every rank's slot into its output; the two slots take turns, so that one
-        meeting per step suffices. Our own part goes straight from input to output."""
+        part r. Step i has every rank copy piece i of its part for rank j into region j of
+        its slot, and after a meeting, piece i of region r of every rank's slot into its
+        output. The steps depend on every rank's splits: the ranks exchange their largest
+        first. Our own part goes straight from input to output."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        itemsize, side, out, inp = call.dtype.itemsize, self.side, call.out, call.inp
+        itemsize, out, inp = call.dtype.itemsize, call.out, call.inp
         in_splits, out_splits = call.splits
         send, recv = _starts(in_splits), _starts(out_splits)
         per = max(1, self.slot_bytes // size // itemsize)  # elements per region and step
+        largest = max(exchange(lambda group: group.allgather(max(in_splits))))
 
-        def fill(i):
-            mine = self.workspace + i % 2 * self.slot_bytes
-            for j in range(size):
-                lo, k = _piece(i, per, in_splits[j])
-                if k and j != rank:
-                    rt.copy_async(mine + j * per * itemsize, inp.ptr + (send[j] + lo) * itemsize,
-                                  k * itemsize, device, side)
+        def step(i, mine, slots):
+            def fill(st):
+                for j in range(size):
+                    lo, k = _piece(i, per, in_splits[j])
+                    if k and j != rank:
+                        rt.copy_async(mine + j * per * itemsize,
+                                      inp.ptr + (send[j] + lo) * itemsize, k * itemsize,
+                                      device, st)
 
-        def gather(i):
-            region = i % 2 * self.slot_bytes + rank * per * itemsize
-            for j in range(size):
-                lo, k = _piece(i, per, out_splits[j])
-                if k:
-                    source = (inp.ptr + (send[rank] + lo) * itemsize if j == rank
-                              else self.peers[j] + region)
-                    rt.copy_async(out.ptr + (recv[j] + lo) * itemsize, source, k * itemsize,
-                                  device, side)
+            def gather(st):
+                for j in range(size):
+                    lo, k = _piece(i, per, out_splits[j])
+                    if k:
+                        source = (inp.ptr + (send[rank] + lo) * itemsize if j == rank
+                                  else slots[j] + rank * per * itemsize)
+                        rt.copy_async(out.ptr + (recv[j] + lo) * itemsize, source,
+                                      k * itemsize, device, st)
+            return [fill, gather]
+        return self.run(call, stream, seconds, _steps(largest, per), step, agreed=True)
 
-        def work(group):
-            nsteps = _steps(max(group.allgather(max(in_splits))), per)
-            fill(0)
-            for i in range(nsteps):
-                self._drain(call, seconds)  # my fill of step i and gather of step i - 1 are
-                self.host.barrier()  # done, and every rank's: slot i % 2 full, the other free
-                gather(i)
-                if i + 1 < nsteps:
-                    fill(i + 1)
-        return self._on_host(call, stream, seconds, work)
-
-    def _zero_copy(self, call, placed, stream, seconds):
-        """A call on registered memory (``placed``: where my input lies in which), on the
-        host: rank r reads its peers' inputs in place and writes its own output."""
-        rt, device, size, rank, side = self.rt, self.device, self.size, self.rank, self.side
+    def _zero_copy(self, call, placed, stream, seconds, exchange):
+        """A call on registered memory (``placed``: where my input lies in which), in one
+        step: once every rank's stream is there, rank r reads its peers' inputs in place
+        and writes its own output; the ranks meet again before their streams go on."""
+        rt, device, size, rank = self.rt, self.device, self.size, self.rank
         out, itemsize, code, op = call.out, call.dtype.itemsize, call.dtype.code, call.op_code
+        all_to_all = call.collective == "all_to_all"
+        ptrs, inputs = exchange(lambda group: (
+            self.registered.placed(group, *placed),
+            group.allgather(call.splits[0]) if all_to_all else None))
 
-        def enqueue(ptrs, group):
+        def work(st):
             if call.collective == "all_reduce":  # part r of every buffer is rank r's alone
                 a, b = _parts(out.numel, size, itemsize)[rank]
                 part = [p + a * itemsize for p in ptrs]
                 if b > a:
-                    rt.reduce_n(part, part, b - a, code, op, device, side)
+                    rt.reduce_n(part, part, b - a, code, op, device, st)
             elif call.collective == "reduce" and rank == call.root:
-                rt.reduce_n([out.ptr], ptrs, out.numel, code, op, device, side)
+                rt.reduce_n([out.ptr], ptrs, out.numel, code, op, device, st)
             elif call.collective == "reduce_scatter":
                 m = out.numel
                 rt.reduce_n([out.ptr], [p + rank * m * itemsize for p in ptrs], m, code, op,
-                            device, side)
+                            device, st)
             elif call.collective == "all_gather":
                 nbytes = call.inp.nbytes
                 for r, p in enumerate(ptrs):
                     if out.ptr + r * nbytes != p:  # in place, my input is my output's block
-                        rt.copy_async(out.ptr + r * nbytes, p, nbytes, device, side)
+                        rt.copy_async(out.ptr + r * nbytes, p, nbytes, device, st)
             elif call.collective == "broadcast" and rank != call.root:
-                rt.copy_async(out.ptr, ptrs[call.root], out.nbytes, device, side)
-            elif call.collective == "all_to_all":
-                in_splits, out_splits = call.splits
-                inputs, recv = group.allgather(in_splits), _starts(out_splits)
+                rt.copy_async(out.ptr, ptrs[call.root], out.nbytes, device, st)
+            elif all_to_all:
+                out_splits, recv = call.splits[1], _starts(call.splits[1])
                 for j, p in enumerate(ptrs):  # my part lies in input j after its parts before
                     if out_splits[j]:
                         rt.copy_async(out.ptr + recv[j] * itemsize,
                                       p + sum(inputs[j][:rank]) * itemsize,
-                                      out_splits[j] * itemsize, device, side)
-
-        def work(group):
-            enqueue(self.registered.placed(group, *placed), group)
-        return self._on_host(call, stream, seconds, work, self._scaled(call))
+                                      out_splits[j] * itemsize, device, st)
+        nothing = lambda st: None  # noqa: E731
+        return self.run(call, stream, seconds, 1, lambda i, mine, slots: [nothing, work, nothing],
+                        self._scaled(call), agreed=True)
 
     def _scaled(self, call):
         """The phase after a call that averages on this rank: its output scaled."""
@@ -343,78 +351,86 @@ class CudaIpc(Transport):
         return lambda st: self.rt.scale(out.ptr, call.scale, out.numel, call.dtype.code,
                                         self.device, st)
 
-    def _on_host(self, call, stream, seconds, work, after=None):
-        """A call of one step whose ``work(group)`` the host enqueues on our stream between
-        its meetings; the caller's stream waits for the second, after that work."""
-        def between(group):
-            work(group)
-            self._drain(call, seconds)
-        nothing = lambda st: None  # noqa: E731
-        return self.run(call, stream, seconds, 1, lambda i, mine, slots: [nothing, nothing],
-                        after, between)
-
-    def _drain(self, call, seconds) -> None:
-        """Wait until our stream has done what it holds."""
-        drained = self.rt.Event(self.device)
-        drained.record(self.side)
-        wait_event(drained, seconds, f"{call.collective} (ipc)")
-
     def run(self, call, stream: int, seconds: float, nsteps: int, step, after=None,
-            between=None):
-        """Enqueue ``nsteps`` steps (``step(i, my slot, every slot)`` gives step i's phases,
-        functions of the stream), then ``after``; returns what ``issue`` does.
-        ``between(group)``: host work of a one-step call between its two meetings."""
+            agreed: bool = False) -> "OnGpu":
+        """``nsteps`` steps (``step(i, my slot, every slot)`` gives step i's phases,
+        functions of the stream), then ``after``, as an OnGpu. ``agreed``: the ranks agreed
+        on the call already (in an exchange), so its first meeting is a barrier."""
         rt, device, host = self.rt, self.device, self.host
-        if self.tail is not None and self.tail[1] != stream:
-            # the calls share the slots and counters, so they run in call order on the GPU
-            # too: a call on another stream would otherwise refill a slot still being read
-            self.tail[0].wait(stream)
-        first = self.step
+        tail, first = self.tail, self.step
         self.step += nsteps
-        meetings = []  # per step: the event each meeting waits for
-        for i in range(nsteps):
-            s = first + i
-            offset = (s % 2) * self.slot_bytes
-            phases = step(i, self.workspace + offset, [p + offset for p in self.peers])
-            if s >= 2:
-                rt.wait_value(stream, device, self.free, s - 1)
-            events = []
-            for k, phase in enumerate(phases):
-                if k:  # the ranks meet: wait for the host to say that all got here
-                    events.append(rt.Event(device))
-                    events[-1].record(stream)
-                    rt.wait_value(stream, device, self.go[k - 1], s + 1)
-                phase(stream)
-            meetings.append(events)
-        if after is not None:
-            after(stream)
         done = rt.Event(device)
-        done.record(stream)
         self.tail = (done, stream)
+        steps: queue.SimpleQueue = queue.SimpleQueue()  # per step, its meetings' events
         what = f"{call.collective} (ipc)"
+
+        def enqueue():
+            try:
+                if tail is not None and tail[1] != stream:
+                    # the calls share the slots and counters, so they run in call order on
+                    # the GPU too: a call on another stream would otherwise refill a slot
+                    # still being read
+                    tail[0].wait(stream)
+                for i in range(nsteps):
+                    s = first + i
+                    offset = (s % 2) * self.slot_bytes
+                    phases = step(i, self.workspace + offset, [p + offset for p in self.peers])
+                    if s >= 2:
+                        rt.wait_value(stream, device, self.free, s - 1)
+                    events = []
+                    for k, phase in enumerate(phases):
+                        if k:  # the ranks meet: wait for the host to say that all got here
+                            events.append(rt.Event(device))
+                            events[-1].record(stream)
+                            rt.wait_value(stream, device, self.go[k - 1], s + 1)
+                        phase(stream)
+                    steps.put(events)
+                if after is not None:
+                    after(stream)
+                done.record(stream)
+            except BaseException:
+                steps.put(None)
+                release()
+                raise
 
         def meet(desc):
             if host.timeout != seconds:
                 host.set_timeout(seconds)
-            for i, events in enumerate(meetings):
+            for i in range(nsteps):
+                try:
+                    events = steps.get(timeout=seconds)
+                except queue.Empty:
+                    raise CommTimeoutError(f"{what}: its step {i} was not enqueued within "
+                                           f"{seconds:g} s") from None
+                if events is None:
+                    raise CommError(f"{what}: enqueuing it on the stream failed")
                 s = first + i
                 for k, event in enumerate(events):
                     wait_event(event, seconds, what)
-                    if i == 0 and k == 0:
+                    if i == 0 and k == 0 and not agreed:
                         host.agree(desc, call.split_bytes(), call.dtype.itemsize)
                     else:
                         host.barrier()
                     if k == 0:  # every rank is past step s - 1: its slot may be refilled
                         rt.store_counter(self.free, s)
-                        if between is not None:  # host work, then the ranks meet again
-                            between(host.world)
-                            host.barrier()
                     rt.store_counter(self.go[k], s + 1)
 
         def release():  # after a failure: no stream may wait forever
             for counter in (self.free, *self.go):
                 rt.store_counter(counter, first + nsteps)
-        return meet, release, done
+        return OnGpu(enqueue, meet, release, done)
+
+
+class OnGpu:
+    """A call through CUDA IPC, issued. The caller runs ``enqueue()``, which puts its steps
+    on the stream and hands each step's events to ``meet(desc)``, the engine's part, as it
+    goes: the engine meets the first steps while later ones are enqueued, so a call of more
+    steps than CUDA's launch queue holds goes on (the caller blocks in a launch until the
+    stream drains). ``release()`` lets the streams go on after a failure; ``done``: the
+    event after the call's work, recorded by ``enqueue``."""
+
+    def __init__(self, enqueue, meet, release, done):
+        self.enqueue, self.meet, self.release, self.done = enqueue, meet, release, done
 
 
 def _steps(count: int, per_step: int) -> int:

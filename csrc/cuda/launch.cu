@@ -76,8 +76,10 @@ int blocks_for(int device, long long work) {
 
 // Under lazy loading (CUDA's default) a kernel's first launch loads it, which may wait for
 // the device to go idle; behind a stream that waits for the host's counter (a staged or an
-// IPC call) that wait lasts until the engine thread gets to the call. So the first launch
-// on a device loads every kernel, before any of our streams waits.
+// IPC call) that wait lasts until the engine thread gets to the call, which may be the very
+// call being enqueued (seen on an H200: the first IPC all_reduce hung in its reduce_n
+// launch). So load_kernels loads every kernel on a device at once; the collectives call it
+// before they enqueue any wait, and the first launch calls it too.
 constexpr int kMostDevices = 64;
 
 void load_every_kernel(int device) {
@@ -177,6 +179,12 @@ PYBIND11_MODULE(_cuda, m) {
     void* args[] = {&dst, &src, &nbytes};
     launch((Kernel)commlib_copy, (nbytes + 15) / 16, args, device, stream, "copy kernel");
   }, WithoutGil(), py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"));
+
+  m.def("load_kernels", [](int device) {
+    OnDevice on(device);
+    load_every_kernel(device);
+  }, WithoutGil(), py::arg("device"),
+     "Load every kernel on `device` now (once): call before enqueuing a wait for the host");
 
   m.def("device_count", [] {
     int n = 0;
