@@ -11,11 +11,9 @@ from functools import lru_cache
 import numpy as np
 from mpi4py import MPI
 
-# COMMLIB_TEST_STACKS=SECONDS: a rank still running after that long prints every thread's
-# stack and exits (.ci/gpu sets it, so that a hang on a lent GPU says where each rank stood)
-if os.environ.get("COMMLIB_TEST_STACKS"):
-    import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ["COMMLIB_TEST_STACKS"]), exit=True)
+import stacks
+
+stacks.arm()  # COMMLIB_TEST_STACKS=SECONDS: where each rank stands, should it hang
 
 
 def __getattr__(name):

@@ -9,7 +9,6 @@ updated by "env", its output (file descriptors 1 and 2) going to DIR/<id>.<r>, t
 process back as it found it (the world communicator, torch's process group and defaults,
 the environment) and writes "<id> <r> <exit code>" to the FIFO DIR/done. A script that
 ends with an exception rather than an exit code ends the launch, as it would end its own."""
-import faulthandler
 import gc
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 import commlib
+import stacks
 
 directory, rank = Path(sys.argv[1]), MPI.COMM_WORLD.rank
 
@@ -63,12 +63,11 @@ for line in open(directory / f"jobs.{rank}"):
     with open(directory / f"{job['id']}.{rank}", "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
-    if os.environ.get("COMMLIB_TEST_STACKS"):  # per job, as harness.py's for a launch
-        faulthandler.dump_traceback_later(float(os.environ["COMMLIB_TEST_STACKS"]), exit=True)
+    stacks.arm()  # per job, as harness.py's for a launch
     try:
         code = run(job)
         reset(environ)
-        faulthandler.cancel_dump_traceback_later()
+        stacks.disarm()
         failed = False
     except BaseException:  # noqa: BLE001 - the script's own launch would end here
         traceback.print_exc()
