@@ -45,6 +45,7 @@
 
 #include "agreement.h"
 #include "fast_path.h"
+#include "kernels.h"  // copy, copy_streaming
 
 namespace commlib::shm {
 
@@ -179,6 +180,11 @@ class ShmComm : public FastTransport {
   // all_reduce's speed at 16-64 MiB (2 ranks), and one_copy's after it almost half.
   int64_t streaming_from() const { return streaming_from_; }
   void set_streaming_from(int64_t bytes) { streaming_from_ = bytes; }
+  // How the received data of a transfer of `bytes` are copied out.
+  using CopyFn = void (*)(void*, const void*, int64_t);
+  CopyFn copy_received(int64_t bytes) const {
+    return bytes >= streaming_from_ ? copy_streaming : copy;
+  }
   // Region `index` of rank `owner`: at `owner_base` in the owner's address space, mapped
   // here at `local` (the owner's own: the same address). Removed by the owner before it
   // frees the memory, and by the others then.

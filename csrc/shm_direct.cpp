@@ -122,13 +122,7 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks, bool one_owner) {
   const int64_t npieces = (longest + per_piece - 1) / per_piece;
   auto reads = [&](int j) { return j != rank_ && blocks[j].out && blocks[j].count > 0; };
   const Block& me = blocks[rank_];
-  const bool streaming = longest >= streaming_from_;
-  auto copy_out = [&](char* dst, const char* src, int64_t n) {
-    if (streaming)
-      copy_streaming(dst, src, n);
-    else
-      std::memcpy(dst, src, n);
-  };
+  const CopyFn copy_out = copy_received(longest);
   const bool keep_own = me.out && me.out != me.in;  // own block copied, not read from a peer
 
   for (int64_t k = 0; k < npieces; ++k) {
@@ -292,7 +286,7 @@ void ShmComm::all_to_all(uintptr_t out, uintptr_t in, int dtype,
   say_in_place(unstaged);
   int64_t received = 0;
   for (int64_t n : recv_lengths) received += n;
-  auto copy_out = received >= streaming_from_ ? copy_streaming : copy;
+  const CopyFn copy_out = copy_received(received);
   int64_t npieces = 1;
   bool any_unstaged = false;  // (known after the first barrier, alike on every rank)
   for (int64_t k = 0; k < npieces; ++k) {

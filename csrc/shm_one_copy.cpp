@@ -221,7 +221,7 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
                         int64_t nbytes) {
   if (nbytes <= 0) return;
   if (const char* mapped = view(peer, which, offset, nbytes)) {
-    (nbytes >= streaming_from_ ? copy_streaming : copy)(dst, mapped, nbytes);
+    copy_received(nbytes)(dst, mapped, nbytes);
     return;
   }
   uint64_t src = peers_[peer].exposed->*which + offset;
