@@ -66,19 +66,24 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUresult {result}")
 
 
+_spare_events: dict[int, list[int]] = {}  # per device: events to reuse (streams.cu says why)
+
+
 class Event:
-    """A CUDA event on one device (timing disabled), as commlib._cuda.Event."""
+    """A CUDA event on one device (timing disabled), as commlib._cuda.Event; recycled, never
+    destroyed, as there."""
 
     def __init__(self, device: int):
         self.device = device
-        with cupy.cuda.Device(device):
-            self.event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+        spare = _spare_events.setdefault(device, [])
+        try:
+            self.event = spare.pop()
+        except IndexError:
+            with cupy.cuda.Device(device):
+                self.event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
 
     def __del__(self):
-        try:
-            runtime.eventDestroy(self.event)
-        except Exception:  # noqa: BLE001 - as the C++ destructor: nothing to do about it
-            pass
+        _spare_events.setdefault(self.device, []).append(self.event)
 
     def record(self, stream: int) -> None:
         with cupy.cuda.Device(self.device):

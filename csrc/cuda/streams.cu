@@ -13,8 +13,11 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 using commlib_cuda_host::check;
@@ -42,13 +45,46 @@ WaitValue32 wait_value_entry() {
   return entry;
 }
 
+// CUDA events are recycled, never destroyed: Python frees an Event on whichever thread drops
+// it last (a communicator's engine, say), and a CUDA call there may block while the caller
+// waits in a synchronous copy behind a stream that waits for that engine (a cudaMemcpyAsync
+// did, on an H200). Taking one from the pool and giving it back call no CUDA at all.
+class EventPool {
+ public:
+  cudaEvent_t take(int device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& spare = spare_[device];
+      if (!spare.empty()) {
+        cudaEvent_t event = spare.back();
+        spare.pop_back();
+        return event;
+      }
+    }
+    OnDevice on(device);
+    cudaEvent_t event = nullptr;
+    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    return event;
+  }
+  void give(int device, cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    spare_[device].push_back(event);  // re-recording a pending event is allowed
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int, std::vector<cudaEvent_t>> spare_;
+};
+
+EventPool& event_pool() {
+  static EventPool* pool = new EventPool;  // never destroyed: Events may outlive statics
+  return *pool;
+}
+
 class Event {
  public:
-  explicit Event(int device) : device_(device) {
-    OnDevice on(device);
-    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
-  }
-  ~Event() { cudaEventDestroy(event_); }  // returns at once, even before the event passed
+  explicit Event(int device) : device_(device), event_(event_pool().take(device)) {}
+  ~Event() { event_pool().give(device_, event_); }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
 
@@ -74,7 +110,7 @@ class Event {
 
  private:
   int device_;
-  cudaEvent_t event_ = nullptr;
+  cudaEvent_t event_;
 };
 
 }  // namespace
