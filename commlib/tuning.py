@@ -5,18 +5,20 @@ algorithms on offer) times every algorithm of every collective at a few sizes, e
 from a common start (MPI's barrier) as the benchmark does: each rank takes the median of
 a few calls, and the table keeps the slowest rank's time, so every rank computes the same
 table. Buffers lie on 4 KiB pages, where torch's do; all_to_all, whose choice cannot
-depend on the size, is timed on huge pages too (where numpy's large arrays lie), and its
-choice is the best over both. How the algorithms that read the peers' memory in place
-read is measured first, and holds for the rest of the pass and wherever the table is
-used: for which collectives buffers on 4 KiB pages are read in place too, rather than
-staged (the kernel pins every page it reads: dearer than staging on one machine, cheaper
-on another), and from what size of its parts direct's all_to_all reads a rank's parts in
-place. It is cached in the user's cache directory (a versioned JSON file) and reused by
-every later communicator of that layout, in this process and the next. ``auto`` then takes the
-algorithm with the least time at the call's size, interpolated in log size between
-measured sizes (beyond the largest, time grows with the bytes); collectives or algorithms
-the table lacks fall back to the cost model (commlib/select.py). Rank 0's table is the one
-every rank uses, so two ranks never choose differently.
+depend on the size, and the copies (all_gather, broadcast), which one_copy reads in place
+on huge pages, are timed on huge pages too (where numpy's large arrays lie). How the
+algorithms that read the peers' memory in place read is measured first, and holds for
+the rest of the pass and wherever the table is used: for which collectives buffers on
+4 KiB pages are read in place too, rather than staged (the kernel pins every page it
+reads: dearer than staging on one machine, cheaper on another), and from what size of
+its parts direct's all_to_all reads a rank's parts in place. It is cached in the user's
+cache directory (a versioned JSON file) and reused by every later communicator of that
+layout, in this process and the next. ``auto`` then takes the algorithm with the least
+time at the call's size, interpolated in log size between measured sizes (beyond the
+largest, time grows with the bytes), or where both kinds of memory were timed the least
+loss against the fastest over both (Table.fastest); collectives or algorithms the table
+lacks fall back to the cost model (commlib/select.py). Rank 0's table is the one every
+rank uses, so two ranks never choose differently.
 
 COMMLIB_TUNING=off keeps the cost model's choice; COMMLIB_TUNING=refresh measures again.
 """
@@ -39,7 +41,8 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 7  # 7: copies stream from half the cache (csrc/shm.h); 6: how to read in place
+VERSION = 8  # 8: all_gather and broadcast on huge pages too; 7: copies stream from half the
+# cache (csrc/shm.h); 6: how to read in place
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
@@ -47,8 +50,12 @@ CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: 
 # is slow (TCP between hosts on shared cores: 5.6 s at 16 MiB, 2 x 2 ranks here) a smaller
 # largest size is measured instead (8 or 4 MiB), and auto extrapolates beyond it
 LARGEST_SIZE_SECONDS = 2.0
-# chosen once for every size (commlib/select.py), so once for both kinds of memory too
-ON_HUGE_PAGES_TOO = ("all_to_all",)
+# timed on huge pages too, and chosen for both kinds of memory: all_to_all, whose choice
+# cannot depend on the size (commlib/select.py), so neither on the memory; the copies, for
+# which one_copy reads huge pages in place (numpy's large arrays lie on them) at a meeting's
+# cost where 4 KiB ones stage. (The reductions are chosen on 4 KiB pages, torch's: there
+# one_copy's gain on huge pages came with a loss on 4 KiB ones: docs/collectives.md.)
+ON_HUGE_PAGES_TOO = ("all_to_all", "all_gather", "broadcast")
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
@@ -79,25 +86,25 @@ class Table:
         return Table(*parts) if parts else None
 
     def fastest(self, collective: str, nbytes: int | None, names) -> str | None:
-        """The measured algorithm among ``names`` with the least time at ``nbytes``, or
-        (None: a choice that may not depend on the size) the least geometric mean, over
-        the measured sizes and kinds of memory, of its time relative to the fastest's."""
-        measured = self.times.get(collective, {})
-        names = [n for n in names if n in measured]
+        """The measured algorithm among ``names`` with the least loss: the sum, over the
+        kinds of memory measured for all of them, of the log of its time over the
+        fastest's, at ``nbytes`` (interpolated) or (None: a choice that may not depend on
+        the size) at every measured size."""
+        names = [n for n in names if n in self.times.get(collective, {})]
         if not names:
             return None
-        if nbytes is not None:
-            return min((self.seconds(measured[n], nbytes), n) for n in names)[1]
         loss = dict.fromkeys(names, 0.0)
         for kind in (self.times, self.on_huge_pages):
             measured = kind.get(collective, {})
             if any(n not in measured for n in names):
                 continue
-            sizes = sorted({b for n in names for b, _ in measured[n]})
-            at = {n: [self.seconds(measured[n], b) for b in sizes] for n in names}
-            best = [min(at[n][i] for n in names) for i in range(len(sizes))]
-            for n in names:
-                loss[n] += sum(math.log(t / b) for t, b in zip(at[n], best))
+            sizes = [nbytes] if nbytes is not None else \
+                sorted({b for n in names for b, _ in measured[n]})
+            for size in sizes:
+                at = {n: self.seconds(measured[n], size) for n in names}
+                best = min(at.values())
+                for n in names:
+                    loss[n] += math.log(at[n] / best)
         return min((loss[n], n) for n in names)[1]
 
     @staticmethod
@@ -178,7 +185,7 @@ def measure(comm, start=None, transport=None) -> Table:
             nbytes = _affordable(comm, nbytes, *before)
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
         small = _small_pages(count * n), _small_pages(count * n)
-        huge = _huge_pages(count), _huge_pages(count)  # (all_to_all takes count of each)
+        huge = _huge_pages(count * n), _huge_pages(count * n)
         for a, b in (small, huge):
             a[:], b[:] = 1, 0
         first = len(mine)

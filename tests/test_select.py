@@ -83,8 +83,9 @@ def test_tuning_file_round_trip(tmp_path, monkeypatch):
 
 def test_measured_table_choice():
     """The fastest at a size, interpolated in log size; a choice that may not depend on the
-    size (all_to_all) takes the least geometric-mean loss over the sizes; refused sizes and
-    missing entries are passed over."""
+    size (all_to_all) takes the least geometric-mean loss over the sizes, and one measured
+    on both kinds of memory the least over both; refused sizes and missing entries are
+    passed over."""
     from commlib.tuning import Table
     table = Table({"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 10.0], [1 << 24, 100.0]],
                                   "b": [[1 << 16, 2.5], [1 << 20, 9.0], [1 << 24, 95.0]]},
@@ -104,7 +105,16 @@ def test_measured_table_choice():
     table.on_huge_pages = {"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 40.0]],
                                           "b": [[1 << 16, 1.0], [1 << 20, 10.0]]}}
     assert table.fastest("all_to_all", None, ["a", "b"]) == "b"
-    assert table.fastest("all_to_all", 1 << 16, ["a", "b"]) == "a"  # (sized: 4 KiB pages)
+    assert table.fastest("all_to_all", 1 << 16, ["a", "b"]) == "a"  # (they tie on huge)
+    # a sized choice weighs them too: one_copy's 10% loss on 4 KiB pages against the 1.5x
+    # it gains on huge ones (a broadcast of 1-4 MiB at 2 ranks); alone, 4 KiB pages decide
+    table.times["broadcast"] = {"tree": [[1 << 20, 40.0]], "one_copy": [[1 << 20, 44.0]]}
+    assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "tree"
+    table.on_huge_pages["broadcast"] = {"tree": [[1 << 20, 40.0]],
+                                        "one_copy": [[1 << 20, 27.0]]}
+    assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "one_copy"
+    table.on_huge_pages["broadcast"]["one_copy"] = [[1 << 20, 38.0]]  # 5%: not worth 10%
+    assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "tree"
 
 
 def test_the_largest_size_measured_fits_its_time():
