@@ -7,7 +7,10 @@ once per host, not once per rank.
     reduce_scatter  host reduce-scatter (blocks regrouped by owner) -> reduce-scatter among
                     the same-shard ranks
     all_gather      all-gather among the same-shard ranks -> host all-gather (regrouped)
-    broadcast       broadcast among the root's shard ranks -> broadcast inside every host
+    broadcast       broadcast inside the root's host -> broadcast of each shard among the
+                    ranks that own it on every host -> host all-gather of the shards on
+                    every other host (the hosts' link carries a stream per local rank, as
+                    in all_reduce and all_gather)
 
 Runners take the several-hosts transport (commlib/transports/hosts.py, whose vocabulary
 they use); each stage is a call of its own, run by ``local.execute`` or ``cross.execute``.
@@ -68,10 +71,20 @@ def all_gather(t, call):
 
 
 def broadcast(t, call):
-    root_local, root_cross = t.position[call.root]
-    if t.local.rank == root_local:
-        t.cross.execute(_stage(call, "broadcast", call.out, root=root_cross))
-    t.local.execute(_stage(call, "broadcast", call.out, root=root_local))
+    buf, L = call.out, t.local.size
+    on_roots_host = t.host_of[call.root] == t.host_of[t.rank]
+    if on_roots_host:
+        t.local.execute(_stage(call, "broadcast", buf, root=t.position[call.root][0]))
+    # equal shards (one all-gather puts them together), the last one with the remainder
+    shard, tail = divmod(buf.numel, L)
+    mine = buf.part(t.local.rank * shard, shard + (tail if t.local.rank == L - 1 else 0))
+    t.cross.execute(_stage(call, "broadcast", mine,
+                           root=t.cross_rank_of_host[t.host_of[call.root]]))
+    if not on_roots_host:
+        t.local.execute(_stage(call, "all_gather", buf.part(0, L * shard),
+                               buf.part(t.local.rank * shard, shard), shard))
+        if tail:
+            t.local.execute(_stage(call, "broadcast", buf.part(L * shard, tail), root=L - 1))
 
 
 # what the cross stage's transport offers, by what joins the hosts (Where.cross)
@@ -82,7 +95,7 @@ BYTES = {
     "all_reduce": lambda L, H, N: (N, N / L),
     "reduce_scatter": lambda L, H, N: (H * N, N),
     "all_gather": lambda L, H, N: (H * N, N),
-    "broadcast": lambda L, H, N: (N, N),
+    "broadcast": lambda L, H, N: (N, N / L),
 }
 
 

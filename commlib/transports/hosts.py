@@ -5,7 +5,8 @@ torchrun's nodes).
 
 Vocabulary: ``local`` holds this rank's host-mates ordered by rank, ``cross`` the ranks
 with the same local rank on every host; ``position[r]`` is rank r's (local rank, cross
-rank) and ``owner[i][h]`` the rank at position (i, h).
+rank) and ``owner[i][h]`` the rank at position (i, h); ``host_of[r]`` names rank r's
+host, and ``cross_rank_of_host[host]`` is the cross rank of this rank's peer there.
 """
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ class HostLayout:
         local = world.split(color, world.rank)
         self.local = local_cls(local)
         self.cross = cross_cls(world.split(local.rank, world.rank))
-        self.position = world.allgather((self.local.rank, self.cross.rank))
+        placed = world.allgather((self.local.rank, self.cross.rank, color))
+        self.position = [(i, h) for i, h, _ in placed]
         self.owner = [[0] * self.cross.size for _ in range(self.local.size)]
         for r, (i, h) in enumerate(self.position):
             self.owner[i][h] = r
+        # (a host's place in the cross groups may differ between them: ranks in any order)
+        self.host_of = [c for _, _, c in placed]
+        self.cross_rank_of_host = {c: h for i, h, c in placed if i == self.local.rank}
         self.where = replace(self.local.where, transport=self.name, local=self.local.size,
                              cross=cross, checked=self.checks_calls)
 
