@@ -41,8 +41,8 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 8  # 8: all_gather and broadcast on huge pages too; 7: copies stream from half the
-# cache (csrc/shm.h); 6: how to read in place
+VERSION = 8  # 8: all_gather and broadcast on huge pages too (none across hosts); 7: copies
+# stream from half the cache (csrc/shm.h); 6: how to read in place
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
@@ -170,11 +170,13 @@ def measure(comm, start=None, transport=None) -> Table:
     pages (where a user's may lie: torch's do), ON_HUGE_PAGES_TOO's on huge pages too, and
     a collective's algorithms take turns call by call, so that none is timed on memory in
     another state and a slow spell of the machine hits those compared alike. Each timed
-    call follows ``start()`` (default ``comm.barrier``) on every rank."""
+    call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages are
+    timed only where the transport reads peers' memory in place (on one host)."""
     start = start or comm.barrier
     reading = ((), -1)
-    if transport is not None and transport.base_pages_in_place is not None \
-            and "one_copy" in comm.algorithms("all_gather"):
+    # (memory's kind matters only where peers' memory is read in place: shared memory)
+    reads_in_place = transport is not None and transport.base_pages_in_place is not None
+    if reads_in_place and "one_copy" in comm.algorithms("all_gather"):
         reading = _how_to_read_in_place(comm, transport, start)
     keys, mine = [], []
     n = comm.size
@@ -184,12 +186,13 @@ def measure(comm, start=None, transport=None) -> Table:
         if nbytes == SIZES[-1]:
             nbytes = _affordable(comm, nbytes, *before)
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-        small = _small_pages(count * n), _small_pages(count * n)
-        huge = _huge_pages(count * n), _huge_pages(count * n)
-        for a, b in (small, huge):
+        kinds = [(False, (_small_pages(count * n), _small_pages(count * n)))]
+        if reads_in_place:
+            kinds.append((True, (_huge_pages(count * n), _huge_pages(count * n))))
+        for _, (a, b) in kinds:
             a[:], b[:] = 1, 0
         first = len(mine)
-        for on_huge, (a, b) in ((False, small), (True, huge)):
+        for on_huge, (a, b) in kinds:
             for collective in ON_HUGE_PAGES_TOO if on_huge else COLLECTIVES:
                 calls = []  # (a collective's algorithms take turns among themselves)
                 for name in comm.algorithms(collective):
