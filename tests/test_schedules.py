@@ -190,3 +190,95 @@ def test_shm_plans_defer_only_independent_copies():
     assert flags("all_to_all", "pairwise", False, **splits) == [True]
     assert flags("all_gather", "ring", True) == [False]
     assert flags("all_to_all", "pairwise", True, **splits) == [False]  # if in/out could alias
+
+
+class _ThreadRanks:
+    """Ranks as threads of this process, for HostLayout and hier's runners: a group's
+    ranks meet at a barrier, and its collectives (broadcast, all_gather) copy between
+    their numpy buffers."""
+
+    def __init__(self, n: int):
+        import threading
+        self.n, self.lock, self.posted, self.barriers = n, threading.Lock(), {}, {}
+
+    def meet(self, members: tuple, rank: int, key, value) -> list:
+        import threading
+        with self.lock:
+            barrier = self.barriers.setdefault(members, threading.Barrier(len(members)))
+            self.posted[key, rank] = value
+        barrier.wait()
+        got = [self.posted[key, r] for r in members]
+        barrier.wait()
+        return got
+
+    def group(self, members: tuple, rank: int):
+        from commlib.algorithms import Where
+        ranks, where = self, Where()
+
+        class Group:
+            def __init__(self):
+                self.rank, self.size, self.where, self.calls = members.index(rank), \
+                    len(members), where, 0
+
+            def allgather(self, value) -> list:
+                self.calls += 1
+                return ranks.meet(members, rank, (members, self.calls), value)
+
+            def split(self, color, key):
+                everyone = self.allgather((color, key, rank))
+                return ranks.group(tuple(r for c, k, r in sorted(
+                    everyone, key=lambda e: e[1]) if c == color), rank)
+
+            def execute(self, call):
+                views = self.allgather((call.out.bytes, None if call.inp is None
+                                        else call.inp.bytes))
+                if call.collective == "broadcast" and self.rank != call.root:
+                    call.out.bytes[:] = views[call.root][0]
+                elif call.collective == "all_gather":
+                    parts = [inp.copy() for _, inp in views]
+                    call.out.bytes[:] = np.concatenate(parts)
+                self.allgather(None)  # no rank writes before every one has read
+        return Group()
+
+
+@pytest.mark.parametrize("hosts", [[0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1, 1, 0]], ids=str)
+def test_hier_broadcast_across_hosts_in_any_rank_order(hosts):
+    """hier's broadcast (shards across, then an all-gather on each other host), from every
+    root and at counts that leave a remainder, where a host's place in the cross groups
+    differs between them (hosts [0, 1, 1, 0]: local rank 1's group lists host 1 first)."""
+    import threading
+    from commlib.algorithms import hier
+    from commlib.buffers import as_buffer
+    from commlib.call import Call
+    from commlib.transports.hosts import HostLayout
+    n, ranks, failures = len(hosts), _ThreadRanks(len(hosts)), []
+
+    class Layout(HostLayout):
+        name, checks_calls = "hosts", True
+
+    def run(rank):
+        try:
+            world = ranks.group(tuple(range(n)), rank)
+            t = Layout()
+            t.rank = rank
+            t.join_hosts(world, hosts[rank], lambda g: g, lambda g: g, "mpi")
+            for count in (0, 1, 5, 64):
+                for root in range(n):
+                    data = np.arange(count, dtype=np.float32) + (100 * root if rank == root
+                                                                   else -1)
+                    buf = as_buffer(data)
+                    hier.broadcast(t, Call("broadcast", buf, None, count, buf.dtype, None,
+                                           root, None, None))
+                    expected = np.arange(count, dtype=np.float32) + 100 * root
+                    assert np.array_equal(data, expected), (rank, root, count, data)
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            failures.append(e)
+            for barrier in ranks.barriers.values():
+                barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not failures, failures[0]
