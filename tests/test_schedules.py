@@ -1,9 +1,12 @@
-"""Every schedule of every algorithm, simulated for world sizes 1..16 (no MPI)."""
+"""Every schedule of every algorithm, simulated for world sizes 1..16, and hier's runners
+among ranks that are threads (no MPI)."""
+import threading
+
 import numpy as np
 import pytest
 
 from commlib import algorithms
-from commlib.algorithms import COLLECTIVES, get
+from commlib.algorithms import COLLECTIVES, Where, get
 from commlib.schedule import Builder, Recv, RecvReduce, Region, ScheduleError, Send, simulate
 
 SIZES = range(1, 17)
@@ -192,53 +195,42 @@ def test_shm_plans_defer_only_independent_copies():
     assert flags("all_to_all", "pairwise", True, **splits) == [False]  # if in/out could alias
 
 
-class _ThreadRanks:
-    """Ranks as threads of this process, for HostLayout and hier's runners: a group's
-    ranks meet at a barrier, and its collectives (broadcast, all_gather) copy between
-    their numpy buffers."""
 
-    def __init__(self, n: int):
-        import threading
-        self.n, self.lock, self.posted, self.barriers = n, threading.Lock(), {}, {}
+class _ThreadGroup:
+    """A group of ranks that are threads of this process (HostLayout's world and hier's
+    stages): they meet at a barrier, and its collectives (broadcast, all_gather) copy
+    between their numpy buffers."""
 
-    def meet(self, members: tuple, rank: int, key, value) -> list:
-        import threading
-        with self.lock:
-            barrier = self.barriers.setdefault(members, threading.Barrier(len(members)))
-            self.posted[key, rank] = value
+    def __init__(self, shared: dict, members: tuple, rank: int):
+        self.shared, self.members, self.me = shared, members, rank
+        self.rank, self.size, self.calls = members.index(rank), len(members), 0
+        self.where = Where()
+
+    def allgather(self, value) -> list:
+        self.calls += 1
+        key = (self.members, self.calls)
+        with self.shared["lock"]:
+            if self.members not in self.shared:
+                self.shared[self.members] = threading.Barrier(self.size)
+            barrier = self.shared[self.members]
+            self.shared[key, self.me] = value
         barrier.wait()
-        got = [self.posted[key, r] for r in members]
+        got = [self.shared[key, r] for r in self.members]
         barrier.wait()
         return got
 
-    def group(self, members: tuple, rank: int):
-        from commlib.algorithms import Where
-        ranks, where = self, Where()
+    def split(self, color, key) -> "_ThreadGroup":
+        everyone = sorted(self.allgather((key, color, self.me)))
+        return _ThreadGroup(self.shared, tuple(r for _, c, r in everyone if c == color),
+                            self.me)
 
-        class Group:
-            def __init__(self):
-                self.rank, self.size, self.where, self.calls = members.index(rank), \
-                    len(members), where, 0
-
-            def allgather(self, value) -> list:
-                self.calls += 1
-                return ranks.meet(members, rank, (members, self.calls), value)
-
-            def split(self, color, key):
-                everyone = self.allgather((color, key, rank))
-                return ranks.group(tuple(r for c, k, r in sorted(
-                    everyone, key=lambda e: e[1]) if c == color), rank)
-
-            def execute(self, call):
-                views = self.allgather((call.out.bytes, None if call.inp is None
-                                        else call.inp.bytes))
-                if call.collective == "broadcast" and self.rank != call.root:
-                    call.out.bytes[:] = views[call.root][0]
-                elif call.collective == "all_gather":
-                    parts = [inp.copy() for _, inp in views]
-                    call.out.bytes[:] = np.concatenate(parts)
-                self.allgather(None)  # no rank writes before every one has read
-        return Group()
+    def execute(self, call) -> None:
+        views = self.allgather((call.out.bytes, call.inp and call.inp.bytes))
+        if call.collective == "broadcast" and self.rank != call.root:
+            call.out.bytes[:] = views[call.root][0]
+        elif call.collective == "all_gather":
+            call.out.bytes[:] = np.concatenate([inp.copy() for _, inp in views])
+        self.allgather(None)  # no rank writes before every one has read
 
 
 @pytest.mark.parametrize("hosts", [[0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1, 1, 0]], ids=str)
@@ -246,19 +238,18 @@ def test_hier_broadcast_across_hosts_in_any_rank_order(hosts):
     """hier's broadcast (shards across, then an all-gather on each other host), from every
     root and at counts that leave a remainder, where a host's place in the cross groups
     differs between them (hosts [0, 1, 1, 0]: local rank 1's group lists host 1 first)."""
-    import threading
     from commlib.algorithms import hier
     from commlib.buffers import as_buffer
     from commlib.call import Call
     from commlib.transports.hosts import HostLayout
-    n, ranks, failures = len(hosts), _ThreadRanks(len(hosts)), []
+    n, shared, failures = len(hosts), {"lock": threading.Lock()}, []
 
     class Layout(HostLayout):
         name, checks_calls = "hosts", True
 
     def run(rank):
         try:
-            world = ranks.group(tuple(range(n)), rank)
+            world = _ThreadGroup(shared, tuple(range(n)), rank)
             t = Layout()
             t.rank = rank
             t.join_hosts(world, hosts[rank], lambda g: g, lambda g: g, "mpi")
@@ -273,7 +264,7 @@ def test_hier_broadcast_across_hosts_in_any_rank_order(hosts):
                     assert np.array_equal(data, expected), (rank, root, count, data)
         except BaseException as e:  # noqa: BLE001 (reported by the main thread)
             failures.append(e)
-            for barrier in ranks.barriers.values():
+            for barrier in [v for v in shared.values() if isinstance(v, threading.Barrier)]:
                 barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
