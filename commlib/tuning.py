@@ -41,15 +41,25 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 8  # 8: all_gather and broadcast on huge pages too (none across hosts); 7: copies
-# stream from half the cache (csrc/shm.h); 6: how to read in place
+VERSION = 9  # 9: up to 7 calls at the largest size on one host, not 3; 8: all_gather and
+# broadcast on huge pages too (none across hosts); 7: copies stream from half the cache
+# (csrc/shm.h); 6: how to read in place
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
-CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median)
+CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median),
+# but at the largest size on one host: LARGEST_CALLS
 # seconds the largest size may take, foreseen from the one before it: where the transport
 # is slow (TCP between hosts on shared cores: 5.6 s at 16 MiB, 2 x 2 ranks here) a smaller
 # largest size is measured instead (8 or 4 MiB), and auto extrapolates beyond it
 LARGEST_SIZE_SECONDS = 2.0
+# calls timed at the largest size on one host, where they fit in LARGEST_SIZE_SECONDS
+# (else, and across hosts, 3): at 16 MiB the machine's spells move a call's time by a
+# fifth or more, and a median of 3 picked one_copy for a broadcast that tree did in
+# 0.6-0.8 of its time (2 ranks: 4 passes of 7 agreed on tree; the pass took 1.0 s, not
+# 0.68). Across hosts the later calls of the socket algorithms ran faster than the first
+# (TCP warming up): with 7, two passes at 2 x 1 took `ring` for a 16 MiB broadcast that
+# ran at 0.73 of MPI's in the benchmark, where 3 matched the benchmark's times
+LARGEST_CALLS = 7
 # timed on huge pages too, and chosen for both kinds of memory: all_to_all, whose choice
 # cannot depend on the size (commlib/select.py), so neither on the memory; the copies, for
 # which one_copy reads huge pages in place (numpy's large arrays lie on them) at a meeting's
@@ -183,8 +193,10 @@ def measure(comm, start=None, transport=None) -> Table:
     where = transport.where if transport is not None else None  # (None: as under MPI)
     before = (0, 0.0)  # (bytes, seconds that one of each call took there)
     for nbytes in SIZES:
+        rounds = _rounds(nbytes)
         if nbytes == SIZES[-1]:
-            nbytes = _affordable(comm, nbytes, *before)
+            nbytes, rounds = _affordable(comm, nbytes, *before,
+                                         LARGEST_CALLS if reads_in_place else 3)
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
         kinds = [(False, (_small_pages(count * n), _small_pages(count * n)))]
         if reads_in_place:
@@ -201,7 +213,7 @@ def measure(comm, start=None, transport=None) -> Table:
                         continue  # (never chosen there: select.choose asks it too)
                     keys.append((on_huge, collective, name, nbytes))
                     calls.append(_call(comm, collective, name, a, b, count))
-                mine.extend(_times(start, calls, nbytes))
+                mine.extend(_times(start, calls, rounds))
         before = (nbytes, sum(mine[first:]))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
@@ -268,7 +280,7 @@ def _slowest_times(comm, start, sizes, memory, calls_at) -> np.ndarray:
         count = max(n, nbytes // 4 // n * n)
         a, b = memory(count * n), memory(count * n)
         a[:], b[:] = 1, 0
-        mine.extend(_times(start, calls_at(count, a, b), nbytes))
+        mine.extend(_times(start, calls_at(count, a, b), _rounds(nbytes)))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")
     return slowest.reshape(len(sizes), -1)
@@ -331,31 +343,34 @@ def _starting_line(comm, transport):
     return mpi.Barrier if mpi is not None else comm.barrier
 
 
-def _affordable(comm, largest: int, before: int, seconds_before: float) -> int:
-    """``largest``, or half of it as often as the calls would take more than
-    LARGEST_SIZE_SECONDS, foreseen by bytes from the ``seconds_before`` one of each took at
-    ``before`` bytes (the slowest rank's: every rank takes the same), down to twice
-    ``before``."""
+def _affordable(comm, largest: int, before: int, seconds_before: float,
+                most_calls: int) -> tuple[int, int]:
+    """(bytes, calls) to time at the largest size: ``largest``, or half of it as often as
+    its calls would take more than LARGEST_SIZE_SECONDS, foreseen by bytes from the
+    ``seconds_before`` one of each took at ``before`` bytes (the slowest rank's: every
+    rank takes the same), down to twice ``before``; and as many calls there, up to
+    ``most_calls``, as fit in that time."""
     seconds = np.array([seconds_before])
     comm.all_reduce(seconds, op="max")
+    one_of_each = lambda nbytes: seconds[0] * nbytes / before  # noqa: E731
     nbytes = largest
     while nbytes > 2 * before and \
-            seconds[0] * nbytes / before * (_rounds(nbytes) + 1) > LARGEST_SIZE_SECONDS:
+            one_of_each(nbytes) * (_rounds(nbytes) + 1) > LARGEST_SIZE_SECONDS:
         nbytes //= 2
-    return nbytes
+    fit = int(LARGEST_SIZE_SECONDS / max(one_of_each(nbytes), 1e-9)) - 1  # (a warm-up)
+    return nbytes, max(_rounds(nbytes), min(most_calls, fit))
 
 
 def _rounds(nbytes: int) -> int:
     return max(3, min(CALLS, CALLS * (1 << 20) // nbytes))
 
 
-def _times(start, calls: list, nbytes: int) -> list[float]:
+def _times(start, calls: list, rounds: int) -> list[float]:
     """Seconds of one of each of ``calls`` from a common start (after ``start()``), as the
     benchmark times them: this rank's median over a few rounds in which every call takes
-    its turn, after a warm-up."""
+    its turn (``rounds`` of them), after a warm-up."""
     for call in calls:
         call()
-    rounds = _rounds(nbytes)
     times = np.empty((rounds, len(calls)))
     for r in range(rounds):
         for i, call in enumerate(calls):

@@ -119,7 +119,9 @@ def test_measured_table_choice():
 
 def test_the_largest_size_measured_fits_its_time():
     """The tuning pass measures 16 MiB where one of each call there is foreseen to take at
-    most LARGEST_SIZE_SECONDS (from the 2 MiB calls' time, by bytes), else 8 or 4 MiB."""
+    most LARGEST_SIZE_SECONDS (from the 2 MiB calls' time, by bytes), else 8 or 4 MiB; and
+    there as many calls as fit in that time, up to the most it is given (at least as many
+    as any 16 MiB call gets: 3)."""
     from commlib import tuning
 
     class OneRank:
@@ -127,9 +129,11 @@ def test_the_largest_size_measured_fits_its_time():
             pass
     fits = tuning._affordable
     assert tuning.LARGEST_SIZE_SECONDS == 2.0  # (the cases below assume it)
-    assert fits(OneRank(), 16 << 20, 2 << 20, 0.01) == 16 << 20  # 0.32 s foreseen
-    assert fits(OneRank(), 16 << 20, 2 << 20, 0.1) == 8 << 20  # 3.2 s at 16, 1.6 s at 8
-    assert fits(OneRank(), 16 << 20, 2 << 20, 1.0) == 4 << 20  # never below twice 2 MiB
+    assert fits(OneRank(), 16 << 20, 2 << 20, 0.01, 7) == (16 << 20, 7)  # 0.08 s a call
+    assert fits(OneRank(), 16 << 20, 2 << 20, 0.01, 3) == (16 << 20, 3)
+    assert fits(OneRank(), 16 << 20, 2 << 20, 0.04, 7) == (16 << 20, 5)  # 0.32 s: 6 fit
+    assert fits(OneRank(), 16 << 20, 2 << 20, 0.1, 7) == (8 << 20, 4)  # 3.2 s at 16; 0.4 at 8
+    assert fits(OneRank(), 16 << 20, 2 << 20, 1.0, 7) == (4 << 20, 4)  # never below 2 x 2 MiB
 
 
 def test_parts_read_in_place_from_where_that_wins_at_every_larger_size():
