@@ -53,7 +53,15 @@ namespace commlib::shm {
 namespace {
 
 constexpr int64_t kOneCopy = pack_name("one_copy");
-constexpr int64_t kChunkBytes = 64 << 10;  // per peer and step of a reduction: stays in L2
+
+// Bytes read from each peer per step of a reduction: the ranks' chunks stay in half a
+// core's L2 (as the C library reports it), and at least 64 KiB. Fewer, larger reads cost
+// fewer system calls: on a 2-core AMD EPYC (1 MiB L2) 256 KiB steps ran a 4 MiB all_reduce
+// of 2 ranks on huge pages at 30 GB/s busbw, where 64 KiB ones ran it at 24.
+int64_t chunk_bytes(int ranks) {
+  static const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return std::max<int64_t>(64 << 10, l2 > 0 ? l2 / 2 / ranks / 4096 * 4096 : 0);
+}
 
 Desc descriptor(Collective collective, int64_t count, int dtype, int64_t op, int64_t root) {
   return {{collective, kOneCopy, count, dtype, op, root, 0, 0}};
@@ -243,13 +251,13 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
 // rank comes third or later, own is set aside first, as the fold overwrites it before.
 void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64_t n,
                                 int dtype, int op, uint64_t Exposed::*which) {
-  const int64_t isz = itemsize(dtype), step = kChunkBytes / isz;
-  tmp_.resize(size_t(kChunkBytes) * size_);
+  const int64_t isz = itemsize(dtype), chunk = chunk_bytes(size_), step = chunk / isz;
+  tmp_.resize(size_t(chunk) * size_);
   std::vector<const char*> src(size_);
   for (int64_t c = 0; c < n; c += step) {
     int64_t m = std::min(step, n - c), at = (first + c) * isz;
     for (int j = 0; j < size_; ++j) {
-      char* slot = tmp_.data() + j * kChunkBytes;
+      char* slot = tmp_.data() + j * chunk;
       if (j == rank_) {
         bool overwritten = out == own && rank_ >= 2;
         if (overwritten) std::memcpy(slot, own + c * isz, m * isz);
