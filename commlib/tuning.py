@@ -46,14 +46,14 @@ VERSION = 9  # 9: up to 7 calls at the largest size on one host, not 3; 8: all_g
 # (csrc/shm.h); 6: how to read in place
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
-CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB, 3 at 16 MiB: a median),
-# but at the largest size on one host: LARGEST_CALLS
+CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB), down to FEWEST_CALLS
+FEWEST_CALLS = 3  # (a median), but at the largest size on one host: LARGEST_CALLS
 # seconds the largest size may take, foreseen from the one before it: where the transport
 # is slow (TCP between hosts on shared cores: 5.6 s at 16 MiB, 2 x 2 ranks here) a smaller
 # largest size is measured instead (8 or 4 MiB), and auto extrapolates beyond it
 LARGEST_SIZE_SECONDS = 2.0
 # calls timed at the largest size on one host, where they fit in LARGEST_SIZE_SECONDS
-# (else, and across hosts, 3): at 16 MiB the machine's spells move a call's time by a
+# (else, and across hosts, FEWEST_CALLS): at 16 MiB the machine's spells move a call's time by a
 # fifth or more, and a median of 3 picked one_copy for a broadcast that tree did in
 # 0.6-0.8 of its time (2 ranks: 4 passes of 7 agreed on tree; the pass took 1.0 s, not
 # 0.68). Across hosts the later calls of the socket algorithms ran faster than the first
@@ -196,7 +196,7 @@ def measure(comm, start=None, transport=None) -> Table:
         rounds = _rounds(nbytes)
         if nbytes == SIZES[-1]:
             nbytes, rounds = _affordable(comm, nbytes, *before,
-                                         LARGEST_CALLS if reads_in_place else 3)
+                                         LARGEST_CALLS if reads_in_place else FEWEST_CALLS)
         count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
         kinds = [(False, (_small_pages(count * n), _small_pages(count * n)))]
         if reads_in_place:
@@ -352,7 +352,9 @@ def _affordable(comm, largest: int, before: int, seconds_before: float,
     ``most_calls``, as fit in that time."""
     seconds = np.array([seconds_before])
     comm.all_reduce(seconds, op="max")
-    one_of_each = lambda nbytes: seconds[0] * nbytes / before  # noqa: E731
+
+    def one_of_each(nbytes: int) -> float:  # seconds, foreseen by bytes
+        return seconds[0] * nbytes / before
     nbytes = largest
     while nbytes > 2 * before and \
             one_of_each(nbytes) * (_rounds(nbytes) + 1) > LARGEST_SIZE_SECONDS:
@@ -362,7 +364,7 @@ def _affordable(comm, largest: int, before: int, seconds_before: float,
 
 
 def _rounds(nbytes: int) -> int:
-    return max(3, min(CALLS, CALLS * (1 << 20) // nbytes))
+    return max(FEWEST_CALLS, min(CALLS, CALLS * (1 << 20) // nbytes))
 
 
 def _times(start, calls: list, rounds: int) -> list[float]:
