@@ -9,6 +9,8 @@ else they are staged through pinned host memory (commlib/cuda/staging.py).
 """
 from __future__ import annotations
 
+import threading
+
 from mpi4py import MPI
 
 from . import transports
@@ -41,6 +43,7 @@ class Dispatcher:
         self.engine = ProgressEngine(name, self.fast.native.hold if self.fast else None)
         self._staging = None  # for calls on GPU memory, made at the first one
         self._gpus: dict = {}  # device -> transports.cuda_ipc.CudaIpc, set up at first use
+        self._gpu_lock = threading.Lock()
         self.closed = False
 
     def set_timeout(self, seconds) -> None:
@@ -104,6 +107,7 @@ class Dispatcher:
 
     def _on_device(self, call, algorithm, async_op, seconds, result):
         staging, t = self.staging, self.transport
+        self._gpu_failures()
         staging.raise_failure()  # raised now: a call returns before it runs
         if self.failure is not None:
             raise self.unusable()
@@ -145,41 +149,45 @@ class Dispatcher:
             for a in entries(call.collective, "device").values())
 
     def _through(self, gpu, call, algo, async_op, seconds, result):
-        """Through CUDA IPC: the meetings go to the engine first, then the caller enqueues
-        the work on the stream (the engine meets its first steps meanwhile)."""
+        """Through CUDA IPC: the call's plan goes to the GPU's proxy, which serves its
+        meetings; the caller enqueues its work on the stream; the engine waits for the
+        proxy to be done with it (without the GIL) to complete its Work and record it."""
         staging = self.staging
         stream = staging.stream_for(call.device, async_op)
-        record, desc = self._record(call, algo), call.descriptor(algo.name)
-        what = f"{call.collective} (ipc)"
-
-        def exchange(fn):
-            got = []
-
-            def body():
-                t = self.transport
-                t.set_timeout(seconds)
-                t.agree(desc, call.split_bytes(), call.dtype.itemsize)
-                got.append(fn(t.world))
-            self.engine.run(what, lambda: self.run_recorded(record, what, body), False)
-            return got[0]
-        try:
-            on_gpu = gpu.issue(call, algo.name, stream, seconds, exchange)
-        except CommError as e:  # the exchange failed: raised by the next call, as a failure
-            staging.remember(e)  # in the meetings would be
-            on_gpu = gpu.failed(e, stream)
+        record, what = self._record(call, algo), f"{call.collective} (ipc)"
+        on_gpu = gpu.issue(call, algo.name, stream, seconds)
 
         def task():
+            times = []
             try:
-                self.run_recorded(record, what, lambda: on_gpu.meet(desc))
-            except BaseException as e:
-                staging.remember(e)  # before the stream goes on, so the next call sees it
-                on_gpu.release()
+                self.run_recorded(record, what, lambda: times.extend(on_gpu.wait()))
+            except CommError as e:
+                self._gpu_failed(gpu, e)
                 raise
+            record[9:11] = times  # when the proxy served it
         work = staging.submit(self.engine, what, task, on_gpu.done, call.device, async_op,
                               result)
         on_gpu.enqueue()
         staging.keep_until(on_gpu.done, [b.obj for b in call.bufs.values()])
         return work
+
+    def _gpu_failures(self) -> None:
+        """Each GPU proxy's failure, once, for the call about to be made to raise: a
+        timeout leaves the communicator unusable, as on the host."""
+        for gpu in self._gpus.values():
+            self._gpu_failed(gpu)
+
+    def _gpu_failed(self, gpu, error: CommError | None = None) -> None:
+        """If ``gpu``'s proxy has a failure nobody has taken, it is ``error`` (or the
+        proxy's own words), for the next call to raise."""
+        with self._gpu_lock:  # taken and remembered at once, by the engine or the caller
+            failure = gpu.take_failure()
+            if failure is None:
+                return
+            error = error or failure
+            if isinstance(error, CommTimeoutError) and self.failure is None:
+                self.failure = str(error)
+            self.staging.remember(error)
 
     def gpu(self, device: int, desc: list, itemsize: int, seconds: float):
         """The CUDA IPC transport on ``device`` (``usable``: every rank could map the others'

@@ -27,6 +27,7 @@ namespace commlib {
 void bind_fast_path(py::module_& m);     // fast_path.cpp
 void bind_mpi_exchange(py::module_& m);  // mpi_exchange.cpp
 void bind_eager(py::module_& m);         // eager.cpp
+void bind_gpu_proxy(py::module_& m);     // gpu_proxy.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -158,6 +159,7 @@ PYBIND11_MODULE(_C, m) {
   commlib::bind_fast_path(m);  // (FastTransport: the base of ShmComm and MpiExchange)
   commlib::bind_mpi_exchange(m);
   commlib::bind_eager(m);
+  commlib::bind_gpu_proxy(m);
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm, commlib::FastTransport>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "

@@ -2,14 +2,13 @@
 #include "shm.h"
 
 #include "kernels.h"
+#include "process.h"
 
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,17 +17,9 @@
 #include <cstdio>
 #include <random>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define COMMLIB_CPU_RELAX() _mm_pause()
-#else
-#define COMMLIB_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
-#endif
-
 namespace commlib::shm {
 
 namespace {
-
 
 std::string errno_text(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -47,33 +38,6 @@ constexpr size_t kDoorbellAt = kLine, kPublishedAt = 2 * kLine;
 constexpr size_t kReasonAt = kPublishedAt + sizeof(Published);
 constexpr size_t kExposedAt = kReasonAt + sizeof(Reason);
 constexpr size_t kHeaderBytes = kExposedAt + sizeof(Exposed);
-
-// A futex in memory shared between processes (so not FUTEX_PRIVATE).
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, long nanoseconds) {
-  timespec timeout{0, nanoseconds};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &timeout, nullptr,
-          0);
-}
-
-// A process that has exited, including one its parent has not reaped yet (a zombie
-// still answers kill(pid, 0)).
-bool alive(int pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  char path[32], stat[256];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  int fd = open(path, O_RDONLY);
-  if (fd < 0) return errno != ENOENT;
-  ssize_t n = read(fd, stat, sizeof(stat) - 1);
-  close(fd);
-  if (n <= 0) return true;
-  stat[n] = 0;
-  const char* end = std::strrchr(stat, ')');  // the state follows the command name
-  return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
-}
-
-void futex_wake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
-}
 
 }  // namespace
 
@@ -269,7 +233,7 @@ void ShmComm::check_peer(int peer, uint64_t call) {
     fail(MISMATCHED, who + " finished " + describe(peers_[peer].published->call[call_ % 2]) +
                          " without the data this rank waits for in " + describe(desc_) +
                          ": the ranks' arguments disagree");
-  if (!alive(peers_[peer].pid))
+  if (!process_alive(peers_[peer].pid))
     fail(FAILED, who + " (pid " + std::to_string(peers_[peer].pid) + ") has exited during " +
                      describe(desc_));
 }
@@ -396,7 +360,7 @@ void ShmComm::nap(uint32_t seen) { futex_wait(&peers_[rank_].bell->seq, seen, 2'
 
 void ShmComm::end_nap() { peers_[rank_].bell->sleeping.store(0, std::memory_order_relaxed); }
 
-void ShmComm::cpu_relax() { COMMLIB_CPU_RELAX(); }
+void ShmComm::cpu_relax() { commlib::cpu_relax(); }
 
 void ShmComm::yield() { sched_yield(); }
 

@@ -34,13 +34,15 @@ def temporary_files_stay_in_the_session(request):
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(temporary_files_stay_in_the_session):
-    """After the whole suite: no commlib segment in /dev/shm, no rank still running, no
-    namespace host (commlib/testing.py) still up; the shared launches end first (and
-    before their directories, in the session's temporary one, go)."""
+    """After the whole suite: nothing in /dev/shm that was not there before it (commlib's
+    segments, the simulated GPU's, anyone's), no rank still running, no namespace host
+    (commlib/testing.py) still up; the shared launches end first (and before their
+    directories, in the session's temporary one, go)."""
+    before = set(Path("/dev/shm").iterdir())
     yield
     POOLS.close()
-    left = sorted(str(p) for p in Path("/dev/shm").glob("commlib-*"))
-    assert not left, f"shared-memory segments left behind: {left}"
+    left = sorted(str(p) for p in set(Path("/dev/shm").iterdir()) - before)
+    assert not left, f"left behind in /dev/shm: {left}"
     ranks = subprocess.run(["pgrep", "-af", "tests/mpi/|-m commlib_bench|-m commlib_strategies"
                             "|commlib-hosts-"], capture_output=True, text=True).stdout.splitlines()
     # (a suite run by a test, as test_kernels' baseline run, sees the running suite's pools)

@@ -4,7 +4,8 @@ the staged and IPC collectives' ordering (commlib/cuda/staging.py,
 commlib/transports/cuda_ipc.py) be tested on machines without a GPU.
 "Device" memory is host memory, so any object with a ``__cuda_array_interface__`` over
 host memory serves as a device array (on device 0, the legacy default stream 0); memory
-from device_alloc is POSIX shared memory, which peers map by its name (the IPC handle).
+from device_alloc is an anonymous shared file (memfd), which peers map through the owner's
+/proc/PID/fd (the IPC handle).
 Each stream is a thread that runs its operations in order, as a GPU runs a stream's.
 Tests make slow "kernels" with ``enqueue``.
 
@@ -20,13 +21,13 @@ It checks the ordering logic only; whether CUDA does what streams.cu asks of it 
 GPU tests."""
 from __future__ import annotations
 
-import atexit
 import ctypes
 import itertools
+import mmap
+import os
 import queue
 import threading
 import time
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -88,11 +89,10 @@ class SimulatedDevice:
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._memory: dict[int, np.ndarray] = {}
-        self._shared: dict[int, shared_memory.SharedMemory] = {}  # device_alloc's, and mapped
-        self._owned: set[int] = set()  # device_alloc's: unlinked at exit if not freed
+        self._shared: dict[int, mmap.mmap] = {}  # device_alloc's, and the peers' mapped
+        self._owned: dict[int, int] = {}  # device_alloc's: their memfds
         self._loaded = False  # every kernel (load_kernels)
         self._waiting = 0  # enqueued waits for a counter that have not passed yet
-        atexit.register(self._unlink_owned)
 
     def enqueue(self, stream: int, op) -> None:
         """Run ``op()`` on ``stream``'s thread after what the stream already holds."""
@@ -145,6 +145,10 @@ class SimulatedDevice:
             self._waiting += 1
         self.enqueue(stream, wait)
 
+    def write_value(self, stream: int, device: int, counter: int, value: int) -> None:
+        word = ctypes.c_uint32.from_address(counter)
+        self.enqueue(stream, lambda: setattr(word, "value", value))
+
     def load_kernels(self, device: int) -> None:
         self._loaded = True
 
@@ -194,40 +198,41 @@ class SimulatedDevice:
             a[:] = (a * factor).astype(a.dtype)
         self.enqueue(stream, run)
 
-    # IPC: device memory in POSIX shared memory, mapped by name
-    def _share(self, segment) -> int:
-        ptr = ctypes.addressof(ctypes.c_uint8.from_buffer(segment.buf))
-        self._shared[ptr] = segment
+    # IPC: device memory in anonymous shared files (memfd), which peers map through the
+    # owner's /proc/PID/fd (the handle): nothing is ever named in /dev/shm, so nothing is
+    # left there however a rank ends, and the memory goes with its last mapping
+    def _map(self, fd: int, nbytes: int) -> int:
+        memory = mmap.mmap(fd, nbytes)
+        ptr = ctypes.addressof(ctypes.c_uint8.from_buffer(memory))
+        self._shared[ptr] = memory
         return ptr
 
     def device_alloc(self, nbytes: int, device: int) -> int:
-        ptr = self._share(shared_memory.SharedMemory(create=True, size=max(nbytes, 1)))
-        self._owned.add(ptr)
+        fd = os.memfd_create("simulated-gpu-memory")
+        os.ftruncate(fd, max(nbytes, 1))
+        ptr = self._map(fd, max(nbytes, 1))
+        self._owned[ptr] = fd  # kept open while peers may still open it
         return ptr
 
     def device_free(self, ptr: int, device: int) -> None:
-        self._owned.discard(ptr)
-        segment = self._shared.pop(ptr)
-        segment.unlink()
-        _close(segment)
-
-    def _unlink_owned(self) -> None:
-        for ptr in list(self._owned):
-            self.device_free(ptr, 0)
+        os.close(self._owned.pop(ptr))
+        _close(self._shared.pop(ptr))
 
     def address_range(self, ptr: int, device: int) -> tuple[int, int]:
-        for base, segment in self._shared.items():
-            if base <= ptr < base + segment.size:
-                return base, segment.size
+        for base, memory in self._shared.items():
+            if base <= ptr < base + len(memory):
+                return base, len(memory)
         raise RuntimeError("address_range: not device memory from device_alloc")
 
     def ipc_handle(self, ptr: int, device: int) -> bytes:
-        return self._shared[ptr].name.encode().ljust(64, b"\0")
+        return f"/proc/{os.getpid()}/fd/{self._owned[ptr]}".encode().ljust(64, b"\0")
 
     def ipc_open(self, handle: bytes, device: int) -> int:
-        segment = shared_memory.SharedMemory(name=handle.rstrip(b"\0").decode())
-        resource_tracker.unregister(segment._name, "shared_memory")  # its owner unlinks it
-        return self._share(segment)
+        fd = os.open(handle.rstrip(b"\0").decode(), os.O_RDWR)
+        try:
+            return self._map(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
 
     def ipc_close(self, ptr: int, device: int) -> None:
         _close(self._shared.pop(ptr))
@@ -245,8 +250,8 @@ class SimulatedDevice:
         return 1
 
 
-def _close(segment) -> None:
+def _close(memory: mmap.mmap) -> None:
     try:
-        segment.close()
-    except BufferError:  # a numpy view still points into it: the mapping goes at exit
+        memory.close()
+    except BufferError:  # a view still points into it: the mapping goes at exit
         pass

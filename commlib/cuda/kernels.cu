@@ -298,3 +298,13 @@ extern "C" __global__ void commlib_wait_counter(const volatile unsigned* counter
 #endif
   }
 }
+
+// A stream's arrival at a meeting, by a kernel (COMMLIB_CUDA_WAIT=kernel), as
+// cuStreamWriteValue32 marks it: once the work before it on the stream is done, one thread
+// stores `value` into the word in pinned host memory that the GPU proxy watches.
+extern "C" __global__ void commlib_write_counter(volatile unsigned* counter, unsigned value) {
+#ifndef COMMLIB_KERNELS_ON_HOST
+  __threadfence_system();  // what the stream wrote before is visible first
+#endif
+  *counter = value;
+}

@@ -18,25 +18,27 @@ from . import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, source
 _THREADS = 256  # as csrc/cuda/launch.cu
 _NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: after the earlier work and its memory
 
 
 @lru_cache(maxsize=None)
 def _driver():
-    """libcuda's cuStreamWaitValue32 (the CUDA 12 semantics), cuMemHostGetDevicePointer and
-    cuMemGetAddressRange."""
+    """libcuda's cuStreamWaitValue32 and cuStreamWriteValue32 (the CUDA 12 semantics),
+    cuMemHostGetDevicePointer and cuMemGetAddressRange."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
-        wait = lib.cuStreamWaitValue32_v2
+        wait, write = lib.cuStreamWaitValue32_v2, lib.cuStreamWriteValue32_v2
     except (OSError, AttributeError) as e:
         raise RuntimeError(f"no cuStreamWaitValue32_v2 in libcuda.so.1 ({e}); collectives on "
                            "GPU memory need a CUDA 12 or newer driver") from None
-    wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    for fn in (wait, write):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     device_pointer = lib.cuMemHostGetDevicePointer_v2
     device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     address_range = lib.cuMemGetAddressRange_v2
     address_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
                               ctypes.c_uint64]
-    return wait, device_pointer, address_range
+    return wait, device_pointer, address_range, write
 
 
 def _pointers(addresses):
@@ -133,7 +135,7 @@ class CupyRuntime:
         names += [f"commlib_scale_{dtype}" for dtype in floating]
         names += [f"commlib_cast_{a}_{b}" for a in floating for b in floating]
         with cupy.cuda.Device(device):
-            for name in [*names, "commlib_copy", "commlib_wait_counter"]:
+            for name in [*names, "commlib_copy", "commlib_wait_counter", "commlib_write_counter"]:
                 self._module.get_function(name).num_regs  # reading an attribute loads it
         self._loaded.add(device)
 
@@ -201,18 +203,32 @@ class CupyRuntime:
         with cupy.cuda.Device(device):
             runtime.streamSynchronize(stream)
 
+    def _on_device(self, counter: int) -> int:
+        """``counter`` (pinned, from host_alloc) as the device addresses it."""
+        on_device = ctypes.c_uint64()
+        _check(_driver()[1](ctypes.byref(on_device), counter, 0),
+               "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
+        return on_device.value
+
     def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
-        wait, device_pointer, _ = _driver()
         with _driver_on(device):
-            on_device = ctypes.c_uint64()
-            _check(device_pointer(ctypes.byref(on_device), counter, 0),
-                   "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
+            word = self._on_device(counter)
             if self._wait_by_kernel:
                 self._module.get_function("commlib_wait_counter")(
-                    (1,), (1,), (np.uint64(on_device.value), np.uint32(value)),
+                    (1,), (1,), (np.uint64(word), np.uint32(value)),
                     stream=cupy.cuda.ExternalStream(stream))
                 return
-            _check(wait(stream, on_device.value, value, _WAIT_GEQ), "cuStreamWaitValue32")
+            _check(_driver()[0](stream, word, value, _WAIT_GEQ), "cuStreamWaitValue32")
+
+    def write_value(self, stream: int, device: int, counter: int, value: int) -> None:
+        with _driver_on(device):
+            word = self._on_device(counter)
+            if self._wait_by_kernel:
+                self._module.get_function("commlib_write_counter")(
+                    (1,), (1,), (np.uint64(word), np.uint32(value)),
+                    stream=cupy.cuda.ExternalStream(stream))
+                return
+            _check(_driver()[3](stream, word, value, _WRITE_DEFAULT), "cuStreamWriteValue32")
 
     @staticmethod
     def store_counter(counter: int, value: int) -> None:

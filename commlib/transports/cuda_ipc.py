@@ -1,8 +1,8 @@
 """cuda_ipc: the collectives among the GPU ranks of one host through CUDA IPC: kernels and
 copies read the peers' device memory directly. Ranks may share a GPU (NCCL refuses that;
 it is how one-GPU machines test this). One transport per device, beside the communicator's
-shm transport (the *host*), whose agreement and barriers are its meetings; its algorithms
-are registered in commlib/algorithms/ipc.py.
+shm transport (the *host*), which sets it up; its algorithms are registered in
+commlib/algorithms/ipc.py.
 
 Vocabulary:
   workspace  device memory of each rank, two *slots* of ``slot_bytes``, which every peer
@@ -11,40 +11,46 @@ Vocabulary:
              calls, and step s uses slot s % 2.
   phase      what a step does on the stream before the ranks first meet (fill my slot),
              between meetings, and after the last (read the peers' slots).
-  meeting    every rank's stream has finished the phase before: the host sees its event
-             pass, the ranks meet on the host (agreement for a call's first meeting, then
-             barriers), and a counter goes up that lets the streams go on.
-  counters   words of pinned host memory the host raises and the streams wait for
+  meeting    every rank's stream has finished the phase before: the stream marks its
+             arrival in pinned memory (cuStreamWriteValue32), the GPU proxy sees it, meets
+             the peers' proxies, and raises a counter that lets the streams go on.
+  proxy      a C++ thread per communicator and device (csrc/gpu_proxy.h) that serves the
+             meetings without the GIL and without CUDA: no Python thread, and no thread
+             blocked in the driver, can stall a call. A call hands it its *plan* (steps,
+             meetings per step, descriptor, timeout) before enqueuing anything.
+  counters   words of pinned host memory the proxy raises and the streams wait for
              (cuStreamWaitValue32): ``go`` (one per meeting of a step: steps allowed past
              it) and ``free`` (steps every rank is done with, so that their slot may be
-             written again; a step's first meeting frees the step before it).
+             written again; a step's first meeting frees the step before it). ``arrive``:
+             the words the streams write.
   one-shot   all_reduce where every rank reduces the whole chunk from every slot; two-shot:
              rank r reduces part r, and every rank copies the others after a second
              meeting (commlib/algorithms/ipc.py chooses).
-  exchange   what a call's steps depend on from the peers (all_to_all's splits, the
-             registered buffers' places): the ranks agree on the call and allgather it
-             on the engine before the caller enqueues the steps.
+  row        what each rank tells the others at a call's first meeting: its descriptor,
+             all_to_all's splits, and where its registered input lies; the proxies check
+             the rows against each other (a mismatch fails the call on every rank).
+  exchanged  a call whose steps depend on the peers' rows (all_to_all's largest split, the
+             registered buffers' places): its first meeting is the caller's, before it
+             enqueues anything, and the caller waits for it.
   zero-copy  a call whose input lies in registered memory (Communicator.register) at every
              rank: each rank reads the peers' inputs where they lie, with no slot between.
   call order the calls of a communicator share the slots and counters, so they run in call
              order on the GPU too: a call on another stream than the last waits for it.
 
-Synchronisation goes through the host, as for the staged calls: ranks that share a GPU take
-turns on it, so a kernel spinning on a peer's flag would wait out its time slice.
-The engine thread makes no CUDA call but querying events: on an H200 a cudaMemcpyAsync
-there blocked while the caller sat in torch's copy to pageable host memory behind the call
-(`.cpu()`), whose stream waited for that engine. The caller enqueues everything.
+Synchronisation goes through the host, not kernels spinning on flags: ranks that share a
+GPU take turns on it, so a kernel spinning on a peer's flag would wait out its time slice.
+The caller enqueues everything; the communicator's engine thread only waits for the plan
+to end (without the GIL) to complete the call's Work and record it.
 """
 from __future__ import annotations
 
 import os
-import queue
 
+from .. import _C
 from ..algorithms import Where
 from ..cuda import MAX_POINTERS
 from ..cuda.registered import Registrations
-from ..cuda.staging import wait_event
-from ..errors import CommError, CommTimeoutError
+from ..errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .base import Transport
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
@@ -52,6 +58,11 @@ MAX_RANKS = MAX_POINTERS  # a rank's reduce kernel reads (and writes) every rank
 ONE_SHOT_BYTES = 256 << 10  # at 3+ ranks, chunks up to this reduce in one shot
                              # (COMMLIB_CUDA_IPC_ONE_SHOT_BYTES overrides)
 ALIGN = 256
+WORDS = ("go0", "go1", "free", "arrive0", "arrive1")  # the proxy's pinned words, a line each
+ROW_WORDS = _C.GPU_PROXY_ROW_WORDS
+PROXY_SPIN = 2000  # polls before yielding where each rank has a core (COMMLIB_GPU_PROXY_SPIN)
+_ERRORS = {_C.GPU_PROXY_FAILURES["mismatched"]: CollectiveMismatchError,
+           _C.GPU_PROXY_FAILURES["timed_out"]: CommTimeoutError}
 
 
 class CudaIpc(Transport):
@@ -66,7 +77,7 @@ class CudaIpc(Transport):
         self.host, self.rt, self.device = host, runtime, device
         self.slot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", SLOT_BYTES))
         self.slot_bytes = max(ALIGN, self.slot_bytes // ALIGN * ALIGN)
-        self.workspace = self.counters = None
+        self.workspace = self.words = self.proxy = None
         self.peers: list[int] = []
         self.one_shot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
                                                  ONE_SHOT_BYTES))
@@ -118,27 +129,75 @@ class CudaIpc(Transport):
                                       rt.ipc_open(bytes.fromhex(h), device))
             except RuntimeError as e:
                 problem = str(e)
+        if problem is None:
+            self.words = rt.host_alloc(len(WORDS) * 64)
+            for k in range(len(WORDS)):
+                rt.store_counter(self.words + 64 * k, 0)
         problems = [p for p in group.allgather(problem) if p]
+        if not problems:  # (collective: every rank or none)
+            problems = [p for p in group.allgather(self._start_proxy(group)) if p]
         if problems:
             self.close()
             self.problem = problems[0]
             return
-        self.counters = rt.host_alloc(3 * 64)
-        for k in range(3):
-            rt.store_counter(self.counters + 64 * k, 0)
         rt.load_kernels(device)  # before any wait: a first launch behind one may hang
         self.usable = True
 
+    def _start_proxy(self, group) -> str | None:
+        """Every rank's proxy over one channel, which rank 0 makes and the others open; rank
+        0 unlinks it once every rank has it, so that a crash leaves nothing in /dev/shm.
+        Returns the problem, if any."""
+        spin = 0 if group.crowded() else int(os.environ.get("COMMLIB_GPU_PROXY_SPIN", PROXY_SPIN))
+        words = [self.word(name) for name in WORDS]
+        problem = None
+        try:
+            if group.rank == 0:
+                self.proxy = _C.GpuProxy(0, group.size, "", True, words, spin)
+        except RuntimeError as e:
+            problem = f"rank 0 cannot make its GPU proxy's channel: {e}"
+        channel = group.allgather(self.proxy.channel if self.proxy else None)[0]
+        try:
+            if group.rank != 0 and channel is not None:
+                self.proxy = _C.GpuProxy(group.rank, group.size, channel, False, words, spin)
+        except RuntimeError as e:
+            problem = f"rank {group.rank} cannot open the GPU proxy's channel: {e}"
+        group.allgather(None)  # every rank has opened it (or given up)
+        if self.proxy is not None and group.rank == 0:
+            self.proxy.unlink()
+        return problem or (None if channel else "no GPU proxy channel")
+
+    def word(self, name: str) -> int:
+        """The address of one of the proxy's pinned words (WORDS)."""
+        return self.words + 64 * WORDS.index(name)
+
     @property
     def go(self) -> tuple[int, int]:
-        return self.counters, self.counters + 64
+        return self.word("go0"), self.word("go1")
 
     @property
     def free(self) -> int:
-        return self.counters + 128
+        return self.word("free")
+
+    @property
+    def arrive(self) -> tuple[int, int]:
+        return self.word("arrive0"), self.word("arrive1")
+
+    def take_failure(self) -> CommError | None:
+        """The proxy's first failure as the error to raise, once (None: none, or taken)."""
+        if self.proxy is None:
+            return None
+        kind, text = self.proxy.take_failure()
+        return _ERRORS.get(kind, CommError)(text) if kind else None
+
+    def heartbeat(self) -> dict:
+        """What the proxy is doing (a hang's report): plan, step, meeting, counters."""
+        return self.proxy.heartbeat() if self.proxy is not None else {}
 
     def close(self) -> None:
         rt, device = self.rt, self.device
+        if self.proxy is not None:
+            self.proxy.close()  # (its thread gone, nothing touches the words)
+            self.proxy = None
         self.registered.close()
         for ptr in self.peers:
             if ptr != self.workspace:
@@ -147,42 +206,31 @@ class CudaIpc(Transport):
         if self.workspace is not None:
             rt.device_free(self.workspace, device)
             self.workspace = None
-        if self.counters is not None:
-            rt.host_free(self.counters)
-            self.counters = None
+        if self.words is not None:
+            rt.host_free(self.words)
+            self.words = None
         self.usable = False
 
     # The collectives: each cuts its call into steps and says what a step does in each
     # phase (before the first meeting of the ranks, after it, after the second); or, with
-    # its input registered at every rank, enqueues its zero-copy work on the host.
-    def issue(self, call, algorithm: str, stream: int, seconds: float, exchange) -> OnGpu:
-        """``call`` by ``algorithm`` (commlib/algorithms/ipc.py) on ``stream``, to enqueue.
-        ``exchange(fn)``: the ranks agree on the call and return ``fn(group)`` (a host
-        collective, run by the engine), for calls whose steps depend on the peers' values."""
+    # its input registered at every rank, reads the peers' inputs in one step.
+    def issue(self, call, algorithm: str, stream: int, seconds: float) -> "OnGpu":
+        """``call`` by ``algorithm`` (commlib/algorithms/ipc.py) on ``stream``: its plan is
+        with the proxy when this returns (an exchanged call's first meeting over), its work
+        to enqueue (``OnGpu.enqueue``)."""
         if algorithm == "zerocopy":
             buf = call.inp if call.inp is not None else call.out
-            return self._zero_copy(call, self.registered.of(buf), stream, seconds, exchange)
-        if call.collective == "all_reduce":
-            return self._all_reduce(call, algorithm == "oneshot", stream, seconds)
-        if call.collective == "all_to_all":
-            return self._all_to_all(call, stream, seconds, exchange)
-        return getattr(self, "_" + call.collective)(call, stream, seconds)
+            return self._zero_copy(call, self.registered.of(buf), stream, seconds)
+        return getattr(self, "_" + call.collective)(call, algorithm, stream, seconds)
 
-    def failed(self, error: BaseException, stream: int) -> OnGpu:
-        """A call whose exchange failed: nothing on the stream; its meetings raise ``error``."""
-        done = self.rt.Event(self.device)
-
-        def meet(desc):
-            raise error
-        return OnGpu(lambda: done.record(stream), meet, lambda: None, done)
-
-    def _all_reduce(self, call, one_shot: bool, stream, seconds, root=None):
+    def _all_reduce(self, call, algorithm, stream, seconds, root=None):
         """``call.out`` reduced in place. With ``root``, a reduce: only the root reduces (in
         one shot); the others lend their data."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
         buf, op_code = call.out, call.op_code
         itemsize, code, count = call.dtype.itemsize, call.dtype.code, buf.numel
         keeps = root is None or rank == root  # this rank ends with the reduction
+        one_shot = root is not None or algorithm == "oneshot"
         per_step = self.slot_bytes // itemsize
 
         def step(i, mine, slots):
@@ -205,13 +253,14 @@ class CudaIpc(Transport):
             return [fill, lambda st: rt.reduce_n([mine + a * itemsize, out + a * itemsize],
                                                  [p + a * itemsize for p in slots], b - a,
                                                  code, op_code, device, st), gather]
-        return self.run(call, stream, seconds, _steps(count, per_step), step,
-                        self._scaled(call))
+        plan = self.hand_over(call, algorithm, seconds, _steps(count, per_step),
+                              meetings=1 if one_shot else 2)
+        return self.run(plan, stream, step, self._scaled(call))
 
-    def _reduce(self, call, stream, seconds):
-        return self._all_reduce(call, True, stream, seconds, call.root)
+    def _reduce(self, call, algorithm, stream, seconds):
+        return self._all_reduce(call, algorithm, stream, seconds, call.root)
 
-    def _reduce_scatter(self, call, stream, seconds):
+    def _reduce_scatter(self, call, algorithm, stream, seconds):
         """Step i: rank r copies piece i of each of its blocks into its slot, then reduces
         piece i of block r from every slot."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
@@ -230,9 +279,10 @@ class CudaIpc(Transport):
             return [fill, lambda st: rt.reduce_n([out.ptr + lo * itemsize],
                                                  [p + rank * k * itemsize for p in slots], k,
                                                  code, op_code, device, st)]
-        return self.run(call, stream, seconds, _steps(m, per_step), step, self._scaled(call))
+        plan = self.hand_over(call, algorithm, seconds, _steps(m, per_step))
+        return self.run(plan, stream, step, self._scaled(call))
 
-    def _all_gather(self, call, stream, seconds):
+    def _all_gather(self, call, algorithm, stream, seconds):
         """Step i: every rank copies piece i of its input into its slot, then every slot's
         piece into its block of the output."""
         rt, device, itemsize = self.rt, self.device, call.dtype.itemsize
@@ -250,9 +300,10 @@ class CudaIpc(Transport):
                                   device, st)
             return [lambda st: rt.copy_async(mine, inp.ptr + lo * itemsize, k * itemsize,
                                              device, st), gather]
-        return self.run(call, stream, seconds, _steps(m, per_step), step)
+        return self.run(self.hand_over(call, algorithm, seconds, _steps(m, per_step)), stream,
+                        step)
 
-    def _broadcast(self, call, stream, seconds):
+    def _broadcast(self, call, algorithm, stream, seconds):
         rt, device, itemsize = self.rt, self.device, call.dtype.itemsize
         buf, root = call.out, call.root
         count, at_root = buf.numel, self.rank == root
@@ -267,20 +318,22 @@ class CudaIpc(Transport):
                         lambda st: None]
             return [lambda st: None,
                     lambda st: rt.copy_async(chunk, slots[root], n * itemsize, device, st)]
-        return self.run(call, stream, seconds, _steps(count, per_step), step)
+        return self.run(self.hand_over(call, algorithm, seconds, _steps(count, per_step)),
+                        stream, step)
 
-    def _all_to_all(self, call, stream, seconds, exchange):
+    def _all_to_all(self, call, algorithm, stream, seconds):
         """Rank r's part j of the input (in_splits[j] elements) into rank j's output, at its
         part r. Step i has every rank copy piece i of its part for rank j into region j of
         its slot, and after a meeting, piece i of region r of every rank's slot into its
-        output. The steps depend on every rank's splits: the ranks exchange their largest
-        first. Our own part goes straight from input to output."""
+        output. The steps depend on every rank's splits: the call is exchanged (the proxy
+        counts the steps the largest part of any rank takes). Our own part goes straight
+        from input to output."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
         itemsize, out, inp = call.dtype.itemsize, call.out, call.inp
         in_splits, out_splits = call.splits
         send, recv = _starts(in_splits), _starts(out_splits)
         per = max(1, self.slot_bytes // size // itemsize)  # elements per region and step
-        largest = max(exchange(lambda group: group.allgather(max(in_splits))))
+        plan = self.hand_over(call, algorithm, seconds, exchanged=True, step_bytes=per * itemsize)
 
         def step(i, mine, slots):
             def fill(st):
@@ -300,18 +353,23 @@ class CudaIpc(Transport):
                         rt.copy_async(out.ptr + (recv[j] + lo) * itemsize, source,
                                       k * itemsize, device, st)
             return [fill, gather]
-        return self.run(call, stream, seconds, _steps(largest, per), step, agreed=True)
+        return self.run(plan, stream, step)
 
-    def _zero_copy(self, call, placed, stream, seconds, exchange):
+    def _zero_copy(self, call, placed, stream, seconds):
         """A call on registered memory (``placed``: where my input lies in which), in one
         step: once every rank's stream is there, rank r reads its peers' inputs in place
-        and writes its own output; the ranks meet again before their streams go on."""
+        and writes its own output; the ranks meet again before their streams go on. The
+        ranks exchange where their inputs lie (and all_to_all's splits) first."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
         out, itemsize, code, op = call.out, call.dtype.itemsize, call.dtype.code, call.op_code
-        all_to_all = call.collective == "all_to_all"
-        ptrs, inputs = exchange(lambda group: (
-            self.registered.placed(group, *placed),
-            group.allgather(call.splits[0]) if all_to_all else None))
+        registration, offset = placed
+        plan = self.hand_over(call, "zerocopy", seconds, 1, meetings=2, exchanged=True,
+                              extra=(registration.index, offset))
+        if plan.rows is None:
+            return self.run(plan, stream, None)
+        ptrs = [self.registered.by_index[row[-2]].peers[r] + row[-1]
+                for r, row in enumerate(plan.rows)]
+        inputs = [[b // itemsize for b in row[8:8 + size]] for row in plan.rows]
 
         def work(st):
             if call.collective == "all_reduce":  # part r of every buffer is rank r's alone
@@ -332,7 +390,7 @@ class CudaIpc(Transport):
                         rt.copy_async(out.ptr + r * nbytes, p, nbytes, device, st)
             elif call.collective == "broadcast" and rank != call.root:
                 rt.copy_async(out.ptr, ptrs[call.root], out.nbytes, device, st)
-            elif all_to_all:
+            elif call.collective == "all_to_all":
                 out_splits, recv = call.splits[1], _starts(call.splits[1])
                 for j, p in enumerate(ptrs):  # my part lies in input j after its parts before
                     if out_splits[j]:
@@ -340,8 +398,8 @@ class CudaIpc(Transport):
                                       p + sum(inputs[j][:rank]) * itemsize,
                                       out_splits[j] * itemsize, device, st)
         nothing = lambda st: None  # noqa: E731
-        return self.run(call, stream, seconds, 1, lambda i, mine, slots: [nothing, work, nothing],
-                        self._scaled(call), agreed=True)
+        return self.run(plan, stream, lambda i, mine, slots: [nothing, work, nothing],
+                        self._scaled(call))
 
     def _scaled(self, call):
         """The phase after a call that averages on this rank: its output scaled."""
@@ -351,18 +409,42 @@ class CudaIpc(Transport):
         return lambda st: self.rt.scale(out.ptr, call.scale, out.numel, call.dtype.code,
                                         self.device, st)
 
-    def run(self, call, stream: int, seconds: float, nsteps: int, step, after=None,
-            agreed: bool = False) -> "OnGpu":
-        """``nsteps`` steps (``step(i, my slot, every slot)`` gives step i's phases,
-        functions of the stream), then ``after``, as an OnGpu. ``agreed``: the ranks agreed
-        on the call already (in an exchange), so its first meeting is a barrier."""
-        rt, device, host = self.rt, self.device, self.host
-        tail, first = self.tail, self.step
-        self.step += nsteps
+    def hand_over(self, call, algorithm: str, seconds: float, steps: int = 0,
+                  meetings: int = 1, exchanged: bool = False, extra=(0, 0),
+                  step_bytes: int = 0) -> "Plan":
+        """The call's plan, handed to the proxy before anything is enqueued: ``steps``
+        steps of ``meetings`` meetings each, from the next step of the communicator on. An
+        ``exchanged`` plan's first meeting is now: this waits for it, and the plan holds
+        every rank's row (None if it failed: the proxy has its error); with ``step_bytes``
+        its steps come from the splits of every rank (all_to_all)."""
+        row = call.descriptor(algorithm)
+        splits = call.split_bytes()
+        if splits is not None:
+            row += [*splits[0], *splits[1]]
+        row += [0] * (ROW_WORDS - 2 - len(row)) + list(extra)
+        first = self.step
+        plan = Plan(self.proxy.submit(first, steps, meetings, row, call.dtype.itemsize,
+                                      splits is not None, exchanged, seconds or 0.0, step_bytes),
+                    first, steps, meetings)
+        if exchanged:
+            try:
+                plan.rows = self.proxy.rows(plan.id)
+            except CommError:  # raised by the call's Work and the next call
+                plan.steps = 0
+            else:
+                if step_bytes:
+                    largest = max(max(row[8:8 + self.size]) for row in plan.rows)
+                    plan.steps = max(1, -(-largest // step_bytes))
+        self.step += plan.steps
+        return plan
+
+    def run(self, plan: "Plan", stream: int, step, after=None) -> "OnGpu":
+        """``plan``'s steps (``step(i, my slot, every slot)`` gives step i's phases,
+        functions of the stream), then ``after``, as an OnGpu to enqueue."""
+        rt, device, proxy = self.rt, self.device, self.proxy
+        tail = self.tail
         done = rt.Event(device)
         self.tail = (done, stream)
-        steps: queue.SimpleQueue = queue.SimpleQueue()  # per step, its meetings' events
-        what = f"{call.collective} (ipc)"
 
         def enqueue():
             try:
@@ -371,66 +453,45 @@ class CudaIpc(Transport):
                     # the GPU too: a call on another stream would otherwise refill a slot
                     # still being read
                     tail[0].wait(stream)
-                for i in range(nsteps):
-                    s = first + i
+                for i in range(plan.steps):
+                    s = plan.first + i
                     offset = (s % 2) * self.slot_bytes
                     phases = step(i, self.workspace + offset, [p + offset for p in self.peers])
                     if s >= 2:
                         rt.wait_value(stream, device, self.free, s - 1)
-                    events = []
                     for k, phase in enumerate(phases):
-                        if k:  # the ranks meet: wait for the host to say that all got here
-                            events.append(rt.Event(device))
-                            events[-1].record(stream)
+                        if k:  # the ranks meet: the stream says it got here, the proxy lets
+                            rt.write_value(stream, device, self.arrive[k - 1], s + 1)  # it on
                             rt.wait_value(stream, device, self.go[k - 1], s + 1)
                         phase(stream)
-                    steps.put(events)
-                if after is not None:
+                if after is not None and plan.steps:
                     after(stream)
                 done.record(stream)
-            except BaseException:
-                steps.put(None)
-                release()
+            except BaseException as e:
+                proxy.fail(f"rank {self.rank} could not enqueue its part: {e}")  # peers too
                 raise
+        return OnGpu(enqueue, lambda: proxy.wait(plan.id), done)
 
-        def meet(desc):
-            if host.timeout != seconds:
-                host.set_timeout(seconds)
-            for i in range(nsteps):
-                try:
-                    events = steps.get(timeout=seconds)
-                except queue.Empty:
-                    raise CommTimeoutError(f"{what}: its step {i} was not enqueued within "
-                                           f"{seconds:g} s") from None
-                if events is None:
-                    raise CommError(f"{what}: enqueuing it on the stream failed")
-                s = first + i
-                for k, event in enumerate(events):
-                    wait_event(event, seconds, what)
-                    if i == 0 and k == 0 and not agreed:
-                        host.agree(desc, call.split_bytes(), call.dtype.itemsize)
-                    else:
-                        host.barrier()
-                    if k == 0:  # every rank is past step s - 1: its slot may be refilled
-                        rt.store_counter(self.free, s)
-                    rt.store_counter(self.go[k], s + 1)
 
-        def release():  # after a failure: no stream may wait forever
-            for counter in (self.free, *self.go):
-                rt.store_counter(counter, first + nsteps)
-        return OnGpu(enqueue, meet, release, done)
+class Plan:
+    """A call as handed to the proxy: its id there, its steps [first, first + steps), the
+    meetings of each, and (exchanged) every rank's row."""
+
+    __slots__ = ("id", "first", "steps", "meetings", "rows")
+
+    def __init__(self, id: int, first: int, steps: int, meetings: int):
+        self.id, self.first, self.steps, self.meetings = id, first, steps, meetings
+        self.rows = None
 
 
 class OnGpu:
-    """A call through CUDA IPC, issued. The caller runs ``enqueue()``, which puts its steps
-    on the stream and hands each step's events to ``meet(desc)``, the engine's part, as it
-    goes: the engine meets the first steps while later ones are enqueued, so a call of more
-    steps than CUDA's launch queue holds goes on (the caller blocks in a launch until the
-    stream drains). ``release()`` lets the streams go on after a failure; ``done``: the
-    event after the call's work, recorded by ``enqueue``."""
+    """A call through CUDA IPC, handed to the proxy. The caller runs ``enqueue()``, which
+    puts its steps on the stream; ``wait()`` (the engine's) returns once the proxy is done
+    with it ((started, ended), time.monotonic's), or raises its error; ``done``: the event
+    after the call's work, recorded by ``enqueue``."""
 
-    def __init__(self, enqueue, meet, release, done):
-        self.enqueue, self.meet, self.release, self.done = enqueue, meet, release, done
+    def __init__(self, enqueue, wait, done):
+        self.enqueue, self.wait, self.done = enqueue, wait, done
 
 
 def _steps(count: int, per_step: int) -> int:

@@ -96,6 +96,7 @@ void load_every_kernel(int device) {
     for (Kernel kernel : kScale) load(kernel);
     load((Kernel)commlib_copy);
     load((Kernel)commlib_wait_counter);
+    load((Kernel)commlib_write_counter);
   });
 }
 
@@ -125,6 +126,12 @@ long long vectors(long long count, int itemsize) { return (count * itemsize + 15
 void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream) {
   void* args[] = {&counter, &value};
   launch_grid((Kernel)commlib_wait_counter, 1, 1, args, device, stream, "wait kernel");
+}
+
+// streams.cu's write_value, by a kernel (COMMLIB_CUDA_WAIT=kernel).
+void launch_write_counter(void* counter, unsigned value, int device, uintptr_t stream) {
+  void* args[] = {&counter, &value};
+  launch_grid((Kernel)commlib_write_counter, 1, 1, args, device, stream, "write kernel");
 }
 
 PYBIND11_MODULE(_cuda, m) {

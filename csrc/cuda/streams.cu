@@ -30,13 +30,29 @@ cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>
 
 using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
-// COMMLIB_CUDA_WAIT=kernel: streams wait for counters by a kernel of ours instead
+// COMMLIB_CUDA_WAIT=kernel: streams wait for counters, and write arrivals, by kernels of ours
 bool wait_by_kernel() {
   static const bool by_kernel = [] {
     const char* how = std::getenv("COMMLIB_CUDA_WAIT");
     return how != nullptr && std::string(how) == "kernel";
   }();
   return by_kernel;
+}
+
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+WriteValue32 write_value_entry() {
+  static WriteValue32 entry = reinterpret_cast<WriteValue32>(
+      commlib_cuda_host::driver_entry("cuStreamWriteValue32", "stream memory operations"));
+  return entry;
+}
+
+// `counter` (pinned, from host_alloc) as the device addresses it.
+void* on_device(uintptr_t counter) {
+  void* address = nullptr;
+  check(cudaHostGetDevicePointer(&address, reinterpret_cast<void*>(counter), 0),
+        "cudaHostGetDevicePointer (the counter must be from host_alloc)");
+  return address;
 }
 
 WaitValue32 wait_value_entry() {
@@ -115,7 +131,8 @@ class Event {
 
 }  // namespace
 
-void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream);  // launch.cu
+void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream);   // launch.cu
+void launch_write_counter(void* counter, unsigned value, int device, uintptr_t stream);  // launch.cu
 
 void bind_streams(py::module_& m) {
   py::class_<Event>(m, "Event", "A CUDA event on one device (timing disabled)")
@@ -157,18 +174,29 @@ void bind_streams(py::module_& m) {
 
   m.def("wait_value", [](uintptr_t stream, int device, uintptr_t counter, uint32_t value) {
     OnDevice on(device);
-    void* on_device = nullptr;
-    check(cudaHostGetDevicePointer(&on_device, reinterpret_cast<void*>(counter), 0),
-          "cudaHostGetDevicePointer (the counter must be from host_alloc)");
-    if (wait_by_kernel()) return launch_wait_counter(on_device, value, device, stream);
+    void* word = on_device(counter);
+    if (wait_by_kernel()) return launch_wait_counter(word, value, device, stream);
     CUresult status = wait_value_entry()(reinterpret_cast<CUstream>(stream),
-                                         reinterpret_cast<CUdeviceptr>(on_device), value,
+                                         reinterpret_cast<CUdeviceptr>(word), value,
                                          CU_STREAM_WAIT_VALUE_GEQ);
     if (status != CUDA_SUCCESS)
       throw std::runtime_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(status));
   }, WithoutGil(), py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
      "Work enqueued on `stream` from now on waits until the uint32 at `counter` (pinned, "
      "from host_alloc) reaches `value` (a cyclic >=)");
+  m.def("write_value", [](uintptr_t stream, int device, uintptr_t counter, uint32_t value) {
+    OnDevice on(device);
+    void* word = on_device(counter);
+    if (wait_by_kernel()) return launch_write_counter(word, value, device, stream);
+    // the default flags order the write after the stream's earlier work and its memory
+    CUresult status = write_value_entry()(reinterpret_cast<CUstream>(stream),
+                                          reinterpret_cast<CUdeviceptr>(word), value,
+                                          CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (status != CUDA_SUCCESS)
+      throw std::runtime_error("cuStreamWriteValue32 failed with CUresult " + std::to_string(status));
+  }, WithoutGil(), py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
+     "Once `stream` gets here (its earlier work done), the uint32 at `counter` (pinned, from "
+     "host_alloc) becomes `value`: how a stream tells the GPU proxy where it is");
   m.def("store_counter", [](uintptr_t counter, uint32_t value) {
     // release: what the host wrote before (the staged results) is visible first
     reinterpret_cast<std::atomic<uint32_t>*>(counter)->store(value, std::memory_order_release);
