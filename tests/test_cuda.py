@@ -74,6 +74,52 @@ def test_the_other_runtimes_take_the_nvcc_builds_calls_alike():
         {"record": ["stream"], "query": [], "wait": ["stream"], "synchronize": []}
 
 
+# bindings of csrc/cuda that keep the GIL, and why that is safe: they make no CUDA call
+KEEP_THE_GIL = {"store_counter": "a store to pinned host memory"}
+CUDA_CALL = re.compile(r"\b(?:cuda|cu)[A-Z]\w*\s*\(|\blaunch\w*\(|\bOnDevice\b|&\w+::\w+")
+
+
+def _bindings(source: str):
+    """(name, text) of every binding a csrc/cuda unit defines: from its .def( to the next."""
+    found = [(m.start(), m.group(1) or "__init__")
+             for m in re.finditer(r'\.def\(\s*(?:"(\w+)"|py::init)', source)]
+    for (at, name), (end, _) in zip(found, found[1:] + [(len(source), None)]):
+        yield name, source[at:end]
+
+
+def _outside_without_gil(text: str) -> str:
+    """``text`` less every without_gil(...) call in it."""
+    while (at := text.find("without_gil(")) >= 0:
+        depth, end = 0, at + len("without_gil")
+        for end in range(end, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        text = text[:at] + text[end + 1:]
+    return text
+
+
+def test_no_binding_holds_the_gil_across_a_cuda_call():
+    """A CUDA call can block (a full launch queue, lazy loading, a driver lock held by a
+    thread waiting on a stream). One made with the GIL held stalls every Python thread
+    behind it, and so whatever the stream waits for: every binding of csrc/cuda lets the
+    GIL go around its CUDA calls (WithoutGil, or without_gil(...) where it builds Python
+    objects after), but those KEEP_THE_GIL names, which make none."""
+    root = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
+    seen = set()
+    for unit in sorted(root.glob("*.cu")):
+        for name, text in _bindings(unit.read_text()):
+            seen.add(name)
+            if name in KEEP_THE_GIL:
+                assert not CUDA_CALL.search(text), f"{unit.name}: {name} calls CUDA"
+            elif "WithoutGil()" not in text:
+                assert "without_gil(" in text, f"{unit.name}: {name} holds the GIL"
+                call = CUDA_CALL.search(_outside_without_gil(text))
+                assert call is None, f"{unit.name}: {name} calls {call[0]} with the GIL held"
+    assert {"ipc_handle", "ipc_open", "device_uuid", "address_range", "copy_async", "__init__",
+            "record", "query", "write_value"} <= seen and set(KEEP_THE_GIL) <= seen
+
+
 def _libnvrtc():
     try:
         import nvidia.cu13  # the nvidia-cuda-nvrtc wheel (test extra)

@@ -15,7 +15,16 @@ namespace commlib_cuda_host {
 // the communicator's engine thread raises, and the engine needs the GIL to do it. Holding
 // it would close a circle: the caller waits for the GPU, the GPU for the engine, the
 // engine for the caller.
+// A binding that must build Python objects from what CUDA gave (bytes) lets the GIL go
+// around the CUDA calls only: without_gil([&] { ... }). tests/test_cuda.py checks that
+// every binding of csrc/cuda does one or the other.
 using WithoutGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
+template <class Calls>
+auto without_gil(Calls calls) {
+  pybind11::gil_scoped_release released;
+  return calls();
+}
 
 inline void check(cudaError_t status, const std::string& what) {
   if (status != cudaSuccess) {

@@ -10,11 +10,13 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace py = pybind11;
 using commlib_cuda_host::check;
 using commlib_cuda_host::OnDevice;
 using commlib_cuda_host::WithoutGil;
+using commlib_cuda_host::without_gil;
 
 void bind_ipc(py::module_& m) {
   m.def("device_alloc", [](size_t nbytes, int device) {
@@ -39,14 +41,17 @@ void bind_ipc(py::module_& m) {
     if (status != CUDA_SUCCESS)
       throw std::runtime_error("cuMemGetAddressRange failed with CUresult " + std::to_string(status) +
                                " (not device memory from cudaMalloc?)");
-    return py::make_tuple(static_cast<uintptr_t>(base), size);
-  }, py::arg("ptr"), py::arg("device"),
+    return std::make_pair(static_cast<uintptr_t>(base), size);
+  }, WithoutGil(), py::arg("ptr"), py::arg("device"),
      "(base, size) of the allocation that holds `ptr`: what ipc_handle shares");
 
   m.def("ipc_handle", [](uintptr_t p, int device) {
-    OnDevice on(device);
-    cudaIpcMemHandle_t handle;
-    check(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(p)), "cudaIpcGetMemHandle");
+    cudaIpcMemHandle_t handle = without_gil([&] {
+      OnDevice on(device);
+      cudaIpcMemHandle_t made;
+      check(cudaIpcGetMemHandle(&made, reinterpret_cast<void*>(p)), "cudaIpcGetMemHandle");
+      return made;
+    });
     return py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }, py::arg("ptr"), py::arg("device"), "The handle a peer process maps `ptr` with (device_alloc's)");
   m.def("ipc_open", [](py::bytes handle_bytes, int device) {
@@ -54,11 +59,13 @@ void bind_ipc(py::module_& m) {
     cudaIpcMemHandle_t handle;
     if (raw.size() != sizeof(handle)) throw std::invalid_argument("not a CUDA IPC memory handle");
     std::memcpy(&handle, raw.data(), sizeof(handle));
-    OnDevice on(device);
-    void* p = nullptr;
-    check(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess),
-          "cudaIpcOpenMemHandle (a peer's workspace)");
-    return reinterpret_cast<uintptr_t>(p);
+    return without_gil([&] {
+      OnDevice on(device);
+      void* p = nullptr;
+      check(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess),
+            "cudaIpcOpenMemHandle (a peer's workspace)");
+      return reinterpret_cast<uintptr_t>(p);
+    });
   }, py::arg("handle"), py::arg("device"), "A peer's memory, mapped into this process on `device`");
   m.def("ipc_close", [](uintptr_t p, int device) {
     OnDevice on(device);
@@ -70,11 +77,15 @@ void bind_ipc(py::module_& m) {
     int can = 0;
     check(cudaDeviceCanAccessPeer(&can, device, peer), "cudaDeviceCanAccessPeer");
     return can != 0;
-  }, py::arg("device"), py::arg("peer"), "Whether kernels on `device` can read `peer`'s memory");
+  }, WithoutGil(), py::arg("device"), py::arg("peer"),
+     "Whether kernels on `device` can read `peer`'s memory");
 
   m.def("device_uuid", [](int device) {
-    cudaDeviceProp prop;
-    check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    cudaDeviceProp prop = without_gil([&] {
+      cudaDeviceProp read;
+      check(cudaGetDeviceProperties(&read, device), "cudaGetDeviceProperties");
+      return read;
+    });
     return py::bytes(prop.uuid.bytes, sizeof(prop.uuid.bytes));
   }, py::arg("device"), "The device's UUID: ranks compare them (device indices are per process)");
 }

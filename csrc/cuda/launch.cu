@@ -200,7 +200,7 @@ PYBIND11_MODULE(_cuda, m) {
       return 0;
     }
     return n;
-  }, "CUDA devices this process sees (0 without a driver or a device)");
+  }, WithoutGil(), "CUDA devices this process sees (0 without a driver or a device)");
 
   bind_streams(m);
   bind_ipc(m);

@@ -136,7 +136,7 @@ void launch_write_counter(void* counter, unsigned value, int device, uintptr_t s
 
 void bind_streams(py::module_& m) {
   py::class_<Event>(m, "Event", "A CUDA event on one device (timing disabled)")
-      .def(py::init<int>(), py::arg("device"))
+      .def(py::init<int>(), WithoutGil(), py::arg("device"))
       .def("record", &Event::record, WithoutGil(), py::arg("stream"))
       .def("query", &Event::query, WithoutGil())
       .def("wait", &Event::wait, WithoutGil(), py::arg("stream"))
@@ -209,5 +209,5 @@ void bind_streams(py::module_& m) {
     if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
       throw std::invalid_argument("the pointer is not device memory");
     return attributes.device;
-  }, py::arg("ptr"), "The device that holds this device pointer");
+  }, WithoutGil(), py::arg("ptr"), "The device that holds this device pointer");
 }
