@@ -10,7 +10,13 @@
 #define __forceinline__ inline
 
 struct Index { unsigned x; };
+// cuda_on_host.py sets them by name; the simulated GPU (simulated_gpu.cpp) runs kernels on
+// several stream threads at once, each with its own
+#ifdef COMMLIB_THREAD_INDICES
+thread_local Index blockIdx, threadIdx, blockDim, gridDim;
+#else
 extern "C" { Index blockIdx, threadIdx, blockDim, gridDim; }
+#endif
 
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -1,118 +1,141 @@
 """A simulated GPU with the calls of commlib._cuda that the collectives make (streams.cu,
 ipc.cu, reduce_n and scale), plugged in by COMMLIB_CUDA_STREAMS=SIMULATED below: it lets
-the staged and IPC collectives' ordering (commlib/cuda/staging.py,
-commlib/transports/cuda_ipc.py) be tested on machines without a GPU.
+the staged and IPC collectives (commlib/cuda/staging.py, commlib/transports/cuda_ipc.py)
+be tested on machines without a GPU, strictly enough that what hangs on a GPU fails here.
 "Device" memory is host memory, so any object with a ``__cuda_array_interface__`` over
 host memory serves as a device array (on device 0, the legacy default stream 0); memory
 from device_alloc is an anonymous shared file (memfd), which peers map through the owner's
-/proc/PID/fd (the IPC handle).
-Each stream is a thread that runs its operations in order, as a GPU runs a stream's.
-Tests make slow "kernels" with ``enqueue``.
+/proc/PID/fd (the IPC handle), so nothing is left in /dev/shm however a rank ends.
 
-What hung on a real GPU (an H200) is refused here, with an error instead of a hang:
+The device itself is C++ (simulated_gpu.cpp, compiled at first use): its streams are
+threads that go on whatever Python does, its driver serialises the calls of a process
+while one thread waits synchronously for a stream, its launch queue is bounded, and its
+kernels are kernels.cu compiled for the CPU. Tests make slow "kernels" with ``sleep``.
+
+What hung on a real GPU (an H200) fails here, with an error instead of a hang:
 - lazy loading: a kernel's first launch may wait for the device to go idle, so a first
   launch while a stream waits for the host's counter raises (``load_kernels`` loads all);
-- a stream's launch queue is bounded, as CUDA's is: enqueuing onto a full one blocks, and
-  raises if the stream does not drain within QUEUE_SECONDS;
-- the communicators' engine threads enqueue nothing (there a CUDA call blocked behind the
-  caller's synchronous copy, whose stream waited for that engine).
+- a full launch queue, or a driver held by a synchronous wait, blocks every CUDA call
+  behind it: a call blocked for LIMIT seconds raises;
+- the communicators' engine threads make no call that orders work on a stream (there a
+  CUDA call blocked behind the caller's synchronous copy, whose stream waited for that
+  engine); the engine's set-up calls (memory, IPC handles) are allowed.
 
-It checks the ordering logic only; whether CUDA does what streams.cu asks of it is for the
-GPU tests."""
+Whether CUDA does what streams.cu asks of it is for the GPU tests."""
 from __future__ import annotations
 
 import ctypes
-import itertools
+import fcntl
+import hashlib
 import mmap
 import os
-import queue
+import subprocess
 import threading
-import time
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
-from commlib.dtypes import BY_CODE
+from commlib.cuda import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS
 
 # what a launch's environment sets to run commlib's GPU calls on this simulated device
 SIMULATED = "tests.simulated_gpu:SimulatedDevice"
 
 LAUNCH_QUEUE = 32  # operations a stream holds before enqueuing blocks (CUDA's: ~1000)
-QUEUE_SECONDS = 20.0
+LIMIT = 20.0  # seconds a call may block before the simulated GPU calls it a hang
 ENGINE_THREADS = "commlib-coll-"  # commlib/work.py's ProgressEngine names its thread so
-
-# numpy's reductions by op code
-_REDUCE = (np.add, np.multiply, np.minimum, np.maximum, np.add)
-
-
-def _spin_until(condition) -> None:
-    while not condition():
-        time.sleep(20e-6)
+SOURCES = [Path(__file__).with_name(n) for n in ("simulated_gpu.cpp", "cuda_on_host.cpp")] + [
+    Path(__file__).resolve().parents[1] / "commlib" / "cuda" / "kernels.cu"]
 
 
-class _Stream:
-    def __init__(self, handle: int):
-        self.ops: queue.Queue = queue.Queue(LAUNCH_QUEUE)
-        threading.Thread(target=self._run, name=f"simulated-stream-{handle}", daemon=True).start()
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """simulated_gpu.cpp, compiled once per version of its sources (by one process while
+    the others wait) into ~/.cache/commlib."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "commlib"
+    cache.mkdir(parents=True, exist_ok=True)
+    built = cache / f"simulated_gpu-{digest}.so"
+    with open(cache / "simulated_gpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.exists():
+            partial = built.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([os.environ.get("CXX", "g++"), "-O2", "-std=c++17", "-shared", "-fPIC",
+                            "-pthread", "-o", str(partial), str(SOURCES[0])], check=True,
+                           capture_output=True, text=True)
+            partial.replace(built)
+    lib = ctypes.CDLL(str(built))
+    p, i, ll, d = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_double
+    lg, u = ctypes.c_long, ctypes.c_uint
+    for name, args, result in [
+            ("sg_error", [], ctypes.c_char_p), ("sg_configure", [i, d], None),
+            ("sg_stream_create", [], lg), ("sg_copy", [lg, p, p, ll], i),
+            ("sg_sleep", [lg, d], i), ("sg_wait_value", [lg, p, u], i),
+            ("sg_write_value", [lg, p, u], i), ("sg_waiting", [], i),
+            ("sg_reduce_n", [lg, p, ctypes.POINTER(p), i, ctypes.POINTER(p), i, ll], i),
+            ("sg_scale", [lg, p, p, d, ll], i), ("sg_event_create", [], lg),
+            ("sg_event_record", [lg, lg], i), ("sg_event_query", [lg], i),
+            ("sg_event_wait", [lg, lg], i), ("sg_event_synchronize", [lg], i),
+            ("sg_stream_synchronize", [lg], i)]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    lib.sg_configure(LAUNCH_QUEUE, LIMIT)
+    return lib
 
-    def _run(self):
-        while True:
-            self.ops.get()()
+
+def _checked(status: int) -> int:
+    """A call's status: raises the device's error (a hang on a GPU) for -1."""
+    if status < 0:
+        raise RuntimeError(f"the simulated GPU: {library().sg_error().decode()}")
+    return status
+
+
+def _ordering(what: str) -> None:
+    """A call that orders work on a stream: refused on a communicator's engine thread."""
+    if threading.current_thread().name.startswith(ENGINE_THREADS):
+        raise RuntimeError(f"the simulated GPU refuses {what} from a communicator's engine "
+                           "thread: on a GPU such a call may block behind the caller's "
+                           "synchronous copy, whose stream waits for the engine")
+
+
+_spare_events: list[int] = []  # recycled, never destroyed, as the runtimes' Events
 
 
 class _Event:
-    def __init__(self, device_sim: "SimulatedDevice"):
-        self._sim = device_sim
-        self._recorded = self._passed = 0
+    def __init__(self):
+        _ordering("creating an event")
+        self.id = _spare_events.pop() if _spare_events else _checked(library().sg_event_create())
+
+    def __del__(self):
+        _spare_events.append(self.id)
 
     def record(self, stream: int) -> None:
-        self._recorded += 1
-        generation = self._recorded
-
-        def passed():
-            self._passed = max(self._passed, generation)
-        self._sim.enqueue(stream, passed)
+        _ordering("recording an event")
+        _checked(library().sg_event_record(self.id, stream))
 
     def query(self) -> bool:
-        return self._passed >= self._recorded
+        _ordering("querying an event")
+        return _checked(library().sg_event_query(self.id)) == 1
 
     def wait(self, stream: int) -> None:
-        generation = self._recorded
-        self._sim.enqueue(stream, lambda: _spin_until(lambda: self._passed >= generation))
+        _ordering("waiting for an event")
+        _checked(library().sg_event_wait(self.id, stream))
 
     def synchronize(self) -> None:
-        _spin_until(self.query)
+        _ordering("waiting for an event")
+        _checked(library().sg_event_synchronize(self.id))
 
 
 class SimulatedDevice:
     def __init__(self):
-        self._streams: dict[int, _Stream] = {}
-        self._handles = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lib = library()
         self._memory: dict[int, np.ndarray] = {}
         self._shared: dict[int, mmap.mmap] = {}  # device_alloc's, and the peers' mapped
         self._owned: dict[int, int] = {}  # device_alloc's: their memfds
         self._loaded = False  # every kernel (load_kernels)
-        self._waiting = 0  # enqueued waits for a counter that have not passed yet
-
-    def enqueue(self, stream: int, op) -> None:
-        """Run ``op()`` on ``stream``'s thread after what the stream already holds."""
-        if threading.current_thread().name.startswith(ENGINE_THREADS):
-            raise RuntimeError("the simulated GPU refuses work enqueued by a communicator's "
-                               "engine thread: on a GPU such a call may block behind the "
-                               "caller's synchronous copy, whose stream waits for the engine")
-        with self._lock:
-            if stream not in self._streams:
-                self._streams[stream] = _Stream(stream)
-            target = self._streams[stream]
-        try:
-            target.ops.put(op, timeout=QUEUE_SECONDS)
-        except queue.Full:
-            raise RuntimeError(f"the simulated GPU's stream {stream} stayed full for "
-                               f"{QUEUE_SECONDS:g} s: nothing drains it while this thread "
-                               "enqueues (on a GPU: a hang)") from None
 
     def Event(self, device: int) -> _Event:  # noqa: N802 - as commlib._cuda.Event
-        return _Event(self)
+        return _Event()
 
     def host_alloc(self, nbytes: int) -> int:
         memory = np.zeros(nbytes + 64, np.uint8)
@@ -124,42 +147,40 @@ class SimulatedDevice:
         del self._memory[ptr]
 
     def copy_async(self, dst: int, src: int, nbytes: int, device: int, stream: int) -> None:
-        self.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
+        _ordering("a copy")
+        _checked(self._lib.sg_copy(stream, dst, src, nbytes))
+
+    def sleep(self, stream: int, seconds: float) -> None:
+        """A slow kernel: ``stream`` waits ``seconds`` here (the tests')."""
+        _checked(self._lib.sg_sleep(stream, seconds))
 
     def stream_create(self, device: int) -> int:
-        return next(self._handles)
+        _ordering("a new stream")
+        return self._lib.sg_stream_create()
 
     def stream_synchronize(self, stream: int, device: int) -> None:
-        done = threading.Event()
-        self.enqueue(stream, done.set)
-        done.wait()
+        _ordering("waiting for a stream")
+        _checked(self._lib.sg_stream_synchronize(stream))
 
     def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
-        word = ctypes.c_uint32.from_address(counter)
-
-        def wait():
-            _spin_until(lambda: (word.value - value) & 0xFFFFFFFF < 0x80000000)  # cyclic >=
-            with self._lock:
-                self._waiting -= 1
-        with self._lock:
-            self._waiting += 1
-        self.enqueue(stream, wait)
+        _ordering("a wait for the host")
+        _checked(self._lib.sg_wait_value(stream, counter, value))
 
     def write_value(self, stream: int, device: int, counter: int, value: int) -> None:
-        word = ctypes.c_uint32.from_address(counter)
-        self.enqueue(stream, lambda: setattr(word, "value", value))
+        _ordering("a write to the host")
+        _checked(self._lib.sg_write_value(stream, counter, value))
 
     def load_kernels(self, device: int) -> None:
         self._loaded = True
 
     def _first_launch(self, kernel: str) -> None:
         """Lazy loading: a first launch behind a wait for the host would hang on a GPU."""
-        with self._lock:
-            if not self._loaded and self._waiting:
-                raise RuntimeError(
-                    f"the simulated GPU's first {kernel} launch came while a stream waits for "
-                    "the host: under lazy loading it would wait for the device to go idle, "
-                    "for good (call load_kernels before enqueuing a wait)")
+        _ordering(f"a {kernel} launch")
+        if not self._loaded and self._lib.sg_waiting():
+            raise RuntimeError(
+                f"the simulated GPU's first {kernel} launch came while a stream waits for "
+                "the host: under lazy loading it would wait for the device to go idle, "
+                "for good (call load_kernels before enqueuing a wait)")
 
     @staticmethod
     def store_counter(counter: int, value: int) -> None:
@@ -169,34 +190,23 @@ class SimulatedDevice:
     def device_of(ptr: int) -> int:
         return 0
 
-    # kernels
-    @staticmethod
-    def _array(ptr: int, count: int, dtype: int) -> np.ndarray:
-        kind = BY_CODE[dtype].numpy
-        if kind is None:
-            raise TypeError("the simulated GPU has no bfloat16")
-        raw = (ctypes.c_uint8 * (count * kind.itemsize)).from_address(ptr)
-        return np.frombuffer(raw, kind)
+    # kernels: kernels.cu's, compiled for the CPU, run on the stream's thread
+    def _kernel(self, name: str) -> int:
+        return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
 
     def reduce_n(self, targets, sources, count, dtype, op, device, stream) -> None:
+        if not (1 <= len(targets) <= MAX_POINTERS and 1 <= len(sources) <= MAX_POINTERS):
+            raise ValueError(f"reduce_n: 1 to {MAX_POINTERS} targets and sources")
         self._first_launch("reduce_n")
-
-        def run():
-            arrays = [self._array(p, count, dtype) for p in sources]
-            acc = arrays[0].copy()
-            for a in arrays[1:]:
-                _REDUCE[op](acc, a, out=acc)
-            for p in targets:
-                self._array(p, count, dtype)[:] = acc
-        self.enqueue(stream, run)
+        pointers = ctypes.c_void_p * MAX_POINTERS
+        _checked(self._lib.sg_reduce_n(
+            stream, self._kernel(f"commlib_reduce_n_{KERNEL_DTYPES[dtype]}_{KERNEL_OPS[op]}"),
+            pointers(*targets), len(targets), pointers(*sources), len(sources), count))
 
     def scale(self, x, factor, count, dtype, device, stream) -> None:
         self._first_launch("scale")
-
-        def run():
-            a = self._array(x, count, dtype)
-            a[:] = (a * factor).astype(a.dtype)
-        self.enqueue(stream, run)
+        _checked(self._lib.sg_scale(stream, self._kernel(f"commlib_scale_{KERNEL_DTYPES[dtype]}"),
+                                    x, factor, count))
 
     # IPC: device memory in anonymous shared files (memfd), which peers map through the
     # owner's /proc/PID/fd (the handle): nothing is ever named in /dev/shm, so nothing is

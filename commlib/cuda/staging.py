@@ -5,22 +5,24 @@ Vocabulary:
   twin    the pinned host copy of one device buffer of a call (a buffer that lies inside
           another, as in-place all_gather's input, is a part of that one's twin).
   block   the pinned memory of one call's twins, followed by its *flag*: a word the host
-          sets to 1 when its part is done. Blocks are reused once their call's *done*
-          event has passed.
+          sets to 1 when its part is done, and its *ready* word, which the stream sets to 1
+          once the inputs are in the twins (the host reads it without a CUDA call). Blocks
+          are reused once their call's *done* event has passed.
   stream  where a call is enqueued: the caller's current stream, or (async_op) the
           communicator's side stream for that device, made to wait for the current one.
 
 A staged call enqueues, and returns:
 
-    copy what it reads into the twins -> record `ready` -> wait until flag == 1
+    copy what it reads into the twins -> ready = 1 -> wait until flag == 1
     -> copy what it writes back from the twins -> record `done`
 
-The communicator's progress engine waits for `ready`, runs the call on the twins with the
-CPU path (any algorithm, any transport: this is how GPU data crosses hosts), then sets
-the flag, which lets the stream go on. The flag is set when the call fails too: no stream
-may wait forever. The failure is raised by the call's Work, and by the communicator's
-first staged call issued after the flag was set (a call without async_op has nothing
-else to raise it from).
+The communicator's progress engine waits for `ready` (reading the word: a CUDA call there
+could wait behind the caller's synchronous copy, which waits for the engine), runs the call
+on the twins with the CPU path (any algorithm, any transport: this is how GPU data crosses
+hosts), then sets the flag, which lets the stream go on. The flag is set when the call
+fails too: no stream may wait forever. The failure is raised by the call's Work, and by
+the communicator's first staged call issued after the flag was set (a call without
+async_op has nothing else to raise it from).
 
 With a CUDA-aware MPI, a call that MPI's own collective runs is staged *in place*: its
 twins are the device memory itself, and nothing is copied.
@@ -63,6 +65,10 @@ class Block:
     def flag(self) -> int:
         return self.ptr + self.size
 
+    @property
+    def ready(self) -> int:
+        return self.ptr + self.size + 8
+
 
 class HostPool:
     """Pinned blocks by power-of-two size, reused once their call is over on the device."""
@@ -84,6 +90,7 @@ class HostPool:
             else:
                 block = Block(self.runtime.host_alloc(size + FLAG_BYTES), size)
         self.runtime.store_counter(block.flag, 0)
+        self.runtime.store_counter(block.ready, 0)
         return block
 
     def give(self, block: Block, done) -> None:
@@ -200,15 +207,15 @@ class Staging:
         caller.wait(self._side[device])
         return self._side[device]
 
-    def copy_in(self, staged: Staged, stream: int):
-        """Enqueue the copies of what the call reads; returns the event after them."""
+    def copy_in(self, staged: Staged, stream: int) -> "Word":
+        """Enqueue the copies of what the call reads; returns the word the stream sets
+        after them."""
         rt = self.runtime
         for name in staged.reads:
             b = staged.bufs[name]
             rt.copy_async(staged.host[name].ptr, b.ptr, b.nbytes, staged.device, stream)
-        ready = rt.Event(staged.device)
-        ready.record(stream)
-        return ready
+        rt.write_value(stream, staged.device, staged.block.ready, 1)
+        return Word(staged.block.ready)
 
     def copy_out(self, staged: Staged, stream: int):
         """Enqueue the wait for the flag and the copies of what the call writes; the block
@@ -303,8 +310,22 @@ def device_view(buf) -> Buffer:
                   MPI.buffer.fromaddress(buf.ptr, buf.nbytes))
 
 
+class Word:
+    """A word of pinned memory that a stream sets to 1 once it gets there (write_value),
+    asked like an event but read by the host, with no CUDA call."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def query(self) -> bool:
+        return ctypes.c_uint32.from_address(self.address).value == 1
+
+
 def wait_event(event, seconds: float | None, what: str) -> None:
-    """Poll ``event`` until it has passed; raise CommTimeoutError after ``seconds``."""
+    """Poll ``event`` (or a Word) until it has passed; raise CommTimeoutError after
+    ``seconds``."""
     start = time.monotonic()
     polls = 0
     while not event.query():

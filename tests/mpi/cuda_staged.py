@@ -53,39 +53,42 @@ def part(x, start, stop):
     return x[start:stop]
 
 
-def on_stream(fn):
-    """Run ``fn()`` on the current stream, after what it holds (a slow kernel)."""
-    if SIMULATED:
-        cuda.streams().enqueue(0, fn)
-    else:
-        fn()
+_sources: list = []  # what the simulated GPU's copies enqueued below read, until they ran
 
 
 def host(x) -> np.ndarray:
     """``x``'s values once the current stream has run everything enqueued so far."""
     if SIMULATED:
         cuda.streams().stream_synchronize(0, 0)
+        _sources.clear()
         return x.host.astype(np.float64)
     return x.double().cpu().numpy()
 
 
-def slow_fill(x, value, seconds=0.05):
-    """Enqueue: after a pause, fill ``x`` with ``value`` (the producer of a collective's input)."""
+def pause(seconds):
+    """Enqueue a slow kernel on the current stream."""
     if SIMULATED:
-        def fill():
-            time.sleep(seconds)
-            x.host[:] = value
-        on_stream(fill)
+        cuda.streams().sleep(0, seconds)
     else:
         import torch
         torch.cuda._sleep(int(seconds * 1e9))  # cycles: some 0.5 ns each
+
+
+def slow_fill(x, value, seconds=0.05):
+    """Enqueue: after a pause, fill ``x`` with ``value`` (the producer of a collective's input)."""
+    pause(seconds)
+    if SIMULATED:
+        copy(x, device(np.full(x.host.shape, value), x.host.dtype.name))
+    else:
         x.fill_(value)
 
 
 def copy(dst, src):
     """Enqueue dst = src (a consumer of a collective's output)."""
     if SIMULATED:
-        on_stream(lambda: np.copyto(dst.host, src.host))
+        _sources.append(src)
+        cuda.streams().copy_async(dst.host.ctypes.data, src.host.ctypes.data, src.host.nbytes,
+                                  0, 0)
     else:
         dst.copy_(src)
 
@@ -249,7 +252,6 @@ def check_algorithm(name):
 def in_place_and_uneven():
     whole = device(np.zeros(3 * n))
     mine = part(whole, 3 * rank, 3 * rank + 3)
-    on_stream(lambda: None)
     if SIMULATED:
         mine.host[:] = rank + 1.0
     else:
@@ -383,7 +385,7 @@ def calls_on_two_streams_in_call_order():
 
         def copy_async(dst, src, nbytes, dev, stream):
             if stream == side:
-                sim.enqueue(stream, lambda: time.sleep(0.05))
+                sim.sleep(stream, 0.05)
             slow(dst, src, nbytes, dev, stream)
         sim.copy_async = copy_async
     try:
@@ -522,6 +524,25 @@ def registered_inputs_everywhere():
         check_algorithm("ipc")
 
 
+def counters_move_while_the_main_thread_holds_the_gil():
+    """A call through IPC goes on while this process's main thread holds the GIL (a long
+    computation in C that never lets it go): its meetings are the GPU proxy's, not a Python
+    thread's. The stream sleeps first, so that the whole call runs during the hold."""
+    if not IPC:
+        return
+    gpu = comm._calls._gpus[0]  # (white-box: the proxy's heartbeat)
+    count = 3 * 4096  # several steps whatever the slot size (4 KiB in the many-steps runs)
+    t = device(np.full(count, rank + 1.0))
+    host(t)
+    pause(0.3)
+    comm.all_reduce(t)
+    before = gpu.heartbeat()
+    ctypes.PyDLL(None).usleep(1_000_000)  # holds the GIL for a second
+    after = gpu.heartbeat()
+    assert before["go0"] < after["go0"] == gpu.step, (before, after, gpu.step)
+    assert_equal(host(t), np.full(count, n * (n + 1) / 2))
+
+
 def registered_on_one_rank_only_is_a_mismatch():
     if not IPC:
         return
@@ -567,7 +588,7 @@ def a_stream_slower_than_the_timeout_fails_the_call():
     c.all_reduce(device(np.ones(2)))  # (sets up IPC, collectively)
     if rank == 0:
         t = device(np.full(4, 1.0))
-        on_stream(lambda: time.sleep(0.3))
+        pause(0.3)
         c.all_reduce(t, timeout=0.1)
         host(t)
         raises(commlib.CommError, "an earlier collective on GPU buffers failed",
