@@ -5,6 +5,7 @@
     mpiexec -n 2 commlib-bench latency|bandwidth|bibw  # OSU point-to-point
     mpiexec -n 2 commlib-bench overlap                 # OSU osu_iallreduce overlap
     mpiexec -n 2 commlib-bench gpu-overlap             # a matmul with an all_reduce beside it
+    mpiexec -n 2 commlib-bench gpu-steps               # a meeting's cost through CUDA IPC
     mpiexec -n 2 commlib-bench calibrate               # fit the cost model, write tuning file
     mpiexec -n 2 commlib-bench user-ops                # a user-defined op vs built-in, mpi4py
     commlib-bench kernels                              # reduce kernel vs numpy and memcpy
@@ -19,14 +20,14 @@ import argparse
 import os
 import sys
 
-from . import (calibrate, collective, compare, gpu_kernels, gpu_overlap, kernels, overlap,
-               p2p, user_ops)
+from . import (calibrate, collective, compare, gpu_kernels, gpu_overlap, gpu_steps, kernels,
+               overlap, p2p, user_ops)
 from .specs import SPECS
 
 COMMANDS = {**{name: collective for name in SPECS}, "latency": p2p, "bandwidth": p2p,
             "bibw": p2p, "overlap": overlap, "compare": compare, "calibrate": calibrate,
             "kernels": kernels, "gpu-kernels": gpu_kernels, "gpu-overlap": gpu_overlap,
-            "user-ops": user_ops}
+            "gpu-steps": gpu_steps, "user-ops": user_ops}
 ONE_PROCESS = ("kernels", "gpu-kernels")  # no communicator
 
 

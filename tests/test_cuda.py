@@ -19,7 +19,7 @@ import pytest
 import commlib
 import simulated_gpu
 from commlib import cuda
-from mpirun import run_checked
+from mpirun import mpirun, run_checked
 
 HAS_GPU = cuda.device_count() > 0
 gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device visible (cuda.device_count() == 0)")
@@ -444,6 +444,21 @@ def test_collectives_through_a_cuda_aware_mpi_on_a_simulated_gpu():
 def test_calls_on_gpu_memory_on_a_simulated_gpu_over_mpi():
     """As between hosts: the twins go through the mpi4py executor."""
     run_checked(3, "tests/mpi/cuda_staged.py", env={**SIMULATED, "COMMLIB_TRANSPORT": "mpi"})
+
+
+def test_a_case_past_its_limit_reports_where_each_rank_stands(tmp_path):
+    """.ci/gpu's way on a lent GPU, tried on the simulated one: a case that outlives its
+    limit (COMMLIB_TEST_CASE_SECONDS) writes each rank's GPU proxy heartbeat, native stacks
+    (or threads' wait channels) and Python stacks to hang-r<RANK>.txt in
+    COMMLIB_TEST_STACKS_DIR, and the rank exits."""
+    code, out = mpirun(2, "tests/mpi/gpu_hang.py", timeout=90, env={
+        **SIMULATED, "COMMLIB_TEST_CASE_SECONDS": "8", "COMMLIB_TEST_STACKS_DIR": str(tmp_path)})
+    assert code != 0, out
+    report = (tmp_path / "hang-r0.txt").read_text()
+    assert "rank 0 in a_call_rank_1_never_makes, near its limit" in report, report
+    assert "GPU proxy on device 0" in report and "'waiting_for': 2.0" in report, report
+    assert "native stacks of pid" in report and ("#0 " in report or "/task/" in report), report
+    assert 'File "' in report and "a_call_rank_1_never_makes" in report.split("native")[-1]
 
 
 @gpu

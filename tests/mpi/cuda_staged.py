@@ -530,16 +530,17 @@ def counters_move_while_the_main_thread_holds_the_gil():
     thread's. The stream sleeps first, so that the whole call runs during the hold."""
     if not IPC:
         return
-    gpu = comm._calls._gpus[0]  # (white-box: the proxy's heartbeat)
+    gpu = comm._calls._gpus[0]  # (white-box: the counter the streams wait for)
+    go = ctypes.c_uint32.from_address(gpu.go[0])
     count = 3 * 4096  # several steps whatever the slot size (4 KiB in the many-steps runs)
     t = device(np.full(count, rank + 1.0))
     host(t)
     pause(0.3)
     comm.all_reduce(t)
-    before = gpu.heartbeat()
+    before = go.value
     ctypes.PyDLL(None).usleep(1_000_000)  # holds the GIL for a second
-    after = gpu.heartbeat()
-    assert before["go0"] < after["go0"] == gpu.step, (before, after, gpu.step)
+    after = go.value
+    assert before < after == gpu.step, (before, after, gpu.step)
     assert_equal(host(t), np.full(count, n * (n + 1) / 2))
 
 

@@ -165,6 +165,8 @@ class Checker:
 
     def check(self, name: str, fn) -> None:
         self.cases += 1
+        if os.environ.get("COMMLIB_TEST_CASE_SECONDS"):  # each case its own limit
+            stacks.arm(float(os.environ["COMMLIB_TEST_CASE_SECONDS"]), name)
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - collected and reported below
@@ -175,10 +177,13 @@ class Checker:
             print(f"[rank {rank}] FAIL {self.failures[-1]}", flush=True)
 
     def run_cases(self, namespace: dict) -> None:
-        """Check every public zero-argument function the calling script defined, then finish."""
+        """Check every public zero-argument function the calling script defined (those
+        COMMLIB_TEST_CASES names, comma-separated, where it is set), then finish."""
+        chosen = os.environ.get("COMMLIB_TEST_CASES")
         for name, fn in list(namespace.items()):
             if (callable(fn) and getattr(fn, "__module__", None) == "__main__"
-                    and not name.startswith("_") and fn.__code__.co_argcount == 0):
+                    and not name.startswith("_") and fn.__code__.co_argcount == 0
+                    and (not chosen or name in chosen.split(","))):
                 self.check(name, fn)
         self.finish()
 

@@ -1,0 +1,34 @@
+"""A call through CUDA IPC that rank 1 never makes, on the simulated GPU, with a timeout
+longer than the case's limit (COMMLIB_TEST_CASE_SECONDS): rank 0's case outlives its limit
+and reports where it stands (stacks.py), as .ci/gpu's cases do on a lent GPU."""
+import time
+
+import numpy as np
+
+import commlib
+from commlib import cuda
+from harness import Checker
+
+comm = commlib.init()
+
+
+class _SimArray:
+    def __init__(self, host):
+        self.host = host
+        self.__cuda_array_interface__ = {"shape": host.shape, "typestr": host.dtype.str,
+                                         "strides": None, "data": (host.ctypes.data, False),
+                                         "version": 3}
+
+
+def a_call_rank_1_never_makes():
+    t = _SimArray(np.ones(1000, np.float32))
+    comm.all_reduce(t)  # (sets up IPC, collectively)
+    cuda.streams().stream_synchronize(0, 0)
+    if comm.rank == 0:
+        comm.all_reduce(t, timeout=60)
+        cuda.streams().stream_synchronize(0, 0)  # waits for the proxy, which waits for rank 1
+    else:
+        time.sleep(60)
+
+
+Checker().run_cases(globals())
