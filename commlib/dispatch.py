@@ -156,11 +156,12 @@ class Dispatcher:
         stream = staging.stream_for(call.device, async_op)
         record, what = self._record(call, algo), f"{call.collective} (ipc)"
         on_gpu = gpu.issue(call, algo.name, stream, seconds)
+        wait = on_gpu.wait  # (the engine's task holds no buffer: the caller frees them)
 
         def task():
             times = []
             try:
-                self.run_recorded(record, what, lambda: times.extend(on_gpu.wait()))
+                self.run_recorded(record, what, lambda: times.extend(wait()))
             except CommError as e:
                 self._gpu_failed(gpu, e)
                 raise

@@ -60,11 +60,13 @@ def _send_staged(calls, world, t, buf, dst, tag, async_op, deadline):
     staged = staging.stage_message(buf, sent=True)
     try:
         staging.copy_to_host_now(staged, deadline.seconds, f"send to rank {dst}")
-        work = world.send(staged.host["out"], dst, tag, deadline, True, t)
+        twin = staged.host["out"]  # what MPI reads: kept by the poller, not the user's array
+        work = world.send(twin, dst, tag, deadline, True, twin)
     except BaseException as e:
-        staging.sent(staged, e)
+        staging.sent(staged.block, e)
         raise
-    work.add_done_callback(lambda w: staging.sent(staged, w.exception()))
+    block = staged.block
+    work.add_done_callback(lambda w: staging.sent(block, w.exception()))
     if async_op:
         return work
     work.wait()
@@ -77,13 +79,24 @@ def _recv_staged(calls, world, t, buf, src, tag, async_op, deadline):
     staged = staging.stage_message(buf, sent=False)
     done = staging.copy_out(staged, staging.stream_for(staged.array, async_op))
     try:
-        work = world.recv(staged.host["out"], src, tag, deadline, True, t)
+        twin = staged.host["out"]  # what MPI writes: kept by the poller, not the user's array
+        work = world.recv(twin, src, tag, deadline, True, twin)
     except BaseException as e:
-        staging.host_part_over(staged, e)
+        staging.host_part_over(staged.block, e)
         raise
-    # a blocking receive raises its own error; nobody would raise an async one's
-    work.add_done_callback(lambda w: staging.host_part_over(staged, w.exception(), async_op))
-    if async_op:
+    block = staged.block
+    if async_op:  # nobody else would raise its error
+        work.add_done_callback(lambda w: staging.host_part_over(block, w.exception()))
         return StagedWork(f"recv from rank {src}", work, done, staged.array, t, staging)
-    work.wait()
+    # Blocking: the stream goes on before this returns, let go by this thread (a callback
+    # may run after the caller has gone on to wait for the stream, and a thread that must
+    # let the stream go may be held in a CUDA call meanwhile: a finalizer's, say)
+    error = None
+    try:
+        work.wait()
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        staging.host_part_over(block, error, remember=False)  # (raised here)
     return t

@@ -8,7 +8,8 @@ main thread idle and busy in Python.
 - steps: an all_reduce of -b bytes, in as many steps as its slots (COMMLIB_CUDA_IPC_SLOT_BYTES,
   16 MiB by default; 64 MiB in 64 KiB slots is 1024 steps), the median over --reps of its
   time and its time per step, the main thread waiting on the stream (idle) or running a
-  pure-Python loop until the call is done, asking its event between rounds (busy).
+  pure-Python loop until the call is done, asking its event between rounds of a few
+  milliseconds (busy).
 Each figure is the largest over the ranks. The ranks share GPU 0 (torch CUDA tensors), or,
 where COMMLIB_CUDA_STREAMS plugs in the simulated GPU (tests/simulated_gpu.py), its
 "device" memory.
@@ -77,9 +78,10 @@ class Device:
 
 
 def busy_until(event) -> None:
-    """Pure Python on the main thread until ``event`` has passed."""
+    """Pure Python on the main thread until ``event`` has passed: rounds of a few
+    milliseconds, which let the GIL go only at the interpreter's switch interval."""
     while not event.query():
-        sum(i * i for i in range(2000))  # some 100 us between asks
+        sum(i * i for i in range(40_000))
 
 
 def main(args, comm) -> int:

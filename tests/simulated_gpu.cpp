@@ -11,7 +11,8 @@
 //            meanwhile (what an H200's driver did to an engine thread's cudaMemcpyAsync
 //            and event queries);
 //   kernels  commlib/cuda/kernels.cu compiled for the CPU (cuda_on_host.cpp), run on the
-//            stream's thread.
+//            stream's thread; a framework's kernel (the tests' sleep) loads lazily at its
+//            first launch, waiting for the device to go idle, holding the driver.
 //
 // Every blocking wait gives up after LIMIT seconds with an error naming what it waited
 // for: a hang on a GPU is an error here.
@@ -31,6 +32,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -193,6 +195,27 @@ int sg_write_value(long stream, unsigned* word, unsigned value) {
 }
 
 int sg_waiting() { return waiting.load(); }
+
+// A framework's kernel launched for the first time, under lazy loading: loading its module
+// waits, holding the driver, until every stream of the process has gone idle.
+int sg_lazy_load() {
+  Call call("loading a kernel's module");
+  if (!call.ok) return -1;
+  std::vector<Stream*> every;
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    for (auto& [handle, s] : streams) every.push_back(s);
+  }
+  auto end = limit();
+  for (Stream* s : every) {
+    std::unique_lock<std::mutex> lock(s->mutex);
+    if (!s->changed.wait_until(lock, end, [&] { return s->ops.empty() && !s->running; }))
+      return fail("a kernel's module did not load within " + std::to_string(int(limit_s)) +
+                  " s: lazy loading waits for the device to go idle, holding the driver, and "
+                  "it did not: on a GPU, a hang");
+  }
+  return 0;
+}
 
 int sg_reduce_n(long stream, void* kernel, void** targets, int nt, void** sources, int ns,
                 long long count) {

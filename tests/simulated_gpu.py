@@ -10,7 +10,8 @@ from device_alloc is an anonymous shared file (memfd), which peers map through t
 The device itself is C++ (simulated_gpu.cpp, compiled at first use): its streams are
 threads that go on whatever Python does, its driver serialises the calls of a process
 while one thread waits synchronously for a stream, its launch queue is bounded, and its
-kernels are kernels.cu compiled for the CPU. Tests make slow "kernels" with ``sleep``.
+kernels are kernels.cu compiled for the CPU. Tests make slow "kernels" with ``sleep``, a
+framework's kernel, whose module loads lazily (waiting for the device to go idle).
 
 What hung on a real GPU (an H200) fails here, with an error instead of a hang:
 - lazy loading: a kernel's first launch may wait for the device to go idle, so a first
@@ -74,7 +75,7 @@ def library() -> ctypes.CDLL:
             ("sg_error", [], ctypes.c_char_p), ("sg_configure", [i, d, i], None),
             ("sg_stream_create", [], lg), ("sg_copy", [lg, p, p, ll], i),
             ("sg_sleep", [lg, d], i), ("sg_wait_value", [lg, p, u], i),
-            ("sg_write_value", [lg, p, u], i), ("sg_waiting", [], i),
+            ("sg_write_value", [lg, p, u], i), ("sg_waiting", [], i), ("sg_lazy_load", [], i),
             ("sg_reduce_n", [lg, p, ctypes.POINTER(p), i, ctypes.POINTER(p), i, ll], i),
             ("sg_scale", [lg, p, p, d, ll], i), ("sg_event_create", [], lg),
             ("sg_event_record", [lg, lg], i), ("sg_event_query", [lg], i),
@@ -99,6 +100,20 @@ def _ordering(what: str) -> None:
         raise RuntimeError(f"the simulated GPU refuses {what} from a communicator's engine "
                            "thread: on a GPU such a call may block behind the caller's "
                            "synchronous copy, whose stream waits for the engine")
+
+
+class HostArray:
+    """A "device" array of the simulated GPU: ``host``'s memory (a numpy array or a view of
+    one, which it keeps) behind the CUDA array interface. Freeing one makes no CUDA call, as
+    a framework's caching allocator makes none (torch's, unless the block was used on
+    several streams)."""
+
+    def __init__(self, host: np.ndarray):
+        assert host.flags.c_contiguous, "a device array is contiguous"
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": host.shape, "typestr": host.dtype.str, "strides": None,
+            "data": (host.ctypes.data, False), "version": 3}
 
 
 _spare_events: list[int] = []  # recycled, never destroyed, as the runtimes' Events
@@ -135,7 +150,8 @@ class SimulatedDevice:
         self._memory: dict[int, np.ndarray] = {}
         self._shared: dict[int, mmap.mmap] = {}  # device_alloc's, and the peers' mapped
         self._owned: dict[int, int] = {}  # device_alloc's: their memfds
-        self._loaded = False  # every kernel (load_kernels)
+        self._loaded = False  # every kernel of commlib's (load_kernels)
+        self._framework_loaded = False  # the tests' sleep kernel (lazily, at first launch)
 
     def Event(self, device: int) -> _Event:  # noqa: N802 - as commlib._cuda.Event
         return _Event()
@@ -154,7 +170,12 @@ class SimulatedDevice:
         _checked(self._lib.sg_copy(stream, dst, src, nbytes))
 
     def sleep(self, stream: int, seconds: float) -> None:
-        """A slow kernel: ``stream`` waits ``seconds`` here (the tests')."""
+        """A slow kernel of a framework's: ``stream`` waits ``seconds`` here (the tests').
+        Its module loads lazily, at its first launch in the process."""
+        _ordering("a kernel launch")
+        if not self._framework_loaded:
+            _checked(self._lib.sg_lazy_load())
+            self._framework_loaded = True
         _checked(self._lib.sg_sleep(stream, seconds))
 
     def stream_create(self, device: int) -> int:

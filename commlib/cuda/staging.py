@@ -251,20 +251,23 @@ class Staging:
         """Copy what the call reads to its twins once its stream gets there, and wait."""
         wait_event(self.copy_in(staged, staged.array.stream), seconds, what)
 
-    def sent(self, staged: Staged, error: BaseException | None = None) -> None:
+    # These two take a call's block, not the call: they run on the engine's or the
+    # poller's thread, which must not hold the user's arrays (their last reference may go
+    # there, and a framework may make a CUDA call when one is freed).
+    def sent(self, block: Block, error: BaseException | None = None) -> None:
         """A send from the twins is over: the block may be reused (unless MPI still may
         read it, after a timeout)."""
-        staged.block.abandoned = isinstance(error, CommTimeoutError)
-        self.pool.give(staged.block, None)
+        block.abandoned = isinstance(error, CommTimeoutError)
+        self.pool.give(block, None)
 
-    def host_part_over(self, staged: Staged, error: BaseException | None,
+    def host_part_over(self, block: Block, error: BaseException | None,
                        remember: bool = True) -> None:
         """Let the stream go on; first ``remember`` the error for the next call to raise
         (after a timeout, MPI may still write into the block: it is never reused)."""
         if remember:
             self.remember(error)
-        staged.block.abandoned = isinstance(error, CommTimeoutError)
-        self.runtime.store_counter(staged.block.flag, 1)
+        block.abandoned = isinstance(error, CommTimeoutError)
+        self.runtime.store_counter(block.flag, 1)
 
     def issue(self, engine, what: str, call, staged: Staged, async_op: bool, result,
               seconds: float):
@@ -275,6 +278,7 @@ class Staging:
         stream = self.stream_for(staged.array, async_op)
         ready = self.copy_in(staged, stream)
         done = self.copy_out(staged, stream)
+        block = staged.block
 
         def task():
             error = None
@@ -284,7 +288,7 @@ class Staging:
                 error = e
                 raise
             finally:
-                self.host_part_over(staged, error)
+                self.host_part_over(block, error)
 
         return self.submit(engine, what, task, done, staged.array, async_op, result)
 

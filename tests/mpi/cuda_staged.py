@@ -14,6 +14,7 @@ import numpy as np
 import commlib
 from commlib import cuda
 from harness import Checker, assert_equal, raises
+from tests.simulated_gpu import HostArray
 
 comm = commlib.init()
 n, rank = comm.size, comm.rank
@@ -23,21 +24,11 @@ IPC = n > 1 and comm.transport == "shm" and os.environ.get("COMMLIB_CUDA_IPC") !
 WAIT = 60
 
 
-class _SimArray:
-    """A "device" array of the simulated GPU: host memory behind the CUDA interface."""
-
-    def __init__(self, host: np.ndarray):
-        self.host = np.ascontiguousarray(host)
-        self.__cuda_array_interface__ = {
-            "shape": self.host.shape, "typestr": self.host.dtype.str, "strides": None,
-            "data": (self.host.ctypes.data, False), "version": 3}
-
-
 def device(values, dtype="float32"):
     """A device array holding ``values``."""
     host = np.asarray(values, dtype=np.float64).astype(dtype)
     if SIMULATED:
-        return _SimArray(host)
+        return HostArray(host)
     import torch
     return torch.tensor(host).cuda()
 
@@ -45,11 +36,7 @@ def device(values, dtype="float32"):
 def part(x, start, stop):
     """Elements [start, stop) of device array ``x``, sharing its memory."""
     if SIMULATED:
-        view = _SimArray.__new__(_SimArray)
-        view.host = x.host[start:stop]
-        view.__cuda_array_interface__ = dict(x.__cuda_array_interface__, shape=view.host.shape,
-                                             data=(view.host.ctypes.data, False))
-        return view
+        return HostArray(x.host[start:stop])
     return x[start:stop]
 
 
@@ -409,7 +396,7 @@ def device_memory(count, dtype="float32"):
     if SIMULATED:
         nbytes = count * np.dtype(dtype).itemsize
         ptr = cuda.streams().device_alloc(nbytes, 0)
-        return _SimArray(np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype))
+        return HostArray(np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype))
     import torch
     return torch.empty(count, dtype=getattr(torch, dtype), device="cuda")
 
@@ -527,18 +514,21 @@ def registered_inputs_everywhere():
 def counters_move_while_the_main_thread_holds_the_gil():
     """A call through IPC goes on while this process's main thread holds the GIL (a long
     computation in C that never lets it go): its meetings are the GPU proxy's, not a Python
-    thread's. The stream sleeps first, so that the whole call runs during the hold."""
+    thread's. The stream sleeps first (long enough for every rank to issue the call, however
+    loaded the machine), so that the whole call runs during the hold."""
     if not IPC:
         return
+    comm.all_reduce(device(np.ones(2)))  # (sets up IPC, collectively)
     gpu = comm._calls._gpus[0]  # (white-box: the counter the streams wait for)
     go = ctypes.c_uint32.from_address(gpu.go[0])
     count = 3 * 4096  # several steps whatever the slot size (4 KiB in the many-steps runs)
     t = device(np.full(count, rank + 1.0))
     host(t)
-    pause(0.3)
+    comm.barrier()
+    pause(1.0)
     comm.all_reduce(t)
     before = go.value
-    ctypes.PyDLL(None).usleep(1_000_000)  # holds the GIL for a second
+    ctypes.PyDLL(None).usleep(1_500_000)  # holds the GIL
     after = go.value
     assert before < after == gpu.step, (before, after, gpu.step)
     assert_equal(host(t), np.full(count, n * (n + 1) / 2))
