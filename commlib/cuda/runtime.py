@@ -210,25 +210,24 @@ class CupyRuntime:
                "cuMemHostGetDevicePointer (the counter must be from host_alloc)")
         return on_device.value
 
-    def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
+    def _stream_value(self, stream, device, counter, value, kernel, op, flags, what):
+        """A stream memory operation on the word at ``counter`` (pinned): libcuda's ``op``
+        (an index into _driver()) with ``flags``, or our ``kernel`` (COMMLIB_CUDA_WAIT=kernel)."""
         with _driver_on(device):
             word = self._on_device(counter)
             if self._wait_by_kernel:
-                self._module.get_function("commlib_wait_counter")(
-                    (1,), (1,), (np.uint64(word), np.uint32(value)),
-                    stream=cupy.cuda.ExternalStream(stream))
+                self._module.get_function(kernel)((1,), (1,), (np.uint64(word), np.uint32(value)),
+                                                  stream=cupy.cuda.ExternalStream(stream))
                 return
-            _check(_driver()[0](stream, word, value, _WAIT_GEQ), "cuStreamWaitValue32")
+            _check(_driver()[op](stream, word, value, flags), what)
+
+    def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
+        self._stream_value(stream, device, counter, value, "commlib_wait_counter", 0, _WAIT_GEQ,
+                           "cuStreamWaitValue32")
 
     def write_value(self, stream: int, device: int, counter: int, value: int) -> None:
-        with _driver_on(device):
-            word = self._on_device(counter)
-            if self._wait_by_kernel:
-                self._module.get_function("commlib_write_counter")(
-                    (1,), (1,), (np.uint64(word), np.uint32(value)),
-                    stream=cupy.cuda.ExternalStream(stream))
-                return
-            _check(_driver()[3](stream, word, value, _WRITE_DEFAULT), "cuStreamWriteValue32")
+        self._stream_value(stream, device, counter, value, "commlib_write_counter", 3,
+                           _WRITE_DEFAULT, "cuStreamWriteValue32")
 
     @staticmethod
     def store_counter(counter: int, value: int) -> None:

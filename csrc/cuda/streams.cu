@@ -28,7 +28,7 @@ namespace {
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
-using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 // COMMLIB_CUDA_WAIT=kernel: streams wait for counters, and write arrivals, by kernels of ours
 bool wait_by_kernel() {
@@ -39,10 +39,8 @@ bool wait_by_kernel() {
   return by_kernel;
 }
 
-using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-WriteValue32 write_value_entry() {
-  static WriteValue32 entry = reinterpret_cast<WriteValue32>(
+StreamValue32 write_value_entry() {
+  static StreamValue32 entry = reinterpret_cast<StreamValue32>(
       commlib_cuda_host::driver_entry("cuStreamWriteValue32", "stream memory operations"));
   return entry;
 }
@@ -55,8 +53,8 @@ void* on_device(uintptr_t counter) {
   return address;
 }
 
-WaitValue32 wait_value_entry() {
-  static WaitValue32 entry = reinterpret_cast<WaitValue32>(
+StreamValue32 wait_value_entry() {
+  static StreamValue32 entry = reinterpret_cast<StreamValue32>(
       commlib_cuda_host::driver_entry("cuStreamWaitValue32", "stream memory operations"));
   return entry;
 }
@@ -134,6 +132,24 @@ class Event {
 void launch_wait_counter(void* counter, unsigned value, int device, uintptr_t stream);   // launch.cu
 void launch_write_counter(void* counter, unsigned value, int device, uintptr_t stream);  // launch.cu
 
+namespace {
+
+// A stream memory operation on the word at `counter` (pinned): the driver's `op` with
+// `flags`, or, under COMMLIB_CUDA_WAIT=kernel, our kernel that does the same.
+void stream_value(uintptr_t stream, int device, uintptr_t counter, uint32_t value,
+                  StreamValue32 op, unsigned flags,
+                  void (*by_kernel)(void*, unsigned, int, uintptr_t), const char* what) {
+  OnDevice on(device);
+  void* word = on_device(counter);
+  if (wait_by_kernel()) return by_kernel(word, value, device, stream);
+  CUresult status = op(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word),
+                       value, flags);
+  if (status != CUDA_SUCCESS)
+    throw std::runtime_error(std::string(what) + " failed with CUresult " + std::to_string(status));
+}
+
+}  // namespace
+
 void bind_streams(py::module_& m) {
   py::class_<Event>(m, "Event", "A CUDA event on one device (timing disabled)")
       .def(py::init<int>(), WithoutGil(), py::arg("device"))
@@ -173,27 +189,15 @@ void bind_streams(py::module_& m) {
   }, WithoutGil(), py::arg("stream"), py::arg("device"));
 
   m.def("wait_value", [](uintptr_t stream, int device, uintptr_t counter, uint32_t value) {
-    OnDevice on(device);
-    void* word = on_device(counter);
-    if (wait_by_kernel()) return launch_wait_counter(word, value, device, stream);
-    CUresult status = wait_value_entry()(reinterpret_cast<CUstream>(stream),
-                                         reinterpret_cast<CUdeviceptr>(word), value,
-                                         CU_STREAM_WAIT_VALUE_GEQ);
-    if (status != CUDA_SUCCESS)
-      throw std::runtime_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(status));
+    stream_value(stream, device, counter, value, wait_value_entry(), CU_STREAM_WAIT_VALUE_GEQ,
+                 launch_wait_counter, "cuStreamWaitValue32");
   }, WithoutGil(), py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
      "Work enqueued on `stream` from now on waits until the uint32 at `counter` (pinned, "
      "from host_alloc) reaches `value` (a cyclic >=)");
   m.def("write_value", [](uintptr_t stream, int device, uintptr_t counter, uint32_t value) {
-    OnDevice on(device);
-    void* word = on_device(counter);
-    if (wait_by_kernel()) return launch_write_counter(word, value, device, stream);
     // the default flags order the write after the stream's earlier work and its memory
-    CUresult status = write_value_entry()(reinterpret_cast<CUstream>(stream),
-                                          reinterpret_cast<CUdeviceptr>(word), value,
-                                          CU_STREAM_WRITE_VALUE_DEFAULT);
-    if (status != CUDA_SUCCESS)
-      throw std::runtime_error("cuStreamWriteValue32 failed with CUresult " + std::to_string(status));
+    stream_value(stream, device, counter, value, write_value_entry(),
+                 CU_STREAM_WRITE_VALUE_DEFAULT, launch_write_counter, "cuStreamWriteValue32");
   }, WithoutGil(), py::arg("stream"), py::arg("device"), py::arg("counter"), py::arg("value"),
      "Once `stream` gets here (its earlier work done), the uint32 at `counter` (pinned, from "
      "host_alloc) becomes `value`: how a stream tells the GPU proxy where it is");
