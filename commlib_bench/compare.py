@@ -20,7 +20,8 @@ from mpi4py import MPI
 import commlib
 from commlib import _C
 
-from .harness import Progress, iteration_times, parse_size, print_table, sizes, write_json
+from .harness import (Progress, iteration_times, parse_size, print_table, sizes, use_local_gpu,
+                      write_json)
 from .peers import Case, assign, make_peers
 from .specs import DTYPES, SPECS, itemsize
 
@@ -88,11 +89,7 @@ def main(args, comm) -> int:
     sync = device_sync(args.device)
     what = args.datatype
     if args.device == "cuda":
-        import torch
-        local = world.Split_type(MPI.COMM_TYPE_SHARED)
-        device = local.rank % torch.cuda.device_count()  # a host's ranks spread over its GPUs
-        local.Free()
-        torch.cuda.set_device(device)
+        device = use_local_gpu(world, "compare --device cuda")
         what = f"{args.datatype} on cuda (device {device} of rank {comm.rank})"
     grid = sizes(args.minbytes, args.maxbytes, args.stepfactor)
     one_host = len(set(world.allgather(MPI.Get_processor_name()))) == 1  # (else no bound)

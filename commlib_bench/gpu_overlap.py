@@ -15,7 +15,7 @@ import statistics
 
 from mpi4py import MPI
 
-from .harness import parse_size
+from .harness import parse_size, use_local_gpu
 
 
 def add_arguments(p):
@@ -28,9 +28,7 @@ def add_arguments(p):
 def main(args, comm) -> int:
     import torch
     world = comm.mpi
-    local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    torch.cuda.set_device(local.rank % torch.cuda.device_count())
-    local.Free()
+    use_local_gpu(world, "gpu-overlap")
     a = torch.randn(args.matmul, args.matmul, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     t = torch.zeros(args.bytes // 4, device="cuda")

@@ -36,6 +36,19 @@ def sizes(lo: int, hi: int, factor: int) -> list[int]:
     return out
 
 
+def use_local_gpu(world: MPI.Comm, what: str) -> int:
+    """Make this rank's current CUDA device one of its host's GPUs (a host's ranks spread
+    over them) and return it; SystemExit naming ``what`` where torch sees none."""
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{what} needs a CUDA device (torch.cuda.is_available() is False)")
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    device = local.rank % torch.cuda.device_count()
+    local.Free()
+    torch.cuda.set_device(device)
+    return device
+
+
 def iteration_times(world: MPI.Comm, fn, iters: int, warmup: int = 0) -> np.ndarray:
     """Per-iteration seconds, each the max over ranks."""
     for _ in range(warmup):

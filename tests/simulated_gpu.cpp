@@ -38,7 +38,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 int queue_ops = 32;     // CUDA's holds about a thousand; fewer fills sooner
-double limit_s = 20.0;  // any blocking wait longer than this is a hang
+double limit_s = 30.0;  // any blocking wait longer than this is a hang (simulated_gpu.py sets it)
 bool lenient = false;   // synchronous waits let the driver go (to measure what needs that)
 thread_local std::string error;
 

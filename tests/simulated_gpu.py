@@ -43,7 +43,8 @@ from commlib.cuda import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS
 SIMULATED = "tests.simulated_gpu:SimulatedDevice"
 
 LAUNCH_QUEUE = 32  # operations a stream holds before enqueuing blocks (CUDA's: ~1000)
-LIMIT = 20.0  # seconds a call may block before the simulated GPU calls it a hang
+LIMIT = 30.0  # seconds a call may block before the simulated GPU calls it a hang (longer
+               # than the timeouts the tests give commlib, which must fire first)
 ENGINE_THREADS = "commlib-coll-"  # commlib/work.py's ProgressEngine names its thread so
 # SIMULATED_GPU=lenient: engine threads may order work on streams, and synchronous waits let
 # the driver go; only to measure the design before the GPU proxy, which needs both

@@ -10,6 +10,7 @@ file per rank, appended to: a lent GPU's call returns only a few files):
   inside which CUDA or torch call, and so which one holds the GIL (Python's stacks cannot
   tell); where it may not, each thread's name and kernel wait channel (/proc/PID/task);
 - last, every thread's Python stack (faulthandler, which needs no GIL)."""
+import atexit
 import faulthandler
 import gc
 import os
@@ -64,9 +65,10 @@ def arm(seconds: float | None = None, case: str = "the script") -> None:
               else "true")
     channels = (f'for t in /proc/{pid}/task/*; do echo "$t $(cat $t/comm) $(cat $t/wchan)"; '
                 'done')
-    _watcher = subprocess.Popen(
-        ["sh", "-c", f'sleep {wait}; echo "native stacks of pid {pid} (rank {_rank()}):"; '
-         f'out=$({native}); case "$out" in *"#0 "*) echo "$out";; *) {channels};; esac'],
+    _watcher = subprocess.Popen(  # (nothing, should the rank have gone meanwhile)
+        ["sh", "-c", f'sleep {wait}; kill -0 {pid} || exit; echo "native stacks of pid {pid} '
+         f'(rank {_rank()}):"; out=$({native}); case "$out" in *"#0 "*) echo "$out";; '
+         f'*) {channels};; esac'],
         stdin=subprocess.DEVNULL, stdout=_report if path else None, stderr=subprocess.STDOUT)
 
 
@@ -80,3 +82,13 @@ def disarm() -> None:
         _watcher.kill()
         _watcher.wait()
         _watcher = None
+
+
+@atexit.register
+def _at_exit() -> None:
+    """No watcher outlives the rank, and no empty report is left."""
+    disarm()
+    if _report is not None and _report is not sys.stderr:
+        _report.close()
+        if os.path.getsize(_report.name) == 0:
+            os.remove(_report.name)
