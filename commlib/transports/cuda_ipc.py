@@ -95,7 +95,8 @@ class CudaIpc(Transport):
         return ("shm" in host.offers and 2 <= host.size <= MAX_RANKS
                 and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
 
-    # its meetings are the host's
+    # the Transport interface's agreement and barrier: the host's (calls through IPC meet
+    # in the proxy)
     def agree(self, desc, splits=None, itemsize=1) -> None:
         self.host.agree(desc, splits, itemsize)
 
@@ -425,7 +426,7 @@ class CudaIpc(Transport):
         first = self.step
         plan = Plan(self.proxy.submit(first, steps, meetings, row, call.dtype.itemsize,
                                       splits is not None, exchanged, seconds or 0.0, step_bytes),
-                    first, steps, meetings)
+                    first, steps)
         if exchanged:
             try:
                 plan.rows = self.proxy.rows(plan.id)
@@ -474,13 +475,13 @@ class CudaIpc(Transport):
 
 
 class Plan:
-    """A call as handed to the proxy: its id there, its steps [first, first + steps), the
-    meetings of each, and (exchanged) every rank's row."""
+    """A call as handed to the proxy: its id there, its steps [first, first + steps) and
+    (exchanged) every rank's row."""
 
-    __slots__ = ("id", "first", "steps", "meetings", "rows")
+    __slots__ = ("id", "first", "steps", "rows")
 
-    def __init__(self, id: int, first: int, steps: int, meetings: int):
-        self.id, self.first, self.steps, self.meetings = id, first, steps, meetings
+    def __init__(self, id: int, first: int, steps: int):
+        self.id, self.first, self.steps = id, first, steps
         self.rows = None
 
 
