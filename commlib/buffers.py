@@ -3,6 +3,8 @@ are host memory; torch CUDA tensors and __cuda_array_interface__ arrays (CuPy) a
 memory (commlib.cuda describes them, imported only when one is seen)."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import _C
@@ -73,12 +75,24 @@ def as_buffer(obj, name: str = "tensor", writable: bool = True) -> Buffer:
         if writable and not can_write:
             raise ValueError(f"{name} is read-only but receives data; pass a writable copy")
         return Buffer(obj, ptr, obj.size, dtype)
-    if type(obj).__module__.startswith("torch"):
+    torch = sys.modules.get("torch")  # (a tensor exists only once torch is imported)
+    if torch is not None and isinstance(obj, torch.Tensor):
         return _torch_buffer(obj, name)
     if hasattr(obj, "__cuda_array_interface__"):
         return _device_buffer(obj, name)
     raise TypeError(f"{name}: expected a numpy array or a torch tensor (CPU or CUDA), or a "
                     f"CuPy array, got {type(obj).__name__}")
+
+
+_fast_path_takes_torch = False
+
+
+def _take_torch(torch) -> None:
+    """Let the fast path (csrc/fast_path.cpp) take plain CPU tensors from now on."""
+    global _fast_path_takes_torch
+    codes = {getattr(torch, d.name): d.code for d in DTYPES.values()}
+    _C.take_torch((torch.Tensor, torch.nn.Parameter), codes, torch.strided)
+    _fast_path_takes_torch = True
 
 
 def _device_buffer(obj, name: str) -> Buffer:
@@ -89,8 +103,8 @@ def _device_buffer(obj, name: str) -> Buffer:
 
 def _torch_buffer(t, name: str) -> Buffer:
     import torch
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(t).__name__}")
+    if not _fast_path_takes_torch:
+        _take_torch(torch)
     if t.device.type == "cuda":
         return _device_buffer(t, name)
     if t.device.type != "cpu":

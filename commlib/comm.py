@@ -154,6 +154,14 @@ class Communicator:
         self._calls.close()
         self._fast = self._calls.call_fast
 
+    def try_fast(self, collective: str, output, input=None, op=None, root=None) -> bool:
+        """Run the call in one C++ call if the fast path takes it (csrc/fast_path.cpp:
+        numpy arrays or plain CPU tensors, a call like one made before, auto's algorithm,
+        the communicator's timeout), returning True; False: nothing was done, make the
+        call as usual. For layers that add their own cost to every call (the torch
+        backend)."""
+        return self._fast(CODES[collective], output, input, op, root, None)
+
     # The collectives: the fast path takes what it can (csrc/fast_path.cpp), the rest is
     # dispatched: validated into a Call, run on the transport.
     def all_reduce(self, t, op="sum", algorithm=None, async_op=False, timeout=None):

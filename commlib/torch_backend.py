@@ -38,7 +38,7 @@ from .torch_ops import (alike, byte_view, contiguous, copy_back, fold, in_order,
                         per_element, reduce_view, reduction, row_splits, sparse_sum)
 from .errors import CommError
 from .transports.mpi_world import allgather
-from .torch_work import TorchWork, dist_error
+from .torch_work import DoneWork, TorchWork, dist_error
 
 BACKEND = "commlib"
 
@@ -147,13 +147,17 @@ def _tag(name: str) -> int:
 _trace_hook = None
 
 
-def _tensors(args):
-    """The tensors among ``args`` (tensors, and lists of them to any depth)."""
-    for a in args:
+def _cuda_tensors(args) -> list:
+    """The CUDA tensors among ``args`` (tensors, and lists of them to any depth)."""
+    found, todo = [], list(args)
+    while todo:
+        a = todo.pop()
         if isinstance(a, torch.Tensor):
-            yield a
+            if a.is_cuda:
+                found.append(a)
         elif isinstance(a, (list, tuple)):
-            yield from _tensors(a)
+            todo.extend(a)
+    return found[::-1]
 
 
 def _stream_ordered(op):
@@ -165,7 +169,7 @@ def _stream_ordered(op):
     hand their memory out again before the op is over."""
     @functools.wraps(op)
     def run(self, *args, **kwargs):
-        tensors = [t for t in _tensors(args) if t.is_cuda]
+        tensors = _cuda_tensors(args)
         if not tensors:
             return op(self, *args, **kwargs)
         device = tensors[0].device
@@ -262,14 +266,41 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return []
 
     def _work(self, what, works, outputs, finish=None, keep=()) -> TorchWork:
-        work = TorchWork(what, works, outputs, finish, self._timeout, keep)
+        return self._traced(what, TorchWork(what, works, outputs, finish, self._timeout, keep))
+
+    def _ran_at_once(self, opts, collective, output, input=None, reducing: str = "",
+                     rooted=False) -> bool:
+        """Whether a synchronous op ran to its end in commlib's fast path (Communicator.
+        try_fast), which takes contiguous CPU tensors of commlib's dtypes in one C++ call
+        once it has seen the call. The op's general route takes the rest (and profiled
+        calls, which it names). ``reducing``: the op's name, if it reduces by
+        opts.reduceOp; ``rooted``: it has opts.rootRank."""
+        if opts is None or opts.asyncOp or _profiler_enabled():
+            return False
+        op = reduction(opts.reduceOp, output.dtype, reducing) if reducing else None
+        try:
+            return self.comm.try_fast(collective, output, input, op,
+                                      opts.rootRank if rooted else None)
+        except CommError as e:  # raised as torch reports backend failures
+            raise dist_error(e) from e
+
+    def _done(self, what, outputs) -> DoneWork:
+        return self._traced(what, DoneWork(what, outputs))
+
+    def _traced(self, what, work):
         if _trace_hook is not None:
             _trace_hook(self, what, work)
         return work
 
     # reductions
-    @_stream_ordered
     def allreduce(self, tensors, opts=None):
+        if len(tensors) == 1 and self._ran_at_once(opts, "all_reduce", tensors[0],
+                                                   reducing="allreduce"):
+            return self._done("allreduce", tensors)
+        return self._allreduce_general(tensors, opts)
+
+    @_stream_ordered
+    def _allreduce_general(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         t = only(tensors, "allreduce")
         if t.is_sparse:
@@ -344,8 +375,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works, finish = self._reduce_scatter(out, flat, opts, "reduce_scatter")
         return self._work("reduce_scatter", works, [out], finish, keep=flat)
 
-    @_stream_ordered
     def reduce_scatter_single(self, output, input, opts=None):
+        if self._ran_at_once(opts, "reduce_scatter", output, input,
+                             reducing="reduce_scatter_tensor"):
+            return self._done("reduce_scatter_tensor", [output])
+        return self._reduce_scatter_single_general(output, input, opts)
+
+    @_stream_ordered
+    def _reduce_scatter_single_general(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         inp = contiguous(input)
         works, finish = self._reduce_scatter(output, inp, opts, "reduce_scatter_tensor")
@@ -374,8 +411,13 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return works, copy_back([(out, c)])
 
     # data movement
-    @_stream_ordered
     def broadcast(self, tensors, opts=None):
+        if len(tensors) == 1 and self._ran_at_once(opts, "broadcast", tensors[0], rooted=True):
+            return self._done("broadcast", tensors)
+        return self._broadcast_general(tensors, opts)
+
+    @_stream_ordered
+    def _broadcast_general(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         t = tensors[opts.rootTensor]
         c = contiguous(t)
@@ -423,8 +465,13 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(async_op, self.comm.all_gather, byte_view(rows), byte_view(inp))
         return works, copy_back(list(zip(outs, rows)))
 
-    @_stream_ordered
     def all_gather_single(self, output, input, opts=None):
+        if self._ran_at_once(opts, "all_gather", output, input):
+            return self._done("all_gather_into_tensor", [output])
+        return self._all_gather_single_general(output, input, opts)
+
+    @_stream_ordered
+    def _all_gather_single_general(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
         inp = contiguous(input)
         works, finish = self._all_gather_single(output, inp, opts.asyncOp)

@@ -27,6 +27,19 @@ _BOOL = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.PRODUCT: "min", _R.MIN:
 def reduction(reduce_op, dtype: torch.dtype, what: str):
     """commlib's op name for ``reduce_op`` on ``dtype``, or a fold function (bool's xor)."""
     kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    # Remembered, as working it out costs more than a small all-reduce; keyed by the enum's
+    # value: torch's enum objects are made anew per access and compare slowly.
+    key = (kind.value, dtype, what)
+    op = _REDUCTIONS.get(key)
+    if op is None:
+        op = _REDUCTIONS[key] = _reduction(kind, dtype, what)
+    return op
+
+
+_REDUCTIONS: dict = {}
+
+
+def _reduction(kind, dtype: torch.dtype, what: str):
     name = str(kind).rsplit(".", 1)[-1]
     if dtype == torch.bool:
         op = _BOOL.get(kind)

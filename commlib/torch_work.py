@@ -1,11 +1,12 @@
-"""The torch.distributed.Work that commlib's torch backend returns.
+"""The torch.distributed.Works that commlib's torch backend returns.
 
-It wraps the commlib Works of one torch operation (a torch collective may take several
+A TorchWork wraps the commlib Works of one torch operation (a torch collective may take several
 commlib calls, or none when it ran synchronously) and a *finish* step that runs once they
 all completed: copying results back into non-contiguous tensors, splitting a flat buffer
 into a list, folding gathered rows. Then it completes its torch Future with the output
 tensors. Both happen on commlib's progress thread, so an async torch op needs nobody to
 call wait() to make progress (DDP relies on that: it only chains onto the Future).
+A DoneWork stands for an op that already ran to its end on plain CPU tensors.
 """
 from __future__ import annotations
 
@@ -159,3 +160,40 @@ class TorchWork(dist.Work):
         """Block until a CUDA op is over on its stream (CPU ops: nothing to do)."""
         if self._end is not None:
             self._end.synchronize()
+
+
+class DoneWork(dist.Work):
+    """A CPU op that ran to completion on the caller's thread (torch did not ask for
+    async_op): nothing to wait for, so none of TorchWork's machinery; the Future is made
+    only if someone asks for it."""
+
+    def __init__(self, what: str, outputs: list):
+        super().__init__()
+        self._what, self._outputs = what, outputs
+
+    def __repr__(self):
+        return f"<commlib DoneWork {self._what}>"
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self) -> list:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        pass
+

@@ -8,6 +8,7 @@
     mpiexec -n 2 commlib-bench gpu-steps               # a meeting's cost through CUDA IPC
     mpiexec -n 2 commlib-bench calibrate               # fit the cost model, write tuning file
     mpiexec -n 2 commlib-bench user-ops                # a user-defined op vs built-in, mpi4py
+    mpiexec -n 2 commlib-bench torch-latency           # through PyTorch: ours, gloo, DeepSpeed
     commlib-bench kernels                              # reduce kernel vs numpy and memcpy
     commlib-bench gpu-kernels                          # GPU kernels vs a device copy
     commlib-bench compare --hosts 2 --per-host 1       # across 2 namespace hosts (as root)
@@ -21,13 +22,13 @@ import os
 import sys
 
 from . import (calibrate, collective, compare, gpu_kernels, gpu_overlap, gpu_steps, kernels,
-               overlap, p2p, user_ops)
+               overlap, p2p, torch_latency, user_ops)
 from .specs import SPECS
 
 COMMANDS = {**{name: collective for name in SPECS}, "latency": p2p, "bandwidth": p2p,
             "bibw": p2p, "overlap": overlap, "compare": compare, "calibrate": calibrate,
             "kernels": kernels, "gpu-kernels": gpu_kernels, "gpu-overlap": gpu_overlap,
-            "gpu-steps": gpu_steps, "user-ops": user_ops}
+            "gpu-steps": gpu_steps, "user-ops": user_ops, "torch-latency": torch_latency}
 ONE_PROCESS = ("kernels", "gpu-kernels")  # no communicator
 
 

@@ -1,12 +1,13 @@
-"""DDP step time, commlib backend vs gloo, in one run on the same data.
+"""DDP (and FSDP2) step time, commlib backend vs gloo, in one run on the same data.
 
-    mpiexec -n 2 python commlib_bench/ddp.py [--rounds 5] [--steps 10] [--batch 32]
+    mpiexec -n 2 python commlib_bench/ddp.py [--rounds 5] [--steps 10] [--batch 32] [--fsdp]
 
 A ~25M-parameter MLP is wrapped three times from the same initial weights: commlib, gloo,
 and commlib with its zero-copy hook (commlib/torch_hooks.py: buckets all-reduced in shared
-memory). Rounds alternate between them (commlib, gloo, hooked, ...) so that drifts of the
-machine hit both alike; each step is forward, backward (with DDP's bucket all-reduces) and
-an SGD update. Step time is the slowest rank's, as DDP waits for all; we report the median.
+memory); with ``--fsdp`` twice more, by FSDP2 (``fully_shard`` per layer) on each backend.
+Rounds alternate between them (commlib, gloo, hooked, ...) so that drifts of the machine hit
+both alike; each step is forward, backward (with DDP's bucket all-reduces) and an SGD
+update. Step time is the slowest rank's, as DDP waits for all; we report the median.
 """
 import argparse
 import statistics
@@ -15,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
@@ -26,6 +29,15 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(),
                          nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
                          nn.Linear(2048, 10))
+
+
+def fsdp2(model: nn.Module, group) -> nn.Module:
+    """``model`` sharded by FSDP2 over ``group``: each Linear, then the whole."""
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def timed_steps(model, opt, x, y, steps, group) -> list:
@@ -48,6 +60,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 on both backends too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -61,6 +74,11 @@ def main():
         if name == "hooked":
             ddp.register_comm_hook(RegisteredBuckets(group), zero_copy_hook)
         models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    for backend in ("commlib", "gloo") if args.fsdp else ():
+        name = f"fsdp2 {backend}"
+        groups[name] = groups[backend]
+        model = fsdp2(mlp(), groups[backend])
+        models[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     # Reference: the same step without DDP (no communication); timed with the others.
     groups["no comm"] = groups["commlib"]
     local = mlp()
@@ -86,11 +104,14 @@ def main():
               f"{args.threads} thread(s)/rank, {args.rounds} rounds x {args.steps} steps, "
               f"alternating")
         for name, t in times.items():
-            print(f"  {name:8s} median step {med[name] * 1e3:7.1f} ms   "
+            print(f"  {name:13s} median step {med[name] * 1e3:7.1f} ms   "
                   f"(min {min(t) * 1e3:.1f}, max {max(t) * 1e3:.1f})")
         print(f"  commlib / gloo step time: {med['commlib'] / med['gloo']:.2f}, with the "
               f"zero-copy hook {med['hooked'] / med['gloo']:.2f}   (target <= 0.80)   "
               f"same weights after training: {same}")
+        if args.fsdp:
+            print(f"  FSDP2 commlib / gloo step time: "
+                  f"{med['fsdp2 commlib'] / med['fsdp2 gloo']:.2f}")
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
-// The fast path: a whole collective on numpy arrays in one call from Python, on a
-// transport that runs whole collectives in C++ (fast_path.h). The general path (commlib/dispatch.py) validates in
-// Python and costs a few microseconds per call, more than a small collective itself.
+// The fast path: a whole collective on numpy arrays or torch CPU tensors in one call from
+// Python, on a transport that runs whole collectives in C++ (fast_path.h). The general path
+// (commlib/dispatch.py) validates in Python and costs a few microseconds per call, more
+// than a small collective itself.
 //
 // Vocabulary:
 //   call    (collective, algorithm asked for, primary count, itemsize, root): what fixes
@@ -10,7 +11,7 @@
 //           a FastEntry (fast_path.h), which the transport runs.
 //           The fast path runs only calls it has an entry for, so it always runs exactly
 //           what the general path would.
-//   decline anything this path does not take (not numpy, not contiguous, a call that
+//   decline anything this path does not take (not numpy nor a plain CPU tensor, not contiguous, a call that
 //           breaks call.h's rules, an op or algorithm it does not know, uneven
 //           all_to_all parts, another timeout, an unknown call, a call the entry's
 //           transport does not take (FastTransport::takes), a hold) returns False and
@@ -35,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <vector>
 
 #include "agreement.h"
 #include "call.h"
@@ -58,10 +60,64 @@ int numpy_dtype_code(const py::dtype& dt) {
   return -1;
 }
 
+// torch CPU tensors, read through their Python attributes (commlib links no torch):
+// the types taken (exactly torch.Tensor and nn.Parameter: a subclass such as DTensor
+// says what its memory means itself), torch's dtypes -> codes, torch.strided. Empty
+// until Python meets its first tensor (take_torch).
+struct TorchKinds {
+  std::vector<PyObject*> types;
+  PyObject* dtype_codes = nullptr;
+  PyObject* strided = nullptr;
+};
+
+TorchKinds& torch_kinds() {
+  static TorchKinds kinds;  // (references held for good: torch's types never go away)
+  return kinds;
+}
+
+// obj.name, or obj.name() when `call` (a new reference; nullptr with Python's error set).
+PyObject* attribute(PyObject* obj, PyObject* name, bool call) {
+  return call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+}
+
+// False unless `obj` is a contiguous strided CPU tensor (torch_kinds' types) of a
+// supported dtype.
+bool torch_view(PyObject* obj, Operand& out) {
+  const TorchKinds& kinds = torch_kinds();
+  if (std::find(kinds.types.begin(), kinds.types.end(),
+                reinterpret_cast<PyObject*>(Py_TYPE(obj))) == kinds.types.end())
+    return false;
+  struct Read { PyObject* name; bool call; PyObject* value; };
+  static PyObject* const names[] = {  // (interned once: no string made or hashed per call)
+      PyUnicode_InternFromString("is_cpu"),        PyUnicode_InternFromString("layout"),
+      PyUnicode_InternFromString("is_nested"),     PyUnicode_InternFromString("dtype"),
+      PyUnicode_InternFromString("is_contiguous"), PyUnicode_InternFromString("data_ptr"),
+      PyUnicode_InternFromString("numel")};
+  Read reads[] = {{names[0], false, nullptr}, {names[1], false, nullptr},
+                  {names[2], false, nullptr}, {names[3], false, nullptr},
+                  {names[4], true, nullptr},  {names[5], true, nullptr},
+                  {names[6], true, nullptr}};
+  bool ok = true;
+  for (Read& r : reads)
+    if (ok && (r.value = attribute(obj, r.name, r.call)) == nullptr) ok = false;
+  PyObject* code = nullptr;
+  if (ok) {
+    code = PyDict_GetItem(kinds.dtype_codes, reads[3].value);  // (borrowed)
+    ok = reads[0].value == Py_True && reads[1].value == kinds.strided &&
+         reads[2].value == Py_False && code != nullptr && reads[4].value == Py_True;
+  }
+  if (ok)
+    out = {uintptr_t(PyLong_AsUnsignedLongLong(reads[5].value)),
+           int64_t(PyLong_AsLongLong(reads[6].value)), int(PyLong_AsLong(code))};
+  for (Read& r : reads) Py_XDECREF(r.value);
+  if (PyErr_Occurred()) PyErr_Clear(), ok = false;  // (the general path will say why)
+  return ok;
+}
+
 // False unless `obj` is a C-contiguous numpy array of a supported dtype (and writable
-// when `write`).
+// when `write`), or a tensor torch_view takes.
 bool view(py::handle obj, bool write, Operand& out) {
-  if (!py::array::check_(obj)) return false;
+  if (!py::array::check_(obj)) return torch_view(obj.ptr(), out);
   auto arr = py::reinterpret_borrow<py::array>(obj);
   const int needed = py::array::c_style | (write ? NPY_ARRAY_WRITEABLE_ : 0);
   if ((arr.flags() & needed) != needed) return false;
@@ -296,10 +352,22 @@ PyMethodDef call_def = {
 }  // namespace
 
 void bind_fast_path(py::module_& m) {
+  m.def(
+      "take_torch",
+      [](py::tuple types, py::dict dtype_codes, py::object strided) {
+        TorchKinds& kinds = torch_kinds();
+        if (kinds.dtype_codes != nullptr) return;  // (once per process)
+        for (py::handle type : types) kinds.types.push_back(type.inc_ref().ptr());
+        kinds.dtype_codes = dtype_codes.inc_ref().ptr();
+        kinds.strided = strided.inc_ref().ptr();
+      },
+      py::arg("types"), py::arg("dtype_codes"), py::arg("strided"),
+      "Let the fast path take CPU tensors of exactly these types (torch.Tensor, "
+      "nn.Parameter), their dtypes as {torch dtype: commlib code}.");
   py::class_<FastTransport>(m, "FastTransport",
                             "A transport that runs whole collectives in C++ (fast_path.h).");
   py::class_<FastPath>(m, "FastPath",
-                       "Whole collectives on numpy arrays in one call (csrc/fast_path.cpp).")
+                       "Whole collectives on numpy arrays and CPU tensors in one call (csrc/fast_path.cpp).")
       .def(py::init<FastTransport&, py::dict, py::dict, double, size_t, py::function>(),
            py::arg("transport"), py::arg("op_codes"), py::arg("algorithms"),
            py::arg("timeout"), py::arg("records"), py::arg("on_failure"),

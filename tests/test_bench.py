@@ -149,3 +149,19 @@ def test_overlap_and_calibrate(tmp_path):
     assert CostModel.load(tuning).alpha > 0
     out = bench(2, "user-ops", "-b", "1K", "-e", "64K", "-f", "64", "-n", "3")
     assert [len(r) for r in rows(out)] == [6, 6], out  # size, 4 times, user/sum
+
+
+def test_torch_latency(tmp_path):
+    """The PyTorch path's table at 3 ranks: every peer that runs here checked and timed
+    (DeepSpeed's where it is installed: n/a otherwise)."""
+    pytest.importorskip("torch")
+    js = tmp_path / "t.json"
+    out = bench(3, "torch-latency", "--min", "1K", "--max", "4K", "--rounds", "1",
+                "--json", str(js))
+    assert "dist/api" in out, out
+    doc = json.loads(js.read_text())
+    assert [(r["bytes"], r["dtype"]) for r in doc["results"]] == [
+        (1024, "float32"), (1024, "bfloat16"), (4096, "float32"), (4096, "bfloat16")]
+    for r in doc["results"]:
+        assert all(r[k] > 0 for k in ("api:torch", "dist:commlib", "dist:gloo")), r
+        assert (r["api:numpy"] > 0) == (r["dtype"] == "float32"), r

@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
+from commlib.buffers import as_buffer
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from harness import Checker, assert_equal, raises, torch
 
@@ -141,13 +142,11 @@ def in_place_forms():
 
 
 def ranks_may_take_different_paths():
-    """A torch tensor (general path) on one rank meets numpy arrays (fast path) elsewhere."""
+    """A Buffer (general path) on one rank meets numpy arrays (fast path) elsewhere."""
     want = np.full(33, n * (n - 1) // 2, np.float32)
     for _ in range(2):
         t = np.full(33, rank, np.float32)
-        if rank == 0 and torch is not None:
-            t = torch.from_numpy(t)
-        comm.all_reduce(t)
+        comm.all_reduce(as_buffer(t) if rank == 0 else t)
         assert_equal(np.asarray(t), want)
     before = fast.taken
     t = np.full(33, rank, np.float32)
@@ -161,14 +160,13 @@ def ranks_may_take_different_paths():
 
 
 def mpi_s_own_collectives_meet_across_paths():
-    """MPI's own collectives (native) on a torch tensor on rank 0 (the general path) meet
-    numpy arrays on the other ranks (the fast path, where the transport runs them): both
-    agree first and make the same MPI call, whichever collective it is."""
+    """MPI's own collectives (native) on Buffers on rank 0 (the general path) meet numpy
+    arrays on the other ranks (the fast path, where the transport runs them): both agree
+    first and make the same MPI call, whichever collective it is."""
     if "native" not in comm.algorithms("all_reduce"):
         return
     count, ranks = 1000, np.arange(n)
-    as_given = (lambda a: torch.from_numpy(a)) if rank == 0 and torch is not None else \
-        (lambda a: a)
+    as_given = as_buffer if rank == 0 else (lambda a: a)
     for dt in ("float32", "int64", "float16"):
         for _ in range(2):
             t = np.full(count, rank + 1, dt)
@@ -192,6 +190,39 @@ def mpi_s_own_collectives_meet_across_paths():
             t = np.full(count, rank + 1, dt)
             comm.reduce(as_given(t), root=0, algorithm="native")
             assert_equal(t, np.full(count, n * (n + 1) // 2 if rank == 0 else rank + 1, dt))
+
+
+def torch_cpu_tensors_run_fast():
+    """Plain CPU tensors (torch.Tensor, nn.Parameter) take the fast path as numpy arrays
+    do; what it declines (another layout, a non-contiguous tensor, a subclass, a dtype
+    commlib lacks) the general path takes, with its results or errors."""
+    if torch is None:
+        return
+    for count in (1, 7, 5000):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            def all_reduce():
+                t = torch.full((count,), rank + 1, dtype=dtype)
+                assert comm.all_reduce(t) is t
+                assert_equal(t.float().numpy(), np.full(count, n * (n + 1) // 2, np.float32))
+            _twice(all_reduce)
+    p = torch.nn.Parameter(torch.full((2, 3), float(rank)), requires_grad=False)
+    _twice(lambda: comm.broadcast(p, root=n - 1))
+    assert_equal(p.numpy(), np.full((2, 3), n - 1, np.float32))
+
+    class Marked(torch.Tensor):  # a subclass may mean something else by its memory
+        pass
+    taken = fast.taken
+    t = torch.full((7,), 1.0).as_subclass(Marked)
+    for _ in range(2):
+        comm.all_reduce(t)
+    assert fast.taken == taken, "a tensor subclass ran on the fast path"
+    assert_equal(t.as_subclass(torch.Tensor).numpy(), np.full(7, n * n, np.float32))
+    raises(ValueError, "not contiguous", lambda: comm.all_reduce(torch.ones(14)[::2]))
+    raises(TypeError, "torch.bool is not supported",
+           lambda: comm.all_reduce(torch.ones(7, dtype=torch.bool)))
+    raises(ValueError, "layout torch.sparse_coo",
+           lambda: comm.all_reduce(torch.ones(7).to_sparse()))
+    assert fast.taken == taken
 
 
 def declined_calls_raise_the_general_paths_errors():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import commlib.torch_backend as tb
+from commlib.torch_work import TorchWork
 from harness import Checker, raises
 
 torch.set_num_threads(1)
@@ -357,6 +358,55 @@ def profiled():
     check.check("profiled", run)
 
 
+def synchronous_ops_run_at_once():
+    """A synchronous all_reduce, broadcast, all_gather_into_tensor or reduce_scatter_tensor
+    on plain CPU tensors runs in commlib's fast path once it has seen the call (one C++
+    call, no Work machinery); its Work is done, its Future holds the outputs. What the fast
+    path declines (non-contiguous, bool, async) takes the general route, with gloo's
+    results."""
+    fast = WORLD.comm._calls.fast  # (white-box: which path a call took)
+    if fast is None or WORLD.comm.transport != "shm":  # (elsewhere it runs fewer algorithms)
+        return
+    x = data((3, 5), torch.float32, who=rank)
+    out, block = torch.empty(n * 15), torch.empty(15)
+
+    def calls():
+        t = x.clone()
+        dist.all_reduce(t, op=R.MAX)
+        b = x.clone()
+        dist.broadcast(b, src=n - 1)
+        dist.all_gather_into_tensor(out, x.reshape(-1))
+        dist.reduce_scatter_tensor(block, torch.arange(n * 15, dtype=torch.float32) + rank)
+        return t, b
+    calls()  # (seen once: the general route teaches the fast path)
+    taken = fast.native.taken
+    t, b = calls()
+    assert fast.native.taken == taken + 4, (taken, fast.native.taken)
+    want_max, want_b, want_out = (x.clone() for _ in range(3))
+    gloo = [want_max, want_b, torch.empty(n * 15)]
+    dist.all_reduce(gloo[0], op=R.MAX, group=GLOO)
+    dist.broadcast(gloo[1], src=n - 1, group=GLOO)
+    dist.all_gather_into_tensor(gloo[2], x.reshape(-1), group=GLOO)
+    same(t, gloo[0], path="all_reduce")
+    same(b, gloo[1], path="broadcast")
+    same(out, gloo[2], path="all_gather_into_tensor")
+    same(block, (torch.arange(15, dtype=torch.float32) + rank * 15) * n + n * (n - 1) / 2,
+         path="reduce_scatter_tensor")
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    work = WORLD.allreduce([t], opts)
+    assert work.is_completed() and work.wait() and work.get_future().value()[0] is t
+    strided = torch.ones(4, 6)[:, ::2]  # declined: the general route makes it contiguous
+    dist.all_reduce(strided)
+    same(strided, torch.full((4, 3), float(n)), path="strided")
+    flags = torch.tensor([rank == 0, True])  # bool: declined, reduced as gloo's
+    dist.all_reduce(flags)
+    assert flags.tolist() == [True, True], flags
+    work = dist.all_reduce(t, async_op=True)  # async: queued, never at once
+    assert isinstance(work, TorchWork), work
+    work.wait()
+
+
 # ---------------------------------------------------------------- point to point
 
 def point_to_point():
@@ -572,7 +622,7 @@ timed("objects_and_barrier", objects_and_barrier)
 if n == 2 and "MASTER_ADDR" not in os.environ:  # once (under mpiexec): a profiler takes ~1.5 s
     timed("profiled", profiled)
 timed("point_to_point", point_to_point)
-for case in (truly_async, wait_timeout, errors, beyond_gloo):
+for case in (synchronous_ops_run_at_once, truly_async, wait_timeout, errors, beyond_gloo):
     timed(case.__name__, lambda: check.check(case.__name__, case))
 timed("subgroups", subgroups)
 if n == 4:
