@@ -13,8 +13,9 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, p2p, transports, tuning  # noqa: E402
-from .call import CODES, NONE, descriptor  # noqa: E402
+from .call import CODES, NONE, REDUCING, ROOTED, ReduceOp, descriptor, make  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
+from .dtypes import DTYPES, NAMES  # noqa: E402
 from .host_memory import as_array  # noqa: E402
 from .transports.mpi_world import MpiWorld  # noqa: E402
 
@@ -112,9 +113,29 @@ class Communicator:
         internals are hidden, the least any algorithm sends (nccl-tests' bus bytes)."""
         return self._transport.bytes_sent
 
-    def algorithms(self, collective: str, device: bool = False) -> list[str]:
-        """The algorithms ``collective`` can use here, on host memory or (``device``) GPUs."""
+    def algorithms(self, collective: str, output=None, input=None, *, op="sum", root=0,
+                   count: int | None = None, dtype=None, device: bool = False) -> list[str]:
+        """The algorithms ``collective`` can use here, on host memory or (``device``) GPUs,
+        for some call. Given a call, only those that can run it in this communicator's mode
+        (deterministic, its size, its op): what auto chooses among and ``algorithm=`` may
+        name. The call is its buffers (``output``, and ``input`` where the collective takes
+        two), ``op`` and ``root`` as the collective takes them; or on host memory its
+        primary ``count`` (elements of ``t``, of reduce_scatter's ``output``, of
+        all_gather's ``input``) and ``dtype``."""
         from .algorithms import candidates
+        if count is not None or dtype is not None:
+            if output is not None or input is not None:
+                raise TypeError("algorithms: give a call's buffers, or its count and dtype, "
+                                "not both")
+            nbytes = _count_bytes(count, dtype)
+            reduce_op = ReduceOp.parse(op) if collective in REDUCING else None
+            return sorted({a.name for a in self._calls.runnable(collective, nbytes, reduce_op)})
+        if output is not None:
+            call = make(collective, self.size, self.rank, output, input,
+                        op if collective in REDUCING else None,
+                        root if collective in ROOTED else None)
+            return sorted({a.name for a in self._calls.runnable(
+                collective, call.nbytes, call.op, call)})
         offers = self.offers | (self._transport.device_offers() if device else frozenset())
         return sorted({a.name for a in candidates(collective, offers, device)})
 
@@ -372,3 +393,22 @@ def recv(t, src, tag=0, comm=None, async_op=False, timeout=None):
 for _fn in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce, barrier,
             send, recv):
     _fn.__doc__ = getattr(Communicator, _fn.__name__).__doc__
+
+
+def _count_bytes(count, dtype) -> int:
+    """The bytes of ``count`` elements of ``dtype`` (a name, numpy's or torch's)."""
+    if count is None or dtype is None:
+        raise TypeError("algorithms: a call given by its size needs both count and dtype")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"algorithms: count must be a non-negative int, got {count!r}")
+    if type(dtype).__module__ == "torch":
+        name = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            name = dtype if dtype in DTYPES else np.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in DTYPES:
+        raise ValueError(f"algorithms: dtype {dtype!r} is not one commlib communicates; "
+                         f"valid: {NAMES}")
+    return count * DTYPES[name].itemsize

@@ -18,7 +18,8 @@ from .call import check_timeout, default_timeout, invalid_descriptor, make
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .fast_path import FastPath
 from .recorder import FlightRecorder
-from .select import choose_on_device
+from .algorithms import candidates
+from .select import choose_on_device, runnable
 from .work import ProgressEngine
 
 
@@ -111,13 +112,9 @@ class Dispatcher:
         staging.raise_failure()  # raised now: a call returns before it runs
         if self.failure is not None:
             raise self.unusable()
-        offers = t.offers | t.device_offers()
-        if call.op is not None and t.rank_order:
-            offers -= {"cuda_ipc", "cuda_mpi"}  # reduced in rank order on the host, staged
+        offers = self._device_offers(call)
         gpu = None
-        # (the GPU kernels lack bitwise and user-defined ops: staged through host memory)
-        if "cuda_ipc" in offers and not (call.op and call.op.host_only) and \
-                self._asks_ipc(call, algorithm):
+        if "cuda_ipc" in offers and self._asks_ipc(call, algorithm):
             device = call.device.device
             gpu = self.gpu(device, call.descriptor("ipcsetup"), call.dtype.itemsize, seconds)
             if not gpu.usable and algorithm is not None:
@@ -139,6 +136,36 @@ class Dispatcher:
         return staging.issue(self.engine, call.collective,
                              self._task(host_call, algo, plan, seconds), staged, async_op,
                              result, seconds)
+
+    def _device_offers(self, call) -> frozenset:
+        """What ``call`` on GPU arrays may use here: the GPU's own ways, less those its op
+        keeps on the host (staged)."""
+        t = self.transport
+        offers = t.offers | t.device_offers()
+        if call.op is not None and t.rank_order:
+            offers -= {"cuda_ipc", "cuda_mpi"}  # reduced in rank order on the host, staged
+        if call.op is not None and call.op.host_only:  # (the GPU kernels lack bitwise and
+            offers -= {"cuda_ipc"}                      # user-defined ops)
+        return offers
+
+    def runnable(self, collective: str, nbytes: int, op=None, call=None) -> list:
+        """The algorithms that can run a call of ``collective`` on ``nbytes`` primary bytes
+        with ``op`` here, in this communicator's mode: what auto chooses among and what
+        ``algorithm=`` may name. On ``call``'s GPU arrays (call.make's) also the GPU's own
+        that apply: CUDA IPC's unless it failed to set up on that device, zerocopy where
+        the input is registered; the host ones run staged."""
+        t = self.transport
+        user_op = op is not None and not op.builtin
+        found = runnable(collective, t.size, nbytes, t.where, t.offers, user_op, t.rank_order)
+        if call is not None and call.device is not None:
+            gpu = self._gpus.get(call.device.device)
+            offers = self._device_offers(call)
+            if gpu is not None and not gpu.usable:
+                offers -= {"cuda_ipc"}
+            found += [a for a in candidates(collective, offers, device=True)
+                      if a.memory == "device" and (a.applies is None or
+                                                   a.applies(gpu, call) is None)]
+        return found
 
     @staticmethod
     def _asks_ipc(call, algorithm) -> bool:

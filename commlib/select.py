@@ -145,7 +145,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         raise ValueError(f"{collective}: no algorithm here can run this call: "
                          f"{_lacks(None, user_op, deterministic)}")
     if measured is not None:
-        found = [a for a in fits if a.refuses is None or not a.refuses(n, nbytes, where)]
+        found = runnable(collective, n, nbytes, where, offers, user_op, deterministic)
         fastest = measured.fastest(collective, None if collective == "all_to_all" else nbytes,
                                    [a.name for a in found])
         if fastest is not None:
@@ -154,6 +154,17 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         model = model or DEFAULT_MODEL
         return min(fits, key=lambda a: (model.cost(a, where, n, nbytes), a.name))
     return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, where, offers)
+
+
+def runnable(collective: str, n: int, nbytes: int, where: Where, offers: frozenset | None,
+             user_op: bool = False, deterministic: bool = False) -> list[Algorithm]:
+    """The host entries that ``offers`` allows and that can run a call of ``nbytes`` primary
+    bytes among ``n`` ranks at ``where``: none refusing its size, its user-defined op, or
+    the rank order of deterministic mode."""
+    deterministic = deterministic and collective in REDUCING
+    return [a for a in candidates(collective, offers)
+            if not _lacks(a, user_op, deterministic)
+            and not (a.refuses and a.refuses(n, nbytes, where))]
 
 
 def _lacks(algo: Algorithm | None, user_op: bool, deterministic: bool) -> str | None:

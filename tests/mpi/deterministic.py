@@ -73,6 +73,8 @@ def reductions(comm, name: str) -> None:
                     check.check(f"{name}/{collective}/{algo or 'auto'}/{dtype}/{op}",
                                 lambda c=collective, a=algo, d=dtype, o=op: one(comm, c, a, d, o))
         others = [a for a in comm.algorithms(collective) if not entries(collective)[a].rank_order]
+        for_call = comm.algorithms(collective, count=4, dtype="float32")
+        assert set(for_call) == set(names), (for_call, names)  # (what the mode runs)
         if others and n > 2:  # (between 2 ranks every algorithm gives the fold's bits)
             check.check(f"{name}/{collective}/{others[0]} refused", lambda c=collective: raises(
                 ValueError, "deterministic mode needs", lambda: call(comm, c, others[0],

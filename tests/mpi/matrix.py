@@ -90,6 +90,8 @@ def run(collective, algo, dtype, op, count, inplace):
     floating = dtype.startswith(("float", "bfloat"))
     if op in USER_OPS and dtype in USER_OPS[op].dtypes and a is not None and \
             not entries(collective)[a].user_ops:
+        assert a not in comm.algorithms(collective, count=count, dtype=dtype,
+                                        op=USER_OPS[op]), name
         if collective == "all_reduce":
             check.check(name, lambda: raises(ValueError, "user-defined", lambda: (
                 comm.all_reduce(make(values(count, rank, "sum", dtype), dtype, BACKEND),
@@ -112,6 +114,7 @@ def run(collective, algo, dtype, op, count, inplace):
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
     if algo == "eager" and count * itemsize * (n if collective == "reduce_scatter" else 1) \
             > Agreement.payload_bytes(n):
+        assert a not in comm.algorithms(collective, count=count, dtype=dtype), name
         if collective == "all_reduce" and op == "sum":  # refused, alike on every rank
             check.check(name, lambda: raises(ValueError, "eager sends at most", lambda: (
                 comm.all_reduce(make(values(count, rank, "sum", dtype), dtype, BACKEND),
@@ -122,6 +125,7 @@ def run(collective, algo, dtype, op, count, inplace):
         mine = values(count, rank, op or "sum", dtype)
         if collective == "all_reduce":
             t = make(mine, dtype, BACKEND)
+            assert a is None or a in comm.algorithms("all_reduce", t, op=reduce_op), name
             comm.all_reduce(t, op=reduce_op, algorithm=a)
             expect_equal(t, reduced(count, op, dtype), dtype, op)
         elif collective == "reduce":
