@@ -14,7 +14,11 @@ reads: dearer than staging on one machine, cheaper on another), and from what si
 its parts direct's all_to_all reads a rank's parts in place. It is cached in the user's
 cache directory (a versioned JSON file) and reused by every later communicator of that
 layout, in this process and the next. ``auto`` then takes the algorithm with the least
-time at the call's size, interpolated in log size between measured sizes (beyond the
+time at the call's size, interpolated in log size between measured sizes (where two
+neighbouring sizes' winners differ, sizes between them are measured too, until the
+crossover lies within a factor of 2; a size timed during a slow spell, its reference
+collective's times off from the same calls timed again at the end, is measured again;
+beyond the
 largest, time grows with the bytes), or where both kinds of memory were timed the least
 loss against the fastest over both (Table.fastest); collectives or algorithms the table
 lacks fall back to the cost model (commlib/select.py). Rank 0's table is the one every
@@ -41,9 +45,10 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 9  # 9: up to 7 calls at the largest size on one host, not 3; 8: all_gather and
-# broadcast on huge pages too (none across hosts); 7: copies stream from half the cache
-# (csrc/shm.h); 6: how to read in place
+VERSION = 10  # 10: sizes measured again after spells, and between differing winners;
+# 9: up to 7 calls at the largest size on one host, not 3; 8: all_gather and broadcast on
+# huge pages too (none across hosts); 7: copies stream from half the cache (csrc/shm.h);
+# 6: how to read in place
 # primary bytes measured per rank (64 KiB: eager's largest among few ranks)
 SIZES = (256, 4 << 10, 64 << 10, 256 << 10, 2 << 20, 16 << 20)
 CALLS = 16  # timed per size up to 1 MiB; fewer above (8 at 2 MiB), down to FEWEST_CALLS
@@ -87,6 +92,30 @@ class Table:
     def parts(self) -> tuple:
         return (self.times, self.on_huge_pages, self.base_pages_in_place,
                 self.parts_in_place_from)
+
+    def put(self, keys, seconds, keep_least: bool = False) -> None:
+        """Set each key's time (key: on huge pages, collective, name, bytes), the points kept
+        in order of bytes; ``keep_least``: where there was one, the lesser of the two."""
+        for (on_huge, collective, name, nbytes), t in zip(keys, seconds):
+            kind = self.on_huge_pages if on_huge else self.times
+            points = kind.setdefault(collective, {}).setdefault(name, [])
+            old = next((p for p in points if p[0] == nbytes), None)
+            if old is None:
+                points.append([nbytes, t])
+                points.sort()
+            else:
+                old[1] = min(old[1], t) if keep_least else t
+
+    def at(self, key) -> float:
+        """The time measured for ``key`` (as ``put`` takes it)."""
+        on_huge, collective, name, nbytes = key
+        kind = self.on_huge_pages if on_huge else self.times
+        return next(t for b, t in kind[collective][name] if b == nbytes)
+
+    def sizes(self) -> list[int]:
+        """The bytes measured, on 4 KiB pages, for any collective."""
+        return sorted({b for algos in self.times.values() for points in algos.values()
+                       for b, _ in points})
 
     @staticmethod
     def rank_0s(world, table: "Table | None") -> "Table | None":
@@ -181,47 +210,168 @@ def measure(comm, start=None, transport=None) -> Table:
     a collective's algorithms take turns call by call, so that none is timed on memory in
     another state and a slow spell of the machine hits those compared alike. Each timed
     call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages are
-    timed only where the transport reads peers' memory in place (on one host)."""
+    timed only where the transport reads peers' memory in place (on one host). Then sizes
+    whose reference times were off in a spell of the machine are measured again
+    (_distrust_spells), and sizes between measured ones where the winner changes
+    (_refine)."""
     start = start or comm.barrier
     reading = ((), -1)
     # (memory's kind matters only where peers' memory is read in place: shared memory)
     reads_in_place = transport is not None and transport.base_pages_in_place is not None
     if reads_in_place and "one_copy" in comm.algorithms("all_gather"):
         reading = _how_to_read_in_place(comm, transport, start)
-    keys, mine = [], []
-    n = comm.size
     where = transport.where if transport is not None else None  # (None: as under MPI)
+    table = Table({}, {}, *reading)
     before = (0, 0.0)  # (bytes, seconds that one of each call took there)
     for nbytes in SIZES:
         rounds = _rounds(nbytes)
         if nbytes == SIZES[-1]:
             nbytes, rounds = _affordable(comm, nbytes, *before,
                                          LARGEST_CALLS if reads_in_place else FEWEST_CALLS)
-        count = max(n, nbytes // 4 // n * n)  # all_to_all's equal parts
-        kinds = [(False, (_small_pages(count * n), _small_pages(count * n)))]
-        if reads_in_place:
-            kinds.append((True, (_huge_pages(count * n), _huge_pages(count * n))))
-        for _, (a, b) in kinds:
-            a[:], b[:] = 1, 0
-        first = len(mine)
-        for on_huge, (a, b) in kinds:
-            for collective in ON_HUGE_PAGES_TOO if on_huge else COLLECTIVES:
-                calls = []  # (a collective's algorithms take turns among themselves)
-                for name in comm.algorithms(collective):
-                    refuses = entries(collective)[name].refuses
-                    if refuses and refuses(n, nbytes, where):
-                        continue  # (never chosen there: select.choose asks it too)
-                    keys.append((on_huge, collective, name, nbytes))
-                    calls.append(_call(comm, collective, name, a, b, count))
-                mine.extend(_times(start, calls, rounds))
-        before = (nbytes, sum(mine[first:]))
-    slowest = np.array(mine)
-    comm.all_reduce(slowest, op="max")
-    table = Table({}, {}, *reading)
-    for (on_huge, collective, name, nbytes), seconds in zip(keys, slowest.tolist()):
-        kind = table.on_huge_pages if on_huge else table.times
-        kind.setdefault(collective, {}).setdefault(name, []).append([nbytes, seconds])
+        keys, mine = _time_at(comm, start, nbytes, rounds, COLLECTIVES, reads_in_place, where)
+        table.put(keys, mine)  # (this rank's: their sum foresees the largest size's time)
+        before = (nbytes, sum(mine))
+    table.put(*_slowest(comm, table))
+    _distrust_spells(comm, start, table, reads_in_place, where)
+    _refine(comm, start, table, reads_in_place, where)
     return table
+
+
+def _time_at(comm, start, nbytes: int, rounds: int, collectives, reads_in_place: bool,
+             where) -> tuple[list, list]:
+    """(keys, this rank's seconds) of every algorithm of ``collectives`` that runs
+    ``nbytes`` at ``where``, on 4 KiB pages and (``reads_in_place``) those of
+    ON_HUGE_PAGES_TOO on huge pages too; a key is (on huge pages, collective, name, bytes)."""
+    n, count = comm.size, _count(comm.size, nbytes)
+    kinds = [(False, _buffers(_small_pages, n, count))]
+    if reads_in_place:
+        kinds.append((True, _buffers(_huge_pages, n, count)))
+    keys, mine = [], []
+    for on_huge, (a, b) in kinds:
+        for collective in [c for c in collectives if not on_huge or c in ON_HUGE_PAGES_TOO]:
+            calls = []  # (a collective's algorithms take turns among themselves)
+            for name in comm.algorithms(collective):
+                refuses = entries(collective)[name].refuses
+                if refuses and refuses(n, nbytes, where):
+                    continue  # (never chosen there: select.choose asks it too)
+                keys.append((on_huge, collective, name, nbytes))
+                calls.append(_call(comm, collective, name, a, b, count))
+            mine.extend(_times(start, calls, rounds))
+    return keys, mine
+
+
+def _slowest(comm, table: "Table") -> tuple[list, list]:
+    """The table's points as (keys, the slowest rank's seconds): what every rank keeps."""
+    keys = [(on_huge, c, name, nbytes) for on_huge, kind in ((False, table.times),
+                                                            (True, table.on_huge_pages))
+            for c, algos in kind.items() for name, points in algos.items()
+            for nbytes, _ in points]
+    slowest = np.array([table.at(key) for key in keys])
+    comm.all_reduce(slowest, op="max")
+    return keys, slowest.tolist()
+
+
+# A pass whose reference (MPI's own collectives, else direct) ran SPELL times slower or
+# faster at a size than when timed again at the pass's end met a spell of the machine
+# there (its speed drifts up to 2x minute to minute): that size is measured again.
+SPELL = 1.5
+REFERENCES = ("native", "direct")
+
+
+def _distrust_spells(comm, start, table: "Table", reads_in_place: bool, where) -> None:
+    """Time each collective's reference again at every size of ``table``, and measure again
+    (in place of what was) each size where the pass's times of it were off by SPELL."""
+    n, again = comm.size, Table({})
+    for nbytes in table.sizes():
+        count = _count(n, nbytes)
+        a, b = _buffers(_small_pages, n, count)
+        keys, calls = [], []
+        for c in COLLECTIVES:
+            name = next((r for r in REFERENCES if r in table.times.get(c, {})), None)
+            if name is not None and nbytes in dict(table.times[c][name]):
+                keys.append((False, c, name, nbytes))
+                calls.append(_call(comm, c, name, a, b, count))
+        again.put(keys, _times(start, calls, _rounds(nbytes)))
+    again.put(*_slowest(comm, again))
+    for nbytes in spells(table, again):
+        keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), COLLECTIVES,
+                              reads_in_place, where)
+        slow = Table({})
+        slow.put(keys, mine)
+        table.put(*_slowest(comm, slow))
+
+
+def spells(table: "Table", again: "Table") -> list[int]:
+    """The sizes at which ``table``'s reference times differ from ``again``'s (the same
+    calls timed later) by SPELL or more, in the geometric mean over the collectives."""
+    found = []
+    for nbytes in table.sizes():
+        ratios = [table.at((False, c, name, nbytes)) / t
+                  for c, algos in again.times.items() for name, points in algos.items()
+                  for b, t in points if b == nbytes]
+        if ratios and abs(np.mean(np.log(ratios))) >= math.log(SPELL):
+            found.append(nbytes)
+    return found
+
+
+# Where two neighbouring sizes' winners differ, a size between them is timed, until each
+# such bracket spans at most 2x; a winner that differs from both its neighbours' is timed
+# again first (the lesser time of each algorithm kept). At most REFINING passes of both.
+REFINING = 8
+
+
+def _refine(comm, start, table: "Table", reads_in_place: bool, where) -> None:
+    retimed: set = set()
+    for _ in range(REFINING):
+        todo = to_time_again(table, comm.size, where, retimed)
+        if not todo:
+            return
+        for nbytes, collectives in sorted(todo.items()):
+            keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), collectives,
+                                  reads_in_place, where)
+            slow = Table({})
+            slow.put(keys, mine)
+            table.put(*_slowest(comm, slow), keep_least=True)
+
+
+def to_time_again(table: "Table", n: int, where, retimed: set) -> dict[int, list[str]]:
+    """{bytes: collectives} to time next: each outlier winner once (noted in ``retimed``),
+    else a size between neighbours with different winners further than 2x apart. The same
+    on every rank (the table is)."""
+    outliers, between = {}, {}
+    for c in COLLECTIVES:
+        if c == "all_to_all" or c not in table.times:
+            continue  # (its choice may not depend on the size: select.py)
+        sizes = sorted({b for points in table.times[c].values() for b, _ in points})
+        won = [table.fastest(c, b, _runs(c, table.times[c], n, b, where)) for b in sizes]
+        for i in range(1, len(sizes) - 1):
+            if won[i - 1] != won[i] != won[i + 1] and (c, sizes[i]) not in retimed:
+                retimed.add((c, sizes[i]))
+                outliers.setdefault(sizes[i], []).append(c)
+        for (b0, w0), (b1, w1) in zip(zip(sizes, won), zip(sizes[1:], won[1:])):
+            if w0 != w1 and b1 > 2 * b0:
+                middle = 1 << round((math.log2(b0) + math.log2(b1)) / 2)
+                between.setdefault(min(max(middle, 2 * b0), b1 // 2), []).append(c)
+    return outliers or between
+
+
+def _runs(collective: str, algos: dict, n: int, nbytes: int, where) -> list[str]:
+    """The names measured for ``collective`` that run ``nbytes`` among ``n`` ranks."""
+    return [name for name in algos if not (entries(collective)[name].refuses and
+                                           entries(collective)[name].refuses(n, nbytes, where))]
+
+
+def _count(n: int, nbytes: int) -> int:
+    """Elements (float32) of a call of ``nbytes`` primary bytes: all_to_all's equal parts."""
+    return max(n, nbytes // 4 // n * n)
+
+
+def _buffers(memory, n: int, count: int) -> tuple:
+    """Two buffers of ``count * n`` elements on ``memory`` (_small_pages or _huge_pages),
+    the input's ones, the output's zeros."""
+    a, b = memory(count * n), memory(count * n)
+    a[:], b[:] = 1, 0
+    return a, b
 
 
 # The trials that fix how the transport reads in place, before the rest of the pass: each
@@ -277,9 +427,8 @@ def _slowest_times(comm, start, sizes, memory, calls_at) -> np.ndarray:
     _huge_pages), the calls taking turns."""
     n, mine = comm.size, []
     for nbytes in sizes:
-        count = max(n, nbytes // 4 // n * n)
-        a, b = memory(count * n), memory(count * n)
-        a[:], b[:] = 1, 0
+        count = _count(n, nbytes)
+        a, b = _buffers(memory, n, count)
         mine.extend(_times(start, calls_at(count, a, b), _rounds(nbytes)))
     slowest = np.array(mine)
     comm.all_reduce(slowest, op="max")

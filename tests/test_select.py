@@ -117,6 +117,61 @@ def test_measured_table_choice():
     assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "tree"
 
 
+def test_tuning_times_again_between_differing_winners_and_outliers():
+    """Neighbouring sizes with different winners further than 2x apart get a size between
+    them (log middle), until brackets span 2x; a winner unlike both neighbours is timed
+    again first, once; all_to_all (one choice for all sizes) and eager past its payload
+    (never chosen there) are passed over."""
+    from commlib.tuning import Table, to_time_again
+    K = 1 << 10
+    table = Table({"all_reduce": {"ring": [[4 * K, 2.0], [256 * K, 4.0], [2048 * K, 8.0]],
+                                  "rhd": [[4 * K, 1.0], [256 * K, 5.0], [2048 * K, 9.0]],
+                                  "eager": [[4 * K, 0.1]]},  # (refused from 1 MiB: passed over)
+                   "all_gather": {"ring": [[4 * K, 1.0], [16 * K, 3.0], [64 * K, 1.0]],
+                                  "rhd": [[4 * K, 2.0], [16 * K, 1.0], [64 * K, 2.0]]},
+                   "all_to_all": {"a": [[4 * K, 1.0], [2048 * K, 3.0]],
+                                  "b": [[4 * K, 2.0], [2048 * K, 1.0]]}})
+    retimed = set()
+    # rhd wins all_gather at 16 KiB alone: timed again before any bracket is cut
+    assert to_time_again(table, 2, None, retimed) == {16 * K: ["all_gather"]}
+    assert retimed == {("all_gather", 16 * K)}
+    # then: eager wins 4 KiB, ring 256 KiB and 2 MiB; all_gather's brackets span 4x
+    todo = to_time_again(table, 2, None, retimed)
+    assert todo == {32 * K: ["all_reduce", "all_gather"], 8 * K: ["all_gather"]}, todo
+    table.put([(False, "all_reduce", name, 32 * K) for name in ("ring", "rhd", "eager")],
+              [3.0, 2.0, 0.2])  # eager wins at 32 KiB, so at 256 KiB (extrapolated) too
+    table.times["all_gather"] = {"ring": [[4 * K, 1.0], [64 * K, 2.0]],
+                                 "rhd": [[4 * K, 2.0], [64 * K, 2.5]]}
+    assert to_time_again(table, 2, None, retimed) == {1024 * K: ["all_reduce"]}
+    table.put([(False, "all_reduce", name, 1024 * K) for name in ("ring", "rhd")], [6.0, 7.0])
+    assert to_time_again(table, 2, None, retimed) == {512 * K: ["all_reduce"]}
+    table.put([(False, "all_reduce", name, 512 * K) for name in ("ring", "rhd", "eager")],
+              [3.5, 4.5, 1.0])
+    assert to_time_again(table, 2, None, retimed) == {}  # eager to 512 KiB, ring from 1 MiB
+    # a re-timed point keeps the lesser time
+    table.put([(False, "all_reduce", "ring", 1024 * K)], [5.0], keep_least=True)
+    table.put([(False, "all_reduce", "rhd", 1024 * K)], [9.0], keep_least=True)
+    assert table.at((False, "all_reduce", "ring", 1024 * K)) == 5.0
+    assert table.at((False, "all_reduce", "rhd", 1024 * K)) == 7.0
+    assert [b for b, _ in table.times["all_reduce"]["ring"]] == sorted(
+        b for b, _ in table.times["all_reduce"]["ring"])
+
+
+def test_tuning_measures_again_where_the_reference_met_a_spell():
+    from commlib.tuning import Table, spells
+    K = 1 << 10
+    table = Table({"all_reduce": {"native": [[4 * K, 1.0], [64 * K, 4.0], [2048 * K, 50.0]],
+                                  "ring": [[4 * K, 3.0], [64 * K, 5.0], [2048 * K, 40.0]]},
+                   "broadcast": {"native": [[4 * K, 1.0], [64 * K, 2.0], [2048 * K, 30.0]]}})
+    again = Table({"all_reduce": {"native": [[4 * K, 1.1], [64 * K, 2.0], [2048 * K, 25.0]]},
+                   "broadcast": {"native": [[4 * K, 0.9], [64 * K, 1.9], [2048 * K, 14.0]]}})
+    # 64 KiB: 2x and 1.05x (geometric mean 1.45: kept); 2 MiB 2x and 2.1x: measured again
+    assert spells(table, again) == [2048 * K]
+    again.times["all_reduce"]["native"][0][1] = 0.5  # faster then is as suspect as slower
+    again.times["broadcast"]["native"][0][1] = 0.6
+    assert spells(table, again) == [4 * K, 2048 * K]
+
+
 def test_the_largest_size_measured_fits_its_time():
     """The tuning pass measures 16 MiB where one of each call there is foreseen to take at
     most LARGEST_SIZE_SECONDS (from the 2 MiB calls' time, by bytes), else 8 or 4 MiB; and

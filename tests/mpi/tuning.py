@@ -62,6 +62,9 @@ def measured_and_cached():
         assert reads.parts_in_place_from == table.parts_in_place_from
     else:
         assert (table.base_pages_in_place, table.parts_in_place_from) == ([], -1)
+    # refined: where neighbouring sizes' winners differ, they are at most 2x apart
+    retimed = {(c, b) for c in COLLECTIVES for b in table.sizes()}
+    assert tuning.to_time_again(table, n, world._transport.where, retimed) == {}
     files = sorted(tables.glob("*.json"))
     if rank == 0:
         assert len(files) == 1, files
