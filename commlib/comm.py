@@ -89,7 +89,7 @@ class Communicator:
         """The algorithm table measured for this communicator's layout (tuning.Table:
         ``times[collective][algorithm]`` is [[bytes, seconds], ...]), or None where auto
         uses the cost model (COMMLIB_TUNING=off, one rank)."""
-        return self._transport.measured
+        return self._transport.choice.measured
 
     @algorithm_table.setter
     def algorithm_table(self, table) -> None:

@@ -19,7 +19,7 @@ from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .fast_path import FastPath
 from .recorder import FlightRecorder
 from .algorithms import candidates
-from .select import choose_on_device, runnable
+from .select import Choice, choose_on_device, runnable
 from .work import ProgressEngine
 
 
@@ -33,6 +33,7 @@ class Dispatcher:
 
     def __init__(self, transport, owner: str):
         self.transport = transport
+        Choice.give(transport)
         self.recorder = FlightRecorder(owner)
         self.failure: str | None = None  # why the communicator can no longer be used
         self.timeout = default_timeout()  # (set_timeout: also the fast path's)
@@ -54,6 +55,7 @@ class Dispatcher:
 
     def use_table(self, table) -> None:
         """Choose by ``table`` (tuning.Table) from now on: what auto chose before, it forgets."""
+        self.transport.choice.use(table)
         self.transport.use_table(table)
         if self.fast is not None:
             self.fast.forget_auto()
@@ -77,7 +79,7 @@ class Dispatcher:
             seconds = self.timeout if timeout is None else check_timeout(timeout)
             if call.device is not None:
                 return self._on_device(call, algorithm, async_op, seconds, result)
-            algo, plan, teach = t.choose(call, algorithm, teaching=True)
+            algo, plan, teach = t.choice(call, algorithm, teaching=True)
         except (ValueError, TypeError) as e:
             self.tell_peers(collective, e)
             raise
@@ -132,7 +134,7 @@ class Dispatcher:
         else:
             staged = staging.stage(call, t.rank)
             host_call = staged.call
-            algo, plan, _ = t.choose(host_call, algorithm)
+            algo, plan, _ = t.choice(host_call, algorithm)
         return staging.issue(self.engine, call.collective,
                              self._task(host_call, algo, plan, seconds), staged, async_op,
                              result, seconds)

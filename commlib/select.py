@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from .algorithms import Algorithm, Where, candidates, unavailable
+from .algorithms import Algorithm, candidates, unavailable
 from .call import COLLECTIVES, REDUCING
+from .transports.base import Where
 
 TUNING_ENV = "COMMLIB_TUNING"
 
@@ -165,6 +166,56 @@ def runnable(collective: str, n: int, nbytes: int, where: Where, offers: frozens
     return [a for a in candidates(collective, offers)
             if not _lacks(a, user_op, deterministic)
             and not (a.refuses and a.refuses(n, nbytes, where))]
+
+
+class Choice:
+    """How one transport's calls choose their algorithm (``choice(call, requested)``): as
+    ``choose`` does, with COMMLIB_ALGO_<COLLECTIVE> as set when it was made and the measured
+    table once one is used; each call shape's (algorithm, plan) cached."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.overrides = algorithm_overrides()
+        self.measured = None  # this layout's tuning.Table, once used
+        self._plans: dict = {}
+
+    def use(self, table) -> None:
+        """Choose by ``table`` (tuning.Table, or None) from now on, not as before it."""
+        self.measured = table
+        self._plans.clear()
+
+    def __call__(self, call, requested: str | None = None, teaching: bool = False):
+        """(algorithm, plan or None, whether to teach it) for ``call`` asked for
+        ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape.
+        Only a ``teaching`` caller (the dispatcher, which teaches the fast path) is told to
+        teach a shape, once: inner calls (ordered's stages, staging) share the cache but
+        must not use up that turn, or the shape would stay on the general path for good."""
+        t = self.transport
+        user_op = call.op is not None and not call.op.builtin
+        key = (call.collective, requested, call.count, call.dtype.itemsize, call.params,
+               user_op, t.rank_order)
+        hit = self._plans.get(key)
+        if hit is None:
+            algo = choose(call.collective,
+                          requested or self.overrides.get(call.collective, "auto"),
+                          t.size, call.nbytes, where=t.where, offers=t.offers,
+                          measured=self.measured, user_op=user_op,
+                          deterministic=t.rank_order)
+            plan = None if algo.run is not None else t.plan(algo, call)
+            if len(self._plans) >= 4096:
+                self._plans.clear()
+            hit = self._plans[key] = [algo, plan, False]
+        teach = teaching and not hit[2]
+        if teaching:
+            hit[2] = True
+        return hit[0], hit[1], teach
+
+    @classmethod
+    def give(cls, transport) -> None:
+        """A choice to ``transport`` and to each transport it runs stages on."""
+        transport.choice = cls(transport)
+        for part in transport.parts():
+            cls.give(part)
 
 
 def _lacks(algo: Algorithm | None, user_op: bool, deterministic: bool) -> str | None:

@@ -15,8 +15,9 @@ import dataclasses
 import numpy as np
 
 import commlib
-from commlib.algorithms import COLLECTIVES, Where, entries
+from commlib.algorithms import COLLECTIVES, entries
 from commlib.select import DEFAULT_MODEL, CostModel, tuning_path
+from commlib.transports.base import Where
 
 from .harness import iteration_times, parse_size, print_table, sizes
 from .peers import Case, CommlibPeer

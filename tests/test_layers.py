@@ -1,5 +1,6 @@
-"""The layers hold: strategies -> commlib's public API -> transports -> csrc. Checked on the
-source, and on what importing commlib loads; plus what the wheel declares to run."""
+"""The layers hold: strategies -> commlib's public API -> dispatch -> select -> algorithms
+-> transports -> csrc. Checked on the source, and on what importing commlib loads; plus what
+the wheel declares to run."""
 import ast
 import re
 import subprocess
@@ -20,6 +21,43 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             found.add(node.module)
     return {m for m in found if m == "commlib" or m.startswith("commlib.")}
+
+
+def _modules_imported(path: Path) -> set[str]:
+    """Every commlib module ``path`` imports, relative imports resolved, names imported from
+    a package included (they may be its modules), inside functions too."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return {m for m in found if m.startswith("commlib.")}
+
+
+def test_algorithms_see_the_transport_interface_and_the_dispatcher_chooses():
+    """Transports import no algorithm and no choice; algorithms import only the transport
+    interface and the facts every transport shares (rows, MPI's names), not the choice:
+    one-way, so a transport or an algorithm is added without touching the other layer."""
+    above = ("commlib.algorithms", "commlib.select", "commlib.dispatch", "commlib.tuning",
+             "commlib.comm")
+    shared = {"commlib.transports", "commlib.transports.base", "commlib.transports.rows",
+              "commlib.transports.mpi_types"}
+    wrong = {}
+    for path in (ROOT / "commlib" / "transports").glob("*.py"):
+        bad = {m for m in _modules_imported(path) if m.startswith(above)}
+        if bad:
+            wrong[path.name] = sorted(bad)
+    for path in (ROOT / "commlib" / "algorithms").glob("*.py"):
+        bad = {m for m in _modules_imported(path) if m.startswith(above[1:]) or
+               (m.startswith("commlib.transports") and m not in shared
+                and m.rsplit(".", 1)[0] not in shared - {"commlib.transports"})}
+        if bad:
+            wrong[f"algorithms/{path.name}"] = sorted(bad)
+    assert not wrong, wrong
 
 
 def test_strategies_use_only_the_public_api():

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from commlib import algorithms
-from commlib.algorithms import COLLECTIVES, Where, get
+from commlib.algorithms import COLLECTIVES, get
+from commlib.transports.base import Where
 from commlib.schedule import Builder, Recv, RecvReduce, Region, ScheduleError, Send, simulate
 
 SIZES = range(1, 17)

@@ -4,8 +4,9 @@ import math
 import pytest
 
 from commlib import algorithms
-from commlib.algorithms import Where, get
+from commlib.algorithms import get
 from commlib.select import CostModel, choose
+from commlib.transports.base import Where
 
 DEFAULTS = CostModel()  # not the machine's tuning file: these tests must not depend on it
 

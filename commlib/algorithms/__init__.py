@@ -5,7 +5,8 @@ transport's executor; count: the call's primary count) or a *runner* (``run(tran
 call)``). It says what it needs (a capability a transport offers: NEEDS), the memory it
 works on ("host": GPU arrays are staged through host memory for it; "device"), and its
 cost: ``cost(model, where, n, nbytes)``, terms linear in select.CostModel's constants for
-n ranks and the primary buffer's bytes at ``where``. select.py picks the cheapest.
+n ranks and the primary buffer's bytes at ``where`` (transports/base.py's Where: what the
+transport says its costs depend on). select.py picks the cheapest.
 """
 from __future__ import annotations
 
@@ -51,24 +52,6 @@ class Algorithm:
     # reduces every element in rank order, ((x0 op x1) op x2) ..., whatever the size: the
     # same bits as every other such algorithm (deterministic mode)
     rank_order: bool = False
-
-
-@dataclass(frozen=True)
-class Where:
-    """What a cost depends on besides n and the bytes: the transport, its ranks per host,
-    the sizes its data paths cut calls into (defaults: for costs away from a transport)."""
-    transport: str = "mpi"
-    local: Optional[int] = None
-    cross: str = "mpi"  # what joins the hosts (hier's cross stage): mpi, or gloo
-    staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
-    slot_bytes: int = 16 << 20      # a CUDA IPC slot (commlib/transports/cuda_ipc.py)
-    one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
-    checked: bool = True  # calls agreed on before they run (COMMLIB_CHECK): gloo's cost
-
-    @property
-    def over_gloo(self) -> bool:
-        """Whether gloo joins the ranks (torchrun's nodes): the whole group, or hier's hosts."""
-        return "gloo" in (self.transport, self.cross)
 
 
 _registry: dict[tuple[str, str], dict[str, Algorithm]] = {

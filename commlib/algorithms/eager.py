@@ -13,17 +13,17 @@ length (gloo aborts the process on an all-gather whose ranks differ in length): 
 agreement there sends a row that long, so a call that is eager on one rank and not on
 another still meets a row of its length, and is told they disagree.
 """
-from ..transports.gloo import GlooTransport
-from ..transports.mpi import Agreement
-from . import Where, register
+from ..transports import rows
+from ..transports.base import Where
+from . import register
 from .gloo import agreement_terms
 
 
 def payload_bytes(n: int, where: Where | None = None) -> int:
     """The most data a rank's row carries among ``n`` ranks at ``where`` (None: MPI)."""
     if where is not None and where.over_gloo:
-        return GlooTransport.payload_bytes(n)
-    return Agreement.payload_bytes(n)
+        return rows.gloo_payload_bytes(n)
+    return rows.mpi_payload_bytes(n)
 
 
 def _sent_bytes(collective: str, n: int, nbytes: int) -> int:

@@ -3,7 +3,7 @@
 stage between hosts (commlib/transports/gloo.py). Buffers go to gloo as torch views of
 their memory; an average is a sum the caller scales.
 """
-from ..transports.gloo import GlooTransport
+from ..transports.rows import gloo_row_bytes
 from . import COLLECTIVES, register
 from .native import FORMULAS
 
@@ -85,7 +85,7 @@ def terms(collective, n, nbytes, checked=True) -> dict:
 def agreement_terms(n) -> dict:
     """GlooTransport.agree among ``n`` ranks: one all-gather of whole rows."""
     rounds, _ = FORMULAS["all_gather"](n, 0)
-    return {"alpha_gloo": max(1, rounds), "beta_gloo": (n - 1) * GlooTransport.row_bytes(n)}
+    return {"alpha_gloo": max(1, rounds), "beta_gloo": (n - 1) * gloo_row_bytes(n)}
 
 
 RUNNERS = {f.__name__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all,

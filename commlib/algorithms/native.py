@@ -1,59 +1,19 @@
 """native: the MPI library's own collectives through mpi4py (the baseline to beat).
 
-MPI has no bfloat16 and no portable float16 reductions, so 16-bit floats (and commlib's
-user-defined ops) reduce through an MPI op (MPI.Op.Create) that calls commlib's own
-kernels. Each runs as MPI's non-blocking collective, waited for with the transport's
-timeout (a blocking one cannot time out), on the world's ``coll`` communicator. The fast
-path makes the same calls from C++ (csrc/mpi_native.cpp), for MPI's own datatypes and
-ops. With a
-CUDA-aware MPI the same calls run on GPU arrays themselves (the "device" entries), except
-where the host must touch the data.
+Each runs as MPI's non-blocking collective, waited for with the transport's timeout (a
+blocking one cannot time out), on the world's ``coll`` communicator, its dtypes and ops
+as transports/mpi_types.py names them. The fast path makes the same calls from C++
+(csrc/mpi_native.cpp), for MPI's own datatypes and ops. With a CUDA-aware MPI the same
+calls run on GPU arrays themselves (the "device" entries), except where the host must
+touch the data.
 """
-from functools import lru_cache
-
 import numpy as np
 from mpi4py import MPI
 
-from .. import _C
-from ..dtypes import BY_CODE
+from ..transports.mpi_types import op_for as _op
+from ..transports.mpi_types import spec as _spec
 from ..work import Deadline, wait_request
 from . import COLLECTIVES, log2_rounds, register
-
-_MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
-            "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR,
-            "avg": MPI.SUM}  # the caller scales
-
-
-@lru_cache(maxsize=None)
-def _kernel_op(dtype_code: int, op_code: int) -> MPI.Op:
-    itemsize = BY_CODE[dtype_code].itemsize
-
-    def apply(inbuf, inoutbuf, datatype):
-        src, dst = np.frombuffer(inbuf, np.uint8), np.frombuffer(inoutbuf, np.uint8)
-        _C.reduce_into(dst.ctypes.data, src.ctypes.data, dst.size // itemsize, dtype_code,
-                       op_code)
-    return MPI.Op.Create(apply, commute=True)
-
-
-def c_tables() -> tuple[dict, dict, list]:
-    """What csrc/mpi_native.cpp needs to make these calls itself (the fast path's): MPI's
-    datatype per dtype code and op per op code, as handles, and the dtypes MPI reduces
-    itself (not 16-bit floats)."""
-    dtypes = {d.code: MPI._handleof(getattr(MPI, d.mpi)) for d in BY_CODE
-              if getattr(MPI, d.mpi, MPI.DATATYPE_NULL) != MPI.DATATYPE_NULL}
-    ops = {_C.OPS[name]: MPI._handleof(op) for name, op in _MPI_OPS.items()}
-    return dtypes, ops, [d.code for d in BY_CODE if not (d.itemsize == 2 and d.floating)]
-
-
-def _spec(buf):
-    return [buf.bytes, getattr(MPI, buf.dtype.mpi)]
-
-
-def _op(call):
-    if not call.op.builtin or (call.dtype.itemsize == 2 and call.dtype.floating):
-        return _kernel_op(call.dtype.code, call.op_code)
-    return _MPI_OPS[call.op.value]
-
 
 def _wait(transport, request, keep) -> None:
     wait_request(request, Deadline(transport.timeout), "its peers inside MPI's "

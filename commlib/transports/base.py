@@ -4,18 +4,36 @@ messages, ``split``/``dup`` make new worlds."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from .. import _C
 from ..buffers import Buffer
-from ..algorithms import Where
-from ..select import algorithm_overrides, choose
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a cost depends on besides n and the bytes: the transport, its ranks per host,
+    the sizes its data paths cut calls into (defaults: for costs away from a transport)."""
+    transport: str = "mpi"
+    local: Optional[int] = None
+    cross: str = "mpi"  # what joins the hosts (hier's cross stage): mpi, or gloo
+    staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
+    slot_bytes: int = 16 << 20      # a CUDA IPC slot (commlib/transports/cuda_ipc.py)
+    one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
+    checked: bool = True  # calls agreed on before they run (COMMLIB_CHECK): gloo's cost
+
+    @property
+    def over_gloo(self) -> bool:
+        """Whether gloo joins the ranks (torchrun's nodes): the whole group, or hier's hosts."""
+        return "gloo" in (self.transport, self.cross)
 
 
 class Transport:
     """What one communicator's collectives run over. A subclass sets ``name`` (what costs
-    see), ``offers`` (the capabilities algorithm entries need) and ``suits(world)``
+    see, with ``where``), ``offers`` (the capabilities algorithm entries need) and ``suits(world)``
     (whether auto picks it), and implements ``agree(desc, splits, itemsize)`` (every rank
     made the call ``desc`` describes, else all raise CollectiveMismatchError),
     ``barrier()``, ``plan(algo, call)`` and ``run_plan(plan, call)`` (a schedule compiled
@@ -40,9 +58,9 @@ class Transport:
         # whether calls are checked for agreement at all (a rank whose arguments are invalid
         # then tells its peers)
         self.checks_calls = True
-        self._overrides = algorithm_overrides()
-        self._plans: dict = {}
-        self.measured = None  # this layout's tuning.Table, once attached
+        # how its calls choose their algorithm (select.Choice), given by the dispatcher:
+        # algorithms and their choice are the layers above this one
+        self.choice = None
         self.memory = None  # host_memory.SharedHostMemory where the ranks share memory
         self._scratch: dict = {}
         # reducing calls take only algorithms that reduce in rank order (Algorithm.rank_order)
@@ -86,35 +104,14 @@ class Transport:
     def close(self) -> None:
         self.world.close()
 
-    def choose(self, call, requested: str | None, teaching: bool = False):
-        """(algorithm, plan or None, whether to teach it) for ``call`` asked for
-        ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape.
-        Only a ``teaching`` caller (the dispatcher, which teaches the fast path) is told to
-        teach a shape, once: inner calls (ordered's stages, staging) share the cache but
-        must not use up that turn, or the shape would stay on the general path for good."""
-        user_op = call.op is not None and not call.op.builtin
-        key = (call.collective, requested, call.count, call.dtype.itemsize, call.params,
-               user_op, self.rank_order)
-        hit = self._plans.get(key)
-        if hit is None:
-            algo = choose(call.collective,
-                          requested or self._overrides.get(call.collective, "auto"),
-                          self.size, call.nbytes, where=self.where, offers=self.offers,
-                          measured=self.measured, user_op=user_op,
-                          deterministic=self.rank_order)
-            plan = None if algo.run is not None else self.plan(algo, call)
-            if len(self._plans) >= 4096:
-                self._plans.clear()
-            hit = self._plans[key] = [algo, plan, False]
-        teach = teaching and not hit[2]
-        if teaching:
-            hit[2] = True
-        return hit[0], hit[1], teach
+    def parts(self) -> tuple:
+        """The transports this one runs some calls' stages on (hier's): each chooses for
+        its own calls."""
+        return ()
 
     def use_table(self, table) -> None:
-        """Choose by ``table`` (tuning.Table) from now on, not as before it."""
-        self.measured = table
-        self._plans.clear()
+        """Take what a measured table (tuning.Table, or None) says of how this transport
+        moves data (the shm transport: how it reads in place)."""
 
     def run(self, algo, plan, call) -> None:
         """Run ``call`` with ``algo`` (its ``plan``, or its runner), then scale an average."""
@@ -128,7 +125,7 @@ class Transport:
     def execute(self, call, algorithm: str | None = None) -> None:
         """Run ``call`` now, on this thread, without agreeing on it first: for algorithms
         built from others (hier), whose own call was agreed on."""
-        algo, plan, _ = self.choose(call, algorithm)
+        algo, plan, _ = self.choice(call, algorithm)
         self.run(algo, plan, call)
 
 

@@ -47,11 +47,10 @@ from __future__ import annotations
 import os
 
 from .. import _C
-from ..algorithms import Where
 from ..cuda import MAX_POINTERS
 from ..cuda.registered import Registrations
 from ..errors import CollectiveMismatchError, CommError, CommTimeoutError
-from .base import Transport
+from .base import Transport, Where
 
 SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
 MAX_RANKS = MAX_POINTERS  # a rank's reduce kernel reads (and writes) every rank's memory

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import _C
 from ..errors import CommError, CommTimeoutError
+from . import rows
 from .base import Transport
 from .hosts import HostLayout
 from .store import StoreTransport, StoreWorld
@@ -30,26 +31,15 @@ class GlooTransport(Transport):
         timeout = getattr(world.store, "timeout", None) or timedelta(minutes=30)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"{world.prefix}/gloo", world.store),
                                            world.rank, world.size, timeout)
-        # a row per rank: the descriptor's 8 fields, all_to_all's bytes to and from each
-        # peer, then eager's data (algorithms/eager.py); every agreement sends a whole row
-        self.header = 8 + 2 * world.size
-        self._table = np.zeros((world.size, self.row_bytes(world.size) // 8), np.int64)
+        # a row per rank (transports/rows.py); every agreement sends a whole row
+        self.header = rows.header_words(world.size)
+        self._table = np.zeros((world.size, rows.gloo_row_bytes(world.size) // 8), np.int64)
         self._mine = np.zeros(self._table.shape[1], np.int64)  # reused by every call
         self._sent = 0
         # COMMLIB_CHECK=0: gloo's collectives unchecked, as over MPI (ranks that disagree
         # then meet gloo's own failures: it aborts the process on mismatched lengths)
         self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
         self.where = replace(self.where, checked=self.checks_calls)
-
-    @staticmethod
-    def payload_bytes(size: int) -> int:
-        """The data an eager row carries: 4 KiB, less among many ranks (every call's
-        agreement sends a whole row to every peer)."""
-        return max(256, min(4096, (64 << 10) // size)) // 8 * 8
-
-    @classmethod
-    def row_bytes(cls, size: int) -> int:
-        return 8 * (8 + 2 * size) + cls.payload_bytes(size)
 
     @staticmethod
     def suits(world) -> bool:
@@ -86,15 +76,16 @@ class GlooTransport(Transport):
         n, collective, out = self.size, call.collective, call.out
         data = call.inp if collective in ("all_gather", "reduce_scatter") else out
         sent = data.nbytes if collective != "broadcast" or self.rank == call.root else 0
-        if sent > self.payload_bytes(n):  # (select.py refuses such calls before they start)
-            raise ValueError(f"eager sends at most {self.payload_bytes(n)} bytes here")
+        most = rows.gloo_payload_bytes(n)
+        if sent > most:  # (select.py refuses such calls before they start)
+            raise ValueError(f"eager sends at most {most} bytes here")
         self._mine[:8] = call.descriptor("eager")
         _C.copy(self._mine.ctypes.data + 8 * self.header, data.ptr, sent)
         self._exchange(call.dtype.itemsize, False)
-        rows = self._table
+        table = self._table
         root = _C.NONE if call.root is None else call.root
         _C.eager_result(_C.COLLECTIVES[collective], self.rank, n, root,
-                        rows.ctypes.data + 8 * self.header, rows.strides[0], sent, out.ptr,
+                        table.ctypes.data + 8 * self.header, table.strides[0], sent, out.ptr,
                         out.numel, call.dtype.code, call.op_code)
 
     def barrier(self) -> None:

@@ -38,6 +38,9 @@ class HostLayout:
         self.where = replace(self.local.where, transport=self.name, local=self.local.size,
                              cross=cross, checked=self.checks_calls)
 
+    def parts(self) -> tuple:
+        return self.local, self.cross
+
     def set_timeout(self, seconds: float) -> None:
         """Each stage of hier is bounded by its call's timeout too."""
         super().set_timeout(seconds)

@@ -18,12 +18,13 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
-from ..algorithms import native
 from ..call import NONE, descriptor
 from ..errors import CommError, CommTimeoutError
 from ..schedule import RecvReduce, Schedule
 from ..work import Deadline, _abandon, wait_request
+from . import rows
 from .base import Transport
+from .mpi_types import c_tables
 from .mpi_world import MpiWorld
 
 AGREEMENT_TAG = 6  # on the collective communicator; plans use 7
@@ -102,22 +103,17 @@ class Agreement:
     """Every rank sends its call's descriptor (and all_to_all's splits) to every other:
     point to point, so that a timeout names the ranks that never arrived, over one table
     and one set of persistent requests (calls run one at a time; starting those is cheap).
-    A row may carry a payload of up to ``payload_bytes(size)`` after its header (the
-    eager algorithm's data ride with the descriptor). The requests are mpi4py's; starting,
+    A row (transports/rows.py) may carry a payload after its header (the eager
+    algorithm's data ride with the descriptor). The requests are mpi4py's; starting,
     waiting and checking are C++ (csrc/mpi_exchange.cpp, ``native``), where the fast path
     runs eager calls too."""
 
-    @staticmethod
-    def payload_bytes(size: int) -> int:
-        """1 MiB per row, less where the ranks are many (the rows take at most 4 MiB)."""
-        return max(4096, min(1 << 20, (4 << 20) // size)) // 8 * 8
-
     def __init__(self, mpi_comm):
         size, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
-        # a row is 8 fields, then bytes sent and received per peer (all_to_all only), then
-        # the payload; receives take a whole row, so no message is ever truncated
-        self.header = 8 + 2 * size
-        self.inbox = np.zeros((size, self.header + self.payload_bytes(size) // 8), np.int64)
+        # receives take a whole row, so no message is ever truncated
+        self.header = rows.header_words(size)
+        self.inbox = np.zeros((size, self.header + rows.mpi_payload_bytes(size) // 8),
+                              np.int64)
         self.peer_ranks = [p for p in range(size) if p != me]
         self.receives = [mpi_comm.Recv_init(self.inbox[p], p, AGREEMENT_TAG)
                          for p in self.peer_ranks]
@@ -130,7 +126,7 @@ class Agreement:
         if {MPI._sizeof(t) for t in (MPI.Datatype, MPI.Op, MPI.Comm)} == {
                 MPI._sizeof(MPI.Request)}:
             self.native.use_native(_mpi_entry_points(), MPI._sizeof(MPI.Status),
-                                   MPI._handleof(mpi_comm), *native.c_tables(),
+                                   MPI._handleof(mpi_comm), *c_tables(),
                                    int(MPI.IN_PLACE) % (1 << 64), MPI._sizeof(MPI.Request))
 
     def check(self, desc: list, itemsize: int, splits=None) -> None:

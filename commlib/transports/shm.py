@@ -17,12 +17,11 @@ from functools import lru_cache
 import numpy as np
 
 from .. import _C
-from ..algorithms import Where
 from ..call import NONE, ROOTED, pack_name
 from ..errors import CommError
 from ..host_memory import SharedHostMemory
 from ..schedule import RecvReduce, Schedule
-from .base import Transport
+from .base import Transport, Where
 
 _BUFFERS = {"out": 0, "in": 1, "tmp": 2}
 
@@ -97,7 +96,6 @@ class ShmTransport(Transport):
             self.shm.parts_in_place_from = int(nbytes)
 
     def use_table(self, table) -> None:
-        super().use_table(table)
         self.base_pages_in_place = () if table is None else table.base_pages_in_place
         self.parts_in_place_from = -1 if table is None else table.parts_in_place_from
 

@@ -13,7 +13,7 @@ import numpy as np
 
 import commlib
 from commlib.algorithms import entries
-from commlib.transports.mpi import Agreement
+from commlib.transports.rows import mpi_payload_bytes
 from harness import (ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, expected_transport, make,
                      raises, to_f64, values)
 
@@ -113,7 +113,7 @@ def run(collective, algo, dtype, op, count, inplace):
         return
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
     if algo == "eager" and count * itemsize * (n if collective == "reduce_scatter" else 1) \
-            > Agreement.payload_bytes(n):
+            > mpi_payload_bytes(n):
         assert a not in comm.algorithms(collective, count=count, dtype=dtype), name
         if collective == "all_reduce" and op == "sum":  # refused, alike on every rank
             check.check(name, lambda: raises(ValueError, "eager sends at most", lambda: (
