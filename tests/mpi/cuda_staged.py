@@ -10,6 +10,7 @@ import os
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import commlib
 from commlib import cuda
@@ -516,24 +517,31 @@ def registered_inputs_everywhere():
 def counters_move_while_the_main_thread_holds_the_gil():
     """A call through IPC goes on while this process's main thread holds the GIL (a long
     computation in C that never lets it go): its meetings are the GPU proxy's, not a Python
-    thread's. The stream sleeps first (long enough for every rank to issue the call, however
-    loaded the machine), so that the whole call runs during the hold."""
+    thread's. The stream sleeps first, so that the whole call runs during the hold; where
+    it finished before the hold began on some rank (one descheduled longer than the sleep:
+    a loaded machine), that proves nothing, and it is tried again with a longer sleep."""
     if not IPC:
         return
     comm.all_reduce(device(np.ones(2)))  # (sets up IPC, collectively)
     gpu = comm._calls._gpus[0]  # (white-box: the counter the streams wait for)
     go = ctypes.c_uint32.from_address(gpu.go[0])
-    count = 3 * 4096  # several steps whatever the slot size (4 KiB in the many-steps runs)
-    t = device(np.full(count, rank + 1.0))
-    host(t)
-    comm.barrier()
-    pause(1.0)
-    comm.all_reduce(t)
-    before = go.value
-    ctypes.PyDLL(None).usleep(1_500_000)  # holds the GIL
-    after = go.value
+    # several steps where slots are small (4 KiB in the many-steps runs), yet few enough
+    # ops that enqueuing them never fills the stream's queue (the caller would block until
+    # the sleep ended, and the call could end before the hold)
+    count = 3 * 1024
+    for seconds in (1.0, 3.0, 9.0):
+        t = device(np.full(count, rank + 1.0))
+        host(t)
+        comm.barrier()
+        pause(seconds)
+        comm.all_reduce(t)
+        before = go.value
+        ctypes.PyDLL(None).usleep(int((seconds + 0.5) * 1e6))  # holds the GIL
+        after = go.value
+        assert_equal(host(t), np.full(count, n * (n + 1) / 2))
+        if not comm.mpi.allreduce(before == gpu.step, op=MPI.LOR):
+            break
     assert before < after == gpu.step, (before, after, gpu.step)
-    assert_equal(host(t), np.full(count, n * (n + 1) / 2))
 
 
 def registered_on_one_rank_only_is_a_mismatch():
