@@ -210,7 +210,10 @@ std::string ShmComm::mismatch_reason() const {
 
 void ShmComm::check_signature(int peer) {
   Control* c = peers_[peer].control;
-  if (uint32_t kind = c->poisoned.load(std::memory_order_acquire)) {
+  // A poisoned peer's counter stays at the call it failed in (begin refuses the next): one
+  // that failed in a later call finished this one, which its failure does not end.
+  uint32_t kind = c->poisoned.load(std::memory_order_acquire);
+  if (kind && c->call.load(std::memory_order_acquire) <= call_) {
     // The peer's verdict becomes this rank's, so every rank raises the same error; a
     // timeout elsewhere is a failure here (this rank did not wait too long).
     std::string reason(peers_[peer].reason->text);
