@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -76,28 +77,49 @@ def run_column(column: str, world_size: int, select: str | None, limit: int) -> 
 
 
 def run_under_mpiexec(world_size: int, tests: list, limit: int) -> dict:
-    """{test: outcome} for ``tests`` on ranks that mpiexec starts (gates lifted)."""
+    """{test: outcome} for ``tests`` on ranks that mpiexec starts (gates lifted), many per
+    launch. A launch that stops (a test hung for ``limit`` seconds, or a rank died) fails
+    the test it stopped in, and a new one goes on after it; a test that fails in a launch
+    runs again alone, which decides (a test before it may have left state behind)."""
+    outcomes, left = {}, list(tests)
+    while left:
+        outcomes.update(launch(world_size, left, limit))
+        left = [t for t in tests if t not in outcomes]
+    for test in [t for t, o in outcomes.items() if o == "fail"]:
+        outcomes.update(launch(world_size, [test], limit))
+    return outcomes
+
+
+def launch(world_size: int, tests: list, limit: int) -> dict:
+    """{test: outcome} for ``tests`` run in turn by one mpiexec launch (mpi_rank.py), up to
+    the first that does not finish within ``limit`` seconds or ends the ranks (it fails)."""
     from torch.testing._internal.common_distributed import TEST_SKIPS
     skips = {s.exit_code for s in TEST_SKIPS.values()}
     mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
-    outcomes = {}
-    for test in tests:
-        with tempfile.TemporaryDirectory(prefix="commlib-conformance-") as tmp:
-            for part in ("barrier", "test_dir", "init_dir"):
-                os.mkdir(os.path.join(tmp, part))
-            env = {**os.environ, **COLUMNS["commlib*"], "WORLD_SIZE": str(world_size),
-                   "TEMP_DIR": tmp, "TMPDIR": tmp, "INIT_METHOD": f"file://{tmp}/init_dir/shared_init_file"}
-            job = subprocess.Popen([str(mpiexec), "-n", str(world_size), sys.executable,
-                                    str(MPI_RANK), test], env=env, cwd=SUITE.parent,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
-            try:
-                code = job.wait(limit)
-            except subprocess.TimeoutExpired:
+    with tempfile.TemporaryDirectory(prefix="commlib-conformance-") as tmp:
+        results = Path(tmp) / "results"
+        results.touch()
+        env = {**os.environ, **COLUMNS["commlib*"], "WORLD_SIZE": str(world_size),
+               "TEMP_DIR": tmp, "TMPDIR": tmp}
+        job = subprocess.Popen([str(mpiexec), "-n", str(world_size), sys.executable,
+                                str(MPI_RANK), str(results), *tests], env=env,
+                               cwd=SUITE.parent, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        done, progressed = 0, time.monotonic()
+        while job.poll() is None:
+            time.sleep(0.2)
+            lines = results.read_text().count("\n")
+            if lines > done:
+                done, progressed = lines, time.monotonic()
+            elif time.monotonic() - progressed > limit:
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
-                code = None
-        outcomes[test] = "pass" if code == 0 else "skip" if code in skips else "fail"
+        outcomes = {}
+        for line in results.read_text().split("\n")[:-1]:  # (whole lines only)
+            test, code = line.rsplit(" ", 1)
+            outcomes[test] = "pass" if code == "0" else "skip" if int(code) in skips else "fail"
+    if len(outcomes) < len(tests):
+        outcomes[tests[len(outcomes)]] = "fail"
     return outcomes
 
 
