@@ -1,4 +1,4 @@
-"""Model families nobody here wrote: transformers' GPT-2, Llama and Mixtral, built from small
+"""Model families nobody here wrote: transformers' GPT-2, Llama, Mixtral and Qwen3, built from small
 configs with random weights (nothing downloaded), as causal language models over the
 embedded dataset's vocabulary. ``transformers`` is an optional extra (``pip install
 commlib[models]``).
@@ -15,7 +15,7 @@ from torch import nn
 from commlib_strategies.model import LanguageModel
 from commlib_strategies.sequence_parallel import positions
 
-FAMILIES = ("gpt2", "llama", "mixtral")
+FAMILIES = ("gpt2", "llama", "mixtral", "qwen3")
 
 
 def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int,
@@ -36,6 +36,9 @@ def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, he
         return tf.MixtralConfig(**common, intermediate_size=2 * d_model,
                                 num_key_value_heads=heads // 2, num_local_experts=experts,
                                 num_experts_per_tok=topk, router_jitter_noise=0.0)
+    if family == "qwen3":  # q and k normed over each head (its plan: its config's own)
+        return tf.Qwen3Config(**common, intermediate_size=2 * d_model,
+                              num_key_value_heads=heads // 2, head_dim=d_model // heads)
     raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 

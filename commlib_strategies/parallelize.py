@@ -12,20 +12,25 @@ from __future__ import annotations
 
 from torch import nn
 
+from commlib_strategies.config_plans import from_config
 from commlib_strategies.context_parallel import context_parallel_
 from commlib_strategies.expert_parallel import expert_parallel_
 from commlib_strategies.megatron_sp import shard_sequences_
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.plans import Plan, matching
+from commlib_strategies.sequence_parallel import sum_gradient_over
 from commlib_strategies.tensor_parallel import column_parallel_, row_parallel_, vocab_parallel_
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sp: str | None = None) -> nn.Module:
-    """``model`` with the mesh's dimensions applied; ``sp``: "megatron" (sequence
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan | None = None,
+                sp: str | None = None) -> nn.Module:
+    """``model`` with the mesh's dimensions applied where ``plan`` says (None: the plan a
+    transformers model's own config carries, config_plans.py); ``sp``: "megatron" (sequence
     parallelism on the tp ranks), or context parallelism's attention, "ulysses" or "ring"
     (the default). The model's ``architecture()`` holds the head counts (``plan.heads``)
     that tensor parallelism must divide."""
     tp, cp = mesh.size("tp"), mesh.size("cp")
+    plan = plan or from_config(model)
     if sp not in (None, "megatron", "ulysses", "ring"):
         raise ValueError(f"parallelize: sp={sp!r}; choose None, 'megatron', 'ulysses' or "
                          "'ring'")
@@ -64,6 +69,10 @@ def tensor_parallel_(model: nn.Module, group, plan: Plan, sequence: bool = False
     for pattern in plan.row:
         for m in matching(model, pattern):
             row_parallel_(m, group, time)
+    for pattern in plan.tp_summed:
+        for m in matching(model, pattern):
+            for p in m.parameters():
+                sum_gradient_over(p, group)
     for pattern, attrs in plan.per_rank.items():
         for m in matching(model, pattern):
             for attr in attrs:

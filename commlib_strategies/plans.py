@@ -7,6 +7,9 @@ plan for a new family is a short declaration:
     column     {pattern: parts}: linears made column-parallel (``parts``: a fused projection
                such as GPT-2's q|k|v, each part split on its own)
     row        patterns of linears made row-parallel (they take a column-parallel output)
+    tp_summed  patterns of modules kept whole under tensor parallelism that see only this
+               rank's part of their input (a norm over each attention head, such as Qwen3's
+               q_norm: this rank's heads): their gradients are summed over tp
     per_rank   {pattern: attribute names}: int attributes of those modules that count
                features, which tensor parallelism divides by tp (GPT-2's ``split_size``)
     heads      the config attributes counting attention heads: tp must divide each, so a
@@ -42,6 +45,7 @@ from torch import nn
 class Plan:
     column: dict = field(default_factory=dict)
     row: tuple = ()
+    tp_summed: tuple = ()
     per_rank: dict = field(default_factory=dict)
     heads: tuple = ()
     vocab: tuple = ()

@@ -50,7 +50,7 @@ def sum_replicated_gradients(module: nn.Module, group: commlib.Communicator) -> 
     ``rehook_gradient_sums`` on the copy."""
     for p in module.parameters():
         if getattr(p, "tp_split_dim", None) is None:
-            _sum_gradient_over(p, group)
+            sum_gradient_over(p, group)
 
 
 def sum_gradients(module: nn.Module, group: commlib.Communicator) -> None:
@@ -59,7 +59,7 @@ def sum_gradients(module: nn.Module, group: commlib.Communicator) -> None:
     ``sum_replicated_gradients``, whoever copies such modules calls ``rehook_gradient_sums``
     on the copy."""
     for p in module.parameters():
-        _sum_gradient_over(p, group)
+        sum_gradient_over(p, group)
 
 
 def rehook_gradient_sums(module: nn.Module) -> None:
@@ -72,10 +72,12 @@ def rehook_gradient_sums(module: nn.Module) -> None:
             _hook_sum(p, group)
 
 
-def _sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None:
+def sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None:
     """Make ``param``'s incoming gradient the sum over ``group`` (see the module docstring),
-    and record it for copies (``rehook_gradient_sums``)."""
-    if group.size > 1:
+    and record it for copies (``rehook_gradient_sums``). Once per group: a parameter that
+    both sees only a tp rank's heads (plans.Plan.tp_summed) and, under Megatron SP, is held
+    whole needs one sum over tp."""
+    if group.size > 1 and group not in getattr(param, "summed_over", ()):
         param.summed_over = getattr(param, "summed_over", ()) + (group,)
         _hook_sum(param, group)
 

@@ -22,7 +22,10 @@ its loss, ``vocab_parallel_cross_entropy``, never gathers the full logits.
 
 Parameters that every rank of the group holds whole (LayerNorms, the position embedding,
 row-parallel biases) are used on replicated inputs, so each rank computes the same full
-gradient for them and they stay identical without any extra communication.
+gradient for them and they stay identical without any extra communication. Those used on
+split activations (a norm over each attention head, as Qwen3's q_norm, sees only this
+rank's heads) get part of their gradient on each rank: parallelize sums it over tp
+(sequence_parallel.sum_gradient_over), where the plan names them (``tp_summed``).
 
 Vocab sizes that do not divide by tp are padded up to a multiple of tp: the padded embedding
 rows and head rows are zero, no valid token id looks a padded row up, and the loss masks the

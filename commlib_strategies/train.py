@@ -55,6 +55,7 @@ from commlib_strategies.layout import SEQUENCE_KINDS, Layout, check
 from commlib_strategies.mesh import DIMS, Mesh
 from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.parallelize import parallelize
+from commlib_strategies.config_plans import from_config
 from commlib_strategies.plans import PLANS
 from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
 from commlib_strategies.moe import moe_gpt
@@ -195,9 +196,10 @@ def _model(args, layout: Layout):
     if layout.experts and args.model != "mixtral":
         raise ValueError(f"--experts: --model {args.model} has no mixture-of-experts layers "
                          "(--model mixtral or gpt has)")
-    return build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
-                 d_model=args.d_model, layers=args.layers, heads=args.heads,
-                 experts=layout.experts, topk=layout.topk), PLANS[args.model]
+    model = build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
+                  d_model=args.d_model, layers=args.layers, heads=args.heads,
+                  experts=layout.experts, topk=layout.topk)
+    return model, PLANS.get(args.model) or from_config(model)  # (hand-written, or its own)
 
 
 class Trainer:

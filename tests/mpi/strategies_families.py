@@ -1,9 +1,9 @@
 """DataParallel and ZeRO 1-3 on models nobody here wrote (transformers' GPT-2 with its tied
-lm_head, Llama, Mixtral; skipped without transformers) and on a model built to do what real
-models do to a naive ZeRO; tensor, context (Ulysses, ring) and, for Mixtral, dropless expert
-parallelism on the families by their plans, with DP or ZeRO over the rest. Each trains a
-few steps on the same global batches as one process does, and must end with the same
-parameters (1e-4 relative, fp32). Under mpiexec."""
+lm_head, Llama, Mixtral, Qwen3 by its config's own plan; skipped without transformers) and
+on a model built to do what real models do to a naive ZeRO; tensor, context (Ulysses,
+ring) and, for Mixtral, dropless expert parallelism on the families by their plans, with DP
+or ZeRO over the rest. Each trains a few steps on the same global batches as one process
+does, and must end with the same parameters (1e-4 relative, fp32). Under mpiexec."""
 import contextlib
 import fnmatch
 import importlib.util
@@ -22,6 +22,7 @@ from commlib_strategies.mesh import Mesh
 from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
 from commlib_strategies.model import GPT, GPTConfig, cross_entropy
 from commlib_strategies.parallelize import parallelize
+from commlib_strategies.config_plans import from_config
 from commlib_strategies.plans import PLANS
 from commlib_strategies.sequence_parallel import sequence_shard
 from commlib_strategies.tensor_parallel import gathered_state
@@ -62,7 +63,7 @@ class Awkward(nn.Module):
 # stage 3 holds (gathers for the whole forward and backward) only what it must: the root
 # unit (parameters of no unit, or shared) and units read outside their forward
 HELD = {"awkward": ["", "body.layers.0", "embed"], "gpt": [], "gpt2": [""], "llama": [],
-        "mixtral": []}
+        "mixtral": [], "qwen3": []}
 
 
 def models():
@@ -127,16 +128,16 @@ def zero(name, make, want, stage):
     return model
 
 
-def parallel(name, make, want, sizes, zero_stage, attention="ring"):
+def parallel(plan, make, want, sizes, zero_stage, attention="ring"):
     """The family's model parallelized by its plan over a mesh of ``sizes`` (tp, cp, ep; dp
     is the rest), with ZeRO ``zero_stage`` over dp (0: DataParallel, or with experts
     expert_parallel.reduce_gradients)."""
     mesh = Mesh(world, dp=n // math.prod(sizes.values()), **sizes)
     dp, tp, ep = mesh.group("dp"), mesh.group("tp"), mesh.group("ep")
     model = make()
-    parallelize(model, mesh, PLANS[name], sp=attention)
+    parallelize(model, mesh, plan, sp=attention)
     times = []  # under Megatron SP the blocks run on sequence shards
-    first = PLANS[name].sequence[0]
+    first = plan.sequence[0]
     for path, m in model.named_modules():
         if fnmatch.fnmatch(path, first):
             m.register_forward_hook(lambda m, args, out: times.append(
@@ -184,10 +185,18 @@ EXPERT_LAYOUTS_4 = [({"ep": 2, "cp": 2}, 2, "ring"), ({"ep": 2, "tp": 2}, 0, Non
                     ({"ep": 2, "tp": 2}, 3, "megatron")]
 
 
-def layouts(name):
+def plan_of(name, make):
+    """The hand-written plan, or the one the family's transformers config carries (Qwen3's:
+    its q and k norms see each tp rank's heads only); None for a model without one."""
+    if name in PLANS:
+        return PLANS[name]
+    return from_config(make()) if name == "qwen3" else None
+
+
+def layouts(plan):
     if n % 2:
         return []
-    more = EXPERT_LAYOUTS + (EXPERT_LAYOUTS_4 if n == 4 else []) if PLANS[name].experts else []
+    more = EXPERT_LAYOUTS + (EXPERT_LAYOUTS_4 if n == 4 else []) if plan.experts else []
     return LAYOUTS + (LAYOUTS_4 if n == 4 else []) + more
 
 
@@ -196,9 +205,9 @@ for name, make in models():
     check.check(f"{name}_data_parallel", lambda: data_parallel(make, want))
     for stage in (1, 2, 3):
         check.check(f"{name}_zero_{stage}", lambda: zero(name, make, want, stage))
-    if name in PLANS:
-        for sizes, stage, attention in layouts(name):
+    if plan := plan_of(name, make):
+        for sizes, stage, attention in layouts(plan):
             label = "_".join(f"{d}{s}" for d, s in sizes.items())
             check.check(f"{name}_{label}_zero_{stage}_{attention}",
-                        lambda: parallel(name, make, want, sizes, stage, attention))
+                        lambda: parallel(plan, make, want, sizes, stage, attention))
 check.finish()

@@ -1,0 +1,126 @@
+"""A transformers model's own parallel plans, translated into a commlib ``Plan`` (plans.py).
+
+transformers' decoder configs carry where tensor, expert and pipeline parallelism apply to
+their models (``base_model_tp_plan``, ``base_model_ep_plan``, ``base_model_pp_plan``),
+which a causal LM merges with its head's into {module pattern: style} over its own names
+(``_tp_plan``, ``_ep_plan``, ``_pp_plan``: ``model.layers.*.mlp.up_proj``, ``lm_head``).
+Each style becomes what the strategies already have:
+
+    colwise                         column-parallel linear
+    packed_colwise                  column-parallel, each fused part split on its own
+                                    (``gate_up_proj``: gate | up)
+    rowwise                         row-parallel linear
+    replicated_with_grad_allreduce  kept whole, its gradient summed over tp (a norm over each
+                                    head, which sees only this rank's heads: Qwen3's q_norm)
+    moe_tp_experts                  the experts stay whole under tp (each tp rank computes
+                                    them, as for Mixtral); the styles of their parameters
+                                    are those of the stacked experts, which expert
+                                    parallelism splits instead
+    ep_dispatch_experts             the experts expert parallelism splits
+    embedding_rowwise,              on the embedding and the LM head: both stay whole on
+    colwise_gather_output           every rank (the values are the same; their memory is not
+                                    split, as in the hand-written Llama plan)
+
+Any other style, or one of these where it cannot mean what it says, is refused naming the
+module and the style: a plan is never half applied. A hand-written ``Plan`` overrides.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+from torch import nn
+
+from commlib_strategies.plans import Plan
+
+STACKED = ("grouped_gemm", "packed_colwise", "rowwise", "colwise")  # under the experts
+WHOLE = ("embedding_rowwise", "colwise_gather_output")  # the embedding, the LM head
+
+
+def from_config(model: nn.Module) -> Plan:
+    """The plan ``model``'s transformers config gives (``model`` is a transformers causal LM,
+    or a module holding one, such as families.CausalLM); patterns name ``model``'s own
+    modules. Raises ValueError naming what has no counterpart here."""
+    hf = _causal_lm(model)
+    tp_plan, ep_plan = dict(hf._tp_plan or {}), dict(getattr(hf, "_ep_plan", None) or {})
+    if not tp_plan:
+        raise ValueError(f"{type(hf).__name__}'s config carries no tensor parallel plan; pass "
+                         "a commlib_strategies.plans.Plan naming its modules")
+    within = next(name for name, m in model.named_modules() if m is hf)
+    names = [name for name, _ in model.named_modules()]
+
+    def at(pattern):  # the pattern among model's names, or None where no module matches
+        pattern = f"{within}.{pattern}" if within else pattern
+        return pattern if any(fnmatch(name, pattern) for name in names) else None
+
+    experts = [p for p, style in ep_plan.items() if style == "ep_dispatch_experts" and at(p)]
+    if len(experts) > 1:
+        raise ValueError(f"{type(hf).__name__}'s expert parallel plan names {len(experts)} "
+                         "kinds of experts; commlib's expert parallelism takes one")
+    for pattern, style in ep_plan.items():
+        if style != "ep_dispatch_experts" and not (
+                style == "grouped_gemm" and any(pattern.startswith(e + ".") for e in experts)):
+            _refuse(hf, pattern, style, "expert")
+    whole = [p for p, style in tp_plan.items() if style == "moe_tp_experts"]
+    head = next(name for name, m in hf.named_modules() if m is hf.get_output_embeddings())
+    embedding = next(name for name, m in hf.named_modules() if m is hf.get_input_embeddings())
+    column, row, summed = {}, [], []
+    for pattern, style in tp_plan.items():
+        if any(pattern.startswith(w + ".") for w in whole) and style in STACKED:
+            continue  # the stacked experts' parameters: see moe_tp_experts
+        if style in WHOLE and pattern == (embedding, head)[WHOLE.index(style)]:
+            continue  # kept whole (see the module's docstring)
+        if style not in STYLES or (style == "packed_colwise" and
+                                   not pattern.endswith("gate_up_proj")):
+            _refuse(hf, pattern, style, "tensor")
+        # (a family's plan covers its variants: a pattern no module of this model matches,
+        # such as dense MLPs in a model whose every layer has experts, has nothing to do)
+        if (where := at(pattern)) is None or style == "moe_tp_experts":
+            continue
+        if style in ("colwise", "packed_colwise"):
+            column[where] = 2 if style == "packed_colwise" else 1
+        elif style == "rowwise":
+            row.append(where)
+        else:
+            summed.append(where)
+    heads = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
+                  if getattr(hf.config, a, None))
+    regions = tuple(sorted({p.rsplit(".", 1)[0] for p in column}))  # attention, MLP
+    return Plan(column=column, row=tuple(row), heads=heads, tp_summed=tuple(summed),
+                attention=at("model.layers.*.self_attn") or "",
+                experts=at(experts[0]) if experts else "",
+                **_cuts(hf, at, names, regions, at(head)))
+
+
+STYLES = ("colwise", "packed_colwise", "rowwise", "replicated_with_grad_allreduce",
+          "moe_tp_experts")
+
+
+def _cuts(hf, at, names, regions, head) -> dict:
+    """Where pipeline and Megatron sequence parallelism cut the model, from ``_pp_plan``:
+    the embeddings (what takes input_ids), the blocks (the module list), the final modules
+    (the rest, in order: the final norm, the LM head); none where the plan has no blocks."""
+    pp_plan = dict(getattr(hf, "_pp_plan", None) or {})
+    places = {key: at(key) for key in pp_plan}
+    blocks = [k for k in pp_plan if isinstance(hf.get_submodule(k), nn.ModuleList)]
+    if len(blocks) != 1 or None in places.values():
+        return {}
+    first = tuple(places[k] for k, (inputs, _) in pp_plan.items() if "input_ids" in inputs)
+    last = sorted((places[k] for k in pp_plan if places[k] not in first + (places[blocks[0]],)),
+                  key=names.index)
+    norm = next((p for p in last if p != head), None)
+    return {"pipeline": (first, places[blocks[0]], tuple(last)),
+            "sequence": (f"{places[blocks[0]]}.0", norm, regions) if norm else ()}
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if hasattr(m, "_tp_plan") and hasattr(m, "get_output_embeddings"):
+            return m
+    raise TypeError(f"{type(model).__name__} holds no transformers model; pass a "
+                    "commlib_strategies.plans.Plan naming its modules")
+
+
+def _refuse(hf, pattern: str, style: str, kind: str):
+    raise ValueError(f"{type(hf).__name__}'s {kind} parallel plan gives {pattern!r} the style "
+                     f"{style!r}, which commlib's strategies have no counterpart for; pass a "
+                     "commlib_strategies.plans.Plan for this model")

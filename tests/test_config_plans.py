@@ -1,0 +1,68 @@
+"""A transformers model's own parallel plans, translated (commlib_strategies/config_plans.py):
+for the families with hand-written plans the translation reaches the same modules; Qwen3's
+per-head norms are summed over tp; styles without a counterpart are refused by name."""
+from fnmatch import fnmatch
+
+import pytest
+
+pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+from commlib_strategies.config_plans import from_config  # noqa: E402
+from commlib_strategies.families import build  # noqa: E402
+from commlib_strategies.plans import PLANS  # noqa: E402
+
+SMALL = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             hidden_size=32, intermediate_size=64, head_dim=8, pad_token_id=None,
+             bos_token_id=None, eos_token_id=None)
+
+
+def hf_model(config_class, **more):
+    return tf.AutoModelForCausalLM.from_config(config_class(**SMALL, **more))
+
+
+def reached(model, plan) -> dict:
+    """Every field of ``plan`` as the module names it reaches in ``model``."""
+    names = [name for name, _ in model.named_modules()]
+
+    def of(patterns):
+        return sorted(n for n in names if any(fnmatch(n, p) for p in patterns))
+    first, blocks, last = plan.pipeline
+    sequence_first, sequence_norm, regions = plan.sequence
+    return {"column": {n: parts for p, parts in plan.column.items() for n in of([p])},
+            "row": of(plan.row), "tp_summed": of(plan.tp_summed), "heads": plan.heads,
+            "attention": of([plan.attention]), "experts": of([plan.experts] if plan.experts
+                                                            else []),
+            "pipeline": (of(first), of([blocks]), of(last)),
+            "sequence": (of([sequence_first]), of([sequence_norm]), of(regions))}
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_the_config_reaches_what_the_hand_written_plan_does(family):
+    model = build(family, 64, seed=0)
+    assert reached(model, from_config(model)) == reached(model, PLANS[family])
+
+
+def test_qwen3_norms_over_each_head_are_summed_over_tp():
+    plan = from_config(hf_model(tf.Qwen3Config))
+    assert plan.tp_summed == ("model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm")
+    assert plan.column["model.layers.*.mlp.up_proj"] == 1 and not plan.experts
+
+
+def test_qwen3_moe_experts_split_by_ep_and_whole_under_tp():
+    model = hf_model(tf.Qwen3MoeConfig, num_experts=4, moe_intermediate_size=16)
+    plan = from_config(model)
+    assert plan.experts == "model.layers.*.mlp.experts"
+    # its config's plan names dense MLPs too (a variant's): this model has none to split
+    assert set(plan.column) == {f"model.layers.*.self_attn.{x}_proj" for x in "qkv"}
+    assert plan.sequence[2] == ("model.layers.*.self_attn",)
+
+
+def test_styles_without_a_counterpart_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"'model.layers.\*.self_attn.qkv_proj' the style "
+                                         r"'colwise_gather_output'.*pass a commlib_strategies"):
+        from_config(hf_model(tf.Phi3Config))
+    with pytest.raises(ValueError, match="no tensor parallel plan"):
+        from_config(build("gpt2", 64, seed=0))
+    with pytest.raises(TypeError, match="holds no transformers model"):
+        from_config(pytest.importorskip("torch").nn.Linear(2, 2))
