@@ -17,6 +17,9 @@ Each style becomes what the strategies already have:
                                     are those of the stacked experts, which expert
                                     parallelism splits instead
     ep_dispatch_experts             the experts expert parallelism splits
+    colwise_gather_output           column-parallel, its output gathered whole (Phi-3's
+                                    fused q|k|v: every tp rank then computes every head)
+    rowwise_split_input             row-parallel, splitting the whole input it takes
     embedding_rowwise,              on the embedding and the LM head: both stay whole on
     colwise_gather_output           every rank (the values are the same; their memory is not
                                     split, as in the hand-written Llama plan)
@@ -63,7 +66,7 @@ def from_config(model: nn.Module) -> Plan:
     whole = [p for p, style in tp_plan.items() if style == "moe_tp_experts"]
     head = next(name for name, m in hf.named_modules() if m is hf.get_output_embeddings())
     embedding = next(name for name, m in hf.named_modules() if m is hf.get_input_embeddings())
-    column, row, summed = {}, [], []
+    column, row, summed, gather, split = {}, [], [], [], []
     for pattern, style in tp_plan.items():
         if any(pattern.startswith(w + ".") for w in whole) and style in STACKED:
             continue  # the stacked experts' parameters: see moe_tp_experts
@@ -80,19 +83,26 @@ def from_config(model: nn.Module) -> Plan:
             column[where] = 2 if style == "packed_colwise" else 1
         elif style == "rowwise":
             row.append(where)
+        elif style == "colwise_gather_output":
+            gather.append(where)
+        elif style == "rowwise_split_input":
+            split.append(where)
         else:
             summed.append(where)
     heads = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
                   if getattr(hf.config, a, None))
-    regions = tuple(sorted({p.rsplit(".", 1)[0] for p in column}))  # attention, MLP
-    return Plan(column=column, row=tuple(row), heads=heads, tp_summed=tuple(summed),
-                attention=at("model.layers.*.self_attn") or "",
+    regions = tuple(sorted({p.rsplit(".", 1)[0] for p in [*column, *gather]}))  # attn, MLP
+    attention = at("model.layers.*.self_attn") or ""
+    return Plan(column=column, row=tuple(row), column_gather=tuple(gather),
+                row_split=tuple(split), tp_summed=tuple(summed), heads=heads,
+                heads_split=not any(p.startswith(attention + ".") for p in gather),
+                attention=attention,
                 experts=at(experts[0]) if experts else "",
                 **_cuts(hf, at, names, regions, at(head)))
 
 
-STYLES = ("colwise", "packed_colwise", "rowwise", "replicated_with_grad_allreduce",
-          "moe_tp_experts")
+STYLES = ("colwise", "packed_colwise", "rowwise", "colwise_gather_output",
+          "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts")
 
 
 def _cuts(hf, at, names, regions, head) -> dict:

@@ -1,6 +1,6 @@
-"""Model families nobody here wrote: transformers' GPT-2, Llama, Mixtral and Qwen3, built from small
-configs with random weights (nothing downloaded), as causal language models over the
-embedded dataset's vocabulary. ``transformers`` is an optional extra (``pip install
+"""Model families nobody here wrote: transformers' GPT-2, Llama, Mixtral, Qwen3 and Phi-3,
+built from small configs with random weights (nothing downloaded), as causal language
+models over the embedded dataset's vocabulary. ``transformers`` is an optional extra (``pip install
 commlib[models]``).
 
 Every family is called the same way as the project's GPT: ``model(ids)`` -> logits.
@@ -15,7 +15,7 @@ from torch import nn
 from commlib_strategies.model import LanguageModel
 from commlib_strategies.sequence_parallel import positions
 
-FAMILIES = ("gpt2", "llama", "mixtral", "qwen3")
+FAMILIES = ("gpt2", "llama", "mixtral", "qwen3", "phi3")
 
 
 def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int,
@@ -39,6 +39,10 @@ def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, he
     if family == "qwen3":  # q and k normed over each head (its plan: its config's own)
         return tf.Qwen3Config(**common, intermediate_size=2 * d_model,
                               num_key_value_heads=heads // 2, head_dim=d_model // heads)
+    if family == "phi3":  # fused q|k|v and gate|up (its plan gathers them whole under tp)
+        return tf.Phi3Config(**common, intermediate_size=2 * d_model,
+                             num_key_value_heads=heads // 2, pad_token_id=None,
+                             bos_token_id=None, eos_token_id=None)
     raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 

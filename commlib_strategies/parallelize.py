@@ -41,7 +41,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan | None = None,
     if tp > 1:
         tensor_parallel_(model, mesh.group("tp"), plan, sequence=sp == "megatron")
     if cp > 1:
-        heads = getattr(model.architecture(), plan.heads[0]) // tp  # query heads per rank
+        heads = getattr(model.architecture(), plan.heads[0])  # query heads on each rank
+        heads //= tp if plan.heads_split else 1
         context_parallel_(model, mesh.group("cp"), sp or "ring", heads,
                           matching(model, plan.attention))
     if plan.experts:
@@ -56,7 +57,7 @@ def tensor_parallel_(model: nn.Module, group, plan: Plan, sequence: bool = False
     """Tensor parallelism by the plan, in place; with ``sequence``, Megatron sequence
     parallelism too (megatron_sp.py)."""
     tp = group.size
-    for attr in plan.heads:
+    for attr in plan.heads if plan.heads_split else ():
         count = getattr(model.architecture(), attr)
         if count % tp:
             raise ValueError(f"tensor parallel: the model's {attr}={count} does not divide by "
@@ -69,6 +70,12 @@ def tensor_parallel_(model: nn.Module, group, plan: Plan, sequence: bool = False
     for pattern in plan.row:
         for m in matching(model, pattern):
             row_parallel_(m, group, time)
+    for pattern in plan.column_gather:
+        for m in matching(model, pattern):
+            column_parallel_(m, group, gathered=sequence, gather_output=True)
+    for pattern in plan.row_split:
+        for m in matching(model, pattern):
+            row_parallel_(m, group, time, split_input=True)
     for pattern in plan.tp_summed:
         for m in matching(model, pattern):
             for p in m.parameters():

@@ -7,6 +7,12 @@ plan for a new family is a short declaration:
     column     {pattern: parts}: linears made column-parallel (``parts``: a fused projection
                such as GPT-2's q|k|v, each part split on its own)
     row        patterns of linears made row-parallel (they take a column-parallel output)
+    column_gather, row_split
+               patterns of linears made column-parallel with their output gathered whole,
+               and row-parallel splitting a whole input: the layers between keep every
+               feature (Phi-3's fused q|k|v, whose attention reads the config's head
+               counts); with them on the attention, ``heads_split`` is False: every tp rank
+               computes every head
     tp_summed  patterns of modules kept whole under tensor parallelism that see only this
                rank's part of their input (a norm over each attention head, such as Qwen3's
                q_norm: this rank's heads): their gradients are summed over tp
@@ -45,6 +51,9 @@ from torch import nn
 class Plan:
     column: dict = field(default_factory=dict)
     row: tuple = ()
+    column_gather: tuple = ()
+    row_split: tuple = ()
+    heads_split: bool = True
     tp_summed: tuple = ()
     per_rank: dict = field(default_factory=dict)
     heads: tuple = ()

@@ -265,13 +265,16 @@ def _slice_parts(full: torch.Tensor, dim: int, parts: int, group) -> torch.Tenso
 
 
 def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int = 1,
-                     gathered: bool = False, pad: bool = False) -> None:
+                     gathered: bool = False, pad: bool = False,
+                     gather_output: bool = False) -> None:
     """Make a linear layer column-parallel in place: it keeps this rank's output features
     (of each of ``parts`` fused parts) and its forward takes a replicated input (or, with
     ``gathered``, one Megatron SP all-gathered already, whose backward sums the partial
-    gradients) and gives this rank's split output. Its parameters keep their names. With
-    ``pad`` (an LM head over a vocab tp does not divide) the outputs are padded with zero
-    rows up to a multiple of tp."""
+    gradients) and gives this rank's split output (with ``gather_output``, the whole output,
+    gathered: for a module whose users need every feature, such as a fused q|k|v whose
+    attention is not split by heads). Its parameters keep their names. With ``pad`` (an LM
+    head over a vocab tp does not divide) the outputs are padded with zero rows up to a
+    multiple of tp."""
     dim = _out_dim(module)
     full = module.weight.shape[dim]
 
@@ -291,16 +294,18 @@ def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int 
     def forward(self, x):
         y = gathered_matmul(x, self.weight, dim) if gathered else \
             _matmul(copy_to_group(x, group), self.weight, dim)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return gather_along(y, group, -1) if gather_output else y
     module.forward = types.MethodType(forward, module)  # (a deep copy rebinds it)
 
 
 def row_parallel_(module: nn.Module, group: commlib.Communicator,
-                  sequence_dim: int | None = None) -> None:
+                  sequence_dim: int | None = None, split_input: bool = False) -> None:
     """Make a linear layer row-parallel in place: it keeps this rank's input features and
-    its forward takes a split input (a column-parallel layer's output) and gives the
-    replicated output (or, with ``sequence_dim``, Megatron SP's sequence shard of it,
-    reduce-scattered along that dim), the bias (held whole) added once after the sum."""
+    its forward takes a split input (a column-parallel layer's output; with
+    ``split_input``, the whole input, which it splits) and gives the replicated output (or,
+    with ``sequence_dim``, Megatron SP's sequence shard of it, reduce-scattered along that
+    dim), the bias (held whole) added once after the sum."""
     out = _out_dim(module)
     dim = 1 - out
     full = module.weight.shape[dim]
@@ -310,7 +315,7 @@ def row_parallel_(module: nn.Module, group: commlib.Communicator,
     module.weight = _mark(nn.Parameter(_slice_parts(module.weight, dim, 1, group)), dim, full)
 
     def forward(self, x):
-        partial = _matmul(x, self.weight, out)
+        partial = _matmul(split_along(x, group, -1) if split_input else x, self.weight, out)
         y = reduce_from_group(partial, group) if sequence_dim is None else \
             reduce_scatter_along(partial, group, sequence_dim)
         return y if self.bias is None else y + self.bias

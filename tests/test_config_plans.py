@@ -1,6 +1,7 @@
 """A transformers model's own parallel plans, translated (commlib_strategies/config_plans.py):
 for the families with hand-written plans the translation reaches the same modules; Qwen3's
-per-head norms are summed over tp; styles without a counterpart are refused by name."""
+per-head norms are summed over tp; Phi-3's fused projections are gathered whole; styles
+without a counterpart are refused by name."""
 from fnmatch import fnmatch
 
 import pytest
@@ -58,10 +59,20 @@ def test_qwen3_moe_experts_split_by_ep_and_whole_under_tp():
     assert plan.sequence[2] == ("model.layers.*.self_attn",)
 
 
+def test_phi3_fused_projections_are_gathered_whole():
+    plan = from_config(hf_model(tf.Phi3Config))
+    assert plan.column_gather == ("model.layers.*.self_attn.qkv_proj",
+                                  "model.layers.*.mlp.gate_up_proj")
+    assert plan.row_split == ("model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj")
+    assert not plan.heads_split and not plan.column  # every tp rank computes every head
+
+
 def test_styles_without_a_counterpart_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"'model.layers.\*.self_attn.qkv_proj' the style "
-                                         r"'colwise_gather_output'.*pass a commlib_strategies"):
-        from_config(hf_model(tf.Phi3Config))
+    model = build("llama", 64, seed=0)
+    model.hf._tp_plan = {**model.hf._tp_plan, "model.layers.*.self_attn.q_proj": "local_params"}
+    with pytest.raises(ValueError, match=r"'model.layers.\*.self_attn.q_proj' the style "
+                                         r"'local_params'.*pass a commlib_strategies"):
+        from_config(model)
     with pytest.raises(ValueError, match="no tensor parallel plan"):
         from_config(build("gpt2", 64, seed=0))
     with pytest.raises(TypeError, match="holds no transformers model"):

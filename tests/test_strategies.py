@@ -27,13 +27,13 @@ def test_dp_and_zero_train_like_one_process(n):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_dp_zero_and_tp_train_models_nobody_here_wrote(n):
-    """transformers' GPT-2 (tied lm_head), Llama, Mixtral and Qwen3 (by its config's own
-    plan), the project's GPT, and a model
+    """transformers' GPT-2 (tied lm_head), Llama, Mixtral, Qwen3 and Phi-3 (by their
+    configs' own plans), the project's GPT, and a model
     with shared blocks, a buffer and parameters read outside their modules' forward; tp
     (with Megatron SP), cp and Mixtral's ep by the models' plans, with DP or ZeRO over the
     rest."""
     out = run_checked(n, "tests/mpi/strategies_families.py")
-    planned = 1 + (4 if importlib.util.find_spec("transformers") else 0)  # (models extra)
+    planned = 1 + (5 if importlib.util.find_spec("transformers") else 0)  # (models extra)
     # (tests/mpi/strategies_families.py's LAYOUTS, and Mixtral's EXPERT_LAYOUTS)
     layouts = {2: 5, 3: 0, 4: 8}[n] * planned + {2: 2, 3: 0, 4: 5}[n] * (planned > 1)
     cases = 4 * (1 + planned) + layouts

@@ -1,9 +1,10 @@
 """DataParallel and ZeRO 1-3 on models nobody here wrote (transformers' GPT-2 with its tied
-lm_head, Llama, Mixtral, Qwen3 by its config's own plan; skipped without transformers) and
-on a model built to do what real models do to a naive ZeRO; tensor, context (Ulysses,
-ring) and, for Mixtral, dropless expert parallelism on the families by their plans, with DP
-or ZeRO over the rest. Each trains a few steps on the same global batches as one process
-does, and must end with the same parameters (1e-4 relative, fp32). Under mpiexec."""
+lm_head, Llama, Mixtral; Qwen3 and Phi-3 by their configs' own plans; skipped without
+transformers) and on a model built to do what real models do to a naive ZeRO; tensor,
+context (Ulysses, ring) and, for Mixtral, dropless expert parallelism on the families by
+their plans, with DP or ZeRO over the rest. Each trains a few steps on the same global
+batches as one process does, and must end with the same parameters (1e-4 relative, fp32).
+Under mpiexec."""
 import contextlib
 import fnmatch
 import importlib.util
@@ -63,7 +64,7 @@ class Awkward(nn.Module):
 # stage 3 holds (gathers for the whole forward and backward) only what it must: the root
 # unit (parameters of no unit, or shared) and units read outside their forward
 HELD = {"awkward": ["", "body.layers.0", "embed"], "gpt": [], "gpt2": [""], "llama": [],
-        "mixtral": [], "qwen3": []}
+        "mixtral": [], "qwen3": [], "phi3": []}
 
 
 def models():
@@ -187,10 +188,11 @@ EXPERT_LAYOUTS_4 = [({"ep": 2, "cp": 2}, 2, "ring"), ({"ep": 2, "tp": 2}, 0, Non
 
 def plan_of(name, make):
     """The hand-written plan, or the one the family's transformers config carries (Qwen3's:
-    its q and k norms see each tp rank's heads only); None for a model without one."""
+    its q and k norms see each tp rank's heads only; Phi-3's: its fused projections
+    gathered whole); None for a model without one."""
     if name in PLANS:
         return PLANS[name]
-    return from_config(make()) if name == "qwen3" else None
+    return from_config(make()) if name in ("qwen3", "phi3") else None
 
 
 def layouts(plan):
