@@ -33,10 +33,13 @@ def test_dp_zero_and_tp_train_models_nobody_here_wrote(n):
     (with Megatron SP), cp and Mixtral's ep by the models' plans, with DP or ZeRO over the
     rest."""
     out = run_checked(n, "tests/mpi/strategies_families.py")
-    planned = 1 + (5 if importlib.util.find_spec("transformers") else 0)  # (models extra)
-    # (tests/mpi/strategies_families.py's LAYOUTS, and Mixtral's EXPERT_LAYOUTS)
-    layouts = {2: 5, 3: 0, 4: 8}[n] * planned + {2: 2, 3: 0, 4: 5}[n] * (planned > 1)
-    cases = 4 * (1 + planned) + layouts
+    families = importlib.util.find_spec("transformers") is not None  # (models extra)
+    # DP and ZeRO 1-3 on the model, the GPT and the hand-planned families; the layouts of
+    # tests/mpi/strategies_families.py (LAYOUTS, Mixtral's EXPERT_LAYOUTS) on those and on
+    # the config-planned ones (Qwen3, Phi-3)
+    planned = 1 + (5 if families else 0)
+    layouts = {2: 5, 3: 0, 4: 8}[n] * planned + {2: 2, 3: 0, 4: 5}[n] * families
+    cases = 4 * (2 + (3 if families else 0)) + layouts
     assert f"commlib-check: {cases} cases" in out, out[-2000:]
 
 
