@@ -76,13 +76,15 @@ uint64_t steps_for_splits(const Plan& plan) {
 }  // namespace
 
 GpuProxy::GpuProxy(int rank, int size, const std::string& channel, bool create, Words words,
-                   int64_t spin)
-    : rank_(rank), size_(size), words_(words), spin_(spin) {
+                   int64_t spin, bool streams_meet)
+    : rank_(rank), size_(size), words_(words), spin_(spin), streams_meet_(streams_meet),
+      registered_(streams_meet) {
   if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size)
     throw std::invalid_argument("GpuProxy: rank " + std::to_string(rank) + " of " +
                                 std::to_string(size) + " (1 to " + std::to_string(kMaxRanks) +
                                 " ranks)");
-  bytes_ = sizeof(Line) * size;
+  static_assert(kMaxRanks * 2 * 64 <= kPageBytes, "a line per rank and meeting");
+  bytes_ = kPageBytes + sizeof(Line) * size;
   name_ = create ? channel_name() : channel;
   int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                   : shm_open(name_.c_str(), O_RDWR, 0);
@@ -103,13 +105,15 @@ GpuProxy::GpuProxy(int rank, int size, const std::string& channel, bool create, 
   }
   base_ = static_cast<char*>(base);
   line(rank_).pid = getpid();
+  if (streams_meet_)
+    for (int k = 0; k < 2; ++k) words_.arrive[k] = arrival(rank_, k);
   thread_ = std::thread([this] { serve(); });
 }
 
 GpuProxy::~GpuProxy() {
   close();
   unlink();
-  munmap(base_, bytes_);
+  if (!registered_) munmap(base_, bytes_);
 }
 
 void GpuProxy::unlink() {
@@ -117,7 +121,14 @@ void GpuProxy::unlink() {
   owner_ = false;
 }
 
-Line& GpuProxy::line(int r) const { return reinterpret_cast<Line*>(base_)[r]; }
+Line& GpuProxy::line(int r) const { return reinterpret_cast<Line*>(base_ + kPageBytes)[r]; }
+
+uintptr_t GpuProxy::arrival(int r, int k) const {
+  if (r < 0 || r >= size_ || k < 0 || k > 1)
+    throw std::invalid_argument("GpuProxy.arrival: rank " + std::to_string(r) + ", meeting " +
+                                std::to_string(k));
+  return uintptr_t(base_) + 64 * (2 * r + k);
+}
 
 uint64_t GpuProxy::submit(uint64_t first, uint64_t steps, int meetings,
                           const std::vector<int64_t>& row, int64_t itemsize, bool splits,
@@ -198,8 +209,13 @@ std::vector<std::pair<std::string, double>> GpuProxy::heartbeat() const {
     beat.push_back({"plans_served", double(served_)});
     beat.push_back({"failed", double(failure_)});
   }
-  for (int r = 0; r < size_; ++r)
+  for (int r = 0; r < size_; ++r) {
     beat.push_back({"reached_r" + std::to_string(r), double(line(r).reached.load())});
+    if (streams_meet_)
+      for (int k = 0; k < 2; ++k)
+        beat.push_back({"arrive" + std::to_string(k) + "_r" + std::to_string(r),
+                        double(word(arrival(r, k))->load())});
+  }
   return beat;
 }
 
@@ -229,7 +245,14 @@ void GpuProxy::serve() {
     std::shared_ptr<Plan> plan;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait(lock, [&] { return stopping_ || plans_.count(served_); });
+      auto ready = [&] { return stopping_ || plans_.count(served_); };
+      // After a failure, streams may still write their arrivals (the last steps they had
+      // enqueued): write every rank's past again, often, so that no peer's wait is lowered.
+      while (streams_meet_ && released_ && !ready()) {
+        changed_.wait_for(lock, std::chrono::milliseconds(1), ready);
+        release_arrivals();
+      }
+      changed_.wait(lock, ready);
       auto it = plans_.find(served_);
       if (it == plans_.end()) return;  // stopping, and every plan is over
       plan = it->second;
@@ -262,8 +285,13 @@ void GpuProxy::run(Plan& plan) {
       for (int k = 0; k < plan.meetings; ++k) {
         at_meeting_ = k;
         Clock::time_point deadline = deadline_of(plan);
-        wait_arrival(k, uint32_t(s + 1), plan, deadline);
-        meet(plan, !plan.exchanged && i == 0 && k == 0, deadline);
+        bool first = !plan.exchanged && i == 0 && k == 0;
+        bool proxied = first || !streams_meet_;  // the streams wait for go[k]
+        wait_arrival(k, uint32_t(s + 1), plan, deadline, proxied);
+        if (proxied)
+          meet(plan, first, deadline);
+        else
+          watch_peers(k, uint32_t(s + 1), plan, deadline);
         if (k == 0) word(words_.free)->store(uint32_t(s), std::memory_order_release);
         word(words_.go[k])->store(uint32_t(s + 1), std::memory_order_release);
       }
@@ -291,8 +319,18 @@ void GpuProxy::release(uint64_t from) {
   // comparisons are cyclic, over half of 2^32), this plan's and any later one's, whose
   // steps the proxy may not know (an all_to_all that failed before its exchange).
   uint32_t past = uint32_t(from + (1u << 30));
+  if (past == 0) past = 1;  // (0 means none)
   word(words_.free)->store(past, std::memory_order_release);
   for (uintptr_t go : words_.go) word(go)->store(past, std::memory_order_release);
+  released_ = past;
+  release_arrivals();
+}
+
+void GpuProxy::release_arrivals() {
+  if (!streams_meet_) return;
+  uint32_t past = released_.load();
+  for (int r = 0; r < size_; ++r)
+    for (int k = 0; k < 2; ++k) word(arrival(r, k))->store(past, std::memory_order_release);
 }
 
 void GpuProxy::fail_now(Failure kind, const std::string& reason) {
@@ -323,15 +361,19 @@ void GpuProxy::ring_peers() {
   }
 }
 
-void GpuProxy::wait_arrival(int k, uint32_t value, const Plan& plan, Clock::time_point deadline) {
+void GpuProxy::wait_arrival(int k, uint32_t value, const Plan& plan, Clock::time_point deadline,
+                            bool eager) {
+  // `eager`: the streams wait for this proxy, so spin (where each rank has a core) and
+  // yield before napping; otherwise only watch
   std::atomic<uint32_t>* arrival = word(words_.arrive[k]);
   waiting_for_ = 1;
   since_ = seconds_now();
   long nap_ns = 1000;
+  int64_t spin = eager ? spin_ : 0, yields = eager ? 64 : 0;
   for (int64_t i = 0; !reached(arrival->load(std::memory_order_acquire), value); ++i) {
-    if (i < spin_) {
+    if (i < spin) {
       cpu_relax();
-    } else if (i < spin_ + 64) {
+    } else if (i < spin + yields) {
       sched_yield();
     } else {  // the GPU cannot ring a bell: nap, longer and longer, up to 50 us
       timespec nap{0, nap_ns};
@@ -351,7 +393,30 @@ void GpuProxy::wait_arrival(int k, uint32_t value, const Plan& plan, Clock::time
   waiting_for_ = 0;
 }
 
-void GpuProxy::check_peer(int r, const Plan& plan, Clock::time_point deadline) {
+void GpuProxy::watch_peers(int k, uint32_t value, const Plan& plan, Clock::time_point deadline) {
+  // The streams meet by themselves: watch their arrivals for a peer that fails, dies or
+  // does not come, in naps (the streams wait for nothing of ours).
+  waiting_for_ = 2;
+  since_ = seconds_now();
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    std::atomic<uint32_t>* theirs = word(arrival(r, k));
+    long nap_ns = 1000;
+    while (!reached(theirs->load(std::memory_order_acquire), value)) {
+      timespec nap{0, nap_ns};
+      nanosleep(&nap, nullptr);
+      nap_ns = std::min(nap_ns * 2, 50'000L);
+      uint32_t now = theirs->load(std::memory_order_acquire);
+      if (!reached(now, value))
+        check_peer(r, plan, deadline,
+                   "its stream " + std::to_string(value - now) + " step(s) behind");
+    }
+  }
+  waiting_for_ = 0;
+}
+
+void GpuProxy::check_peer(int r, const Plan& plan, Clock::time_point deadline,
+                          const std::string& behind) {
   const Line& peer = line(r);
   std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(peer.pid) + ")";
   uint32_t kind = peer.poisoned.load(std::memory_order_acquire);
@@ -364,10 +429,9 @@ void GpuProxy::check_peer(int r, const Plan& plan, Clock::time_point deadline) {
   if (Clock::now() >= deadline) {
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%g", plan.timeout);
-    uint64_t mine = line(rank_).reached.load(), theirs = peer.reached.load();
     fail_now(TIMED_OUT, "rank " + std::to_string(rank_) + " timed out after " + seconds +
                                   " s in " + describe_plan(plan) + " (ipc) waiting for " + who +
-                                  ", " + std::to_string(mine - theirs) + " meeting(s) behind");
+                                  ", " + behind);
   }
   check_stop(plan);
 }
@@ -406,7 +470,8 @@ void GpuProxy::meet(Plan& plan, bool first, Clock::time_point deadline) {
         std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ring_peers'
         if (peer.reached.load(std::memory_order_acquire) < m) futex_wait(&me.bell, seen, 1'000'000);
         me.sleeping.store(0, std::memory_order_relaxed);
-        check_peer(r, plan, deadline);
+        check_peer(r, plan, deadline,
+                   std::to_string(m - peer.reached.load()) + " meeting(s) behind");
       }
     }
   }
@@ -431,15 +496,23 @@ void bind(py::module_& m) {
                        "The meetings of a communicator's collectives through CUDA IPC on one "
                        "device, served by a thread of its own (csrc/gpu_proxy.h)")
       .def(py::init([](int rank, int size, const std::string& channel, bool create,
-                       const std::vector<uintptr_t>& words, int64_t spin) {
+                       const std::vector<uintptr_t>& words, int64_t spin, bool streams_meet) {
              if (words.size() != 5)
                throw std::invalid_argument("GpuProxy: words are go0, go1, free, arrive0, arrive1");
              return new GpuProxy(rank, size, channel, create,
-                                 Words{{words[0], words[1]}, words[2], {words[3], words[4]}}, spin);
+                                 Words{{words[0], words[1]}, words[2], {words[3], words[4]}}, spin,
+                                 streams_meet);
            }),
            py::arg("rank"), py::arg("size"), py::arg("channel"), py::arg("create"),
-           py::arg("words"), py::arg("spin"))
+           py::arg("words"), py::arg("spin"), py::arg("streams_meet") = false)
       .def_property_readonly("channel", &GpuProxy::channel)
+      .def_property_readonly("page", &GpuProxy::page,
+                             "(address, bytes): the channel's arrivals in this process")
+      .def("unregistered", &GpuProxy::unregistered,
+           "CUDA has let the page go: the proxy may unmap its channel when dropped")
+      .def("arrival", &GpuProxy::arrival, py::arg("rank"), py::arg("meeting"),
+
+           "The word where rank's stream marks a step's meeting when streams meet")
       .def("unlink", &GpuProxy::unlink)
       .def("submit", &GpuProxy::submit, Release(), py::arg("first"), py::arg("steps"),
            py::arg("meetings"), py::arg("row"), py::arg("itemsize"), py::arg("splits"),

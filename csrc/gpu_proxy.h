@@ -18,16 +18,25 @@
 //             stream's first arrival.
 //   arrival   a word per meeting of a step in pinned memory that the stream itself sets to
 //             step + 1 when it gets there (cuStreamWriteValue32).
+//   streams meet  (the default) the arrivals lie in the channel's first page, which every
+//             rank registers with CUDA, and a stream waits for its peers' arrivals itself
+//             (cuStreamWaitValue32 on each): no host is between the streams. Only a call's
+//             first meeting, which checks the rows, goes through the proxies (go[0]); the
+//             proxy watches the other meetings for failures and timeouts. Otherwise every
+//             meeting goes through the proxies (COMMLIB_GPU_MEET=proxy).
 //   counters  go[k] (steps allowed past meeting k) and free (steps every rank is done
 //             with, whose slot may be refilled): pinned words the streams wait for
 //             (cuStreamWaitValue32) and only the proxy raises.
-//   channel   one POSIX shared-memory segment per proxy, a line per rank: the meetings it
+//   channel   one POSIX shared-memory segment per proxy: a page of arrivals, then a line
+//             per rank: the meetings it
 //             has reached (monotone), its rows by plan parity, its poison and reason, its
 //             pid, and a doorbell its peers ring when it sleeps.
 //   failure   a timeout, a mismatch or a dead peer: the proxy poisons the channel (the
 //             peers fail alike), raises every counter past the plan and every later plan
 //             (no stream waits forever), and reports the error to whoever waits for the
 //             plan, and once to take_failure() (the communicator's next call raises it).
+//             When streams meet it also writes every rank's arrivals past, and keeps
+//             writing them (a late stream's arrival must not lower them) until close().
 #pragma once
 
 #include <atomic>
@@ -47,6 +56,7 @@ namespace commlib::gpu {
 
 constexpr int kMaxRanks = 16;  // as commlib/cuda's kMaxPointers
 constexpr int kRowWords = kDescFields + 2 * kMaxRanks + 2;  // descriptor, splits, caller's
+constexpr size_t kPageBytes = 4096;  // the channel's arrivals: a 64-byte line per (rank, meeting)
 
 // The pinned words of one proxy, as the streams address them on the host.
 struct Words {
@@ -77,14 +87,24 @@ struct Line;
 class GpuProxy {
  public:
   // Creates the channel (`create`, one rank) or opens the one named `channel`.
+  // With `streams_meet` the arrivals are the channel's (words.arrive is ignored).
   GpuProxy(int rank, int size, const std::string& channel, bool create, Words words,
-           int64_t spin);
+           int64_t spin, bool streams_meet);
   ~GpuProxy();
   GpuProxy(const GpuProxy&) = delete;
   GpuProxy& operator=(const GpuProxy&) = delete;
 
   const std::string& channel() const { return name_; }
   void unlink();  // by the creator, once every rank has opened the channel
+  // The channel's page of arrivals in this process (to register with CUDA), and the word
+  // where rank r's stream marks meeting k.
+  std::pair<uintptr_t, size_t> page() const { return {uintptr_t(base_), kPageBytes}; }
+  // CUDA has let the page go (cudaHostUnregister): the destructor may unmap the channel.
+  // Until then it does not (a proxy dropped without it leaks the mapping): a registered
+  // range unmapped and mapped again could not be registered again, and the destructor,
+  // which runs wherever Python drops the proxy, makes no CUDA call.
+  void unregistered() { registered_ = false; }
+  uintptr_t arrival(int r, int k) const;
 
   // Hands a plan over; returns its id. `row` holds at most kRowWords words. An exchanged
   // plan with `step_bytes` takes as many steps as the largest part a rank sends (the rows'
@@ -117,11 +137,15 @@ class GpuProxy {
   void serve();
   void run(Plan& plan);
   void meet(Plan& plan, bool first, Clock::time_point deadline);
-  void wait_arrival(int k, uint32_t value, const Plan& plan, Clock::time_point deadline);
+  void wait_arrival(int k, uint32_t value, const Plan& plan, Clock::time_point deadline,
+                    bool eager);
+  void watch_peers(int k, uint32_t value, const Plan& plan, Clock::time_point deadline);
   [[noreturn]] void fail_now(Failure kind, const std::string& reason);
-  void check_peer(int r, const Plan& plan, Clock::time_point deadline);
+  void check_peer(int r, const Plan& plan, Clock::time_point deadline,
+                  const std::string& behind);
   void check_stop(const Plan& plan);  // close() or fail() since
   void release(uint64_t from);
+  void release_arrivals();  // every rank's, past released_
   void ring_peers();
   Line& line(int r) const;
   Clock::time_point deadline_of(const Plan& plan) const;
@@ -134,12 +158,14 @@ class GpuProxy {
   size_t bytes_ = 0;
   Words words_;
   int64_t spin_;
+  bool streams_meet_, registered_;  // (the page may be registered where streams meet)
+
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::map<uint64_t, std::shared_ptr<Plan>> plans_;  // handed over, not yet waited for
   uint64_t made_ = 0, served_ = 0;                   // plans handed over, and over
-  uint64_t released_ = 0;                            // counters raised past this step
+  std::atomic<uint32_t> released_{0};                 // counters raised to this (0: none)
   std::atomic<bool> stopping_{false}, abandoned_{false};  // (read unlocked by the waits)
   std::string abandoned_text_;
   Failure failure_ = OK;

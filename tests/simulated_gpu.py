@@ -149,6 +149,7 @@ class SimulatedDevice:
     def __init__(self):
         self._lib = library()
         self._memory: dict[int, np.ndarray] = {}
+        self._pinned: dict[int, int] = {}  # host_alloc's and host_register's: their bytes
         self._shared: dict[int, mmap.mmap] = {}  # device_alloc's, and the peers' mapped
         self._owned: dict[int, int] = {}  # device_alloc's: their memfds
         self._loaded = False  # every kernel of commlib's (load_kernels)
@@ -161,10 +162,28 @@ class SimulatedDevice:
         memory = np.zeros(nbytes + 64, np.uint8)
         ptr = -(-memory.ctypes.data // 64) * 64
         self._memory[ptr] = memory
+        self._pinned[ptr] = nbytes
         return ptr
 
     def host_free(self, ptr: int) -> None:
-        del self._memory[ptr]
+        del self._memory[ptr], self._pinned[ptr]
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        pinned = [(p, n) for p, n in self._pinned.items() if p < ptr + nbytes and ptr < p + n]
+        if pinned:
+            raise RuntimeError(f"the simulated GPU: cudaHostRegister of [{ptr:#x}, +{nbytes}): "
+                               f"pinned already in {pinned}")
+        self._pinned[ptr] = nbytes
+
+    def host_unregister(self, ptr: int) -> None:
+        if ptr in self._memory or self._pinned.pop(ptr, None) is None:
+            raise RuntimeError("the simulated GPU: cudaHostUnregister of memory not registered")
+
+    def _check_pinned(self, word: int, what: str) -> None:
+        """As a stream memory operation needs: the word lies in pinned, mapped memory."""
+        if not any(p <= word < p + n for p, n in self._pinned.items()):
+            raise RuntimeError(f"the simulated GPU: {what} on a word that is not pinned "
+                               "(host_alloc or host_register)")
 
     def copy_async(self, dst: int, src: int, nbytes: int, device: int, stream: int) -> None:
         _ordering("a copy")
@@ -189,11 +208,14 @@ class SimulatedDevice:
 
     def wait_value(self, stream: int, device: int, counter: int, value: int) -> None:
         _ordering("a wait for the host")
+        self._check_pinned(counter, "cuStreamWaitValue32")
         _checked(self._lib.sg_wait_value(stream, counter, value))
 
     def write_value(self, stream: int, device: int, counter: int, value: int) -> None:
         _ordering("a write to the host")
+        self._check_pinned(counter, "cuStreamWriteValue32")
         _checked(self._lib.sg_write_value(stream, counter, value))
+
 
     def load_kernels(self, device: int) -> None:
         self._loaded = True

@@ -416,11 +416,14 @@ def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
     run_checked(n, "tests/mpi/cuda_staged.py", env=SIMULATED)
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_ipc_all_reduce_in_many_two_shot_steps_on_a_simulated_gpu(n):
-    """4 KiB slots: a call takes many steps, each reduced in two shots."""
+@pytest.mark.parametrize("n, meet", [(3, "streams"), (4, "proxy")])
+def test_ipc_all_reduce_in_many_two_shot_steps_on_a_simulated_gpu(n, meet):
+    """4 KiB slots: a call takes many steps, each reduced in two shots; the streams meet by
+    themselves (the default) or through the GPU proxies (COMMLIB_GPU_MEET=proxy)."""
     run_checked(n, "tests/mpi/cuda_staged.py", env={
-        **SIMULATED, "COMMLIB_CUDA_IPC_SLOT_BYTES": "4096", "COMMLIB_CUDA_IPC_ONE_SHOT_BYTES": "0"})
+        **SIMULATED, "COMMLIB_CUDA_IPC_SLOT_BYTES": "4096", "COMMLIB_CUDA_IPC_ONE_SHOT_BYTES": "0",
+        "COMMLIB_GPU_MEET": meet})
+
 
 
 def test_staged_all_reduce_on_a_simulated_gpu():

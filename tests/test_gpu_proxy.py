@@ -1,6 +1,7 @@
 """The GPU proxy (csrc/gpu_proxy.h) by itself, in one process: ranks are proxies over one
 channel, streams are the test writing their arrival words. Its meetings, rows, failures
-(a mismatch, a timeout, a dead peer) and what a failure does to the counters."""
+(a mismatch, a timeout, a dead peer) and what a failure does to the counters; where the
+streams meet by themselves, what it serves and watches."""
 import ctypes
 import subprocess
 import sys
@@ -18,10 +19,11 @@ GO0, GO1, FREE, ARRIVE0, ARRIVE1 = range(5)
 class Rank:
     """One rank's proxy and its pinned words (plain memory here)."""
 
-    def __init__(self, rank: int, size: int, channel: str = ""):
+    def __init__(self, rank: int, size: int, channel: str = "", streams_meet: bool = False):
         self.memory = (ctypes.c_uint8 * (5 * 64))()
         self.proxy = _C.GpuProxy(rank, size, channel, rank == 0, [self.at(k) for k in range(5)],
-                                 0)
+                                 0, streams_meet)
+        self.rank, self.streams_meet = rank, streams_meet
 
     def at(self, k: int) -> int:
         return ctypes.addressof(self.memory) + 64 * k
@@ -29,13 +31,19 @@ class Rank:
     def word(self, k: int) -> int:
         return ctypes.c_uint32.from_address(self.at(k)).value
 
+    def arrival(self, r: int, k: int) -> ctypes.c_uint32:
+        """Rank r's arrival word for meeting k, as this rank maps it (streams meet)."""
+        return ctypes.c_uint32.from_address(self.proxy.arrival(r, k))
+
     def arrive(self, k: int, value: int) -> None:  # what the stream's write_value does
-        ctypes.c_uint32.from_address(self.at(ARRIVE0 + k)).value = value
+        word = (self.arrival(self.rank, k) if self.streams_meet
+                else ctypes.c_uint32.from_address(self.at(ARRIVE0 + k)))
+        word.value = value
 
 
-def ranks(size: int) -> list[Rank]:
-    first = Rank(0, size)
-    every = [first] + [Rank(r, size, first.proxy.channel) for r in range(1, size)]
+def ranks(size: int, streams_meet: bool = False) -> list[Rank]:
+    first = Rank(0, size, "", streams_meet)
+    every = [first] + [Rank(r, size, first.proxy.channel, streams_meet) for r in range(1, size)]
     first.proxy.unlink()
     return every
 
@@ -103,6 +111,47 @@ def test_a_mismatch_fails_every_rank_and_lets_every_stream_go():
         r.proxy.close()
 
 
+def test_where_streams_meet_the_proxy_serves_a_calls_first_meeting_only():
+    """The streams wait for go[0] at a call's first meeting (the rows checked there), and
+    for each other's arrivals after it: the proxies see them in the page every rank maps."""
+    every = ranks(3, streams_meet=True)
+    ids = [r.proxy.submit(0, 3, 2, row(10), 4, False, False, 5.0) for r in every]
+    every[1].arrive(1, 7)
+    assert every[0].arrival(1, 1).value == every[2].arrival(1, 1).value == 7  # one page
+    every[1].arrive(1, 0)
+    for r in every:
+        r.arrive(0, 1)
+    wait_until(lambda: all(r.word(GO0) == 1 for r in every))
+    for s in range(3):
+        for k in range(2):
+            if (s, k) != (0, 0):
+                for r in every:
+                    r.arrive(k, s + 1)
+    for r, i in zip(every, ids):
+        r.proxy.wait(i)  # the proxies watched every meeting
+        assert r.proxy.heartbeat()["arrive1_r2"] == 3
+        r.proxy.close()
+
+
+def test_where_streams_meet_a_failure_writes_every_arrival_past_and_keeps_it_there():
+    """A stream that waits for a peer's arrival goes on after a failure, even where its
+    peer's stream writes an arrival late (a plain store, lower than the release)."""
+    every = ranks(2, streams_meet=True)
+    ids = [r.proxy.submit(0, 4, 2, row(10), 4, False, False, 0.3) for r in every]
+    for r in every:
+        r.arrive(0, 1)
+    every[0].arrive(1, 1)  # rank 1's stream never reaches the second meeting
+    for r, i in zip(every, ids):
+        with pytest.raises(CommTimeoutError):
+            r.proxy.wait(i)
+    words = [every[0].arrival(r, k) for r in range(2) for k in range(2)]
+    assert all(past(w.value, 4) for w in words)
+    every[1].arrive(1, 2)  # late
+    wait_until(lambda: all(past(w.value, 4) for w in words), 1.0)
+    for r in every:
+        r.proxy.close()
+
+
 def test_a_peer_that_never_comes_times_out_and_a_slow_stream_too():
     every = ranks(2)
     i = every[0].proxy.submit(0, 1, 1, row(10), 4, False, True, 0.2)
@@ -114,7 +163,15 @@ def test_a_peer_that_never_comes_times_out_and_a_slow_stream_too():
     i = other[0].proxy.submit(0, 1, 1, row(10), 4, False, False, 0.2)
     with pytest.raises(CommTimeoutError, match="its stream did not reach step 0"):
         other[0].proxy.wait(i)
-    for r in every + other:
+    meeting = ranks(2, streams_meet=True)  # a peer's stream does not come
+    i = meeting[0].proxy.submit(0, 2, 1, row(10), 4, False, False, 0.2)
+    meeting[1].proxy.submit(0, 2, 1, row(10), 4, False, False, 30.0)
+    for r in meeting:
+        r.arrive(0, 1)
+    meeting[0].arrive(0, 2)
+    with pytest.raises(CommTimeoutError, match="waiting for rank 1 .*its stream 1 step"):
+        meeting[0].proxy.wait(i)
+    for r in every + other + meeting:
         r.proxy.close()
 
 
@@ -124,7 +181,7 @@ def test_a_dead_peer_fails_the_call_at_once():
         "import ctypes, os, signal, sys; from commlib import _C\n"
         "m = (ctypes.c_uint8 * 320)()\n"
         f"p = _C.GpuProxy(1, 2, {first.proxy.channel!r}, False, "
-        "[ctypes.addressof(m) + 64 * k for k in range(5)], 0)\n"
+        "[ctypes.addressof(m) + 64 * k for k in range(5)], 0, False)\n"
         "print('open', flush=True); sys.stdin.readline(); os.kill(os.getpid(), signal.SIGKILL)")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "open"

@@ -188,6 +188,16 @@ class CupyRuntime:
         runtime.freeHost(ptr)
 
     @staticmethod
+    def host_register(ptr: int, nbytes: int) -> None:
+        runtime.hostRegister(ptr, nbytes, runtime.hostRegisterPortable |
+                             runtime.hostRegisterMapped)
+
+    @staticmethod
+    def host_unregister(ptr: int) -> None:
+        runtime.hostUnregister(ptr)
+
+
+    @staticmethod
     def copy_async(dst: int, src: int, nbytes: int, device: int, stream: int) -> None:
         if nbytes:
             with cupy.cuda.Device(device):

@@ -12,17 +12,24 @@ Vocabulary:
   phase      what a step does on the stream before the ranks first meet (fill my slot),
              between meetings, and after the last (read the peers' slots).
   meeting    every rank's stream has finished the phase before: the stream marks its
-             arrival in pinned memory (cuStreamWriteValue32), the GPU proxy sees it, meets
-             the peers' proxies, and raises a counter that lets the streams go on.
+             arrival in pinned memory (cuStreamWriteValue32). Where *streams meet* (the
+             default), the arrivals lie in a page every rank maps and registers, and each
+             stream waits for its peers' arrivals itself (cuStreamWaitValue32): no host is
+             in the step loop. A call's first meeting, which checks every rank's row, and
+             every meeting under COMMLIB_GPU_MEET=proxy go through the GPU proxy: it sees
+             the arrival, meets the peers' proxies, and raises a counter that lets the
+             streams go on.
   proxy      a C++ thread per communicator and device (csrc/gpu_proxy.h) that serves the
-             meetings without the GIL and without CUDA: no Python thread, and no thread
+             meetings without the GIL and without CUDA, and watches those the streams hold
+             by themselves for failures and timeouts: no Python thread, and no thread
              blocked in the driver, can stall a call. A call hands it its *plan* (steps,
              meetings per step, descriptor, timeout) before enqueuing anything.
   counters   words of pinned host memory the proxy raises and the streams wait for
              (cuStreamWaitValue32): ``go`` (one per meeting of a step: steps allowed past
              it) and ``free`` (steps every rank is done with, so that their slot may be
              written again; a step's first meeting frees the step before it). ``arrive``:
-             the words the streams write.
+             the words the streams write. Where streams meet, a step's slot is free once
+             every peer's stream has arrived at the first meeting of the step after it.
   one-shot   all_reduce where every rank reduces the whole chunk from every slot; two-shot:
              rank r reduces part r, and every rank copies the others after a second
              meeting (commlib/algorithms/ipc.py chooses).
@@ -44,6 +51,8 @@ to end (without the GIL) to complete the call's Work and record it.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 from .. import _C
@@ -60,6 +69,7 @@ ALIGN = 256
 WORDS = ("go0", "go1", "free", "arrive0", "arrive1")  # the proxy's pinned words, a line each
 ROW_WORDS = _C.GPU_PROXY_ROW_WORDS
 PROXY_SPIN = 2000  # polls before yielding where each rank has a core (COMMLIB_GPU_PROXY_SPIN)
+MEETINGS = ("streams", "proxy")  # who holds the meetings after a call's first (COMMLIB_GPU_MEET)
 _ERRORS = {_C.GPU_PROXY_FAILURES["mismatched"]: CollectiveMismatchError,
            _C.GPU_PROXY_FAILURES["timed_out"]: CommTimeoutError}
 
@@ -76,8 +86,10 @@ class CudaIpc(Transport):
         self.host, self.rt, self.device = host, runtime, device
         self.slot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", SLOT_BYTES))
         self.slot_bytes = max(ALIGN, self.slot_bytes // ALIGN * ALIGN)
-        self.workspace = self.words = self.proxy = None
+        self.workspace = self.words = self.proxy = self.page = None
         self.peers: list[int] = []
+        self.streams_meet = _meetings() == "streams"
+        self.arrivals: list[tuple[int, int]] = []  # where streams meet: each rank's words
         self.one_shot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
                                                  ONE_SHOT_BYTES))
         self.where = Where(self.name, slot_bytes=self.slot_bytes,
@@ -148,25 +160,52 @@ class CudaIpc(Transport):
         0 unlinks it once every rank has it, so that a crash leaves nothing in /dev/shm.
         Returns the problem, if any."""
         spin = 0 if group.crowded() else int(os.environ.get("COMMLIB_GPU_PROXY_SPIN", PROXY_SPIN))
+        if self.streams_meet:  # every rank, or the proxies hold every meeting
+            self.streams_meet = all(group.allgather(self._can_register()))
         words = [self.word(name) for name in WORDS]
         problem = None
         try:
             if group.rank == 0:
-                self.proxy = _C.GpuProxy(0, group.size, "", True, words, spin)
+                self.proxy = _C.GpuProxy(0, group.size, "", True, words, spin, self.streams_meet)
         except RuntimeError as e:
             problem = f"rank 0 cannot make its GPU proxy's channel: {e}"
         channel = group.allgather(self.proxy.channel if self.proxy else None)[0]
         try:
             if group.rank != 0 and channel is not None:
-                self.proxy = _C.GpuProxy(group.rank, group.size, channel, False, words, spin)
+                self.proxy = _C.GpuProxy(group.rank, group.size, channel, False, words, spin,
+                                         self.streams_meet)
         except RuntimeError as e:
             problem = f"rank {group.rank} cannot open the GPU proxy's channel: {e}"
         group.allgather(None)  # every rank has opened it (or given up)
         if self.proxy is not None and group.rank == 0:
             self.proxy.unlink()
+        if self.proxy is not None and self.streams_meet:
+            try:  # the streams read and write the page's words: CUDA must map it
+                self.rt.host_register(*self.proxy.page)
+                self.page = self.proxy.page[0]
+            except RuntimeError as e:
+                problem = (f"rank {group.rank} cannot register the GPU proxy's page with CUDA "
+                           f"({e}); COMMLIB_GPU_MEET=proxy does without")
+            self.arrivals = [(self.proxy.arrival(r, 0), self.proxy.arrival(r, 1))
+                             for r in range(group.size)]
         return problem or (None if channel else "no GPU proxy channel")
 
+    def _can_register(self) -> bool:
+        """Whether CUDA maps shared memory of ours into the device here, as the streams
+        need where they meet by themselves (the proxy's page): tried on a page of our own."""
+        page = mmap.mmap(-1, mmap.PAGESIZE)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        try:
+            self.rt.host_register(address, mmap.PAGESIZE)
+            self.rt.host_unregister(address)
+            return True
+        except RuntimeError:
+            return False
+        finally:
+            page.close()
+
     def word(self, name: str) -> int:
+
         """The address of one of the proxy's pinned words (WORDS)."""
         return self.words + 64 * WORDS.index(name)
 
@@ -180,7 +219,17 @@ class CudaIpc(Transport):
 
     @property
     def arrive(self) -> tuple[int, int]:
+        """The words this rank's stream writes at a step's meetings."""
+        if self.streams_meet:
+            return self.arrivals[self.rank]
         return self.word("arrive0"), self.word("arrive1")
+
+    def _wait_for_peers(self, stream: int, k: int, value: int) -> None:
+        """The stream waits until every peer's stream has reached meeting ``k`` of step
+        ``value - 1`` (streams meet)."""
+        for r, words in enumerate(self.arrivals):
+            if r != self.rank:
+                self.rt.wait_value(stream, self.device, words[k], value)
 
     def take_failure(self) -> CommError | None:
         """The proxy's first failure as the error to raise, once (None: none, or taken)."""
@@ -197,7 +246,13 @@ class CudaIpc(Transport):
         rt, device = self.rt, self.device
         if self.proxy is not None:
             self.proxy.close()  # (its thread gone, nothing touches the words)
+            if self.page is not None:
+                rt.host_unregister(self.page)
+                self.page = None
+            if self.streams_meet:
+                self.proxy.unregistered()
             self.proxy = None
+
         self.registered.close()
         for ptr in self.peers:
             if ptr != self.workspace:
@@ -425,7 +480,7 @@ class CudaIpc(Transport):
         first = self.step
         plan = Plan(self.proxy.submit(first, steps, meetings, row, call.dtype.itemsize,
                                       splits is not None, exchanged, seconds or 0.0, step_bytes),
-                    first, steps)
+                    first, steps, exchanged)
         if exchanged:
             try:
                 plan.rows = self.proxy.rows(plan.id)
@@ -441,7 +496,7 @@ class CudaIpc(Transport):
     def run(self, plan: "Plan", stream: int, step, after=None) -> "OnGpu":
         """``plan``'s steps (``step(i, my slot, every slot)`` gives step i's phases,
         functions of the stream), then ``after``, as an OnGpu to enqueue."""
-        rt, device, proxy = self.rt, self.device, self.proxy
+        rt, device, proxy, streams_meet = self.rt, self.device, self.proxy, self.streams_meet
         tail = self.tail
         done = rt.Event(device)
         self.tail = (done, stream)
@@ -457,12 +512,17 @@ class CudaIpc(Transport):
                     s = plan.first + i
                     offset = (s % 2) * self.slot_bytes
                     phases = step(i, self.workspace + offset, [p + offset for p in self.peers])
-                    if s >= 2:
+                    if s >= 2 and streams_meet:  # every peer is past step s - 2, my slot's
+                        self._wait_for_peers(stream, 0, s)
+                    elif s >= 2:
                         rt.wait_value(stream, device, self.free, s - 1)
                     for k, phase in enumerate(phases):
-                        if k:  # the ranks meet: the stream says it got here, the proxy lets
-                            rt.write_value(stream, device, self.arrive[k - 1], s + 1)  # it on
-                            rt.wait_value(stream, device, self.go[k - 1], s + 1)
+                        if k:  # the ranks meet: the stream says it got here, and waits for
+                            rt.write_value(stream, device, self.arrive[k - 1], s + 1)
+                            if streams_meet and (k > 1 or i > 0 or plan.exchanged):
+                                self._wait_for_peers(stream, k - 1, s + 1)  # the peers
+                            else:  # the proxies (the rows are checked at the first)
+                                rt.wait_value(stream, device, self.go[k - 1], s + 1)
                         phase(stream)
                 if after is not None and plan.steps:
                     after(stream)
@@ -477,10 +537,10 @@ class Plan:
     """A call as handed to the proxy: its id there, its steps [first, first + steps) and
     (exchanged) every rank's row."""
 
-    __slots__ = ("id", "first", "steps", "rows")
+    __slots__ = ("id", "first", "steps", "exchanged", "rows")
 
-    def __init__(self, id: int, first: int, steps: int):
-        self.id, self.first, self.steps = id, first, steps
+    def __init__(self, id: int, first: int, steps: int, exchanged: bool):
+        self.id, self.first, self.steps, self.exchanged = id, first, steps, exchanged
         self.rows = None
 
 
@@ -494,7 +554,15 @@ class OnGpu:
         self.enqueue, self.wait, self.done = enqueue, wait, done
 
 
+def _meetings() -> str:
+    how = os.environ.get("COMMLIB_GPU_MEET", MEETINGS[0])
+    if how not in MEETINGS:
+        raise ValueError(f"COMMLIB_GPU_MEET={how!r}: one of {', '.join(MEETINGS)}")
+    return how
+
+
 def _steps(count: int, per_step: int) -> int:
+
     return max(1, -(-count // per_step))
 
 

@@ -167,6 +167,17 @@ void bind_streams(py::module_& m) {
   m.def("host_free", [](uintptr_t p) {
     check(cudaFreeHost(reinterpret_cast<void*>(p)), "cudaFreeHost");
   }, WithoutGil(), py::arg("ptr"));
+  m.def("host_register", [](uintptr_t p, size_t nbytes) {
+    check(cudaHostRegister(reinterpret_cast<void*>(p), nbytes,
+                           cudaHostRegisterPortable | cudaHostRegisterMapped),
+          "cudaHostRegister of " + std::to_string(nbytes) + " bytes");
+  }, WithoutGil(), py::arg("ptr"), py::arg("nbytes"),
+     "Host memory of our own (shared with other processes, say) pinned and mapped into every "
+     "device's address space, as host_alloc's");
+  m.def("host_unregister", [](uintptr_t p) {
+    check(cudaHostUnregister(reinterpret_cast<void*>(p)), "cudaHostUnregister");
+  }, WithoutGil(), py::arg("ptr"));
+
 
   m.def("copy_async", [](uintptr_t dst, uintptr_t src, size_t nbytes, int device, uintptr_t stream) {
     if (nbytes == 0) return;
