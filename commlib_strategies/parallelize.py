@@ -5,8 +5,10 @@ and in a fixed order, as the model family's plan (plans.py) says where: tensor p
 (expert_parallel.py). Data parallelism and ZeRO then wrap what it returns over the mesh's
 dp group (DataParallel, ZeRO), and pipeline.PipelineStage cuts it over pp, as for any model.
 
-The model is a model.LanguageModel: the project's GPT or a transformers family's
-(families.py).
+The model is a model.LanguageModel (the project's GPT, a transformers family's from
+families.py), or a transformers causal LM as transformers built it, which parallelize
+wraps into a families.CausalLM (``model(ids) -> logits``, ``model.loss``; the original
+is its ``hf``) and returns: use what it returns.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from commlib_strategies.context_parallel import context_parallel_
 from commlib_strategies.expert_parallel import expert_parallel_
 from commlib_strategies.megatron_sp import shard_sequences_
 from commlib_strategies.mesh import Mesh
+from commlib_strategies.model import LanguageModel
 from commlib_strategies.plans import Plan, matching
 from commlib_strategies.sequence_parallel import sum_gradient_over
 from commlib_strategies.tensor_parallel import column_parallel_, row_parallel_, vocab_parallel_
@@ -28,9 +31,15 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan | None = None,
     transformers model's own config carries, config_plans.py); ``sp``: "megatron" (sequence
     parallelism on the tp ranks), or context parallelism's attention, "ulysses" or "ring"
     (the default). The model's ``architecture()`` holds the head counts (``plan.heads``)
-    that tensor parallelism must divide."""
+    that tensor parallelism must divide. A transformers model comes back wrapped (a
+    families.CausalLM over it): a ``plan`` for it names the wrapper's modules (``hf.``
+    first)."""
     tp, cp = mesh.size("tp"), mesh.size("cp")
+    if not isinstance(model, LanguageModel):
+        from commlib_strategies.families import causal_lm  # (transformers' models only)
+        model = causal_lm(model)
     plan = plan or from_config(model)
+
     if sp not in (None, "megatron", "ulysses", "ring"):
         raise ValueError(f"parallelize: sp={sp!r}; choose None, 'megatron', 'ulysses' or "
                          "'ring'")

@@ -13,8 +13,11 @@
     mpiexec -n 4 python -m commlib_strategies.train --cp 2 --tp 2 --experts 4 --sp ulysses
     mpiexec -n 2 python -m commlib_strategies.train --model llama --zero 3
 
---model gpt2, llama or mixtral trains transformers' model of that family, from a small
-config, in the same layouts (Mixtral: --experts, --topk set its MoE layers; dropless).
+--model MODEL_TYPE trains transformers' causal LM of that model_type (gpt2, llama, mixtral,
+qwen3, phi3, qwen2, mistral, qwen3_moe, ...: any its AutoModelForCausalLM knows), from
+its own default config shrunk to --layers, --d-model, --heads, --seq-len, in the same
+layouts (MoE models: --experts, --topk set its MoE layers; dropless); --config PATH
+trains the one a config.json describes, its sizes as they are.
 Every model goes one way: parallelize() applies tp, cp and ep by the model's plan
 (commlib_strategies/plans.py), PipelineStage cuts it where the plan says, and DataParallel
 or ZeRO wrap it.
@@ -50,7 +53,7 @@ from commlib_strategies import accounting
 from commlib_strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
-from commlib_strategies.families import FAMILIES, build
+from commlib_strategies.families import FAMILIES, build, from_file, has_experts, sizes_of
 from commlib_strategies.layout import SEQUENCE_KINDS, Layout, check
 from commlib_strategies.mesh import DIMS, Mesh
 from commlib_strategies.model import GPT, GPTConfig
@@ -93,10 +96,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     layout.add_argument("--virtual", type=int, default=None,
                         help="model chunks per stage (default 1; 2 for interleaved-1f1b)")
     model = p.add_argument_group("model")
-    model.add_argument("--model", choices=("gpt",) + FAMILIES, default="gpt",
-                       help="the project's GPT (default), or transformers' GPT-2, Llama or "
-                            "Mixtral built from a small config (pip install 'commlib[models]'; "
-                            "in every layout but a few it names)")
+    model.add_argument("--model", default="gpt", metavar="MODEL_TYPE",
+                       help="the project's GPT (default), or transformers' causal LM of this "
+                            "model_type (" + ", ".join(FAMILIES) + ", or any other) built "
+                            "from its own config shrunk to the sizes below (pip install "
+                            "'commlib[models]'; in every layout but a few it names)")
+    model.add_argument("--config", metavar="PATH",
+                       help="transformers' config.json of the causal LM to train, its sizes "
+                            "as they are (--layers, --d-model, --heads are read from it)")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -137,6 +144,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--resume without PATH resumes from --save-dir: give one of them")
     if args.bf16 and args.zero == 0:
         p.error("--bf16 keeps fp32 master weights in ZeRO's optimizer shards: add --zero 1, 2 or 3")
+    if args.config:
+        try:
+            (args.model, args.layers, args.d_model, args.heads, experts,
+             topk) = sizes_of(args.config)
+        except (OSError, ValueError, ImportError) as e:
+            p.error(str(e))
+        if experts:  # its own
+            args.experts, args.topk = experts, topk
     return args
 
 
@@ -173,8 +188,8 @@ def layout_of(args, world_size: int) -> Layout:
                              f"of {world_size} (or give --dp too)")
         dp = world_size // rest
     virtual = args.virtual or (2 if args.schedule == "interleaved-1f1b" else 1)
-    if args.model == "mixtral" and not args.experts:  # its own: top-2 of 4 by default
-        args.experts = 4
+    if args.model != "gpt" and not args.experts and has_experts(args.model):
+        args.experts = 4  # its own MoE layers: top-2 of 4 by default
     layout = Layout(dp=dp, **others, zero=args.zero, sp=args.sp, schedule=args.schedule,
                     microbatches=args.micro_batches or args.pp, virtual=virtual,
                     experts=args.experts, topk=args.topk)
@@ -193,12 +208,15 @@ def _model(args, layout: Layout):
         # one routing group per sequence: routing is the same in every layout
         return moe_gpt(model, experts=layout.experts, topk=layout.topk, group_rows=1,
                        seed=args.seed), PLANS["gpt-moe"]
-    if layout.experts and args.model != "mixtral":
+    if layout.experts and not has_experts(args.model):
         raise ValueError(f"--experts: --model {args.model} has no mixture-of-experts layers "
-                         "(--model mixtral or gpt has)")
-    model = build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
-                  d_model=args.d_model, layers=args.layers, heads=args.heads,
-                  experts=layout.experts, topk=layout.topk)
+                         "(--model mixtral, qwen3_moe or gpt has)")
+    if args.config:
+        model = from_file(args.config, vocab_size(), args.seed)
+    else:
+        model = build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
+                      d_model=args.d_model, layers=args.layers, heads=args.heads,
+                      experts=layout.experts, topk=layout.topk)
     return model, PLANS.get(args.model) or from_config(model)  # (hand-written, or its own)
 
 

@@ -77,3 +77,32 @@ def test_styles_without_a_counterpart_are_refused_by_name():
         from_config(build("gpt2", 64, seed=0))
     with pytest.raises(TypeError, match="holds no transformers model"):
         from_config(pytest.importorskip("torch").nn.Linear(2, 2))
+
+
+def test_a_model_as_transformers_built_it_is_wrapped_and_others_refused():
+    from torch import nn
+
+    from commlib_strategies.families import causal_lm
+    hf = hf_model(tf.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2)
+    model = causal_lm(hf)
+    assert model.hf is hf and model.config.experts == 4 and model.config.topk == 2
+    assert model.config.family == "qwen3_moe" and model.vocab_size == 64
+    with pytest.raises(TypeError, match="neither a commlib_strategies LanguageModel nor a "
+                                        "transformers causal language model"):
+        causal_lm(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="nor a transformers causal"):
+        causal_lm(tf.AutoModel.from_config(tf.Qwen2Config(**SMALL)))  # no LM head
+
+
+def test_a_users_config_is_read_as_it_is(tmp_path):
+    from commlib_strategies.families import sizes_of
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "qwen2", "hidden_size": 48, "num_hidden_layers": 3, '
+                    '"num_attention_heads": 6, "num_key_value_heads": 2}')
+    assert sizes_of(str(path)) == ("qwen2", 3, 48, 6, 0, 0)
+    path.write_text('{"hidden_size": 48}')
+    with pytest.raises(ValueError, match="no model_type in it"):
+        sizes_of(str(path))
+    path.write_text('{"model_type": "t5"}')
+    with pytest.raises(ValueError, match="has no causal language model of that model_type"):
+        sizes_of(str(path))

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from mpirun import checkout_env, mpirun, run_checked
-from training import RUN, losses, train_many
+from training import ANY_MODEL, RUN, losses, train_many
 
 torch = pytest.importorskip("torch")
 from commlib_strategies import accounting  # noqa: E402  (needs torch)
@@ -31,7 +31,7 @@ def test_dp_zero_and_tp_train_models_nobody_here_wrote(n):
     configs' own plans), the project's GPT, and a model
     with shared blocks, a buffer and parameters read outside their modules' forward; tp
     (with Megatron SP), cp and Mixtral's ep by the models' plans, with DP or ZeRO over the
-    rest."""
+    rest; and Qwen2 as transformers built it, handed to parallelize as it is."""
     out = run_checked(n, "tests/mpi/strategies_families.py")
     families = importlib.util.find_spec("transformers") is not None  # (models extra)
     # DP and ZeRO 1-3 on the model, the GPT and the hand-planned families; the layouts of
@@ -39,7 +39,8 @@ def test_dp_zero_and_tp_train_models_nobody_here_wrote(n):
     # the config-planned ones (Qwen3, Phi-3)
     planned = 1 + (5 if families else 0)
     layouts = {2: 5, 3: 0, 4: 8}[n] * planned + {2: 2, 3: 0, 4: 5}[n] * families
-    cases = 4 * (2 + (3 if families else 0)) + layouts
+    as_built = families and n % 2 == 0
+    cases = 4 * (2 + (3 if families else 0)) + layouts + as_built
     assert f"commlib-check: {cases} cases" in out, out[-2000:]
 
 
@@ -93,6 +94,20 @@ def test_training_cli_pipelines_models_nobody_here_wrote(tmp_path, one_process):
         assert losses(log) == pytest.approx(one_process[model], rel=1e-5), (run, losses(log))
 
 
+def test_training_cli_trains_any_model_type_and_a_users_config(tmp_path, one_process):
+    """--model MODEL_TYPE (transformers' own config shrunk) and --config PATH, each by the
+    plans its config carries, against one process: Qwen2 under tp, Qwen3-MoE's experts
+    over ep, a user's Mistral under tp with Megatron SP."""
+    pytest.importorskip("transformers")
+    qwen2, qwen3_moe, users = ANY_MODEL
+    runs = [(*qwen2, "--tp", "2"), (*qwen3_moe, "--ep", "2"),
+            (*users, "--tp", "2", "--sp", "megatron")]
+    logs, _ = train_many(2, tmp_path, *runs)
+    for run, model, log in zip(runs, ANY_MODEL, logs):
+        want = one_process[model]
+        assert want[-1] < want[0] and losses(log) == pytest.approx(want, rel=1e-5), (run, want)
+
+
 @pytest.fixture(scope="module")
 def zero_stages(tmp_path_factory):
     """test_memory_and_traffic_match_the_seeds_figures's runs, ZeRO 0-3 on 2 ranks, in one
@@ -124,6 +139,9 @@ def test_training_cli_errors():
     assert code != 0 and "dp=3 makes 3 ranks, but the world has 2" in out, out[-2000:]
     code, out = mpirun(1, "-m", "commlib_strategies.train", "--bf16", env=ENV)
     assert code != 0 and "--zero 1, 2 or 3" in out, out[-2000:]
+    if importlib.util.find_spec("transformers"):
+        code, out = mpirun(1, "-m", "commlib_strategies.train", "--model", "t5", env=ENV)
+        assert code != 0 and "has no causal language model of that model_type" in out, out[-2000:]
     if not torch.cuda.is_available():
         code, out = mpirun(1, "-m", "commlib_strategies.train", "--device", "cuda", env=ENV)
         assert code != 0 and "--device cuda: torch sees no CUDA device" in out, out[-2000:]

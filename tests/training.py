@@ -5,6 +5,7 @@ import importlib.util
 import itertools
 import json
 import shlex
+from pathlib import Path
 
 from mpirun import run_shared
 
@@ -28,12 +29,18 @@ def losses(log: list) -> list:
     return [record["loss"] for record in log]
 
 
+# a user's config.json of a model the project names nowhere else
+USERS_CONFIG = str(Path(__file__).with_name("data") / "mistral_config.json")
+# transformers' models by a model_type the project names nowhere else, and by that config
+ANY_MODEL = [(*SMALL, "--model", "qwen2"), (*SMALL, "--model", "qwen3_moe"),
+             (*RUN, "--seq-len", "16", "--config", USERS_CONFIG)]
+
 # the one-process runs the tests compare layouts with (transformers' models where it is in)
 ONE_PROCESS = [RUN, (*RUN, "--experts", "4")]
 if importlib.util.find_spec("transformers"):
     ONE_PROCESS += [(*RUN, "--model", "gpt2", "--layers", "4"), (*RUN, "--model", "mixtral"),
                     (*SMALL, "--model", "gpt2"), (*SMALL, "--model", "llama"),
-                    (*SMALL, "--model", "mixtral")]
+                    (*SMALL, "--model", "mixtral"), *ANY_MODEL]
 
 
 def one_process_losses(tmp_path) -> dict:

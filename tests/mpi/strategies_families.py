@@ -202,6 +202,34 @@ def layouts(plan):
     return LAYOUTS + (LAYOUTS_4 if n == 4 else []) + more
 
 
+def as_transformers_built():
+    """Qwen2, which the project names nowhere else, as transformers builds it."""
+    import transformers as tf
+    config = tf.Qwen2Config(vocab_size=vocab_size(), hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=SEQ, attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return tf.AutoModelForCausalLM.from_config(config)
+
+
+def parallelized_as_built(want):
+    """parallelize takes a transformers model as transformers built it, plans it by its
+    config and returns it wrapped: tp=2 (dp over the rest) trains like one process."""
+    mesh = Mesh(world, dp=n // 2, tp=2)
+    model = parallelize(as_transformers_built(), mesh)
+    DataParallel(model, mesh.group("dp"))  # (its hooks average the gradients over dp)
+    opt = optimizer(model.parameters())
+    for x, y in batches():
+        x, y = (shard(t, mesh.rank("dp"), mesh.size("dp")) for t in (x, y))
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert any(hasattr(p, "tp_split_dim") for p in model.parameters()), "nothing split"
+    same(list(gathered_state(model, mesh.group("tp")).items()), want)
+    mesh.free()
+
+
 # families planned by their configs: what is new there is the plan (DP and ZeRO do not read
 # it), so only the layouts that use it run
 CONFIG_PLANNED = ("qwen3", "phi3")
@@ -219,4 +247,9 @@ for name, make in models():
             label = "_".join(f"{d}{s}" for d, s in sizes.items())
             check.check(f"{name}_{label}_zero_{stage}_{attention}",
                         lambda: parallel(plan, make, want, sizes, stage, attention))
+if importlib.util.find_spec("transformers") and n % 2 == 0:
+    from commlib_strategies.families import causal_lm
+    want = reference(lambda: causal_lm(as_transformers_built()))
+    check.check("qwen2_as_transformers_built_tp2", lambda: parallelized_as_built(want))
 check.finish()
+
