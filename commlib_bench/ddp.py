@@ -95,9 +95,13 @@ def main():
         for name, (ddp, opt) in models.items():
             times[name] += timed_steps(ddp, opt, x, y, args.steps, groups[name])
 
-    # Same data and weights: after the same steps both models must hold the same weights.
-    same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(
-        *(models[name][0].parameters() for name in ("commlib", "gloo", "hooked"))))
+    # Same data and weights: after the same steps the models must hold the same weights,
+    # to the rounding of sums added in another order (the backends' algorithms differ from
+    # 3 ranks on)
+    apart = max(float((o - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                for name in ("commlib", "hooked")
+                for o, g in zip(models[name][0].parameters(), models["gloo"][0].parameters()))
+    same = f"{'yes' if apart <= 1e-5 else 'NO'} (apart by {apart:.1e} of the largest weight)"
     if rank == 0:
         med = {name: statistics.median(t) for name, t in times.items()}
         print(f"DDP {params / 1e6:.1f}M-parameter MLP, {size} ranks, batch {args.batch}, "

@@ -29,6 +29,7 @@ module and the style: a plan is never half applied. A hand-written ``Plan`` over
 """
 from __future__ import annotations
 
+import re
 from fnmatch import fnmatch
 
 from torch import nn
@@ -92,7 +93,8 @@ def from_config(model: nn.Module) -> Plan:
     heads = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
                   if getattr(hf.config, a, None))
     regions = tuple(sorted({p.rsplit(".", 1)[0] for p in [*column, *gather]}))  # attn, MLP
-    attention = at("model.layers.*.self_attn") or ""
+    attention = at("model.layers.*.self_attn") or at(_attention_modules(hf)) or ""
+
     return Plan(column=column, row=tuple(row), column_gather=tuple(gather),
                 row_split=tuple(split), tp_summed=tuple(summed), heads=heads,
                 heads_split=not any(p.startswith(attention + ".") for p in gather),
@@ -134,3 +136,12 @@ def _refuse(hf, pattern: str, style: str, kind: str):
     raise ValueError(f"{type(hf).__name__}'s {kind} parallel plan gives {pattern!r} the style "
                      f"{style!r}, which commlib's strategies have no counterpart for; pass a "
                      "commlib_strategies.plans.Plan for this model")
+
+
+def _attention_modules(hf: nn.Module) -> str:
+    """The pattern of a model's attention modules where they are not Llama's
+    ``model.layers.*.self_attn`` (GPT-NeoX's ``gpt_neox.layers.*.attention``): the modules
+    of a class named ...Attention, the layer index a wildcard ("" if not one pattern)."""
+    patterns = {re.sub(r"\.\d+(\.|$)", r".*\1", name) for name, m in hf.named_modules()
+                if type(m).__name__.endswith("Attention")}
+    return patterns.pop() if len(patterns) == 1 else ""

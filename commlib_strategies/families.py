@@ -51,24 +51,37 @@ def _config(family: str, vocab: int, seq_len: int, d_model: int, layers: int, he
 def _sizes(vocab, seq_len, d_model, layers, heads, experts, topk) -> dict:
     return dict(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                head_dim=d_model // heads, intermediate_size=2 * d_model,
+                head_dim=d_model // heads, rotary_dim=d_model // heads,
+                intermediate_size=2 * d_model, intermediate_size_mlp=2 * d_model,
+                # multi-head latent attention (DeepSeek's): low-rank q and kv, a rotary part
+                q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                v_head_dim=d_model // heads,
                 max_position_embeddings=seq_len, moe_intermediate_size=d_model,
                 shared_expert_intermediate_size=d_model, num_local_experts=experts,
-                num_experts=experts, num_experts_per_tok=topk, n_routed_experts=experts)
+                num_experts=experts, num_experts_per_tok=topk, n_routed_experts=experts,
+                # state-space and linear-attention layers (Mamba-2 hybrids, Qwen3-Next)
+                mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64, mamba_expand=2,
+                mamba_d_state=16, mamba_chunk_size=16, chunk_size=16, ssm_state_size=16,
+                mamba_dt_rank=4, mamba_n_groups=1, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 
 
 def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int,
             experts: int, topk: int):
     """transformers' own config of ``model_type`` with its sizes replaced by ours (those it
-    has), no dropout, and no special token past the vocabulary."""
+    has), no dropout or router jitter (every layout computes the same), and no special
+    token past the vocabulary."""
     import transformers as tf
     default = tf.AutoConfig.for_model(_causal_lm(model_type))
     sizes = _sizes(vocab, seq_len, d_model, layers, heads, experts or 4, topk)
     if not has_experts(model_type):
         sizes = {k: v for k, v in sizes.items() if "expert" not in k}
     ours = {k: v for k, v in sizes.items() if hasattr(default, k)}
+    if "kv_lora_rank" in ours:  # latent attention: every head its own keys, a rotary part
+        ours.update(num_key_value_heads=heads, **({"head_dim": ours["qk_rope_head_dim"]}
+                                                  if "head_dim" in ours else {}))
     ours.update({k: 0.0 for k, v in default.to_dict().items()
-                 if isinstance(v, float) and ("dropout" in k or "pdrop" in k)})
+                 if isinstance(v, float) and any(w in k for w in ("dropout", "pdrop", "jitter"))})
     ours.update(_tokens_past(default.to_dict(), vocab))
     return tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
 
@@ -140,7 +153,12 @@ class CausalLM(LanguageModel):
 
     def shard_sequences(self, group) -> None:
         """Context parallelism: the model's attention entry point calls each attention
-        module's ``attend`` (context_parallel.py sets it) on this rank's shard."""
+        module's ``attend`` (context_parallel.py sets it) on this rank's shard. Refused
+        for what would then compute something else than one process
+        (_not_context_parallel)."""
+        refusal = _not_context_parallel(self.hf)
+        if refusal:
+            raise ValueError(f"context parallel: {self.config.family}: {refusal}")
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
         AttentionInterface.register(_ATTENTION, _attend)
@@ -152,6 +170,44 @@ class CausalLM(LanguageModel):
 _ATTENTION = "commlib_context_parallel"
 
 
+def _not_context_parallel(hf: nn.Module) -> str:
+    """Why a transformers model's layers cannot run on shards of its sequences ("": they
+    can): every rank would see its own shard only, or ring attention would attend what the
+    model does not."""
+    config = hf.config
+    scans = ("Lightning", "LinearAttention", "DeltaNet", "DeltaAttention", "Mamba")
+    mixers = sorted({type(parent).__name__ for name, parent in hf.named_modules()
+                     if any(isinstance(m, nn.Conv1d) for m in parent.children())
+                     or any(w in type(parent).__name__ for w in scans)})
+    if mixers:
+        return (f"its {', '.join(mixers)} mix the sequence outside attention (a causal "
+                "convolution, a state-space or linear-attention scan), which would see "
+                "only each rank's shard; train it without --cp")
+    selectors = sorted({type(m).__name__ for m in hf.modules()
+                        if any(w in type(m).__name__ for w in ("Compressor", "Indexer"))})
+    if selectors:
+        return (f"its {', '.join(selectors)} compress or select the keys attention sees "
+                "(sparse or compressed attention), which ring and Ulysses attention do not "
+                "do; train it without --cp")
+    sinks = sorted({type(m).__name__ for m in hf.modules()
+                    if isinstance(getattr(m, "sinks", None), torch.Tensor)})
+    if sinks:
+        return (f"its {', '.join(sinks)} attend to learned sinks besides the keys, which "
+                "ring and Ulysses attention do not")
+    if getattr(config, "attn_logit_softcapping", None):
+        return (f"its attention logits are soft-capped (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping}), which ring and Ulysses attention do not do")
+    window, longest = getattr(config, "sliding_window", None), config.max_position_embeddings
+    layer_types = getattr(config, "layer_types", None)
+    sliding = ("sliding_attention" in layer_types if layer_types
+               else getattr(config, "use_sliding_window", True))
+    if sliding and isinstance(window, int) and window < longest:
+        return (f"its attention looks back {window} tokens only (sliding_window), and "
+                f"its sequences are up to {longest}: context parallel attention attends the "
+                "whole causal past")
+    return ""
+
+
 def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: q, k, v (batch, heads, time/cp, head_dim) of this
     rank's shard -> (batch, time/cp, heads, head_dim), causal over the whole sequence (the
@@ -159,6 +215,10 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     if dropout:
         raise ValueError("context parallel attention has no dropout; build the model with "
                          "attention dropout 0")
+    if not hasattr(module, "attend"):
+        raise ValueError(f"context parallel: {type(module).__name__} attends through "
+                         "transformers' attention interface, but the plan's attention modules "
+                         "do not include it; name them in Plan.attention")
     if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
         raise ValueError(f"context parallel attention scales by 1/sqrt(head_dim), the model "
                          f"asks for {scaling}")

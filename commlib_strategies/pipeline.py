@@ -9,11 +9,14 @@ actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
         this stage's pieces of a model.LanguageModel (parallelized or not: parallelize.py),
         cut where its plan says (``plan.pipeline``: the embeddings, the blocks' list, the
         final modules). Each piece is a copy of the model that keeps only its run of blocks
-        (under their own indices, so parameter names stay the model's), the embeddings on
+        (in their places, the others passing their input on, so parameter names and a
+        block's index stay the model's), the embeddings on
         the first piece, the final norm and LM head on the last. The model's own ``run``
         goes on every piece: the first takes token ids, the others the hidden states before
         them (``inputs_embeds``; the embeddings they lack add nothing), and every piece but
-        the last returns hidden states (its final modules are identities), so masks and
+        the last returns hidden states (its final modules are identities, and what passed
+        through them is the piece's output: what a model does to its logits after its LM
+        head, a scale or a soft cap, is not done to hidden states), so masks and
         positions are the model's own on every stage; the last gives the loss.
     Pipeline(stage, schedule, microbatches, dp_group=None, gradients=None)
         ``step(inputs, targets)`` runs one forward and backward of the batch through the
@@ -54,7 +57,6 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +107,13 @@ def _communicators(value):
         yield from (v for v in value.keywords.values() if isinstance(v, commlib.Communicator))
 
 
+class _Skipped(nn.Module):
+    """Another piece's block on this one: its input passed on as its output."""
+
+    def forward(self, hidden, *args, **kwargs):
+        return hidden
+
+
 class _NoEmbedding(nn.Module):
     """Where a later piece's model would embed: zeros (its input is hidden states), in the
     dtype and on the device the model is moved to."""
@@ -129,27 +138,32 @@ class Piece(nn.Module):
         self.index, self.first, self.last = index, index == 0, index == count - 1
         embeddings, block_list, finals = plan.pipeline
         (layers,) = matching(model, block_list)
-        # what the copy leaves out, never copied: other pieces' blocks, and the ends
-        memo = {id(b): None for i, b in enumerate(layers) if i not in blocks}
+        # what the copy leaves out, never copied: other pieces' blocks (each a stand-in
+        # that passes its input on, so that the blocks kept keep their places: a model
+        # may look up what block i is, its layer type, by its place in the list), and
+        # the ends
+        memo = {id(b): _Skipped() for i, b in enumerate(layers) if i not in blocks}
+        self._passed = [None]  # what passed this piece's final modules last
         for name, m in model.named_modules():
             if not self.first and matches(name, embeddings):
                 memo[id(m)] = _NoEmbedding(m.weight.shape[1], m.weight.dtype)
             elif not self.last and matches(name, finals):
                 memo[id(m)] = nn.Identity()
                 memo[id(m)]._forward_hooks.update(m._forward_hooks)  # Megatron SP's gather
+                memo[id(m)].register_forward_hook(_passed_on)
+                memo[id(m)].passed = self._passed  # (the last to run: the LM head's)
         self.model = copy_module(model, memo)
         # the model's name of each parameter copied here (a tied parameter copied under
         # another module keeps the model's one name)
         self.names = {memo[id(p)]: name for name, p in model.named_parameters()
                       if isinstance(memo.get(id(p)), nn.Parameter)}
         (kept,) = matching(self.model, block_list)
-        kept._modules = OrderedDict((k, b) for k, b in kept._modules.items() if b is not None)
         # Megatron SP: a model derives its positions and masks (and GPT-2 its output's
         # shape) from its input's length, so stages pass whole sequences (gathered where
         # the final norm would gather), sharded again before a piece's first block
         group = getattr(model, "sequence_group", None)
         if group is not None and not self.first:
-            split_before(next(iter(kept)), group)
+            split_before(next(b for b in kept if not isinstance(b, _Skipped)), group)
 
     def aux_loss(self):
         return self.model.aux_loss()
@@ -160,7 +174,16 @@ class Piece(nn.Module):
 
     def forward(self, x, targets=None):
         out = self.model.run(input_ids=x) if self.first else self.model.run(inputs_embeds=x)
-        return self.model.loss_of(out, targets) if self.last else out
+        if self.last:
+            return self.model.loss_of(out, targets)
+        out, self._passed[0] = self._passed[0], None
+        return out
+
+
+def _passed_on(identity, args, out):
+    """A final module's stand-in on a piece but the last: what passed it is the piece's
+    output."""
+    identity.passed[0] = out
 
 
 def _held(model: nn.Module, plan: Plan, index: int, count: int, blocks: range) -> list:

@@ -76,8 +76,10 @@ def sum_gradient_over(param: nn.Parameter, group: commlib.Communicator) -> None:
     """Make ``param``'s incoming gradient the sum over ``group`` (see the module docstring),
     and record it for copies (``rehook_gradient_sums``). Once per group: a parameter that
     both sees only a tp rank's heads (plans.Plan.tp_summed) and, under Megatron SP, is held
-    whole needs one sum over tp."""
-    if group.size > 1 and group not in getattr(param, "summed_over", ()):
+    whole needs one sum over tp. A parameter without gradient (a frozen one, or a
+    routing bias a model updates by itself) has nothing to sum."""
+    if (group.size > 1 and param.requires_grad
+            and group not in getattr(param, "summed_over", ())):
         param.summed_over = getattr(param, "summed_over", ()) + (group,)
         _hook_sum(param, group)
 

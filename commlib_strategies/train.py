@@ -59,7 +59,7 @@ from commlib_strategies.mesh import DIMS, Mesh
 from commlib_strategies.model import GPT, GPTConfig
 from commlib_strategies.parallelize import parallelize
 from commlib_strategies.config_plans import from_config
-from commlib_strategies.plans import PLANS
+from commlib_strategies.plans import PLANS, Plan
 from commlib_strategies.expert_parallel import data_shard, reduce_gradients, zero_arguments
 from commlib_strategies.moe import moe_gpt
 from commlib_strategies.pipeline import Pipeline, PipelineStage
@@ -217,15 +217,31 @@ def _model(args, layout: Layout):
         model = build(args.model, vocab_size(), args.seed, seq_len=args.seq_len,
                       d_model=args.d_model, layers=args.layers, heads=args.heads,
                       experts=layout.experts, topk=layout.topk)
-    return model, PLANS.get(args.model) or from_config(model)  # (hand-written, or its own)
+    plan = PLANS.get(args.model)  # hand-written, or the model's own
+    if plan is None:
+        try:
+            plan = from_config(model)
+        except ValueError:
+            if max(layout.tp, layout.cp, layout.ep, layout.pp) > 1:
+                raise
+            plan = Plan()  # data parallelism and ZeRO cut nothing by a plan
+    return model, plan
 
 
 class Trainer:
     """The model in the requested layout, and one optimizer step of it."""
 
     def __init__(self, args, world: commlib.Communicator):
-        self.layout = layout = layout_of(args, world.size)
-        self.mesh = mesh = Mesh(world, **layout.sizes)
+        self.layout = layout_of(args, world.size)
+        self.mesh = Mesh(world, **self.layout.sizes)
+        try:
+            self._build(args)
+        except BaseException:  # (a model or layout refused: its communicators go too)
+            self.mesh.free()
+            raise
+
+    def _build(self, args) -> None:
+        layout, mesh = self.layout, self.mesh
         model, plan = _model(args, layout)
         self.numel = model.count_parameters()
         self.pipeline = None

@@ -106,3 +106,28 @@ def test_a_users_config_is_read_as_it_is(tmp_path):
     path.write_text('{"model_type": "t5"}')
     with pytest.raises(ValueError, match="has no causal language model of that model_type"):
         sizes_of(str(path))
+
+
+def test_context_parallelism_refuses_what_shards_would_change():
+    """Sequence mixing outside attention, soft-capped logits and a window shorter than the
+    model's sequences are refused by name; a window the model does not use is not."""
+    from commlib_strategies.families import build, causal_lm
+    for family, words in [("bamba", "mix the sequence outside attention"),
+                          ("qwen3_next", "mix the sequence outside attention"),
+                          ("gemma2", "soft-capped"), ("gpt_oss", "learned sinks"),
+                          ("deepseek_v4", "compress or select the keys")]:
+        with pytest.raises(ValueError, match=f"context parallel: {family}: .*{words}"):
+            build(family, 64, 0).shard_sequences(None)
+    windowed = causal_lm(hf_model(tf.MistralConfig, sliding_window=8,
+                                  max_position_embeddings=16))
+    with pytest.raises(ValueError, match="looks back 8 tokens only"):
+        windowed.shard_sequences(None)
+    unused = hf_model(tf.Qwen2Config, sliding_window=8, use_sliding_window=False,
+                      max_position_embeddings=16)
+    from commlib_strategies.families import _not_context_parallel
+    assert _not_context_parallel(unused) == ""
+
+
+def test_attention_modules_found_where_llama_has_none():
+    from commlib_strategies.families import build
+    assert from_config(build("gpt_neox", 64, 0)).attention == "hf.gpt_neox.layers.*.attention"

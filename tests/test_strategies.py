@@ -97,11 +97,15 @@ def test_training_cli_pipelines_models_nobody_here_wrote(tmp_path, one_process):
 def test_training_cli_trains_any_model_type_and_a_users_config(tmp_path, one_process):
     """--model MODEL_TYPE (transformers' own config shrunk) and --config PATH, each by the
     plans its config carries, against one process: Qwen2 under tp, Qwen3-MoE's experts
-    over ep, a user's Mistral under tp with Megatron SP."""
+    over ep, a user's Mistral under tp with Megatron SP, and Cohere, which scales its
+    logits after the LM head, and Lara-Mini, whose layers differ by type (linear and full
+    attention, looked up by a block's place in the list), cut into pipelines (a piece but
+    the last passes on its hidden states, not scaled; a piece's blocks keep their places)."""
     pytest.importorskip("transformers")
-    qwen2, qwen3_moe, users = ANY_MODEL
+    qwen2, qwen3_moe, users, cohere, lara_mini = ANY_MODEL
     runs = [(*qwen2, "--tp", "2"), (*qwen3_moe, "--ep", "2"),
-            (*users, "--tp", "2", "--sp", "megatron")]
+            (*users, "--tp", "2", "--sp", "megatron"), (*cohere, "--pp", "2"),
+            (*lara_mini, "--pp", "2")]
     logs, _ = train_many(2, tmp_path, *runs)
     for run, model, log in zip(runs, ANY_MODEL, logs):
         want = one_process[model]

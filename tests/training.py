@@ -33,7 +33,8 @@ def losses(log: list) -> list:
 USERS_CONFIG = str(Path(__file__).with_name("data") / "mistral_config.json")
 # transformers' models by a model_type the project names nowhere else, and by that config
 ANY_MODEL = [(*SMALL, "--model", "qwen2"), (*SMALL, "--model", "qwen3_moe"),
-             (*RUN, "--seq-len", "16", "--config", USERS_CONFIG)]
+             (*RUN, "--seq-len", "16", "--config", USERS_CONFIG), (*SMALL, "--model", "cohere"),
+             (*SMALL, "--model", "lara_mini")]
 
 # the one-process runs the tests compare layouts with (transformers' models where it is in)
 ONE_PROCESS = [RUN, (*RUN, "--experts", "4")]

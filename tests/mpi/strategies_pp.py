@@ -112,10 +112,13 @@ def stage_holds_only_its_pieces():
     # 2n pieces of one block each: this stage holds blocks rank and rank + n
     blocks = {name.split(".")[1] for name in names if name.startswith("blocks.")}
     assert blocks == {str(rank), str(rank + n)}, blocks
-    # each piece a copy of the model trimmed to its block, under the block's own index
-    assert [(p.index, p.first, p.last, list(p.model.blocks._modules)) for p in stage.pieces] \
+    # each piece a copy of the model holding its block only, in the block's own place (the
+    # others stand-ins without parameters)
+    assert [(p.index, p.first, p.last, [k for k, b in p.model.blocks._modules.items()
+                                        if list(b.parameters())]) for p in stage.pieces] \
         == [(rank, rank == 0, False, [str(rank)]),
             (rank + n, False, rank == n - 1, [str(rank + n)])]
+    assert all(len(p.model.blocks) == 2 * n for p in stage.pieces)
     assert [(k, tuple(s)) for k, s in stage.layout[rank]] == \
         [(k, tuple(p.shape)) for k, p in stage.named_reference_parameters()]
     assert any(name.startswith("tok_emb.") for name in names) == (rank == 0)
