@@ -42,7 +42,7 @@ class SharedHostMemory:
         """``nbytes`` of memory that every rank maps too (collective)."""
         index, self._made = self._made, self._made + 1
         size = max(mmap.PAGESIZE, math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE)
-        path, mine, error = None, None, None
+        path, mine, error, fd = None, None, None, None
         try:
             path = f"/dev/shm/commlib-{os.getuid()}-{os.getpid()}-m{index}-{secrets.token_hex(8)}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -53,6 +53,8 @@ class SharedHostMemory:
                 os.close(fd)
         except OSError as e:
             error = f"rank {self.rank}: {e} (is /dev/shm full?)"
+            if fd is not None:  # made, but not mapped (no memory left to map it, say)
+                os.unlink(path)
         freed, self._freed = self._freed, []
         shared = self.world.allgather([path if error is None else None, _address(mine), freed])
         self._forget([(r, i) for r, (_, _, gone) in enumerate(shared) for i in gone])

@@ -267,6 +267,24 @@ def freed_memory_is_unpublished_and_unmapped():
     assert_equal(plain, np.full(1 << 12, n * (n + 1) / 2))
 
 
+def a_failed_set_up_leaves_nothing_in_dev_shm():
+    """Every rank's object is made, but no rank may map it (its address space is full): the
+    call fails on every rank, and no object is left behind."""
+    if not SHARED:
+        return
+    import resource
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, ((used << 10) + (256 << 20), hard))
+    try:
+        raises(commlib.CommError, "could not be set up", lambda: comm.empty(4 << 30, np.uint8))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    mine = f"commlib-{os.getuid()}-{os.getpid()}-m"
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(mine)]
+
+
 def different_shapes_are_refused():  # (last: a disagreement ends the communicator)
     if not SHARED or n == 1:
         return
