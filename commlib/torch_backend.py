@@ -268,23 +268,28 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def _work(self, what, works, outputs, finish=None, keep=()) -> TorchWork:
         return self._traced(what, TorchWork(what, works, outputs, finish, self._timeout, keep))
 
-    def _ran_at_once(self, opts, collective, output, input=None, reducing: str = "",
+    def _ran_at_once(self, opts, collective, output, input=None, reduces=False,
                      rooted=False) -> bool:
         """Whether a synchronous op ran to its end in commlib's fast path (Communicator.
-        try_fast), which takes contiguous CPU tensors of commlib's dtypes in one C++ call
-        once it has seen the call. The op's general route takes the rest (and profiled
-        calls, which it names). ``reducing``: the op's name, if it reduces by
-        opts.reduceOp; ``rooted``: it has opts.rootRank."""
+        try_fast), which takes contiguous CPU tensors of commlib's dtypes and torch's
+        ReduceOps in one C++ call once it has seen the call. The op's general route takes
+        the rest (and profiled calls, which it names), and raises what is wrong with them.
+        ``reduces``: the op reduces by opts.reduceOp; ``rooted``: it has opts.rootRank."""
         if opts is None or opts.asyncOp or _profiler_enabled():
             return False
-        op = reduction(opts.reduceOp, output.dtype, reducing) if reducing else None
         try:
-            return self.comm.try_fast(collective, output, input, op,
+            return self.comm.try_fast(collective, output, input,
+                                      opts.reduceOp if reduces else None,
                                       opts.rootRank if rooted else None)
         except CommError as e:  # raised as torch reports backend failures
             raise dist_error(e) from e
 
-    def _done(self, what, outputs) -> DoneWork:
+    def _done(self, what, outputs) -> DoneWork | None:
+        """What an op that ran at once returns: None, which torch's frontends (the only
+        callers that ask for a synchronous op) take as "ran to its end, nothing to wait
+        for" -- a Work costs more than a small all-reduce; a DoneWork when traced."""
+        if _trace_hook is None:
+            return None
         return self._traced(what, DoneWork(what, outputs))
 
     def _traced(self, what, work):
@@ -294,8 +299,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # reductions
     def allreduce(self, tensors, opts=None):
-        if len(tensors) == 1 and self._ran_at_once(opts, "all_reduce", tensors[0],
-                                                   reducing="allreduce"):
+        if len(tensors) == 1 and self._ran_at_once(opts, "all_reduce", tensors[0], reduces=True):
             return self._done("allreduce", tensors)
         return self._allreduce_general(tensors, opts)
 
@@ -376,8 +380,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._work("reduce_scatter", works, [out], finish, keep=flat)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        if self._ran_at_once(opts, "reduce_scatter", output, input,
-                             reducing="reduce_scatter_tensor"):
+        if self._ran_at_once(opts, "reduce_scatter", output, input, reduces=True):
+
             return self._done("reduce_scatter_tensor", [output])
         return self._reduce_scatter_single_general(output, input, opts)
 

@@ -12,6 +12,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from . import _C
+
 # What commlib reduces natively; anything else moves as raw bytes.
 COMMLIB_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
                             torch.int8, torch.uint8, torch.int32, torch.int64})
@@ -22,6 +24,23 @@ _BITWISE = frozenset({_R.BAND, _R.BOR, _R.BXOR})  # integer dtypes only
 # bool travels as uint8 0/1, where "or" is max and "and" is min (gloo: SUM is OR, PROD AND).
 _BOOL = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.PRODUCT: "min", _R.MIN: "min",
          _R.BAND: "min", _R.BXOR: torch.bitwise_xor}
+
+
+def _teach_fast_path() -> None:
+    """Let commlib's fast path take torch's ReduceOp objects as they come in an op's
+    options (it reads their kind from their hash: cheaper than ``.op``, which makes two
+    Python objects per call). Where this torch's ReduceOp hashes otherwise, the fast path
+    declines them and the backend's general route maps them (``reduction``)."""
+    reduce_op = type(dist.AllreduceOptions().reduceOp)
+    kinds = {int(kind): name for kind, name in _NATIVE.items()}
+    if any(hash(reduce_op(kind)) != int(kind) for kind in _NATIVE):
+        return
+    _C.take_torch_ops(reduce_op, [_C.OPS[kinds[k]] if k in kinds else -1
+                                  for k in range(max(kinds) + 1)])
+
+
+_teach_fast_path()
+
 
 
 def reduction(reduce_op, dtype: torch.dtype, what: str):

@@ -45,7 +45,9 @@ import numpy as np
 from .algorithms import entries
 from .call import COLLECTIVES
 
-VERSION = 10  # 10: sizes measured again after spells, and between differing winners;
+VERSION = 11  # 11: one table per layout serves every communicator whose algorithms it
+# measured (torchrun's world, without MPI's own, takes the table mpiexec's world measured);
+# 10: sizes measured again after spells, and between differing winners;
 # 9: up to 7 calls at the largest size on one host, not 3; 8: all_gather and broadcast on
 # huge pages too (none across hosts); 7: copies stream from half the cache (csrc/shm.h);
 # 6: how to read in place
@@ -112,7 +114,12 @@ class Table:
         kind = self.on_huge_pages if on_huge else self.times
         return next(t for b, t in kind[collective][name] if b == nbytes)
 
+    def measured(self, comm) -> bool:
+        """Whether every algorithm ``comm`` runs was measured here."""
+        return all(set(comm.algorithms(c)) <= set(self.times.get(c, ())) for c in COLLECTIVES)
+
     def sizes(self) -> list[int]:
+
         """The bytes measured, on 4 KiB pages, for any collective."""
         return sorted({b for algos in self.times.values() for points in algos.values()
                        for b, _ in points})
@@ -179,6 +186,8 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
     table = None
     if comm.rank == 0 and mode() != "refresh" and not refresh:
         table = _tables.get(digest) or _load(digest, layout)
+        if table is not None and not table.measured(comm):
+            table = None  # measured by a communicator with fewer algorithms: measure all
     table = Table.rank_0s(transport.world, table)
     if table is None and transport.rank_order:
         return None  # (its calls could not time every algorithm: the cost model chooses)
@@ -192,13 +201,15 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
 
 
 def describe(comm, transport) -> dict:
-    """What a table is valid for (rank 0's is the one looked up)."""
+    """What a table is valid for (rank 0's is the one looked up). Not the algorithms: the
+    worlds of mpiexec and of torchrun on one host run the same transport, one with MPI's
+    own algorithm too; one table, measured by the one with more, chooses for both alike
+    (Table.measured), rather than two measured apart deciding near-ties by noise."""
     hosts = Counter(transport.world.allgather(socket.gethostname()))
     return {"version": VERSION, "transport": comm.transport, "ranks": comm.size,
             "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(),
-            "algorithms": {c: comm.algorithms(c) for c in COLLECTIVES}}
+            else os.cpu_count()}
 
 
 def measure(comm, start=None, transport=None) -> Table:

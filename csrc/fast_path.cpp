@@ -63,11 +63,15 @@ int numpy_dtype_code(const py::dtype& dt) {
 // torch CPU tensors, read through their Python attributes (commlib links no torch):
 // the types taken (exactly torch.Tensor and nn.Parameter: a subclass such as DTensor
 // says what its memory means itself), torch's dtypes -> codes, torch.strided. Empty
-// until Python meets its first tensor (take_torch).
+// until Python meets its first tensor (take_torch). And torch.distributed's ReduceOp,
+// whose hash is its kind's value (take_torch_ops checks): kind -> op code, -1 where the
+// fast path has no such op (PREMUL_SUM carries a factor).
 struct TorchKinds {
   std::vector<PyObject*> types;
   PyObject* dtype_codes = nullptr;
   PyObject* strided = nullptr;
+  PyObject* reduce_op_type = nullptr;
+  std::vector<int> reduce_op_codes;
 };
 
 TorchKinds& torch_kinds() {
@@ -112,6 +116,18 @@ bool torch_view(PyObject* obj, Operand& out) {
   for (Read& r : reads) Py_XDECREF(r.value);
   if (PyErr_Occurred()) PyErr_Clear(), ok = false;  // (the general path will say why)
   return ok;
+}
+
+// `op`'s code if it is a torch ReduceOp (-1 if the fast path has none for it), else -2.
+int torch_op(PyObject* op) {
+  const TorchKinds& kinds = torch_kinds();
+  if (reinterpret_cast<PyObject*>(Py_TYPE(op)) != kinds.reduce_op_type) return -2;
+  const Py_hash_t kind = PyObject_Hash(op);
+  if (kind < 0 || size_t(kind) >= kinds.reduce_op_codes.size()) {
+    PyErr_Clear();
+    return -1;
+  }
+  return kinds.reduce_op_codes[size_t(kind)];
 }
 
 // False unless `obj` is a C-contiguous numpy array of a supported dtype (and writable
@@ -195,7 +211,10 @@ class FastPath {
     const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
                          collective == REDUCE_SCATTER;
     int64_t op = kNone;
-    if (reduces && (op = lookup(op_codes_, op_given)) < 0) return false;
+    if (reduces) {
+      if ((op = torch_op(op_given.ptr())) == -2) op = lookup(op_codes_, op_given);
+      if (op < 0) return false;
+    }
     int64_t root = kNone;
     if (collective == BROADCAST || collective == REDUCE) {
       if (!PyLong_CheckExact(root_given.ptr())) return false;  // (bool is not a root)
@@ -364,6 +383,18 @@ void bind_fast_path(py::module_& m) {
       py::arg("types"), py::arg("dtype_codes"), py::arg("strided"),
       "Let the fast path take CPU tensors of exactly these types (torch.Tensor, "
       "nn.Parameter), their dtypes as {torch dtype: commlib code}.");
+  m.def(
+      "take_torch_ops",
+      [](py::object reduce_op_type, std::vector<int> codes) {
+        TorchKinds& kinds = torch_kinds();
+        if (kinds.reduce_op_type != nullptr) return;  // (once per process)
+        kinds.reduce_op_codes = std::move(codes);
+        kinds.reduce_op_type = reduce_op_type.inc_ref().ptr();
+      },
+      py::arg("reduce_op_type"), py::arg("codes"),
+      "Let the fast path take torch.distributed.ReduceOp objects as ops: codes[kind] is "
+      "the op code of the ReduceOp whose hash is kind (-1: none).");
+
   py::class_<FastTransport>(m, "FastTransport",
                             "A transport that runs whole collectives in C++ (fast_path.h).");
   py::class_<FastPath>(m, "FastPath",

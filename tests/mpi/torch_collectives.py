@@ -361,9 +361,10 @@ def profiled():
 def synchronous_ops_run_at_once():
     """A synchronous all_reduce, broadcast, all_gather_into_tensor or reduce_scatter_tensor
     on plain CPU tensors runs in commlib's fast path once it has seen the call (one C++
-    call, no Work machinery); its Work is done, its Future holds the outputs. What the fast
-    path declines (non-contiguous, bool, async) takes the general route, with gloo's
-    results."""
+    call, no Work: torch's frontend takes None; a traced op gets a done Work whose Future
+    holds the outputs), with every ReduceOp it has; an op it has not, or a bitwise one on
+    floats, is declined and refused as before. What the fast path declines
+    (non-contiguous, bool, async) takes the general route, with gloo's results."""
     fast = WORLD.comm._calls.fast  # (white-box: which path a call took)
     if fast is None or WORLD.comm.transport != "shm":  # (elsewhere it runs fewer algorithms)
         return
@@ -392,10 +393,29 @@ def synchronous_ops_run_at_once():
     same(out, gloo[2], path="all_gather_into_tensor")
     same(block, (torch.arange(15, dtype=torch.float32) + rank * 15) * n + n * (n - 1) / 2,
          path="reduce_scatter_tensor")
+    for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG):  # each in one C++ call
+        got, want = x.clone(), x.clone()
+        taken = fast.native.taken
+        dist.all_reduce(got, op=op)
+        assert fast.native.taken == taken + 1, op
+        dist.all_reduce(want, op=op, group=GLOO)
+        same(got, want, tol=1e-6, path=f"all_reduce {op}")
+    taken = fast.native.taken
+    raises(ValueError, "Cannot use ReduceOp.BAND with non-integral",
+           lambda: dist.all_reduce(x.clone(), R.BAND))
+    raises(ValueError, "PREMUL_SUM",
+           lambda: dist.all_reduce(x.clone(), dist._make_nccl_premul_sum(2.0)))
+    assert fast.native.taken == taken
     opts = dist.AllreduceOptions()
     opts.asyncOp = False
-    work = WORLD.allreduce([t], opts)
+    assert WORLD.allreduce([t], opts) is None  # ran to its end: nothing to wait for
+    tb.set_trace_hook(lambda group, what, work: None)
+    try:
+        work = WORLD.allreduce([t], opts)
+    finally:
+        tb.set_trace_hook(None)
     assert work.is_completed() and work.wait() and work.get_future().value()[0] is t
+
     strided = torch.ones(4, 6)[:, ::2]  # declined: the general route makes it contiguous
     dist.all_reduce(strided)
     same(strided, torch.full((4, 3), float(n)), path="strided")

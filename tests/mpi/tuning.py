@@ -148,6 +148,29 @@ def another_layouts_table_is_ignored():
     fresh.free()
 
 
+def a_table_serves_communicators_with_fewer_algorithms():
+    """One table per layout: taken by a communicator whose algorithms it measured, more
+    among them (mpiexec's world measures MPI's own, torchrun's runs without it), and
+    measured again for one that runs an algorithm it lacks."""
+    path = sorted(tables.glob("*.json"))[0] if rank == 0 else None
+
+    def rewritten(change):
+        if rank == 0:
+            data = json.loads(path.read_text())
+            change(data["times"]["all_reduce"])
+            path.write_text(json.dumps(data))
+        tuning._tables.clear()
+        fresh = world.dup()
+        times = fresh.algorithm_table.times["all_reduce"]
+        fresh.free()
+        return times
+    extra = rewritten(lambda algos: algos.update(other=algos["ring"]))
+    assert "other" in extra, "a table measured with one more algorithm was measured again"
+    dropped = world.algorithms("all_reduce")[0]
+    again = rewritten(lambda algos: algos.pop(dropped))
+    assert dropped in again and "other" not in again, "a table lacking one was taken"
+
+
 def deterministic_communicators_take_the_table_and_never_measure():
     plain, det = world.dup(), world.dup(deterministic=True)
     assert det.algorithm_table.times == plain.algorithm_table.times  # the layout's
@@ -182,6 +205,8 @@ if n >= 2:
     for case in (measured_and_cached, the_choice_is_the_tables_and_the_same_everywhere,
                  a_new_table_replaces_what_auto_chose, rank_0s_table_wins,
                  another_layouts_table_is_ignored,
+                 a_table_serves_communicators_with_fewer_algorithms,
+
                  deterministic_communicators_take_the_table_and_never_measure, off_is_off):
         check.check(case.__name__, case)
 check.finish()
