@@ -43,6 +43,13 @@ def test_torchrun_ddp_and_fsdp2():
     run_checked(2, "tests/mpi/torch_train.py", launch=torchrun)
 
 
+@pytest.mark.parametrize("n", [2, 4])  # 4: the 2-D mesh, FSDP2 x TP
+def test_torchrun_pytorch_parallelisms_match_gloo(n):
+    """DTensor, parallelize_module, FSDP2 x TP, pipelining, functional collectives (eager
+    and compiled) on commlib, bitwise as on gloo in the same run."""
+    run_checked(n, "tests/mpi/torch_ecosystem.py", launch=torchrun)
+
+
 def _stopped_job_leaves_nothing(procs, stop, each_prints=1):
     """``procs`` run a job whose ranks print "ready" after a collective, then sleep (each
     process prints ``each_prints`` of them); ``stop(process)`` ends each. /dev/shm must then
