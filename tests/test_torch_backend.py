@@ -2,6 +2,7 @@
 DDP and FSDP2 against gloo inside the same processes, the ways to start it; and the same
 under torchrun, where the ranks meet through torch's store instead of MPI."""
 import functools
+import json
 import os
 import re
 import signal
@@ -48,6 +49,19 @@ def test_torchrun_pytorch_parallelisms_match_gloo(n):
     """DTensor, parallelize_module, FSDP2 x TP, pipelining, functional collectives (eager
     and compiled) on commlib, bitwise as on gloo in the same run."""
     run_checked(n, "tests/mpi/torch_ecosystem.py", launch=torchrun)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_torchrun_transformers_distributed_config_matches_gloo(n, tmp_path):
+    """transformers' own tp, fsdp, tp x ep and fsdp x ep on commlib: losses as one process's
+    and, bit for bit, as gloo's (one launch per backend: tests/mpi/transformers_parallel.py)."""
+    pytest.importorskip("transformers")
+    for backend in ("commlib", "gloo"):
+        run_checked(n, "tests/mpi/transformers_parallel.py", backend, str(tmp_path),
+                    launch=torchrun)
+    losses = {b: json.loads((tmp_path / f"losses-{b}.json").read_text())
+              for b in ("commlib", "gloo")}
+    assert len(losses["commlib"]) >= 3 and losses["commlib"] == losses["gloo"], losses
 
 
 def _stopped_job_leaves_nothing(procs, stop, each_prints=1):
