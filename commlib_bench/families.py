@@ -1,7 +1,8 @@
 """Every causal-LM family of the installed transformers whose config carries a tensor
 parallel plan, trained by commlib_strategies in each layout against one process.
 
-    mpiexec -n 2 python -m commlib_bench.families [--only qwen2 mistral] [--json out.json]
+    mpiexec -n 2 python -m commlib_bench.families [--only qwen2 mistral] [--layouts tp=2]
+                                                  [--json out.json]
 
 Each family is transformers' own default config shrunk to the CLI's small sizes
 (families.build: 2 layers, width 32, 4 heads, 16 tokens), planned by its config
@@ -70,6 +71,8 @@ def reason(error: BaseException) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="these model_types only")
+    p.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=list(LAYOUTS),
+                   help="these layouts only")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args(argv)
     os.environ.setdefault("COMMLIB_TIMEOUT", "60")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
         if want is not None and not agreed[0]:
             row["one process"] = "TimeoutError: the other rank's one process took too long"
             want = None
-        for name, layout in LAYOUTS.items() if want is not None else ():
+        for name in args.layouts if want is not None else ():
+            layout = LAYOUTS[name]
             if name == "ep=2" and not has_experts(model_type):
                 continue
             try:

@@ -20,9 +20,18 @@ Each style becomes what the strategies already have:
     colwise_gather_output           column-parallel, its output gathered whole (Phi-3's
                                     fused q|k|v: every tp rank then computes every head)
     rowwise_split_input             row-parallel, splitting the whole input it takes
-    embedding_rowwise,              on the embedding and the LM head: both stay whole on
-    colwise_gather_output           every rank (the values are the same; their memory is not
-                                    split, as in the hand-written Llama plan)
+    mla_kv_a_proj                   kept whole; the rope features of its output (the
+                                    config's qk_rope_head_dim), which reach each rank's
+                                    heads without the column-parallel kv_b_proj, have their
+                                    gradient summed over tp (Plan.shared_tail)
+    colwise_gather_output           on the LM head: split over the vocab (Plan.vocab), the
+                                    loss computed on the logits' slices, never gathered;
+                                    kept whole where the head is not a linear layer, or
+                                    shares the weight of an embedding kept whole
+    embedding_rowwise               on the input embedding: split over the vocab with the
+                                    head (the rows of a tied head are the embedding's);
+                                    kept whole where it is not a plain nn.Embedding lookup
+                                    (a scaled embedding's own forward)
 
 Any other style, or one of these where it cannot mean what it says, is refused naming the
 module and the style: a plan is never half applied. A hand-written ``Plan`` overrides.
@@ -37,7 +46,7 @@ from torch import nn
 from commlib_strategies.plans import Plan
 
 STACKED = ("grouped_gemm", "packed_colwise", "rowwise", "colwise")  # under the experts
-WHOLE = ("embedding_rowwise", "colwise_gather_output")  # the embedding, the LM head
+EMBEDDING_STYLE, HEAD_STYLE = "embedding_rowwise", "colwise_gather_output"  # split over the vocab
 
 
 def from_config(model: nn.Module) -> Plan:
@@ -56,23 +65,24 @@ def from_config(model: nn.Module) -> Plan:
         pattern = f"{within}.{pattern}" if within else pattern
         return pattern if any(fnmatch(name, pattern) for name in names) else None
 
-    experts = [p for p, style in ep_plan.items() if style == "ep_dispatch_experts" and at(p)]
+    dispatched = [p for p, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    experts = [p for p in dispatched if at(p)]  # (a variant may have none: all dense)
     if len(experts) > 1:
         raise ValueError(f"{type(hf).__name__}'s expert parallel plan names {len(experts)} "
                          "kinds of experts; commlib's expert parallelism takes one")
     for pattern, style in ep_plan.items():
         if style != "ep_dispatch_experts" and not (
-                style == "grouped_gemm" and any(pattern.startswith(e + ".") for e in experts)):
+                style == "grouped_gemm" and any(pattern.startswith(e + ".") for e in dispatched)):
             _refuse(hf, pattern, style, "expert")
     whole = [p for p, style in tp_plan.items() if style == "moe_tp_experts"]
     head = next(name for name, m in hf.named_modules() if m is hf.get_output_embeddings())
     embedding = next(name for name, m in hf.named_modules() if m is hf.get_input_embeddings())
-    column, row, summed, gather, split = {}, [], [], [], []
+    column, row, summed, gather, split, tail = {}, [], [], [], [], {}
     for pattern, style in tp_plan.items():
         if any(pattern.startswith(w + ".") for w in whole) and style in STACKED:
             continue  # the stacked experts' parameters: see moe_tp_experts
-        if style in WHOLE and pattern == (embedding, head)[WHOLE.index(style)]:
-            continue  # kept whole (see the module's docstring)
+        if (pattern, style) in ((embedding, EMBEDDING_STYLE), (head, HEAD_STYLE)):
+            continue  # split over the vocab, or kept whole: _vocab
         if style not in STYLES or (style == "packed_colwise" and
                                    not pattern.endswith("gate_up_proj")):
             _refuse(hf, pattern, style, "tensor")
@@ -88,6 +98,10 @@ def from_config(model: nn.Module) -> Plan:
             gather.append(where)
         elif style == "rowwise_split_input":
             split.append(where)
+        elif style == "mla_kv_a_proj":
+            if not getattr(hf.config, "qk_rope_head_dim", None):
+                _refuse(hf, pattern, style, "tensor")
+            tail[where] = "qk_rope_head_dim"
         else:
             summed.append(where)
     heads = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
@@ -96,7 +110,8 @@ def from_config(model: nn.Module) -> Plan:
     attention = at("model.layers.*.self_attn") or at(_attention_modules(hf)) or ""
 
     return Plan(column=column, row=tuple(row), column_gather=tuple(gather),
-                row_split=tuple(split), tp_summed=tuple(summed), heads=heads,
+                vocab=_vocab(hf, tp_plan, embedding, head, at),
+                row_split=tuple(split), tp_summed=tuple(summed), shared_tail=tail, heads=heads,
                 heads_split=not any(p.startswith(attention + ".") for p in gather),
                 attention=attention,
                 experts=at(experts[0]) if experts else "",
@@ -104,7 +119,23 @@ def from_config(model: nn.Module) -> Plan:
 
 
 STYLES = ("colwise", "packed_colwise", "rowwise", "colwise_gather_output",
-          "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts")
+          "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts",
+          "mla_kv_a_proj")
+
+
+def _vocab(hf, tp_plan: dict, embedding: str, head: str, at) -> tuple:
+    """Plan.vocab for the head and the embedding the plan splits (see the module's
+    docstring): (embedding, head), ("", head) or ()."""
+    head_module, embedding_module = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if tp_plan.get(head) != HEAD_STYLE or type(head_module) is not nn.Linear:
+        return ()
+    plain = type(embedding_module).forward is nn.Embedding.forward and \
+        embedding_module.max_norm is None and not embedding_module.scale_grad_by_freq \
+        and not embedding_module.sparse
+    if tp_plan.get(embedding) == EMBEDDING_STYLE and plain:
+        return at(embedding), at(head)
+    tied = head_module.weight is embedding_module.weight
+    return () if tied else ("", at(head))
 
 
 def _cuts(hf, at, names, regions, head) -> dict:
@@ -117,7 +148,11 @@ def _cuts(hf, at, names, regions, head) -> dict:
     if len(blocks) != 1 or None in places.values():
         return {}
     first = tuple(places[k] for k, (inputs, _) in pp_plan.items() if "input_ids" in inputs)
-    last = sorted((places[k] for k in pp_plan if places[k] not in first + (places[blocks[0]],)),
+    # the final modules take hidden states; what takes the embeddings on their way to the
+    # blocks (an embedding dropout, registered anywhere: Phi's after its blocks) stays on
+    # every piece
+    last = sorted((places[k] for k, (inputs, _) in pp_plan.items()
+                   if k != blocks[0] and not {"input_ids", "inputs_embeds"} & set(inputs)),
                   key=names.index)
     norm = next((p for p in last if p != head), None)
     return {"pipeline": (first, places[blocks[0]], tuple(last)),

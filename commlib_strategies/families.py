@@ -59,6 +59,7 @@ def _sizes(vocab, seq_len, d_model, layers, heads, experts, topk) -> dict:
                 max_position_embeddings=seq_len, moe_intermediate_size=d_model,
                 shared_expert_intermediate_size=d_model, num_local_experts=experts,
                 num_experts=experts, num_experts_per_tok=topk, n_routed_experts=experts,
+                n_group=1, topk_group=1,  # (DeepSeek-V3's routing by groups of experts)
                 # state-space and linear-attention layers (Mamba-2 hybrids, Qwen3-Next)
                 mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64, mamba_expand=2,
                 mamba_d_state=16, mamba_chunk_size=16, chunk_size=16, ssm_state_size=16,
@@ -80,10 +81,29 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
     if "kv_lora_rank" in ours:  # latent attention: every head its own keys, a rotary part
         ours.update(num_key_value_heads=heads, **({"head_dim": ours["qk_rope_head_dim"]}
                                                   if "head_dim" in ours else {}))
+    if has_experts(model_type):
+        ours.update(_sparse_layers_kept(default, layers))
     ours.update({k: 0.0 for k, v in default.to_dict().items()
                  if isinstance(v, float) and any(w in k for w in ("dropout", "pdrop", "jitter"))})
     ours.update(_tokens_past(default.to_dict(), vocab))
     return tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
+
+
+def _sparse_layers_kept(default, layers: int) -> dict:
+    """Where a config's first layers are dense (DeepSeek-V3's first_k_dense_replace=3, a
+    list of per-layer MLP types, the layers without experts), its dense ones among
+    ``layers`` as at full size but the last, which keeps its experts: a shrunk model
+    without any would have nothing for expert parallelism to split."""
+    out = {}
+    if isinstance(getattr(default, "first_k_dense_replace", None), int):
+        out["first_k_dense_replace"] = min(default.first_k_dense_replace, layers - 1)
+    types = getattr(default, "mlp_layer_types", None)
+    if isinstance(types, list) and types:
+        out["mlp_layer_types"] = types[:layers - 1] + [types[-1]]
+    only = getattr(default, "mlp_only_layers", None)
+    if isinstance(only, list):
+        out["mlp_only_layers"] = [i for i in only if i < layers - 1]
+    return out
 
 
 def _tokens_past(fields: dict, vocab: int) -> dict:

@@ -12,11 +12,13 @@ is its ``hf``) and returns: use what it returns.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from commlib_strategies.config_plans import from_config
 from commlib_strategies.context_parallel import context_parallel_
 from commlib_strategies.expert_parallel import expert_parallel_
+from commlib_strategies.mappings import copy_to_group
 from commlib_strategies.megatron_sp import shard_sequences_
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import LanguageModel
@@ -89,16 +91,31 @@ def tensor_parallel_(model: nn.Module, group, plan: Plan, sequence: bool = False
         for m in matching(model, pattern):
             for p in m.parameters():
                 sum_gradient_over(p, group)
+    for pattern, attr in plan.shared_tail.items():
+        if sequence:
+            raise ValueError(f"tensor parallel: Megatron sequence parallelism does not take "
+                             f"{pattern} (kept whole, its last {attr} features read by each "
+                             "rank's heads: MLA's kv_a_proj_with_mqa); train without "
+                             "--sp megatron")
+        features = getattr(model.architecture(), attr)
+        for m in matching(model, pattern):
+            m.register_forward_hook(lambda m, args, out, n=features: torch.cat(
+                [out[..., :-n], copy_to_group(out[..., -n:], group)], -1))
     for pattern, attrs in plan.per_rank.items():
         for m in matching(model, pattern):
             for attr in attrs:
                 setattr(m, attr, getattr(m, attr) // tp)
     if plan.vocab:
         embedding, head = plan.vocab
-        for m in matching(model, embedding):
+        embeddings = matching(model, embedding) if embedding else []
+        tied = {id(m.weight): m for m in embeddings}  # (a head sharing its embedding's rows)
+        for m in embeddings:
             vocab_parallel_(m, group)
         for m in matching(model, head):
+            shared = tied.get(id(m.weight))
             column_parallel_(m, group, pad=True)
+            if shared is not None:  # the same rows of the vocab as the embedding's: one
+                m.weight = shared.weight  # parameter again, as in one process
         model.vocab_group = group
     if sequence:
         shard_sequences_(model, group, plan)

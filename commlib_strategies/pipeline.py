@@ -13,7 +13,10 @@ actions F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
         block's index stay the model's), the embeddings on
         the first piece, the final norm and LM head on the last. The model's own ``run``
         goes on every piece: the first takes token ids, the others the hidden states before
-        them (``inputs_embeds``; the embeddings they lack add nothing), and every piece but
+        them, which replace what reaches their first block (they run the model on
+        placeholder ids; the embeddings they lack give zeros: whatever a model does
+        between its embeddings and its blocks, Granite's embedding_multiplier, is done
+        once, on the first piece), and every piece but
         the last returns hidden states (its final modules are identities, and what passed
         through them is the piece's output: what a model does to its logits after its LM
         head, a scale or a soft cap, is not done to hidden states), so masks and
@@ -143,7 +146,7 @@ class Piece(nn.Module):
         # may look up what block i is, its layer type, by its place in the list), and
         # the ends
         memo = {id(b): _Skipped() for i, b in enumerate(layers) if i not in blocks}
-        self._passed = [None]  # what passed this piece's final modules last
+        self._passed = [None]  # what passed the first of this piece's final modules
         for name, m in model.named_modules():
             if not self.first and matches(name, embeddings):
                 memo[id(m)] = _NoEmbedding(m.weight.shape[1], m.weight.dtype)
@@ -151,7 +154,7 @@ class Piece(nn.Module):
                 memo[id(m)] = nn.Identity()
                 memo[id(m)]._forward_hooks.update(m._forward_hooks)  # Megatron SP's gather
                 memo[id(m)].register_forward_hook(_passed_on)
-                memo[id(m)].passed = self._passed  # (the last to run: the LM head's)
+                memo[id(m)].passed = self._passed  # (the first to run: the final norm's)
         self.model = copy_module(model, memo)
         # the model's name of each parameter copied here (a tied parameter copied under
         # another module keeps the model's one name)
@@ -162,8 +165,13 @@ class Piece(nn.Module):
         # shape) from its input's length, so stages pass whole sequences (gathered where
         # the final norm would gather), sharded again before a piece's first block
         group = getattr(model, "sequence_group", None)
-        if group is not None and not self.first:
-            split_before(next(b for b in kept if not isinstance(b, _Skipped)), group)
+        if not self.first:
+            entry = next(b for b in kept if not isinstance(b, _Skipped))
+            if group is not None:
+                split_before(entry, group)
+            self._arriving = [None]  # the hidden states this piece takes, during its forward
+            entry.register_forward_pre_hook(functools.partial(_arrives, self._arriving),
+                                            with_kwargs=True, prepend=True)
 
     def aux_loss(self):
         return self.model.aux_loss()
@@ -173,17 +181,35 @@ class Piece(nn.Module):
         return [(self.names[p], p) for p in self.model.parameters()]
 
     def forward(self, x, targets=None):
-        out = self.model.run(input_ids=x) if self.first else self.model.run(inputs_embeds=x)
+        self._passed[0] = None
+        if self.first:
+            out = self.model.run(input_ids=x)
+        else:  # (placeholder ids of x's batch and length: masks and positions as the first's)
+            self._arriving[0] = x
+            try:
+                out = self.model.run(input_ids=x.new_zeros(x.shape[:2], dtype=torch.long))
+            finally:
+                self._arriving[0] = None
         if self.last:
             return self.model.loss_of(out, targets)
         out, self._passed[0] = self._passed[0], None
         return out
 
 
+def _arrives(arriving, block, args, kwargs):
+    """The first block of a piece but the first takes the hidden states that arrived (its
+    first argument, or ``hidden_states``), not what the model made of placeholder ids."""
+    if args:
+        return (arriving[0], *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": arriving[0]}
+
+
 def _passed_on(identity, args, out):
-    """A final module's stand-in on a piece but the last: what passed it is the piece's
-    output."""
-    identity.passed[0] = out
+    """A final module's stand-in on a piece but the last: what passed the first of them to
+    run is the piece's output (a model may change it on its way to the next: MiniCPM3
+    divides what reaches its LM head by its logits_scaling)."""
+    if identity.passed[0] is None:
+        identity.passed[0] = out
 
 
 def _held(model: nn.Module, plan: Plan, index: int, count: int, blocks: range) -> list:

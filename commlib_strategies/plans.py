@@ -16,13 +16,19 @@ plan for a new family is a short declaration:
     tp_summed  patterns of modules kept whole under tensor parallelism that see only this
                rank's part of their input (a norm over each attention head, such as Qwen3's
                q_norm: this rank's heads): their gradients are summed over tp
+    shared_tail
+               {pattern: config attribute}: linears kept whole whose output's last
+               (attribute's value) features go straight to each tp rank's heads (the rope
+               part of MLA's ``kv_a_proj_with_mqa``, which bypasses the column-parallel
+               ``kv_b_proj``): the gradient of those features is summed over tp
     per_rank   {pattern: attribute names}: int attributes of those modules that count
                features, which tensor parallelism divides by tp (GPT-2's ``split_size``)
     heads      the config attributes counting attention heads: tp must divide each, so a
                rank keeps whole heads (and whole key/value heads under grouped queries)
     vocab      (embedding, LM head): tensor parallelism splits both over the vocab, and the
-               loss works on the logits' slices (model.LanguageModel); left out, both stay
-               replicated
+               loss works on the logits' slices (model.LanguageModel); an LM head that shares
+               its embedding's weight shares its rows; ("", LM head): the head alone (the
+               embedding stays whole); left out, both stay replicated
     attention  the attention modules, whose core (``attend``) context parallelism replaces
                with Ulysses or ring attention (context_parallel.py)
     experts    the mixture-of-experts layers (the project's ``MoE``: router and experts) or
@@ -55,6 +61,7 @@ class Plan:
     row_split: tuple = ()
     heads_split: bool = True
     tp_summed: tuple = ()
+    shared_tail: dict = field(default_factory=dict)
     per_rank: dict = field(default_factory=dict)
     heads: tuple = ()
     vocab: tuple = ()

@@ -227,17 +227,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_(embedding: nn.Embedding, group: commlib.Communicator) -> None:
     """Make an embedding vocab-parallel in place: it keeps this rank's rows of the vocab
     (padded to a multiple of tp with zero rows) and its forward sums every rank's partial
-    lookup (ids outside this rank's rows give zeros here)."""
+    lookup (ids outside this rank's rows give zeros here); its padding row, on the rank
+    that holds it, still gets no gradient."""
+    if type(embedding).forward is not nn.Embedding.forward or embedding.max_norm is not None \
+            or embedding.scale_grad_by_freq or embedding.sparse:
+        raise ValueError(f"tensor parallel: {type(embedding).__name__} is not a plain "
+                         "nn.Embedding lookup (its own forward, max_norm, scale_grad_by_freq "
+                         "or sparse); leave it out of the plan's vocab")
     full = embedding.weight.shape[0]
     padded = _pad_rows(embedding.weight, padded_size(full, group))
     embedding.weight = _mark(nn.Parameter(_shard(padded, group, 0)), 0, full)
     rows = padded.shape[0] // group.size
     start = group.rank * rows
+    pad = embedding.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + rows else None
 
     def forward(self, ids):
         local = ids - start
         outside = (local < 0) | (local >= rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, pad)
         return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
     embedding.forward = types.MethodType(forward, embedding)  # (a deep copy rebinds it)
 

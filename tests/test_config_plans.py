@@ -131,3 +131,50 @@ def test_context_parallelism_refuses_what_shards_would_change():
 def test_attention_modules_found_where_llama_has_none():
     from commlib_strategies.families import build
     assert from_config(build("gpt_neox", 64, 0)).attention == "hf.gpt_neox.layers.*.attention"
+
+
+def test_the_vocab_is_split_where_the_plan_says_and_the_lookup_is_plain():
+    # transformers' causal LMs name their embedding embedding_rowwise and their head
+    # colwise_gather_output: both split over the vocab
+    assert from_config(hf_model(tf.LlamaConfig)).vocab == ("model.embed_tokens", "lm_head")
+    assert from_config(hf_model(tf.LlamaConfig, tie_word_embeddings=True)).vocab == \
+        ("model.embed_tokens", "lm_head")  # (the head shares the embedding's rows)
+    # Gemma 3's embedding scales its lookup in its own forward: it stays whole, and so does
+    # a head that shares its weight; an untied head is split alone
+    gemma = dict(sliding_window=16, layer_types=["full_attention"] * 2)
+    assert from_config(hf_model(tf.Gemma3TextConfig, **gemma)).vocab == ()
+    assert from_config(hf_model(tf.Gemma3TextConfig, **gemma, tie_word_embeddings=False)
+                       ).vocab == ("", "lm_head")
+    # a head without the style stays whole
+    model = hf_model(tf.LlamaConfig)
+    model._tp_plan = {k: v for k, v in model._tp_plan.items() if k != "lm_head"}
+    assert from_config(model).vocab == ()
+
+
+def test_mla_rope_features_are_summed_over_tp():
+    config = dict(SMALL, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                  v_head_dim=8)
+    plan = from_config(tf.AutoModelForCausalLM.from_config(tf.MiniCPM3Config(**config)))
+    assert plan.shared_tail == {"model.layers.*.self_attn.kv_a_proj_with_mqa": "qk_rope_head_dim"}
+
+
+def test_shrunk_models_keep_their_experts():
+    # DeepSeek-V3's first 3 layers are dense, DeepSeek-V3.2's per-layer MLP types say so,
+    # Flint's mlp_only_layers list them: at 2 layers each keeps experts in its last, which
+    # its expert parallel plan (grouped_gemm parameters of the dispatched experts) splits
+    for family in ("deepseek_v3", "deepseek_v32", "flint"):
+        model = build(family, 64, seed=0)
+        experts = [n for n, _ in model.named_modules() if n.endswith("mlp.experts")]
+        assert experts == ["hf.model.layers.1.mlp.experts"], (family, experts)
+        assert from_config(model).experts == "hf.model.layers.*.mlp.experts"
+
+
+def test_an_embedding_dropout_is_not_a_final_module():
+    # Phi registers its embedding dropout after its blocks, GPT-NeoX before them: both take
+    # the embeddings (pp plan inputs "inputs_embeds"), so neither is cut as a final module
+    # (a piece but the last passes on what its first final module takes) nor is the norm
+    # that ends Megatron SP's sequence shards
+    for family, norm in (("phi", "hf.model.final_layernorm"),
+                         ("gpt_neox", "hf.gpt_neox.final_layer_norm")):
+        plan = from_config(build(family, 64, seed=0))
+        assert plan.pipeline[2] == (norm, "hf.lm_head") and plan.sequence[1] == norm

@@ -100,14 +100,22 @@ def test_training_cli_trains_any_model_type_and_a_users_config(tmp_path, one_pro
     over ep, a user's Mistral under tp with Megatron SP, and Cohere, which scales its
     logits after the LM head, and Lara-Mini, whose layers differ by type (linear and full
     attention, looked up by a block's place in the list), cut into pipelines (a piece but
-    the last passes on its hidden states, not scaled; a piece's blocks keep their places)."""
+    the last passes on its hidden states, not scaled; a piece's blocks keep their places),
+    and MiniCPM3: latent attention (MLA) under tp, and a pipeline where the model divides
+    what reaches its LM head (a piece but the last passes on what its final norm would
+    take); Granite with its real multipliers, which its model applies to the embeddings
+    (a piece but the first takes its hidden states at its first block), in a pipeline and
+    under tp (its tied head and embedding split over the vocab as one parameter)."""
     pytest.importorskip("transformers")
-    qwen2, qwen3_moe, users, cohere, lara_mini = ANY_MODEL
+    qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, granite = ANY_MODEL
+    models = [qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, minicpm3, granite,
+              granite]
     runs = [(*qwen2, "--tp", "2"), (*qwen3_moe, "--ep", "2"),
             (*users, "--tp", "2", "--sp", "megatron"), (*cohere, "--pp", "2"),
-            (*lara_mini, "--pp", "2")]
+            (*lara_mini, "--pp", "2"), (*minicpm3, "--tp", "2"), (*minicpm3, "--pp", "2"),
+            (*granite, "--pp", "2"), (*granite, "--tp", "2")]
     logs, _ = train_many(2, tmp_path, *runs)
-    for run, model, log in zip(runs, ANY_MODEL, logs):
+    for run, model, log in zip(runs, models, logs, strict=True):
         want = one_process[model]
         assert want[-1] < want[0] and losses(log) == pytest.approx(want, rel=1e-5), (run, want)
 

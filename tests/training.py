@@ -31,10 +31,14 @@ def losses(log: list) -> list:
 
 # a user's config.json of a model the project names nowhere else
 USERS_CONFIG = str(Path(__file__).with_name("data") / "mistral_config.json")
+# Granite's multipliers as its real configs set them (transformers' defaults are 1.0), its
+# LM head tied to its embedding, a padding token in the vocabulary
+GRANITE_CONFIG = str(Path(__file__).with_name("data") / "granite_config.json")
 # transformers' models by a model_type the project names nowhere else, and by that config
 ANY_MODEL = [(*SMALL, "--model", "qwen2"), (*SMALL, "--model", "qwen3_moe"),
              (*RUN, "--seq-len", "16", "--config", USERS_CONFIG), (*SMALL, "--model", "cohere"),
-             (*SMALL, "--model", "lara_mini")]
+             (*SMALL, "--model", "lara_mini"), (*SMALL, "--model", "minicpm3"),
+             (*RUN, "--seq-len", "16", "--config", GRANITE_CONFIG)]
 
 # the one-process runs the tests compare layouts with (transformers' models where it is in)
 ONE_PROCESS = [RUN, (*RUN, "--experts", "4")]

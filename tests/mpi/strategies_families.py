@@ -203,11 +203,13 @@ def layouts(plan):
 
 
 def as_transformers_built():
-    """Qwen2, which the project names nowhere else, as transformers builds it."""
+    """Qwen2, which the project names nowhere else, as transformers builds it, its LM head
+    tied to its embedding (both split over the vocab: one parameter still)."""
     import transformers as tf
     config = tf.Qwen2Config(vocab_size=vocab_size(), hidden_size=32, intermediate_size=64,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=SEQ, attn_implementation="eager")
+                            max_position_embeddings=SEQ, attn_implementation="eager",
+                            tie_word_embeddings=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         return tf.AutoModelForCausalLM.from_config(config)
@@ -226,6 +228,8 @@ def parallelized_as_built(want):
         opt.step()
         opt.zero_grad()
     assert any(hasattr(p, "tp_split_dim") for p in model.parameters()), "nothing split"
+    head, embedding = model.hf.get_output_embeddings(), model.hf.get_input_embeddings()
+    assert head.weight is embedding.weight and hasattr(head.weight, "tp_split_dim")
     same(list(gathered_state(model, mesh.group("tp")).items()), want)
     mesh.free()
 
