@@ -141,8 +141,11 @@ def _vocab(hf, tp_plan: dict, embedding: str, head: str, at) -> tuple:
 def _cuts(hf, at, names, regions, head) -> dict:
     """Where pipeline and Megatron sequence parallelism cut the model, from ``_pp_plan``:
     the embeddings (what takes input_ids), the blocks (the module list), the final modules
-    (the rest, in order: the final norm, the LM head); none where the plan has no blocks."""
+    (the rest, in order: the final norm, the LM head); without one, from the decoder's own
+    parts (_plain_decoder); none where neither says."""
     pp_plan = dict(getattr(hf, "_pp_plan", None) or {})
+    if not any(isinstance(hf.get_submodule(k), nn.ModuleList) for k in pp_plan):
+        pp_plan = _plain_decoder(hf)  # (the head's own entry alone, or nothing)
     places = {key: at(key) for key in pp_plan}
     blocks = [k for k in pp_plan if isinstance(hf.get_submodule(k), nn.ModuleList)]
     if len(blocks) != 1 or None in places.values():
@@ -157,6 +160,31 @@ def _cuts(hf, at, names, regions, head) -> dict:
     norm = next((p for p in last if p != head), None)
     return {"pipeline": (first, places[blocks[0]], tuple(last)),
             "sequence": (f"{places[blocks[0]]}.0", norm, regions) if norm else ()}
+
+
+def _plain_decoder(hf) -> dict:
+    """A pipeline plan, as ``_pp_plan`` gives one, for a model whose config names no cut
+    but whose decoder (``hf.base_model``) holds only embeddings (nn.Embedding), one list
+    of blocks and one norm with parameters (besides parameterless parts: rotary tables,
+    dropout), and no state-space layers (Mamba hybrids' blocks pass more between them than
+    hidden states: Bamba's, Falcon-H1's and Nemotron-H's failed cut so): {} for anything
+    else, which stays uncut."""
+    base = hf.base_model
+    if base is hf or any(w in type(m).__name__ for m in base.modules() for w in ("Mamba", "Mixer")):
+        return {}
+    within = next(name for name, m in hf.named_modules() if m is base)
+    parts = {name: m for name, m in base.named_children() if any(True for _ in m.parameters())}
+    lists = [n for n, m in parts.items() if isinstance(m, nn.ModuleList)]
+    embeddings = [n for n, m in parts.items() if isinstance(m, nn.Embedding)]
+    rest = [n for n in parts if n not in lists + embeddings]
+    if len(lists) != 1 or not embeddings or len(rest) != 1 or \
+            "norm" not in type(parts[rest[0]]).__name__.lower():
+        return {}
+    head = next(name for name, m in hf.named_modules() if m is hf.get_output_embeddings())
+    return {**{f"{within}.{n}": (["input_ids"], ["inputs_embeds"]) for n in embeddings},
+            f"{within}.{lists[0]}": (["hidden_states"], ["hidden_states"]),
+            f"{within}.{rest[0]}": (["hidden_states"], ["hidden_states"]),
+            head: (["hidden_states"], ["logits"])}
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

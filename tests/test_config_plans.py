@@ -178,3 +178,13 @@ def test_an_embedding_dropout_is_not_a_final_module():
                          ("gpt_neox", "hf.gpt_neox.final_layer_norm")):
         plan = from_config(build(family, 64, seed=0))
         assert plan.pipeline[2] == (norm, "hf.lm_head") and plan.sequence[1] == norm
+
+
+def test_a_decoder_without_a_pipeline_plan_is_cut_by_its_parts():
+    # OLMoE's config names no cut; its decoder holds an embedding, its blocks and a norm
+    plan = from_config(build("olmoe", 64, seed=0))
+    assert plan.pipeline == (("hf.model.embed_tokens",), "hf.model.layers",
+                             ("hf.model.norm", "hf.lm_head"))
+    assert plan.sequence[:2] == ("hf.model.layers.0", "hf.model.norm")
+    # a decoder with other parts that hold parameters is not cut (nanochat's)
+    assert from_config(build("nanochat", 64, seed=0)).pipeline == ()
