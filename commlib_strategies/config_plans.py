@@ -44,6 +44,7 @@ from fnmatch import fnmatch
 from torch import nn
 
 from commlib_strategies.plans import Plan
+from commlib_strategies.tensor_parallel import plain_lookup
 
 STACKED = ("grouped_gemm", "packed_colwise", "rowwise", "colwise")  # under the experts
 EMBEDDING_STYLE, HEAD_STYLE = "embedding_rowwise", "colwise_gather_output"  # split over the vocab
@@ -129,10 +130,7 @@ def _vocab(hf, tp_plan: dict, embedding: str, head: str, at) -> tuple:
     head_module, embedding_module = hf.get_output_embeddings(), hf.get_input_embeddings()
     if tp_plan.get(head) != HEAD_STYLE or type(head_module) is not nn.Linear:
         return ()
-    plain = type(embedding_module).forward is nn.Embedding.forward and \
-        embedding_module.max_norm is None and not embedding_module.scale_grad_by_freq \
-        and not embedding_module.sparse
-    if tp_plan.get(embedding) == EMBEDDING_STYLE and plain:
+    if tp_plan.get(embedding) == EMBEDDING_STYLE and plain_lookup(embedding_module):
         return at(embedding), at(head)
     tied = head_module.weight is embedding_module.weight
     return () if tied else ("", at(head))

@@ -224,13 +224,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------ in place
 
+def plain_lookup(embedding: nn.Module) -> bool:
+    """Whether ``embedding`` is nn.Embedding's own lookup (no forward of its own, no
+    max_norm, scale_grad_by_freq or sparse gradients): what vocab_parallel_ splits."""
+    return isinstance(embedding, nn.Embedding) and \
+        type(embedding).forward is nn.Embedding.forward and embedding.max_norm is None \
+        and not embedding.scale_grad_by_freq and not embedding.sparse
+
+
 def vocab_parallel_(embedding: nn.Embedding, group: commlib.Communicator) -> None:
     """Make an embedding vocab-parallel in place: it keeps this rank's rows of the vocab
     (padded to a multiple of tp with zero rows) and its forward sums every rank's partial
     lookup (ids outside this rank's rows give zeros here); its padding row, on the rank
     that holds it, still gets no gradient."""
-    if type(embedding).forward is not nn.Embedding.forward or embedding.max_norm is not None \
-            or embedding.scale_grad_by_freq or embedding.sparse:
+    if not plain_lookup(embedding):
         raise ValueError(f"tensor parallel: {type(embedding).__name__} is not a plain "
                          "nn.Embedding lookup (its own forward, max_norm, scale_grad_by_freq "
                          "or sparse); leave it out of the plan's vocab")
