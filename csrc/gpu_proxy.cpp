@@ -412,18 +412,28 @@ void GpuProxy::watch_peers(int k, uint32_t value, const Plan& plan, Clock::time_
                    "its stream " + std::to_string(value - now) + " step(s) behind");
     }
   }
+  // A peer that failed wrote every arrival past (its release): they all read as reached,
+  // so this rank fails with it rather than finishing a call whose data is not there.
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) check_poisoned(r);
   waiting_for_ = 0;
+}
+
+void GpuProxy::check_poisoned(int r) {
+  const Line& peer = line(r);
+  uint32_t kind = peer.poisoned.load(std::memory_order_acquire);
+  if (kind == OK) return;
+  std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(peer.pid) + ")";
+  fail_now(Failure(kind), kind == MISMATCHED || kind == TIMED_OUT
+                              ? std::string(peer.reason)
+                              : who + " failed: " + peer.reason);
 }
 
 void GpuProxy::check_peer(int r, const Plan& plan, Clock::time_point deadline,
                           const std::string& behind) {
+  check_poisoned(r);
   const Line& peer = line(r);
   std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(peer.pid) + ")";
-  uint32_t kind = peer.poisoned.load(std::memory_order_acquire);
-  if (kind != OK)
-    fail_now(Failure(kind), kind == MISMATCHED || kind == TIMED_OUT
-                                      ? std::string(peer.reason)
-                                      : who + " failed: " + peer.reason);
   if (!process_alive(peer.pid))
     fail_now(PEER_FAILED, who + " has exited during " + describe_plan(plan) + " (ipc)");
   if (Clock::now() >= deadline) {

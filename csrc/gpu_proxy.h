@@ -36,7 +36,8 @@
 //             (no stream waits forever), and reports the error to whoever waits for the
 //             plan, and once to take_failure() (the communicator's next call raises it).
 //             When streams meet it also writes every rank's arrivals past, and keeps
-//             writing them (a late stream's arrival must not lower them) until close().
+//             writing them (a late stream's arrival must not lower them) until close();
+//             a peer's waits that those writes let through still end in its poison.
 #pragma once
 
 #include <atomic>
@@ -141,6 +142,8 @@ class GpuProxy {
                     bool eager);
   void watch_peers(int k, uint32_t value, const Plan& plan, Clock::time_point deadline);
   [[noreturn]] void fail_now(Failure kind, const std::string& reason);
+  // Fails (fail_now) where peer r has poisoned the channel.
+  void check_poisoned(int r);
   void check_peer(int r, const Plan& plan, Clock::time_point deadline,
                   const std::string& behind);
   void check_stop(const Plan& plan);  // close() or fail() since

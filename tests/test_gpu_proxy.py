@@ -152,6 +152,22 @@ def test_where_streams_meet_a_failure_writes_every_arrival_past_and_keeps_it_the
         r.proxy.close()
 
 
+def test_where_streams_meet_a_peers_failure_fails_a_rank_its_release_let_through():
+    """A peer that timed out wrote every arrival past (its release), so all this rank's
+    waits pass: it must still fail with the peer's reason, not finish a call whose data
+    never came."""
+    first, second = ranks(2, streams_meet=True)
+    late = second.proxy.submit(0, 4, 2, row(10), 4, False, False, 0.2)
+    second.arrive(0, 1)
+    with pytest.raises(CommTimeoutError, match="rank 1 timed out after 0.2 s"):
+        second.proxy.wait(late)  # rank 0 has not come: rank 1 fails and releases
+    i = first.proxy.submit(0, 4, 2, row(10), 4, False, False, 30.0)
+    with pytest.raises(CommTimeoutError, match="rank 1 timed out after 0.2 s"):
+        first.proxy.wait(i)
+    for r in (first, second):
+        r.proxy.close()
+
+
 def test_a_peer_that_never_comes_times_out_and_a_slow_stream_too():
     every = ranks(2)
     i = every[0].proxy.submit(0, 1, 1, row(10), 4, False, True, 0.2)
