@@ -13,9 +13,11 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, p2p, transports, tuning  # noqa: E402
-from .call import CODES, NONE, REDUCING, ROOTED, ReduceOp, descriptor, make  # noqa: E402
+from .call import (CODES, NONE, REDUCING, ROOTED, ReduceOp, check_timeout,  # noqa: E402
+                   descriptor, make)
 from .dispatch import Dispatcher  # noqa: E402
 from .dtypes import DTYPES, NAMES  # noqa: E402
+from .errors import CommError  # noqa: E402
 from .host_memory import as_array  # noqa: E402
 from .transports.mpi_world import MpiWorld  # noqa: E402
 
@@ -46,18 +48,20 @@ class Communicator:
         (commlib/transports/store.py); across hosts gloo joins them (transports/gloo.py)."""
         return cls.__new__(cls)._over(transports.load("store").create(store, rank, size, prefix))
 
-    def _over(self, transport) -> "Communicator":
+    def _over(self, transport, may_measure: bool = True) -> "Communicator":
+        """This communicator over ``transport``; its layout's table measured unless there is
+        one, or ``may_measure`` is False (a shrunk one: recovery must be quick)."""
         self._transport = transport
         self.rank, self.size, self.mpi = transport.rank, transport.size, transport.world.mpi
         self._calls = Dispatcher(transport, repr(self))
         self._calls.recorder.identify(transport.world.members)
         self._fast = self._calls.call_fast
-        self._tune()
+        self._tune(may_measure=may_measure)
         return self
 
-    def _tune(self, refresh: bool = False) -> None:
+    def _tune(self, refresh: bool = False, may_measure: bool = True) -> None:
         """Choose by the algorithm table of this layout (commlib/tuning.py) from now on."""
-        table = tuning.table_for(self, self._transport, refresh)
+        table = tuning.table_for(self, self._transport, refresh, may_measure)
         if table is not None:
             self._calls.use_table(table)
 
@@ -154,6 +158,36 @@ class Communicator:
         ``deterministic=True``: its reducing collectives reduce in rank order, so results
         are the same bits whatever the algorithm, transport or size (None: as this one)."""
         return self._derived(self._transport.world.dup(), deterministic)
+
+    def shrink(self, timeout: float | None = None) -> "Communicator":
+        """A new communicator of this one's ranks that are still alive, in rank order, for
+        the survivors to go on after a peer died (a call naming it raised CommError), or
+        on request; collective over the survivors, who agree on themselves through the
+        store (commlib/survivors.py). A peer that dies meanwhile fails it on every survivor:
+        call it again. Ranks neither alive nor seen to have exited within ``timeout``
+        seconds (default: this communicator's, else 60) are left out. This communicator is
+        aborted (``abort``). Only for ranks that met through a store
+        (``from_store``, torchrun's world): an MPI job ends with any of its ranks."""
+        world = self._transport.world
+        if not hasattr(world, "shrunk"):
+            raise CommError("shrink: this communicator's ranks met through MPI, whose job "
+                            "ends when one of them dies (mpiexec stops the rest); make it "
+                            "with Communicator.from_store (or run under torchrun) to go on "
+                            "without a dead rank")
+        seconds = check_timeout(timeout) if timeout is not None else (self.timeout or 60.0)
+        transport = transports.load("store").over(world.shrunk(seconds))
+        transport.deterministic = self.deterministic
+        shrunk = Communicator.__new__(Communicator)._over(transport, may_measure=False)
+        self.abort()
+        return shrunk
+
+    def abort(self) -> None:
+        """End this communicator on this rank now, without its peers (some may be dead):
+        calls still queued fail, nothing waits for another rank, its memory is released.
+        Where ``free`` is collective, this is what a rank does after a failure."""
+        if not self._calls.closed:
+            self._calls.abandon()
+        self._fast = self._calls.call_fast
 
     def _derived(self, world, deterministic) -> "Communicator":
         transport = world.make_transport()

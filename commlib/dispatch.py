@@ -313,6 +313,13 @@ class Dispatcher:
         except CommError as e:
             error.add_note(f"commlib: telling its peers that the call is invalid failed: {e}")
 
+    def abandon(self) -> None:
+        """Release what this rank holds, without its peers (some are dead): the calls
+        still queued fail, the transport's memory is unmapped."""
+        if self.failure is None:
+            self.failure = "the communicator was aborted"
+        self.close()
+
     def close(self) -> None:
         """Finish outstanding work, then release the transport (collective)."""
         self.engine.close()

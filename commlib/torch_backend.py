@@ -244,6 +244,16 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             self.comm.mpi.Free()
         self.comm = None
 
+    def abort(self) -> None:
+        """End the group on this rank now, without its peers (after a failure: some may be
+        dead): queued ops fail, nothing waits for another rank (Communicator.abort). A new
+        group over the survivors then forms through torch's store, as torchft's
+        reconfigurable groups do (commlib/torch_ft.py)."""
+        if self.comm is None:
+            return
+        self.comm.abort()
+        self.comm = None
+
     # plumbing
     def _issue(self, async_op: bool, fn, *args, **kwargs) -> list:
         """Run one commlib call: queued (returns [its Work]) or to completion now ([]).

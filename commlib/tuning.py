@@ -170,9 +170,10 @@ def mode() -> str:
     return os.environ.get("COMMLIB_TUNING", "").strip().lower()
 
 
-def table_for(comm, transport, refresh: bool = False) -> "Table | None":
-    """The algorithm table of ``comm``'s layout (measured now if there is none yet, or
-    ``refresh``), or None: tuning is off. Collective over ``comm``. A
+def table_for(comm, transport, refresh: bool = False, may_measure: bool = True
+              ) -> "Table | None":
+    """The algorithm table of ``comm``'s layout (measured now if there is none yet and
+    ``may_measure``, or ``refresh``), or None: tuning is off. Collective over ``comm``. A
     communicator in deterministic mode takes its layout's table if there is one, and is
     never measured on (its calls refuse most algorithms)."""
     if (mode() == "off" and not refresh) or comm.size == 1:
@@ -189,7 +190,7 @@ def table_for(comm, transport, refresh: bool = False) -> "Table | None":
         if table is not None and not table.measured(comm):
             table = None  # measured by a communicator with fewer algorithms: measure all
     table = Table.rank_0s(transport.world, table)
-    if table is None and transport.rank_order:
+    if table is None and (transport.rank_order or not may_measure):
         return None  # (its calls could not time every algorithm: the cost model chooses)
     if table is None:
         started = time.perf_counter()

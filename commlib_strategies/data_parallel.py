@@ -57,6 +57,7 @@ class DataParallel(torch.nn.Module):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.module, self.group = module, group
+        self.bucket_bytes, self.register_buckets = bucket_bytes, register_buckets
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in list(module.parameters()) + list(module.buffers()):
                 group.broadcast(t.data, root=0)
@@ -70,6 +71,17 @@ class DataParallel(torch.nn.Module):
         self.launched_during_backward = 0  # buckets whose all-reduce overlapped backward
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def regroup(self, group: commlib.Communicator) -> None:
+        """Go on over ``group`` (the survivors of this one: Communicator.shrink) from the
+        next backward, whose gradients it then averages; a backward that failed midway is
+        dropped (zero the gradients and redo its step, the batch sharded over ``group``).
+        The weights stay as they are: every survivor holds the same."""
+        self.group = group
+        self.buckets = _make_buckets(list(self._bucket_of), self.bucket_bytes, group)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.registered = _register(group, self.buckets) if self.register_buckets else []
+        self._pending, self._next_launch = False, 0
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

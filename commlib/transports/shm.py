@@ -145,7 +145,12 @@ def _set_up(group, crowded: bool):
         shm = _C.ShmComm(rank, size, spin=spin, yields=200, **config)
     except (RuntimeError, ValueError) as e:
         error = e
-    names = group.allgather(shm.name if shm else None)
+    try:
+        names = group.allgather(shm.name if shm else None)
+    except CommError:  # a peer died meanwhile (a store world sees it): leave nothing
+        if shm:
+            shm.unlink_own()
+        raise
     if shm and None not in names:
         try:
             shm.attach(names)

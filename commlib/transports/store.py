@@ -8,6 +8,7 @@ JSON or raw bytes: nothing received from a peer is unpickled.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -16,18 +17,22 @@ from datetime import timedelta
 
 import numpy as np
 
+from .. import survivors
 from ..errors import CommError
 from ..work import Work, finished, in_thread
 from .base import affinity
 from .shm import ShmTransport
 
 
-def wait_get(store, key: str, what: str) -> bytes:
+def wait_get(store, key: str, what: str, gone=None) -> bytes:
     """``store.get(key)`` once the key exists, within the store's timeout: polled, as a
-    blocking get would hold the store's one connection (a send could not go out)."""
+    blocking get would hold the store's one connection (a send could not go out). Raises
+    at once where ``gone()`` says the process that would set it has exited."""
     timeout = getattr(store, "timeout", timedelta(minutes=5)).total_seconds()
     deadline, nap = time.monotonic() + timeout, 50e-6
     while not store.check([key]):
+        if gone is not None and gone() and not store.check([key]):
+            raise CommError(f"{what}: its process has exited")
         if time.monotonic() > deadline:
             raise CommError(f"{what}: nothing arrived within the store's timeout "
                             f"({timeout:.0f} s; key {key!r})")
@@ -45,12 +50,16 @@ class StoreWorld:
     takes_device_memory = False
     mpi = coll = None
 
-    def __init__(self, store, rank: int, size: int, prefix: str, members=None):
+    def __init__(self, store, rank: int, size: int, prefix: str, members=None, peers=None):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of size {size}")
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
         # the first group's ranks of this one's, in rank order
         self.members = tuple(range(size)) if members is None else tuple(members)
+        # each rank's (host, pid), where known: a set-up wait for a rank that exited fails
+        # at once, and survivors.agree leaves it out
+        self.peers = None if peers is None else tuple(tuple(p) for p in peers)
+        self.shrinks = 0  # attempts at shrinking this world so far
         self.rounds = 0  # allgathers so far: names each one's keys
         self._numbered: dict = {"sent": Counter(), "posted": Counter()}
         self._lock = threading.Lock()
@@ -62,9 +71,22 @@ class StoreWorld:
         self.rounds += 1
         key = f"{self.prefix}/gather{self.rounds}"
         self.store.set(f"{key}/{self.rank}", json.dumps(value))
-        return [json.loads(wait_get(self.store, f"{key}/{r}", f"set-up waiting for rank {r} "
-                                    "(did every process of the group start?)"))
+        return [json.loads(wait_get(self.store, f"{key}/{r}", f"set-up waiting for {self.who(r)}"
+                                    " (did every process of the group start?)",
+                                    self.peers and (lambda r=r: survivors.gone(self.peers, r))))
                 for r in range(self.size)]
+
+    def who(self, r: int) -> str:
+        return f"rank {r}" + (f" (pid {self.peers[r][1]})" if self.peers else "")
+
+    def shrunk(self, timeout: float) -> "StoreWorld":
+        """A world of this one's ranks that are still alive (survivors.agree); collective
+        over them."""
+        self.shrinks += 1
+        alive = survivors.agree(self, self.shrinks, timeout)
+        return StoreWorld(self.store, alive.index(self.rank), len(alive),
+                          f"{self.prefix}/shrink{self.shrinks}",
+                          [self.members[r] for r in alive], [self.peers[r] for r in alive])
 
     def crowded(self) -> bool:
         """Whether the group's processes outnumber the cores they may run on (the group is
@@ -78,7 +100,8 @@ class StoreWorld:
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
         return StoreWorld(self.store, members.index((key, self.rank)), len(members),
                           f"{self.prefix}/split{self.rounds}/{color}",
-                          [self.members[r] for _, r in members])
+                          [self.members[r] for _, r in members],
+                          self.peers and [self.peers[r] for _, r in members])
 
     def dup(self) -> "StoreWorld":
         return self.split(0, self.rank)
@@ -152,7 +175,16 @@ class StoreTransport(ShmTransport):
         several, gloo between them (transports/gloo.py), with hier where every host has as
         many ranks. Collective."""
         world = StoreWorld(store, rank, size, prefix)
-        hosts = world.allgather(socket.gethostname())
+        world.peers = tuple(tuple(p) for p in world.allgather([socket.gethostname(),
+                                                                os.getpid()]))
+        return cls.over(world)
+
+    @classmethod
+    def over(cls, world: StoreWorld):
+        """The transport of ``world``'s ranks (whose ``peers`` are known): shared memory on
+        one host; on several, gloo."""
+        hosts = [host for host, _ in world.peers]
+        rank = world.rank
         if len(set(hosts)) == 1:
             return cls(world)
         from .gloo import GlooHostsTransport, GlooTransport

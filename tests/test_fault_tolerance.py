@@ -1,0 +1,87 @@
+"""Going on without a dead rank: Communicator.shrink (survivors of a killed rank agree on
+themselves and go on: tests/mpi/shrink.py), with nothing left in /dev/shm; and torchft's
+Fault Tolerant DDP on commlib's reconfigurable group losing a replica and getting it back
+(tests/mpi/torchft_ddp.py)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpirun import checkout_env
+from test_mpi import _segments
+
+SCENARIOS = [  # (scenario, ranks, the dead): tests/mpi/shrink.py
+    ("dp", 3, {2}),
+    ("between", 4, {0, 1}),
+]
+
+
+@pytest.mark.parametrize("scenario,n,dead", SCENARIOS, ids=[s for s, _, _ in SCENARIOS])
+def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
+    pytest.importorskip("torch")
+    before = _segments()
+    script = str(Path(__file__).parent / "mpi" / "shrink.py")
+    env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
+    ranks = [subprocess.Popen([sys.executable, script, str(r), str(n), str(tmp_path / "store"),
+                               str(tmp_path), scenario], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    alive = [r for r in range(n) if r not in dead]
+    for r in range(n):
+        expected = -signal.SIGKILL if r in dead else 0
+        assert ranks[r].returncode == expected, outputs[r][-3000:]
+    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+    found = re.findall(r"SURVIVOR rank (\d) failed at step (\d), shrank in (\d) attempt\(s\) "
+                       r"to ranks \[(.*)\]; first call after the death ([\d.]+) s", reports)
+    assert sorted(int(r) for r, *_ in found) == alive, reports
+    for _, step, attempts, members, seconds in found:
+        assert [int(m) for m in members.split(", ")] == alive
+        assert int(attempts) == (2 if scenario == "between" else 1)
+        assert float(seconds) < 10, reports
+    assert _segments() <= before, "shared memory left behind"
+
+
+def test_torchft_ddp_loses_a_replica_and_gets_it_back(tmp_path):
+    """Two replica groups (a process each) under torchft's lighthouse, their gradients
+    all-reduced by commlib (commlib/torch_ft.py). Replica 1 is killed at step 4: replica 0's
+    step 4 fails (commlib sees the death) and is not committed, the only step lost; replica
+    1 restarted heals from replica 0 and both end at step 10 with the same parameters."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+    before = _segments()
+    script = str(Path(__file__).parent / "mpi" / "torchft_ddp.py")
+    env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off", "RUST_LOG": "warn"}
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200)
+
+    def replica(r: int, die_at: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, script, lighthouse.address(), str(r), "10",
+                                 str(die_at), str(tmp_path / f"replica{r}.json")], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first, doomed = replica(0, -1), replica(1, 4)
+    try:
+        out = doomed.communicate(timeout=120)[0]
+        assert doomed.returncode == -signal.SIGKILL, out[-3000:]
+        again = replica(1, -1)
+        outputs = [p.communicate(timeout=120)[0] for p in (first, again)]
+        assert [first.returncode, again.returncode] == [0, 0], outputs
+    finally:
+        for p in (first, doomed):
+            p.kill()
+        lighthouse.shutdown()
+    survivor, healed = (json.loads((tmp_path / f"replica{r}.json").read_text())
+                        for r in (0, 1))
+    assert survivor["step"] == healed["step"] == 10
+    assert survivor["uncommitted"] == [4], survivor  # the step in flight, no other
+    assert 2 in survivor["quorums"] and 2 in healed["quorums"]
+    assert survivor["commlib_ops"] > 0 and healed["commlib_ops"] > 0
+    assert survivor["params"] == healed["params"]
+    assert _segments() <= before, "shared memory left behind"
