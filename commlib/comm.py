@@ -369,7 +369,10 @@ def _torchrun_world() -> Communicator:
     serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
                           is_master=serves, timeout=timedelta(minutes=5))
-    world = Communicator.from_store(store, rank, size, "commlib/world")
+    # the agent's store outlives a restart of the workers (torchrun --max-restarts): each
+    # attempt's keys apart, as torch's own rendezvous keeps them
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world = Communicator.from_store(store, rank, size, f"commlib/world/attempt{attempt}")
     world.store = store  # the server, where this rank serves it, lives as long as the world
     return world
 

@@ -132,7 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="continue from checkpoint PATH (a step-N directory, or a root: its "
                            "newest); without PATH, the newest in --save-dir if there is one")
     out = p.add_argument_group("output")
-    out.add_argument("--log", help="write a JSON list, one record per step, to this file")
+    out.add_argument("--log", "--step-log", dest="log",
+                     help="write a JSON list, one record per step, to this file (under "
+                          "torchrun, which takes --log for its own --log-dir: --step-log)")
     out.add_argument("--plot", default="", help="write the loss curve to this PNG file")
     out.add_argument("--quiet", action="store_true", help="print only the summary")
     args = p.parse_args(argv)

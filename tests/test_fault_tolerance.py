@@ -1,13 +1,14 @@
 """Going on without a dead rank: Communicator.shrink (survivors of a killed rank agree on
-themselves and go on: tests/mpi/shrink.py), with nothing left in /dev/shm; and torchft's
-Fault Tolerant DDP on commlib's reconfigurable group losing a replica and getting it back
-(tests/mpi/torchft_ddp.py)."""
+themselves and go on, DataParallel with them: tests/mpi/shrink.py), with nothing left in
+/dev/shm; torchft's Fault Tolerant DDP on commlib's reconfigurable group losing a replica
+and getting it back (tests/mpi/torchft_ddp.py); torchrun restarting commlib-train."""
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,43 @@ def test_torchft_ddp_loses_a_replica_and_gets_it_back(tmp_path):
     assert survivor["commlib_ops"] > 0 and healed["commlib_ops"] > 0
     assert survivor["params"] == healed["params"]
     assert _segments() <= before, "shared memory left behind"
+
+
+def test_torchrun_restarts_a_training_run_that_lost_a_rank(tmp_path):
+    """torchrun --max-restarts 1: a rank of commlib-train killed mid-run ends the attempt,
+    torchrun starts the workers again, and --resume takes the run up from its newest
+    checkpoint: the steps after it are the same bits as an uninterrupted run's, and the
+    first attempt leaves nothing behind (its keys in the agent's store kept apart)."""
+    pytest.importorskip("torch")
+    from training import SMALL
+    before = _segments()
+    env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off", "OMP_NUM_THREADS": "1"}
+
+    def train(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "--max-restarts", "1", "-m", "commlib_strategies.train", "--zero", "3",
+             *SMALL, "--steps", "60", "--save-dir", str(tmp_path / name), "--save-every", "20",
+             "--resume", "--step-log", str(tmp_path / f"{name}.json")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    whole, cut = train("whole"), train("cut")
+    try:
+        first = tmp_path / "cut" / "step-00000020" / "manifest.json"
+        while not first.exists():
+            assert cut.poll() is None, cut.communicate()[0][-3000:]
+            time.sleep(0.005)
+        workers = subprocess.run(["pgrep", "-P", str(cut.pid), "-f", "commlib_strategies.train"],
+                                 capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2, workers
+        os.kill(int(workers[1]), signal.SIGKILL)
+        outputs = [p.communicate(timeout=180)[0] for p in (whole, cut)]
+    finally:
+        for p in (whole, cut):
+            p.kill()
+    assert [whole.returncode, cut.returncode] == [0, 0], [o[-3000:] for o in outputs]
+    resumed = re.search(r"# resumed at step (\d+)", outputs[1])
+    assert resumed and int(resumed.group(1)) in (20, 40), outputs[1][-3000:]
+    steps = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("whole", "cut")]
+    losses = [[r["loss"] for r in log] for log in steps]
+    assert losses[1] == losses[0][int(resumed.group(1)):]  # exactly
+    assert _segments() <= before, "the first attempt left shared memory behind"
