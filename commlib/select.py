@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .algorithms import Algorithm, candidates, unavailable
+from .algorithms.pages import by_pages, worth_deciding_by_pages
 from .call import COLLECTIVES, REDUCING
 from .transports.base import Where
 
@@ -121,8 +122,9 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
            deterministic: bool = False) -> Algorithm:
     """The algorithm for a call on host memory: ``requested``, then the environment, then
     the fastest that ``offers`` allows (default: the transport's own and MPI's) in the
-    ``measured`` table (commlib/tuning.py), else the cheapest by the model at ``where``
-    (else ``transport``, default mpi, with ``local`` ranks per host). A call with a
+    ``measured`` table (commlib/tuning.py; where its fastest on huge pages differs, the
+    two by the call's memory: algorithms/pages.py), else the cheapest by the model at
+    ``where`` (else ``transport``, default mpi, with ``local`` ranks per host). A call with a
     ``user_op`` takes only algorithms that run one; a ``deterministic`` one only those that
     reduce in rank order (Algorithm.rank_order)."""
     where = where or Where(transport or "mpi", local)
@@ -146,11 +148,16 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         raise ValueError(f"{collective}: no algorithm here can run this call: "
                          f"{_lacks(None, user_op, deterministic)}")
     if measured is not None:
-        found = runnable(collective, n, nbytes, where, offers, user_op, deterministic)
-        fastest = measured.fastest(collective, None if collective == "all_to_all" else nbytes,
-                                   [a.name for a in found])
-        if fastest is not None:
-            return next(a for a in found if a.name == fastest)
+        found = {a.name: a for a in runnable(collective, n, nbytes, where, offers, user_op,
+                                             deterministic)}
+        size = None if collective == "all_to_all" else nbytes
+        base = measured.fastest(collective, size, found)
+        if base is not None:
+            huge = measured.fastest(collective, size, found, huge=True)
+            if huge not in (None, base) and worth_deciding_by_pages(measured, collective,
+                                                                    size, base, huge):
+                return by_pages(found[huge], found[base])  # the call's memory decides
+            return found[base]
     if user_op or deterministic:
         model = model or DEFAULT_MODEL
         return min(fits, key=lambda a: (model.cost(a, where, n, nbytes), a.name))

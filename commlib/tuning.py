@@ -19,10 +19,10 @@ neighbouring sizes' winners differ, sizes between them are measured too, until t
 crossover lies within a factor of 2; a size timed during a slow spell, its reference
 collective's times off from the same calls timed again at the end, is measured again;
 beyond the
-largest, time grows with the bytes), or where both kinds of memory were timed the least
-loss against the fastest over both (Table.fastest); collectives or algorithms the table
-lacks fall back to the cost model (commlib/select.py). Rank 0's table is the one every
-rank uses, so two ranks never choose differently.
+largest, time grows with the bytes); where both kinds of memory were timed and their
+fastest differ, the call's own memory decides (commlib/algorithms/pages.py); collectives
+or algorithms the table lacks fall back to the cost model (commlib/select.py). Rank 0's
+table is the one every rank uses, so two ranks never choose differently.
 
 COMMLIB_TUNING=off keeps the cost model's choice; COMMLIB_TUNING=refresh measures again.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import platform
 import socket
@@ -43,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from .algorithms import entries
+from .algorithms.pages import mapped
 from .call import COLLECTIVES
 
 VERSION = 11  # 11: one table per layout serves every communicator whose algorithms it
@@ -67,11 +67,11 @@ LARGEST_SIZE_SECONDS = 2.0
 # (TCP warming up): with 7, two passes at 2 x 1 took `ring` for a 16 MiB broadcast that
 # ran at 0.73 of MPI's in the benchmark, where 3 matched the benchmark's times
 LARGEST_CALLS = 7
-# timed on huge pages too, and chosen for both kinds of memory: all_to_all, whose choice
-# cannot depend on the size (commlib/select.py), so neither on the memory; the copies, for
-# which one_copy reads huge pages in place (numpy's large arrays lie on them) at a meeting's
-# cost where 4 KiB ones stage. (The reductions are chosen on 4 KiB pages, torch's: there
-# one_copy's gain on huge pages came with a loss on 4 KiB ones: docs/collectives.md.)
+# timed on huge pages too, where auto's choice then follows the call's memory
+# (commlib/algorithms/pages.py): all_to_all (whose choice cannot depend on the size, but
+# can on the memory), and the copies, for which one_copy reads huge pages in place (numpy's
+# large arrays lie on them) at a meeting's cost where 4 KiB ones stage. (The reductions are
+# chosen on 4 KiB pages, torch's: docs/collectives.md.)
 ON_HUGE_PAGES_TOO = ("all_to_all", "all_gather", "broadcast")
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
@@ -131,27 +131,36 @@ class Table:
         parts = world.allgather(table and table.parts())[0]
         return Table(*parts) if parts else None
 
-    def fastest(self, collective: str, nbytes: int | None, names) -> str | None:
-        """The measured algorithm among ``names`` with the least loss: the sum, over the
-        kinds of memory measured for all of them, of the log of its time over the
-        fastest's, at ``nbytes`` (interpolated) or (None: a choice that may not depend on
-        the size) at every measured size."""
-        names = [n for n in names if n in self.times.get(collective, {})]
+    def fastest(self, collective: str, nbytes: int | None, names,
+                huge: bool = False) -> str | None:
+        """The algorithm among ``names`` measured on 4 KiB pages (``huge``: on huge pages)
+        with the least loss, the log of its time over the fastest's, at ``nbytes``
+        (interpolated) or (None: a choice that may not depend on the size) summed over the
+        measured sizes; None where none of them was measured so."""
+        measured = (self.on_huge_pages if huge else self.times).get(collective, {})
+        names = [n for n in names if n in measured]
         if not names:
             return None
         loss = dict.fromkeys(names, 0.0)
-        for kind in (self.times, self.on_huge_pages):
-            measured = kind.get(collective, {})
-            if any(n not in measured for n in names):
-                continue
-            sizes = [nbytes] if nbytes is not None else \
-                sorted({b for n in names for b, _ in measured[n]})
-            for size in sizes:
-                at = {n: self.seconds(measured[n], size) for n in names}
-                best = min(at.values())
-                for n in names:
-                    loss[n] += math.log(at[n] / best)
+        sizes = [nbytes] if nbytes is not None else \
+            sorted({b for n in names for b, _ in measured[n]})
+        for size in sizes:
+            at = {n: self.seconds(measured[n], size) for n in names}
+            best = min(at.values())
+            for n in names:
+                loss[n] += math.log(at[n] / best)
         return min((loss[n], n) for n in names)[1]
+
+    def gain_on_huge_pages(self, collective: str, nbytes: int | None, base: str,
+                           huge: str) -> float:
+        """How many times faster ``huge`` ran than ``base`` on huge pages at ``nbytes``
+        (None: the geometric mean over the measured sizes)."""
+        measured = self.on_huge_pages[collective]
+        sizes = [nbytes] if nbytes is not None else \
+            sorted({b for b, _ in measured[base]} & {b for b, _ in measured[huge]})
+        logs = [math.log(self.seconds(measured[base], b) / self.seconds(measured[huge], b))
+                for b in sizes]
+        return math.exp(sum(logs) / len(logs))
 
     @staticmethod
     def seconds(points: list, nbytes: int) -> float:
@@ -456,30 +465,11 @@ def _with(transport, setting: str, value, call):
 
 
 def _small_pages(count: int) -> np.ndarray:
-    """float32 private memory on 4 KiB pages."""
-    raw = mmap.mmap(-1, max(1, count * 4), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        raw.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(raw, np.float32, count)
+    return mapped(count, np.float32, huge=False)
 
 
 def _huge_pages(count: int) -> np.ndarray:
-    """float32 private memory on huge pages, where the kernel gives them (THP "madvise"
-    or "always"; else on 4 KiB pages, as _small_pages)."""
-    page = _huge_page_bytes()
-    raw = mmap.mmap(-1, -(-count * 4 // page) * page + page,
-                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        raw.madvise(mmap.MADV_HUGEPAGE)
-    start = -np.frombuffer(raw, np.uint8, 1).ctypes.data % page  # the first whole page
-    return np.frombuffer(raw, np.float32, count, offset=start)
-
-
-def _huge_page_bytes() -> int:
-    try:
-        return int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
-    except (OSError, ValueError):
-        return 2 << 20
+    return mapped(count, np.float32, huge=True)
 
 
 def _call(comm, collective: str, name: str, a, b, count: int):

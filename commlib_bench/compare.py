@@ -38,6 +38,9 @@ def add_arguments(p):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the buffers live (cuda: torch CUDA tensors, the ranks' "
                         "current devices; each timed call ends with a device synchronize)")
+    p.add_argument("--pages", default="numpy", choices=["numpy", "huge", "base"],
+                   help="host buffers as numpy allocates them (its large arrays on huge "
+                        "pages, where the kernel gives them), or on huge or 4 KiB pages")
     p.add_argument("--json", help="write every measurement to this JSON file")
     p.add_argument("--plot", default="compare.png",
                    help="write busbw vs size to this PNG file (default compare.png; '' for none)")
@@ -105,7 +108,8 @@ def main(args, comm) -> int:
         op = "sum" if spec.reduces else None
         for size in grid:
             count = size // size_of - (size // size_of % n if spec.blocked else 0)
-            case = Case(spec, n, comm.rank, count, args.datatype, op, device=args.device)
+            case = Case(spec, n, comm.rank, count, args.datatype, op, device=args.device,
+                        pages=args.pages)
             active = [p for p in peers if p.unsupported(case) is None]
             samples = {p.name: [] for p in active}
             assign(case.inp, np.zeros(len(case.inp)))

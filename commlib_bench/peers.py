@@ -10,15 +10,23 @@ from mpi4py import MPI
 
 import commlib
 from commlib.algorithms import get as algorithm_entry
+from commlib.algorithms.pages import mapped
 
 from .specs import count_wrong, itemsize
 
 
-def alloc(count: int, dtype: str, device: str = "cpu"):
+def alloc(count: int, dtype: str, device: str = "cpu", pages: str = "numpy"):
+    """``count`` zeros: a numpy array (where numpy puts it: its large arrays on huge pages,
+    where the kernel gives them; or ``pages`` "huge" or "base", 4 KiB ones), else (bfloat16,
+    GPUs) a torch tensor."""
     if dtype == "bfloat16" or device != "cpu":  # numpy has no bfloat16, no GPU: torch tensors
         import torch
         return torch.zeros(count, dtype=getattr(torch, dtype), device=device)
-    return np.zeros(count, dtype)
+    if pages == "numpy":
+        return np.zeros(count, dtype)
+    array = mapped(count, dtype, huge=pages == "huge")
+    array[:] = 0
+    return array
 
 
 def to_f64(buf) -> np.ndarray:
@@ -40,22 +48,23 @@ class Case:
     """This rank's buffers for one collective at one size (in-place forms share memory)."""
 
     def __init__(self, spec, n, rank, count, dtype, op=None, root=0, inplace=False,
-                 device="cpu"):
+                 device="cpu", pages="numpy"):
         (self.spec, self.n, self.rank, self.dtype, self.op,
          self.root) = spec, n, rank, dtype, op, root
         self.inplace = inplace and spec.name in ("reduce_scatter", "all_gather")
         self.count, self.device = count, device
         n_in, n_out = spec.buffer_counts(n, count)
         if n_in == n_out and spec.name != "all_to_all":
-            self.inp = self.out = alloc(n_in, dtype, device)
+            self.inp = self.out = alloc(n_in, dtype, device, pages)
         elif self.inplace and spec.name == "reduce_scatter":
-            self.inp = alloc(n_in, dtype, device)
+            self.inp = alloc(n_in, dtype, device, pages)
             self.out = self.inp[rank * n_out:(rank + 1) * n_out]
         elif self.inplace:
-            self.out = alloc(n_out, dtype, device)
+            self.out = alloc(n_out, dtype, device, pages)
             self.inp = self.out[rank * n_in:(rank + 1) * n_in]
         else:
-            self.inp, self.out = alloc(n_in, dtype, device), alloc(n_out, dtype, device)
+            self.inp = alloc(n_in, dtype, device, pages)
+            self.out = alloc(n_out, dtype, device, pages)
         self._torch = None
 
     @property

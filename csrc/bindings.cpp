@@ -123,6 +123,13 @@ PYBIND11_MODULE(_C, m) {
       "Copy nbytes bytes with stores that bypass the cache (large copies); no overlap.");
 
   m.def(
+      "mostly_huge",
+      [](uintptr_t addr, int64_t nbytes) { return commlib::shm::mostly_huge(addr, nbytes); },
+      py::arg("addr"), py::arg("nbytes"),
+      "Whether at most a quarter of the bytes lie on base pages rather than huge ones "
+      "(true where the kernel cannot tell).");
+
+  m.def(
       "scale",
       [](uintptr_t dst, int64_t count, int dtype, double factor) {
         py::gil_scoped_release nogil;

@@ -110,6 +110,11 @@ struct Config {
   int64_t yields;         // sched_yield()s before sleeping on the doorbell
 };
 
+// Whether at most a quarter of [addr, addr + nbytes) lies on base pages (absent ones
+// too) rather than huge ones; true where the kernel cannot tell (before 6.7), as before it
+// could (shm_one_copy.cpp).
+bool mostly_huge(uintptr_t addr, int64_t nbytes);
+
 class ShmComm : public FastTransport {
  public:
   ShmComm(int rank, int size, const Config& config);

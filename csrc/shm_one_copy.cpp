@@ -85,9 +85,17 @@ struct PmScanArg {
 constexpr unsigned long kPagemapScan = _IOWR('f', 16, PmScanArg);
 constexpr uint64_t kPageIsHuge = 1 << 6;
 
-// Whether at most a quarter of [addr, addr + nbytes) lies on base pages (absent ones
-// too) rather than huge ones; true where the kernel cannot tell (before 6.7), as before it
-// could. A buffer of base pages shows it in its middle page, looked at first; the walk
+std::string forbidden_hint(int error) {
+  if (error == EPERM || error == EACCES)
+    return " (this host forbids reading another process's memory: a container's seccomp "
+           "profile, or /proc/sys/kernel/yama/ptrace_scope above 0)";
+  if (error == ENOSYS) return " (the kernel lacks process_vm_readv)";
+  return "";
+}
+
+}  // namespace
+
+// (shm.h) A buffer of base pages shows it in its middle page, looked at first; the walk
 // over the rest (cheap on huge pages: one entry each) stops at a quarter.
 bool mostly_huge(uintptr_t addr, int64_t nbytes) {
   static std::mutex mutex;  // (communicators on several threads share the file)
@@ -122,16 +130,6 @@ bool mostly_huge(uintptr_t addr, int64_t nbytes) {
   int64_t found = base_bytes(addr, end, allowed);
   return found < 0 || found <= allowed;
 }
-
-std::string forbidden_hint(int error) {
-  if (error == EPERM || error == EACCES)
-    return " (this host forbids reading another process's memory: a container's seccomp "
-           "profile, or /proc/sys/kernel/yama/ptrace_scope above 0)";
-  if (error == ENOSYS) return " (the kernel lacks process_vm_readv)";
-  return "";
-}
-
-}  // namespace
 
 std::string ShmComm::probe_one_copy() {
   one_copy_ok_ = false;

@@ -121,7 +121,7 @@ def test_collective_sweep(n, collective, tmp_path):
 def test_compare_writes_table_json_and_plot(tmp_path):
     js, png = tmp_path / "c.json", tmp_path / "c.png"
     out = bench(2, "compare", "all_reduce", "all_to_all", "-b", "64", "-e", "256K", "-f", "64",
-                "--reps", "2", "--json", str(js), "--plot", str(png))
+                "--reps", "2", "--json", str(js), "--plot", str(png), "--pages", "huge")
     assert "best/peer" in out and "commlib:auto" in out
     doc = json.loads(js.read_text())
     impls = {r["impl"] for r in doc["results"]}

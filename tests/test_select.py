@@ -84,9 +84,9 @@ def test_tuning_file_round_trip(tmp_path, monkeypatch):
 
 def test_measured_table_choice():
     """The fastest at a size, interpolated in log size; a choice that may not depend on the
-    size (all_to_all) takes the least geometric-mean loss over the sizes, and one measured
-    on both kinds of memory the least over both; refused sizes and missing entries are
-    passed over."""
+    size (all_to_all) takes the least geometric-mean loss over the sizes; one measured on
+    both kinds of memory whose fastest differ is the pair, by the call's memory; refused
+    sizes and missing entries are passed over."""
     from commlib.tuning import Table
     table = Table({"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 10.0], [1 << 24, 100.0]],
                                   "b": [[1 << 16, 2.5], [1 << 20, 9.0], [1 << 24, 95.0]]},
@@ -102,20 +102,25 @@ def test_measured_table_choice():
     assert choose("all_reduce", None, 2, 1024, offers=offers, measured=table).name == "eager"
     # beyond eager's limit it is never chosen, however its time extrapolates
     assert choose("all_reduce", None, 2, 1 << 21, offers=offers, measured=table).name == "ring"
-    # the size-free choice weighs huge pages too: b's 4x there outweighs a's 2.5x at 64 KiB
+    # measured on huge pages too: where the fastest there differs, the call's memory
+    # decides (algorithms/pages.py), for a size-free choice as for a sized one
     table.on_huge_pages = {"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 40.0]],
                                           "b": [[1 << 16, 1.0], [1 << 20, 10.0]]}}
-    assert table.fastest("all_to_all", None, ["a", "b"]) == "b"
-    assert table.fastest("all_to_all", 1 << 16, ["a", "b"]) == "a"  # (they tie on huge)
-    # a sized choice weighs them too: one_copy's 10% loss on 4 KiB pages against the 1.5x
-    # it gains on huge ones (a broadcast of 1-4 MiB at 2 ranks); alone, 4 KiB pages decide
-    table.times["broadcast"] = {"tree": [[1 << 20, 40.0]], "one_copy": [[1 << 20, 44.0]]}
-    assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "tree"
-    table.on_huge_pages["broadcast"] = {"tree": [[1 << 20, 40.0]],
-                                        "one_copy": [[1 << 20, 27.0]]}
-    assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "one_copy"
-    table.on_huge_pages["broadcast"]["one_copy"] = [[1 << 20, 38.0]]  # 5%: not worth 10%
-    assert table.fastest("broadcast", 1 << 20, ["tree", "one_copy"]) == "tree"
+    assert table.fastest("all_to_all", None, ["a", "b"], huge=True) == "b"
+    assert table.fastest("all_to_all", 1 << 16, ["a", "b"], huge=True) == "a"  # (a tie)
+    assert table.fastest("all_to_all", None, ["a", "c"], huge=True) == "a"
+    shm = frozenset({"shm", "schedules", "one_copy"})
+    mb4 = 4 << 20
+    table.times["broadcast"] = {"tree": [[mb4, 40.0]], "one_copy": [[mb4, 44.0]]}
+    assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).name == "tree"
+    table.on_huge_pages["broadcast"] = {"tree": [[mb4, 40.0]], "one_copy": [[mb4, 27.0]]}
+    both = choose("broadcast", None, 2, mb4, offers=shm, measured=table)
+    assert both.name == "pages" and both.run is not None and both.agrees
+    assert choose("broadcast", "tree", 2, mb4, offers=shm, measured=table).name == "tree"
+    # not where a buffer cannot fill a huge page, nor for a gain under pages.WORTH
+    assert choose("broadcast", None, 2, 1 << 20, offers=shm, measured=table).name == "tree"
+    table.on_huge_pages["broadcast"]["one_copy"] = [[mb4, 35.0]]  # 1.14x
+    assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).name == "tree"
 
 
 def test_tuning_times_again_between_differing_winners_and_outliers():

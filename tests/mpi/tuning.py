@@ -21,6 +21,7 @@ os.environ.pop("COMMLIB_TUNING", None)
 import commlib  # noqa: E402
 from commlib import tuning  # noqa: E402
 from commlib.algorithms import entries  # noqa: E402
+from commlib.algorithms.pages import worth_deciding_by_pages  # noqa: E402
 from commlib.call import COLLECTIVES  # noqa: E402
 from harness import Checker  # noqa: E402
 
@@ -83,8 +84,12 @@ def the_choice_is_the_tables_and_the_same_everywhere():
     table = world.algorithm_table
     for collective, count, name in chosen:
         nbytes = None if collective == "all_to_all" else count * 4  # (one choice for all)
-        assert name == table.fastest(collective, nbytes, world.algorithms(collective)), \
-            (collective, count, name)
+        names = world.algorithms(collective)
+        base = table.fastest(collective, nbytes, names)
+        huge = table.fastest(collective, nbytes, names, huge=True)
+        by_pages = huge not in (None, base) and worth_deciding_by_pages(
+            table, collective, nbytes, base, huge)
+        assert name == ("pages" if by_pages else base), (collective, count, name)
 
 
 def a_new_table_replaces_what_auto_chose():
@@ -191,6 +196,50 @@ def deterministic_communicators_take_the_table_and_never_measure():
         c.free()
 
 
+def the_calls_memory_decides_where_the_kinds_differ():
+    """A table whose fastest differ by the kind of pages (here: one_copy on huge pages,
+    ring or direct on 4 KiB ones): every rank runs one_copy only where every rank's buffers
+    lie on huge pages, the others' choice where any rank's do not; results exact."""
+    from commlib.algorithms import pages
+    comm = world.dup()
+    table = tuning.Table({}, {})
+    base = {"all_gather": "ring", "broadcast": "ring", "all_to_all": "direct"}
+    for c, slow in base.items():
+        table.put([(False, c, slow, 1 << 20), (False, c, "one_copy", 1 << 20),
+                   (True, c, slow, 1 << 20), (True, c, "one_copy", 1 << 20)],
+                  [1.0, 2.0, 2.0, 1.0])
+    comm.algorithm_table = table
+    ran = []
+    choose = pages.chosen
+    pages.chosen = lambda *args: ran.append(choose(*args)) or ran[-1]
+    try:
+        count = 1 << 19  # 2 MiB of float32 per part
+        for mine in ("huge", "small") if n > 1 else ():
+            memory = tuning._huge_pages if mine == "huge" or rank else tuning._small_pages
+            out, inp = memory(count * n), memory(count * n)
+            inp[:] = np.arange(count * n) + rank
+            comm.all_gather(out, inp[:count])
+            assert all((out[r * count:(r + 1) * count] == np.arange(count) + r).all()
+                       for r in range(n))
+            out[:] = rank
+            comm.broadcast(out, root=0)  # (the root's pages decide: nobody reads the others)
+            assert (out == 0).all()
+            comm.all_to_all(out, inp)
+            assert all((out[r * count:(r + 1) * count] ==
+                        np.arange(rank * count, (rank + 1) * count) + r).all()
+                       for r in range(n))
+            huge = mine == "huge" and all(comm.mpi.allgather(pages.on_huge_pages(
+                commlib.call.make("all_to_all", n, rank, out, inp), rank)))
+            thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+            assert huge or mine == "small" or not thp.exists() or "[never]" in thp.read_text()
+            expected = ["one_copy"] * 3 if huge else list(base.values())
+            assert [a.name for a in ran[-3:]] == expected, (mine, ran)
+            assert [r["algorithm"] for r in comm.flight_record()[-3:]] == ["pages"] * 3
+    finally:
+        pages.chosen = choose
+    comm.free()
+
+
 def off_is_off():
     os.environ["COMMLIB_TUNING"] = "off"
     try:
@@ -206,7 +255,7 @@ if n >= 2:
                  a_new_table_replaces_what_auto_chose, rank_0s_table_wins,
                  another_layouts_table_is_ignored,
                  a_table_serves_communicators_with_fewer_algorithms,
-
+                 the_calls_memory_decides_where_the_kinds_differ,
                  deterministic_communicators_take_the_table_and_never_measure, off_is_off):
         check.check(case.__name__, case)
 check.finish()

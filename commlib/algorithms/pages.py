@@ -1,0 +1,92 @@
+"""pages: auto's choice by the kind of memory a call's buffers lie on.
+
+The measured table (commlib/tuning.py) times the copies and all_to_all on 4 KiB pages and
+on huge ones, where their fastest often differ: one_copy reads huge pages in place at a
+meeting's cost, while on 4 KiB pages the kernel pins every page it reads and a schedule's
+copies may win. Where the two differ at a call's size, auto takes ``by_pages(huge, base)``:
+each rank looks at the pages of its buffer the peers read (csrc/shm_one_copy.cpp's
+mostly_huge), the ranks
+agree in one all_reduce of a flag (a meeting, a few microseconds against the
+hundreds a call on huge pages takes), and all run ``huge`` only where every rank's buffers
+lie on huge pages, else ``base``. Not an algorithm to ask for by name: auto's alone.
+"""
+import mmap
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .. import _C
+from ..call import make
+from . import Algorithm
+
+
+# The least gain on huge pages (the huge-page choice's time against the other's there)
+# that pays for deciding per call: its agreement and the general path it takes (the C++
+# fast path runs one algorithm): 50-120 us a call on a 2-core AMD EPYC, where huge pages
+# gained 1.3-1.6x at 4-16 MiB and a few percent (noise) below.
+WORTH = 1.25
+
+
+def worth_deciding_by_pages(table, collective: str, nbytes: int | None, base: str,
+                            huge: str) -> bool:
+    """Whether a call of ``nbytes`` (None: any size) should choose by its memory: its buffer
+    can fill a huge page, and ``huge`` gains WORTH there."""
+    return (nbytes is None or nbytes >= huge_page_bytes()) and \
+        table.gain_on_huge_pages(collective, nbytes, base, huge) >= WORTH
+
+
+@lru_cache(maxsize=1)
+def huge_page_bytes() -> int:
+    """The size of a transparent huge page here (2 MiB where the kernel does not say)."""
+    try:
+        return int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def mapped(count: int, dtype, huge: bool) -> np.ndarray:
+    """``count`` elements of private memory on huge pages (``huge``: where the kernel gives
+    them, THP "madvise" or "always") or on 4 KiB pages."""
+    itemsize = np.dtype(dtype).itemsize
+    page = huge_page_bytes() if huge else 0
+    raw = mmap.mmap(-1, max(1, -(-count * itemsize // page) * page + page if huge
+                            else count * itemsize),
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE"
+    if hasattr(mmap, advice):
+        raw.madvise(getattr(mmap, advice))
+    start = -np.frombuffer(raw, np.uint8, 1).ctypes.data % page if huge else 0
+    return np.frombuffer(raw, dtype, count, offset=start)  # (from the first whole page)
+
+
+def on_huge_pages(call, rank: int) -> bool:
+    """Whether the buffer of this rank that its peers read (the input; a broadcast's at the
+    root) lies mostly on huge pages: an output not yet written has no pages to tell by."""
+    read = call.inp if call.inp is not None else call.out
+    if call.root is not None and call.root != rank:
+        return True  # (nobody reads it)
+    return read.numel == 0 or _C.mostly_huge(read.ptr, read.numel * read.dtype.itemsize)
+
+
+def chosen(transport, call, huge: Algorithm, base: Algorithm) -> Algorithm:
+    """``huge`` where every rank's buffers lie on huge pages, else ``base`` (collective)."""
+    flag = np.array([int(on_huge_pages(call, transport.rank))], np.int32)
+    transport.execute(make("all_reduce", transport.size, transport.rank, flag, op="min"),
+                      "direct")
+    return huge if flag[0] else base
+
+
+@lru_cache(maxsize=256)
+def by_pages(huge: Algorithm, base: Algorithm) -> Algorithm:
+    """An entry that runs ``huge`` or ``base`` by the call's memory, agreed by all ranks."""
+    def run(transport, call):
+        algo, plan, _ = transport.choice(call, chosen(transport, call, huge, base).name)
+        transport.agree_call(call, algo)
+        if plan is None:
+            algo.run(transport, call)
+        else:
+            transport.run_plan(plan, call)
+    return Algorithm("pages", base.collective, base.cost, run=run, needs=base.needs,
+                     agrees=True, user_ops=base.user_ops and huge.user_ops,
+                     rank_order=base.rank_order and huge.rank_order)
