@@ -130,7 +130,9 @@ class StoreWorld:
 
         def task():
             claimed, work.source = (key, src) if key else self._claim_any(tag)
-            data = wait_get(self.store, claimed, f"recv from rank {work.source} (tag {tag})")
+            data = wait_get(self.store, claimed, f"recv from {self.who(work.source)} (tag "
+                            f"{tag})", self.peers and (lambda: survivors.gone(self.peers,
+                                                                              work.source)))
             self.store.delete_key(claimed)
             if len(data) != buf.nbytes:
                 raise CommError(f"recv from rank {work.source}: got {len(data)} bytes, "

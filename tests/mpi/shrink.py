@@ -8,7 +8,7 @@ Scenarios (a victim SIGKILLs itself):
             all-reduce); rank 0 comes late to shrink; the survivors regroup, redo step 3
             on the batch sharded over them, and every step's loss matches one process
             training on the whole batch
-  between   rank 0 dies between collectives (the others call again later), then rank 1
+  between   rank 0 dies between calls (the others then wait for its message), then rank 1
             dies right after the survivors agreed on the group (inside shrink): their first
             shrink fails, the second goes on without both
 
@@ -83,6 +83,7 @@ if scenario == "between":
                 die()
             if step == 3:
                 time.sleep(0.2)  # the survivors were not in a call when it died
+                comm.recv(np.zeros(4), src=0)  # (its messages never come: raises at once)
             x = np.full(1000, comm.rank + 1, np.float64)
             comm.all_reduce(x)
             assert (x == comm.size * (comm.size + 1) / 2).all(), (step, x[0], comm.size)
