@@ -16,32 +16,14 @@ import os
 import socket
 import time
 
+from . import _C
 from .errors import CommError
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still lives: not a zombie its parent has yet to
-    reap (those still answer kill(pid, 0)), as csrc/process.h sees it."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    return not state or state[0] not in ("Z", "X")
 
 
 def gone(peers, rank: int) -> bool:
     """Whether ``rank`` of a world whose ``peers`` are (host, pid) is seen to have exited."""
     host, pid = peers[rank]
-    return host == socket.gethostname() and not process_alive(pid)
+    return host == socket.gethostname() and not _C.process_alive(pid)  # (csrc/process.h)
 
 
 def agree(world, attempt: int, timeout: float) -> list[int]:

@@ -61,13 +61,8 @@ class DataParallel(torch.nn.Module):
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in list(module.parameters()) + list(module.buffers()):
                 group.broadcast(t.data, root=0)
-        self.buckets = _make_buckets([p for p in module.parameters() if p.requires_grad],
-                                     bucket_bytes, group)
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.registered = _register(group, self.buckets) if register_buckets else []
+        self._bucket([p for p in module.parameters() if p.requires_grad])
         self._sync = True
-        self._pending = False  # this backward has hooked, and will finish at its end
-        self._next_launch = 0
         self.launched_during_backward = 0  # buckets whose all-reduce overlapped backward
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -78,10 +73,15 @@ class DataParallel(torch.nn.Module):
         dropped (zero the gradients and redo its step, the batch sharded over ``group``).
         The weights stay as they are: every survivor holds the same."""
         self.group = group
-        self.buckets = _make_buckets(list(self._bucket_of), self.bucket_bytes, group)
+        self._bucket(list(self._bucket_of))
+
+    def _bucket(self, params: list) -> None:
+        """``params``' buckets over ``self.group``, none launched yet."""
+        self.buckets = _make_buckets(params, self.bucket_bytes, self.group)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.registered = _register(group, self.buckets) if self.register_buckets else []
-        self._pending, self._next_launch = False, 0
+        self.registered = _register(self.group, self.buckets) if self.register_buckets else []
+        self._pending = False  # this backward has hooked, and will finish at its end
+        self._next_launch = 0
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -9,6 +9,7 @@
 #include "call.h"
 #include "fast_path.h"
 #include "kernels.h"
+#include "process.h"
 #include "shm.h"
 #include "user_ops.h"
 
@@ -121,6 +122,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"),
       "Copy nbytes bytes with stores that bypass the cache (large copies); no overlap.");
+
+  m.def("process_alive", &commlib::process_alive, py::arg("pid"),
+        "Whether process pid of this host still lives (a zombie does not).");
 
   m.def(
       "mostly_huge",
