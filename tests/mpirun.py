@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pool import POOLS, pooled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +31,12 @@ def run_checked(n: int, script: str, *args: str, timeout: float = 400, env: dict
                                    f"{out[-6000:]}")
     assert int(summary.group(1)) > 0 and int(summary.group(2)) == 0
     return out
+
+
+def sizes(*ns: int, long: tuple = ()) -> list:
+    """World sizes to parametrize a test with; those in ``long`` run in the long tier
+    (``-m long``, which CI runs beside the default suite), the rest in the default suite."""
+    return [pytest.param(n, marks=pytest.mark.long) if n in long else n for n in ns]
 
 
 def checkout_env() -> dict:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import checkout_env, mpirun, run_checked
+from mpirun import checkout_env, mpirun, run_checked, sizes
 from training import SMALL, losses, train_many
 
 pytest.importorskip("torch")
@@ -15,7 +15,7 @@ ENV = checkout_env()
 SCRIPT = "tests/mpi/strategies_checkpoint.py"
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", sizes(1, 2, 3, 4, long=(2, 4)))
 def test_resume_reshard_and_errors(n, tmp_path):
     run_checked(n, SCRIPT, str(tmp_path))
 
@@ -62,6 +62,7 @@ def _train(tmp_path, n, name, *args):
     return _steps(json.loads(log.read_text())), out
 
 
+@pytest.mark.long
 def test_training_cli_resumes_bit_identical_in_a_new_launch(tmp_path):
     root = tmp_path / "ckpt"
     full, _ = _train(tmp_path, 2, "full", "--save-dir", str(root), "--save-every", "2")

@@ -19,7 +19,7 @@ import pytest
 import commlib
 import simulated_gpu
 from commlib import cuda
-from mpirun import mpirun, run_checked
+from mpirun import mpirun, run_checked, sizes
 
 HAS_GPU = cuda.device_count() > 0
 gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device visible (cuda.device_count() == 0)")
@@ -407,7 +407,7 @@ def test_cupy_arrays():
 SIMULATED = {"COMMLIB_CUDA_STREAMS": simulated_gpu.SIMULATED}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", sizes(1, 2, 3, 4, long=(4,)))
 def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
     """The staged and IPC calls' ordering (cuda/staging.py, transports/cuda_ipc.py): results, stream
     order, async Works, failures releasing the stream, with "device" arrays in host memory,
@@ -416,7 +416,8 @@ def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
     run_checked(n, "tests/mpi/cuda_staged.py", env=SIMULATED)
 
 
-@pytest.mark.parametrize("n, meet", [(3, "streams"), (4, "proxy")])
+@pytest.mark.parametrize("n, meet", [(3, "streams"),
+                                     pytest.param(4, "proxy", marks=pytest.mark.long)])
 def test_ipc_all_reduce_in_many_two_shot_steps_on_a_simulated_gpu(n, meet):
     """4 KiB slots: a call takes many steps, each reduced in two shots; the streams meet by
     themselves (the default) or through the GPU proxies (COMMLIB_GPU_MEET=proxy)."""

@@ -9,23 +9,28 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import checkout_env, mpirun, run_checked
+from mpirun import checkout_env, mpirun, run_checked, sizes
 
 RANKS = [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("n", RANKS)
-def test_collectives_numpy(n, tmp_path):
+def test_collectives_numpy(n):
     # large counts up to 3 ranks (4 ranks run them on namespace hosts, 2 x 2, and
     # deterministic.py past every piece on shared memory); ordered and the user-defined op
-    # in every dtype up to 3 ranks (matrix.py's narrow); at 3 ranks, auto from a table
-    # measured there (the suite runs without: COMMLIB_TUNING=off)
-    tuned = {"COMMLIB_TUNING": "on", "XDG_CACHE_HOME": str(tmp_path)} if n == 3 else None
-    run_checked(n, "tests/mpi/matrix.py", "numpy", *(["large"] if n < 4 else ["narrow"]),
-                env=tuned)
+    # in every dtype up to 3 ranks (matrix.py's narrow)
+    run_checked(n, "tests/mpi/matrix.py", "numpy", *(["large"] if n < 4 else ["narrow"]))
 
 
-@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.long
+def test_collectives_numpy_auto_from_a_measured_table(tmp_path):
+    """At 3 ranks, auto chooses from a table measured there (the rest of the suite runs
+    without: COMMLIB_TUNING=off, the cost model chooses)."""
+    run_checked(3, "tests/mpi/matrix.py", "numpy", "large",
+                env={"COMMLIB_TUNING": "on", "XDG_CACHE_HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize("n", sizes(*RANKS, long=(3,)))
 def test_collectives_numpy_over_mpi_transport(n):
     """The mpi4py executor, as between hosts (large counts at 4 ranks: on namespace hosts;
     ordered and the user-defined op in every dtype at 1 and 2 ranks)."""
@@ -63,7 +68,7 @@ def test_shared_host_memory(n, env):
     run_checked(n, "tests/mpi/host_memory.py", env=env)
 
 
-@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("n", sizes(*RANKS, long=(3, 4)))
 def test_deterministic_mode(n):
     """Every rank-order algorithm on every transport the job can make gives the bits of one
     fold in rank order; with torch (3 ranks): bfloat16 too, and DDP and DataParallel train
@@ -71,7 +76,7 @@ def test_deterministic_mode(n):
     run_checked(n, "tests/mpi/deterministic.py", *(["torch"] if n == 3 else []))
 
 
-@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("n", sizes(*RANKS, long=(3,)))  # (3: numpy's matrix in the default)
 def test_collectives_torch(n):
     pytest.importorskip("torch")
     # bfloat16 at the large counts once (3 ranks: uneven chunks); numpy runs the rest of them
@@ -192,6 +197,6 @@ def test_a_killed_rank_makes_every_survivor_raise_at_once(tmp_path):
     assert _segments() <= before, "the killed rank left shared memory behind"
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", sizes(2, 3, 4, long=(3, 4)))
 def test_self_tuning_measures_caches_and_agrees(n, tmp_path):
     run_checked(n, "tests/mpi/tuning.py", str(tmp_path), timeout=200)

@@ -2,7 +2,7 @@
 under mpiexec at pp 2 and 4 (and pp x dp, pp x tp at 4 ranks) training like one process."""
 import pytest
 
-from mpirun import run_checked
+from mpirun import run_checked, sizes
 from commlib_strategies.pipeline_schedules import (COMPUTE, SCHEDULES, Action, DeadlockError,
                                                    schedule, simulate)
 
@@ -114,7 +114,7 @@ def test_bad_arguments():
         schedule("zb-h1", 4, 8, 2)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", sizes(2, 4, long=(4,)))
 def test_pipeline_trains_like_one_process(n):
     pytest.importorskip("torch")
     out = run_checked(n, "tests/mpi/strategies_pp.py")

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from mpirun import checkout_env, mpiexec, run_checked, torchrun
+from mpirun import checkout_env, mpiexec, run_checked, sizes, torchrun
 
 pytest.importorskip("torch")
 
@@ -34,23 +34,28 @@ def test_init_paths(n):
     run_checked(n, "tests/mpi/torch_init.py")
 
 
-@pytest.mark.parametrize("n", [3])  # (2 ranks under torchrun: the tests below, and 2x2 nodes)
-def test_torchrun_collectives_match_gloo(n):
-    run_checked(n, "tests/mpi/torch_torchrun.py", launch=torchrun)
-    run_checked(n, "tests/mpi/torch_collectives.py", launch=torchrun)
+def test_torchrun_world():
+    run_checked(3, "tests/mpi/torch_torchrun.py", launch=torchrun)
 
 
+@pytest.mark.long  # (2 ranks under torchrun: the tests below, and 2x2 nodes)
+def test_torchrun_collectives_match_gloo():
+    run_checked(3, "tests/mpi/torch_collectives.py", launch=torchrun)
+
+
+@pytest.mark.long  # (under mpiexec: test_ddp_and_fsdp2_train_like_gloo)
 def test_torchrun_ddp_and_fsdp2():
     run_checked(2, "tests/mpi/torch_train.py", launch=torchrun)
 
 
-@pytest.mark.parametrize("n", [2, 4])  # 4: the 2-D mesh, FSDP2 x TP
+@pytest.mark.parametrize("n", sizes(2, 4, long=(4,)))  # 4: the 2-D mesh, FSDP2 x TP
 def test_torchrun_pytorch_parallelisms_match_gloo(n):
     """DTensor, parallelize_module, FSDP2 x TP, pipelining, functional collectives (eager
     and compiled) on commlib, bitwise as on gloo in the same run."""
     run_checked(n, "tests/mpi/torch_ecosystem.py", launch=torchrun)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("n", [2, 4])
 def test_torchrun_transformers_distributed_config_matches_gloo(n, tmp_path):
     """transformers' own tp, fsdp, tp x ep and fsdp x ep on commlib: losses as one process's
