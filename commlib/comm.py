@@ -184,7 +184,9 @@ class Communicator:
     def abort(self) -> None:
         """End this communicator on this rank now, without its peers (some may be dead):
         calls still queued fail, nothing waits for another rank, its memory is released.
-        Where ``free`` is collective, this is what a rank does after a failure."""
+        Where ``free`` is collective, this is what a rank does after a failure. From any
+        thread: a call in flight on shared memory fails at once, and its peers' too
+        (Transport.interrupt; over MPI or gloo it ends at its timeout or a peer's death)."""
         if not self._calls.closed:
             self._calls.abandon()
         self._fast = self._calls.call_fast

@@ -318,6 +318,7 @@ class Dispatcher:
         still queued fail, the transport's memory is unmapped."""
         if self.failure is None:
             self.failure = "the communicator was aborted"
+        self.transport.interrupt()  # a call in flight ends now, not at its timeout
         self.close()
 
     def close(self) -> None:

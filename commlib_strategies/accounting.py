@@ -54,7 +54,9 @@ def traffic_theory(numel: int, dtype: torch.dtype, ranks: int, stage: int) -> fl
 def theory(numel: int, dtype: torch.dtype, ranks: int, stage: int) -> dict:
     """The seeds' figures for ``numel`` parameters (Adam) on each of ``ranks`` ranks."""
     width = torch.finfo(dtype).bits // 8
-    states = 12 if width < 4 or stage > 0 else 8  # fp32 master weights, or none needed
+    # Adam's m and v, and master weights in fp32 at least where the parameters are not them
+    master = max(width, 4)
+    states = 3 * master if width < 4 or stage > 0 else 2 * width
     return {"parameters": numel * width / (ranks if stage >= 3 else 1),
             "gradients": numel * width / (ranks if stage >= 2 else 1),
             "optimizer": numel * states / (ranks if stage >= 1 else 1)}

@@ -68,6 +68,25 @@ class Mesh:
         for g in self._groups.values():
             g.free()
 
+    def shrink(self, timeout: float | None = None) -> "Mesh":
+        """The survivors' mesh after a rank died (a call naming it raised CommError): data
+        parallelism over the world's ranks still alive (Communicator.shrink; collective over
+        them), whose strategies then regroup over its dp group (DataParallel.regroup,
+        ZeRO.regroup). Only a mesh of data parallelism alone can shrink: tp, cp, ep and pp
+        split the model (and the ranks of a dp replica hold different parts of it), so a
+        dead rank takes a part no survivor has: CommError saying so."""
+        split = [f"{d}={s}" for d, s in self.sizes.items() if d != "dp" and s > 1]
+        if split:
+            raise commlib.CommError(
+                f"mesh.shrink: this mesh splits the model ({', '.join(split)}): a dead rank "
+                f"held a part of it that no survivor has, so there is no smaller mesh to go "
+                f"on with; restart every rank from the last checkpoint (commlib-train "
+                f"--resume; torchrun --max-restarts restarts the workers)")
+        world = self.world.shrink(timeout)
+        for g in self._groups.values():
+            g.abort()
+        return Mesh(world, dp=world.size)
+
 
 def check_sizes(sizes: dict, world_size: int) -> dict:
     """``sizes`` (dimension -> ranks) if each is a positive int and they multiply to the

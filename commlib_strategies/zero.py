@@ -192,13 +192,14 @@ class ZeRO(nn.Module):
             raise ValueError(f"ZeRO: the model's parameters are on {sorted(map(str, devices))}; "
                              "put it on one device (model.to(device))")
         self.device = devices.pop() if devices else torch.device("cpu")
-        # fp32 master weights whatever the model's dtype (mixed precision: bf16 model)
-        self.master = nn.Parameter(torch.empty(offset, dtype=torch.float32, device=self.device))
+        # master weights in fp32 at least (mixed precision: a bf16 model; fp64 stays fp64)
+        self.master = nn.Parameter(torch.empty(offset, dtype=torch.promote_types(
+            self.dtype, torch.float32), device=self.device))
         self.grad_shard = None  # this rank's reduced gradients, in the model's dtype
         with torch.no_grad():
             for u in self.units:
                 self._master_of(u).copy_(u.flatten(u.params).chunk(u.group.size)[u.group.rank])
-        # stage 3 gathers from a shard in the model's dtype (the master itself in fp32)
+        # stage 3 gathers from a shard in the model's dtype (the master itself where they agree)
         self.param_shard = self.master.data.to(self.dtype) if stage == 3 else None
         self.optimizer = optimizer([self.master])
         self._unit_of = {p: u for u in self.units for p in u.params}
@@ -358,8 +359,8 @@ class ZeRO(nn.Module):
 
     def _collect_gradients(self) -> None:
         """Wait for the reduce-scatters; add each shard into this rank's gradient shard (so
-        micro-batches accumulate). It keeps the model's dtype: the optimizer gets an fp32
-        copy only for the step."""
+        micro-batches accumulate). It keeps the model's dtype: the optimizer gets a copy in the
+        master's dtype only for the step."""
         if self.grad_shard is None:
             self.grad_shard = torch.zeros(self.master.numel(), dtype=self.dtype,
                                           device=self.device)
@@ -404,6 +405,67 @@ class ZeRO(nn.Module):
 
     def zero_grad(self) -> None:
         self.grad_shard = None
+        for p in self._unit_of:
+            p.grad = None
+
+    # ------------------------------------------------------------------ after a death
+    @torch.no_grad()
+    def regroup(self, group: commlib.Communicator) -> None:
+        """Go on over ``group``, the survivors of this one (Communicator.shrink), sharded
+        over them from now on; collective over ``group``. A step that failed midway is
+        dropped: redo it (its gradients are gone).
+
+        Stages 1 and 2 only: their parameters are whole on every rank, so the master
+        weights of a dead rank's shards are refilled from them (exact for an fp32 model;
+        a bf16 model's loses the master's low bits there). The optimizer's state of those
+        shards (Adam's moments, momentum) existed nowhere else: it restarts from zero, as
+        for a parameter just added; where that matters, restart from the last checkpoint
+        instead. Stage 3 cannot: the dead rank's parameter shards are lost with it. The
+        optimizer object is kept (its learning-rate schedule goes on)."""
+        if self.stage == 3:
+            raise commlib.CommError(
+                "ZeRO.regroup: stage 3 keeps each parameter shard on one rank only, so a dead "
+                "rank's part of the model is lost with it; restart every rank from the last "
+                "checkpoint (commlib-train --resume; torchrun --max-restarts does it)")
+        if any(u.group is not self.group for u in self.units):
+            raise commlib.CommError(
+                "ZeRO.regroup: units sharded over groups of their own (unit_groups: "
+                "expert-parallel experts) cannot be regrouped; restart from the last checkpoint")
+        old_ranks = torch.empty(group.size, dtype=torch.int64)
+        group.all_gather(old_ranks, torch.tensor([self.group.rank]))
+        shards = torch.empty(group.size, self.master.numel(), dtype=self.master.dtype,
+                             device=self.device)
+        # the parameters are replicated: every rank has the dead rank's part of them
+        whole = [u.flatten(u.params).to(self.master.dtype) for u in self.units]
+        units = []
+        offset = 0
+        for u in self.units:
+            units.append(_Unit(u.module, u.params, group, offset))
+            offset += units[-1].shard_numel
+
+        def reshard(shard: torch.Tensor, refill: list) -> torch.Tensor:
+            """This rank's new shard of the master-shaped ``shard``: the survivors' old
+            shards where they had them, ``refill``'s flat vectors (one per unit) elsewhere."""
+            group.all_gather(shards, shard.to(shards.dtype))
+            out = torch.empty(offset, dtype=shard.dtype, device=self.device)
+            for old, new, flat in zip(self.units, units, refill):
+                flat = torch.cat([flat[:old.numel], flat.new_zeros(new.padded - old.numel)])
+                s = old.shard_numel
+                for j, r in enumerate(old_ranks.tolist()):
+                    kept = max(0, min(s, old.numel - r * s))  # (the last shards pad)
+                    flat[r * s:r * s + kept] = shards[j, old.master_offset:old.master_offset + kept]
+                mine = flat[group.rank * new.shard_numel:(group.rank + 1) * new.shard_numel]
+                out[new.master_offset:new.master_offset + new.shard_numel] = mine
+            return out
+
+        state = self.optimizer.state.get(self.master, {})
+        for kind, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.shape == self.master.shape:
+                state[kind] = reshard(value, [torch.zeros_like(w) for w in whole])
+        self.master.data = reshard(self.master.data, whole)
+        self.group, self.units = group, units
+        self._unit_of = {p: u for u in units for p in u.params}
+        self.grad_shard, self._pending, self._next_launch = None, False, 0
         for p in self._unit_of:
             p.grad = None
 

@@ -199,6 +199,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("plan"), py::arg("out"), py::arg("in"), py::arg("tmp_bytes"), py::arg("dtype"),
           py::arg("op"))
       .def("barrier", &ShmComm::barrier, nogil())
+      .def("abort", &ShmComm::abort)
       .def("all_reduce", &ShmComm::all_reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("phases"), nogil())
       .def("direct", &ShmComm::direct, py::arg("collective"), py::arg("out"), py::arg("in"),

@@ -160,7 +160,23 @@ void ShmComm::set_timeout(double seconds) {
   timeout_ = seconds;
 }
 
+void ShmComm::abort() {
+  aborted_.store(true, std::memory_order_release);
+  Doorbell* bell = peers_[rank_].bell;  // wake this rank's wait if it sleeps
+  bell->seq.fetch_add(1, std::memory_order_relaxed);
+  futex_wake(&bell->seq);
+}
+
+void ShmComm::fail_aborted() {
+  fail(FAILED, "rank " + std::to_string(rank_) + " aborted the communicator (Communicator." +
+                   "abort) during " + describe(desc_));
+}
+
 void ShmComm::begin(const Desc& desc) {
+  if (aborted_.load(std::memory_order_acquire) && failure_.empty()) {
+    desc_ = desc;
+    fail_aborted();
+  }
   if (uint32_t kind = me_->poisoned.load(std::memory_order_relaxed)) {
     std::string why = "this communicator is unusable after an earlier failure (" + failure_ +
                       "); create a new communicator";

@@ -207,6 +207,10 @@ class ShmComm : public FastTransport {
   double timeout() const override { return timeout_; }
   void set_timeout(double seconds);
 
+  // From any thread: a call waiting now (or begun later) on this rank fails within a nap
+  // (Communicator.abort), poisoning the communicator so its peers fail too.
+  void abort();
+
   // Bytes of this rank's data handed to peers so far: pushed into their channels, or
   // staged (published) and read by them, once per reader.
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
@@ -279,6 +283,7 @@ class ShmComm : public FastTransport {
         uint32_t seen = prepare_nap();
         if (!ready()) nap(seen);
         end_nap();
+        if (aborted_.load(std::memory_order_acquire)) fail_aborted();
         waited_for_.clear();
         for (int r = 0; r < size_; ++r) {
           if (r == rank_ || !watched(r)) continue;
@@ -377,6 +382,8 @@ class ShmComm : public FastTransport {
   std::vector<char> tmp_;             // "tmp" buffer of schedules
   std::mutex mutex_;                  // one collective at a time
   bool owner_linked_ = false;
+  std::atomic<bool> aborted_{false};  // see abort()
+  [[noreturn]] void fail_aborted();
   Poison failure_kind_ = HEALTHY;
   std::string failure_;
 };

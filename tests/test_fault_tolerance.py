@@ -22,10 +22,10 @@ SCENARIOS = [  # (scenario, ranks, the dead): tests/mpi/shrink.py
 ]
 
 
-@pytest.mark.parametrize("scenario,n,dead", SCENARIOS, ids=[s for s, _, _ in SCENARIOS])
-def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
+def _store_ranks(scenario: str, n: int, dead: set, tmp_path) -> str:
+    """Run tests/mpi/shrink.py's ``scenario`` on ``n`` ranks that meet through a file store;
+    those in ``dead`` must end SIGKILLed, the others with 0. Their reports, rank by rank."""
     pytest.importorskip("torch")
-    before = _segments()
     script = str(Path(__file__).parent / "mpi" / "shrink.py")
     env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
     ranks = [subprocess.Popen([sys.executable, script, str(r), str(n), str(tmp_path / "store"),
@@ -36,11 +36,17 @@ def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
     finally:
         for p in ranks:
             p.kill()
-    alive = [r for r in range(n) if r not in dead]
     for r in range(n):
         expected = -signal.SIGKILL if r in dead else 0
         assert ranks[r].returncode == expected, outputs[r][-3000:]
-    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+    return "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+
+
+@pytest.mark.parametrize("scenario,n,dead", SCENARIOS, ids=[s for s, _, _ in SCENARIOS])
+def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
+    before = _segments()
+    reports = _store_ranks(scenario, n, dead, tmp_path)
+    alive = [r for r in range(n) if r not in dead]
     found = re.findall(r"SURVIVOR rank (\d) failed at step (\d), shrank in (\d) attempt\(s\) "
                        r"to ranks \[(.*)\]; first call after the death ([\d.]+) s", reports)
     assert sorted(int(r) for r, *_ in found) == alive, reports
@@ -51,6 +57,19 @@ def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
     assert _segments() <= before, "shared memory left behind"
 
 
+def test_abort_ends_a_call_in_flight(tmp_path):
+    """Communicator.abort from another thread (a watchdog) while this rank waits in a call
+    for a live peer: the call fails at once, not at its timeout (20 s), and its peers' calls
+    fail too, naming the abort (tests/mpi/shrink.py abort)."""
+    before = _segments()
+    reports = _store_ranks("abort", 3, set(), tmp_path)
+    found = dict(re.findall(r"ABORTED rank (\d) after ([\d.]+) s", reports))
+    assert sorted(found) == ["0", "1", "2"], reports
+    assert float(found["0"]) < 2, reports  # (0.3 s, and a nap of at most 2 ms after)
+    assert _segments() <= before, "shared memory left behind"
+
+
+@pytest.mark.long
 def test_torchft_ddp_loses_a_replica_and_gets_it_back(tmp_path):
     """Two replica groups (a process each) under torchft's lighthouse, their gradients
     all-reduced by commlib (commlib/torch_ft.py). Replica 1 is killed at step 4: replica 0's
@@ -88,6 +107,7 @@ def test_torchft_ddp_loses_a_replica_and_gets_it_back(tmp_path):
     assert _segments() <= before, "shared memory left behind"
 
 
+@pytest.mark.long
 def test_torchrun_restarts_a_training_run_that_lost_a_rank(tmp_path):
     """torchrun --max-restarts 1: a rank of commlib-train killed mid-run ends the attempt,
     torchrun starts the workers again, and --resume takes the run up from its newest
@@ -126,3 +146,34 @@ def test_torchrun_restarts_a_training_run_that_lost_a_rank(tmp_path):
     losses = [[r["loss"] for r in log] for log in steps]
     assert losses[1] == losses[0][int(resumed.group(1)):]  # exactly
     assert _segments() <= before, "the first attempt left shared memory behind"
+
+
+def test_zero_regroup_keeps_what_survives_and_refuses_stage_3():
+    """One rank regrouped onto itself keeps every weight and every optimizer state (the
+    resharding's bookkeeping: the 3-rank case is tests/mpi/shrink.py dp); stage 3, whose
+    dead rank took parameter shards with it, refuses, pointing to the checkpoint."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import commlib
+    from commlib_strategies.zero import ZeRO
+    world = commlib.Communicator.from_store(dist.HashStore(), 0, 1)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    stage3 = ZeRO(model(), world, 3, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(commlib.CommError, match="stage 3 .* last checkpoint"):
+        stage3.regroup(world)
+    for stage in (1, 2):
+        zero = ZeRO(model(), world, stage, lambda ps: torch.optim.Adam(ps, lr=0.1))
+        zero(torch.randn(4, 3)).sum().backward()
+        zero.step()
+        weights = [p.clone() for p in zero.module.parameters()]
+        state = {k: v.clone() for k, v in zero.optimizer.state[zero.master].items()}
+        zero.regroup(world.dup())
+        assert all(torch.equal(a, b) for a, b in zip(weights, zero.module.parameters()))
+        assert all(torch.equal(v, zero.optimizer.state[zero.master][k]) for k, v in state.items())
+        zero(torch.randn(4, 3)).sum().backward()  # and it trains on
+        zero.step()
+    world.free()

@@ -5,6 +5,7 @@ may be left on any host (no rank, no /dev/shm file). Run just these with
 ``python -m pytest -m multihost``; they skip, saying why, where namespaces cannot be made
 (not root, no unshare)."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from mpirun import (checkout_env, on_hosts, run_checked, run_command,
                     torchrun_on_hosts)
 from training import RUN, losses
 
-pytestmark = [pytest.mark.multihost,
+pytestmark = [pytest.mark.multihost, pytest.mark.long,
               pytest.mark.skipif(usable() is not None, reason=str(usable()))]
 LAYOUTS = [[1, 1], [2, 2], [1, 1, 1], [2, 1]]
 
@@ -98,6 +99,31 @@ def test_training_dp_across_hosts_tp_inside_them(hosts, tmp_path, one_process):
     assert code == 0, out[-4000:]
     got = losses(json.loads(log.read_text()))
     assert got == pytest.approx(one_process[RUN], rel=1e-5), (got, one_process[RUN])
+
+
+def test_survivors_of_a_lost_host_shrink_and_go_on(hosts, tmp_path):
+    """4 ranks on 2 hosts (2 + 2) meeting through a file store; both ranks of the second
+    host die together between calls: the first host's ranks fail their next call, see the
+    dead by their pulses standing still (a pid says nothing across hosts), shrink to
+    themselves and go on (tests/mpi/shrink.py host), within 2 s of the deaths."""
+    script = str(Path(__file__).parent / "mpi" / "shrink.py")
+    env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
+    ranks = [hosts.popen_on(hosts.names[r // 2], [
+        sys.executable, script, str(r), "4", str(tmp_path / "store"), str(tmp_path), "host"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(4)]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in ranks]
+    finally:
+        hosts.kill_strays()
+    assert [p.returncode for p in ranks] == [0, 0, -9, -9], outputs
+    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+    found = re.findall(r"SURVIVOR rank (\d) failed at step 3, shrank in 1 attempt\(s\) to "
+                       r"ranks \[0, 1\]; first call after the death ([\d.]+) s", reports)
+    assert [r for r, _ in found] == ["0", "1"], reports
+    print("death to the first call on the shrunk communicator:", [s for _, s in found], "s")
+    assert max(float(s) for _, s in found) < 2, reports
+    assert not any(hosts.leftovers().values()), hosts.leftovers()
 
 
 def test_torchrun_across_nodes(hosts):

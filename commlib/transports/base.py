@@ -104,6 +104,13 @@ class Transport:
     def close(self) -> None:
         self.world.close()
 
+    def interrupt(self) -> None:
+        """From any thread: a call in flight on this rank fails now, and any later one
+        (Communicator.abort). Where a transport cannot (MPI's, gloo's), it ends at its
+        timeout or at its peer's death."""
+        for part in self.parts():
+            part.interrupt()
+
     def parts(self) -> tuple:
         """The transports this one runs some calls' stages on (hier's): each chooses for
         its own calls."""

@@ -125,6 +125,10 @@ class ShmTransport(Transport):
     def bytes_sent(self) -> int:
         return self.shm.bytes_sent + self.world.bytes_sent
 
+    def interrupt(self) -> None:
+        if self.shm is not None:
+            self.shm.abort()
+
     def close(self) -> None:
         super().close()
         self.memory.close()

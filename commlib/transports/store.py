@@ -32,7 +32,8 @@ def wait_get(store, key: str, what: str, gone=None) -> bytes:
     deadline, nap = time.monotonic() + timeout, 50e-6
     while not store.check([key]):
         if gone is not None and gone() and not store.check([key]):
-            raise CommError(f"{what}: its process has exited")
+            raise CommError(f"{what}: its process has exited (or, on another host, "
+                            f"stopped its pulse)")
         if time.monotonic() > deadline:
             raise CommError(f"{what}: nothing arrived within the store's timeout "
                             f"({timeout:.0f} s; key {key!r})")
@@ -59,6 +60,7 @@ class StoreWorld:
         # each rank's (host, pid), where known: a set-up wait for a rank that exited fails
         # at once, and survivors.agree leaves it out
         self.peers = None if peers is None else tuple(tuple(p) for p in peers)
+        self.pulses = None  # survivors.Pulses, where the ranks span hosts
         self.shrinks = 0  # attempts at shrinking this world so far
         self.rounds = 0  # allgathers so far: names each one's keys
         self._numbered: dict = {"sent": Counter(), "posted": Counter()}
@@ -73,7 +75,7 @@ class StoreWorld:
         self.store.set(f"{key}/{self.rank}", json.dumps(value))
         return [json.loads(wait_get(self.store, f"{key}/{r}", f"set-up waiting for {self.who(r)}"
                                     " (did every process of the group start?)",
-                                    self.peers and (lambda r=r: survivors.gone(self.peers, r))))
+                                    self.peers and (lambda r=r: survivors.gone(self, r))))
                 for r in range(self.size)]
 
     def who(self, r: int) -> str:
@@ -84,9 +86,11 @@ class StoreWorld:
         over them."""
         self.shrinks += 1
         alive = survivors.agree(self, self.shrinks, timeout)
-        return StoreWorld(self.store, alive.index(self.rank), len(alive),
-                          f"{self.prefix}/shrink{self.shrinks}",
-                          [self.members[r] for r in alive], [self.peers[r] for r in alive])
+        world = StoreWorld(self.store, alive.index(self.rank), len(alive),
+                           f"{self.prefix}/shrink{self.shrinks}",
+                           [self.members[r] for r in alive], [self.peers[r] for r in alive])
+        world.pulses = self.pulses
+        return world
 
     def crowded(self) -> bool:
         """Whether the group's processes outnumber the cores they may run on (the group is
@@ -98,10 +102,12 @@ class StoreWorld:
         if color is None:
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
-        return StoreWorld(self.store, members.index((key, self.rank)), len(members),
-                          f"{self.prefix}/split{self.rounds}/{color}",
-                          [self.members[r] for _, r in members],
-                          self.peers and [self.peers[r] for _, r in members])
+        world = StoreWorld(self.store, members.index((key, self.rank)), len(members),
+                           f"{self.prefix}/split{self.rounds}/{color}",
+                           [self.members[r] for _, r in members],
+                           self.peers and [self.peers[r] for _, r in members])
+        world.pulses = self.pulses
+        return world
 
     def dup(self) -> "StoreWorld":
         return self.split(0, self.rank)
@@ -131,7 +137,7 @@ class StoreWorld:
         def task():
             claimed, work.source = (key, src) if key else self._claim_any(tag)
             data = wait_get(self.store, claimed, f"recv from {self.who(work.source)} (tag "
-                            f"{tag})", self.peers and (lambda: survivors.gone(self.peers,
+                            f"{tag})", self.peers and (lambda: survivors.gone(self,
                                                                               work.source)))
             self.store.delete_key(claimed)
             if len(data) != buf.nbytes:
@@ -179,6 +185,8 @@ class StoreTransport(ShmTransport):
         world = StoreWorld(store, rank, size, prefix)
         world.peers = tuple(tuple(p) for p in world.allgather([socket.gethostname(),
                                                                 os.getpid()]))
+        if len({host for host, _ in world.peers}) > 1:  # a peer's pid says nothing here
+            world.pulses = survivors.Pulses(store)
         return cls.over(world)
 
     @classmethod

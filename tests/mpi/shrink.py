@@ -3,14 +3,23 @@ torch FileStore, so no launcher kills them when a rank dies. Each rank reports h
 to REPORT_DIR/rank-R.txt: the survivors, the shrunk communicator's results checked.
 
 Scenarios (a victim SIGKILLs itself):
-  dp        DataParallel trains on a global batch sharded over the ranks; the last rank
-            dies in step 3 before its backward (the others wait for it in their gradients'
-            all-reduce); rank 0 comes late to shrink; the survivors regroup, redo step 3
-            on the batch sharded over them, and every step's loss matches one process
-            training on the whole batch
+  dp        DataParallel, ZeRO-1 and ZeRO-2 (SGD with momentum) train side by side on a
+            global batch sharded over a data-parallel mesh; the last rank dies in step 3
+            before its backward (the others wait for it in their gradients' collectives);
+            rank 0 comes late to shrink; the survivors shrink the mesh, regroup, redo step 3
+            on the batch sharded over them, and every step's loss and the weights match
+            one process training on the whole batch (for ZeRO, whose dead rank's momentum
+            is lost, one whose momentum there restarts from zero at the death)
   between   rank 0 dies between calls (the others then wait for its message), then rank 1
             dies right after the survivors agreed on the group (inside shrink): their first
-            shrink fails, the second goes on without both
+            shrink fails, the second goes on without both; a dp x tp mesh refuses to shrink
+  host      the ranks on two hosts (namespace hosts: 2 + 2); the second host's ranks die
+            together between calls (a whole host lost): the survivors' next call fails,
+            they see the dead only by their pulses standing still, shrink to the first
+            host's ranks and go on
+  abort     nobody dies: rank 2 comes to an all_reduce 3 s late, and rank 0's watchdog
+            aborts its communicator 0.3 s into the call: rank 0's call fails at once (not
+            at its timeout), and its peers' calls fail too, naming the abort
 
 Usage: python tests/mpi/shrink.py RANK SIZE STORE_FILE REPORT_DIR SCENARIO   (one per rank)
 """
@@ -24,6 +33,7 @@ import torch.distributed as dist
 
 import commlib
 from commlib import survivors
+from commlib_strategies.mesh import Mesh
 
 rank, size, store_file, report_dir, scenario = (int(sys.argv[1]), int(sys.argv[2]),
                                                 sys.argv[3], sys.argv[4], sys.argv[5])
@@ -39,30 +49,42 @@ def die() -> None:
 
 
 victim = 0 if scenario == "between" else size - 1
+dead = set(range(size // 2, size)) if scenario == "host" else {0, 1} if scenario == "between" \
+    else {victim}
 failed_at, attempts, first_call = None, 0, None
 
 
 def recover(error) -> None:
     """Shrink (again where a peer dies meanwhile) and check the shrunk communicator."""
-    global comm, failed_at, attempts, first_call, old
+    global comm, mesh, failed_at, attempts, first_call, old
     assert failed_at is None, f"a second failure: {error}"
     failed_at = step
-    assert f"rank {victim}" in str(error) and "exited" in str(error), error
+    if scenario != "host":  # (across hosts the transport says how it lost the peer)
+        assert f"rank {victim}" in str(error) and "exited" in str(error), error
     if scenario == "between" and rank == 1:
         survivors.agree(comm._transport.world, 1, 20.0)  # as shrink does, then dies
         die()
     if scenario == "dp" and rank == 0:
         time.sleep(0.3)  # comes late: the others wait for it
+    if scenario == "between":
+        try:
+            mesh.shrink()
+            raise AssertionError("a dp x tp mesh shrank")
+        except commlib.CommError as refused:
+            assert "tp=2" in str(refused) and "checkpoint" in str(refused), refused
     while True:
         attempts += 1
         try:
-            comm = comm.shrink()
+            if scenario == "dp":
+                mesh = mesh.shrink()
+                comm = mesh.world
+            else:
+                comm = comm.shrink()
             break
         except commlib.CommError as again:
             assert scenario == "between" and attempts == 1, again
             assert "exited" in str(again), again
-    died = max(float(store.get(f"died/{r}")) for r in range(size)
-               if store.check([f"died/{r}"]))
+    died = max(float(store.get(f"died/{r}")) for r in dead if store.check([f"died/{r}"]))
     x = np.full(1000, comm.rank + 1, np.float64)
     comm.all_reduce(x)
     first_call = time.time() - died
@@ -76,7 +98,34 @@ def recover(error) -> None:
     comm.all_gather(old, np.array([rank], np.int64))
 
 
-if scenario == "between":
+if scenario == "abort":
+    import threading
+    if rank == 2:
+        time.sleep(3)
+    elif rank == 0:
+        threading.Timer(0.3, comm.abort).start()
+    start = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(1000))
+        raise AssertionError("the all_reduce went through an aborted communicator")
+    except commlib.CommError as error:
+        assert "rank 0 aborted the communicator" in str(error), error
+        with open(os.path.join(report_dir, f"rank-{rank}.txt"), "w") as f:
+            f.write(f"ABORTED rank {rank} after {time.monotonic() - start:.3f} s\n")
+    comm.abort()
+    sys.exit(0)
+elif scenario == "host":
+    for step in range(6):
+        try:
+            if rank in dead and step == 3:
+                die()
+            x = np.full(1000, comm.rank + 1, np.float64)
+            comm.all_reduce(x)
+            assert (x == comm.size * (comm.size + 1) / 2).all(), (step, x[0], comm.size)
+        except commlib.CommError as error:
+            recover(error)
+elif scenario == "between":
+    mesh = Mesh(comm, dp=2, tp=2)
     for step in range(6):
         try:
             if rank == victim and step == 3:
@@ -92,40 +141,77 @@ if scenario == "between":
 else:
     import torch
     from commlib_strategies.data_parallel import DataParallel
+    from commlib_strategies.zero import ZeRO
 
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
                                    torch.nn.Linear(16, 1)).double()
-    dp, alone = DataParallel(model(), comm), model()
-    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
-    reference = torch.optim.SGD(alone.parameters(), lr=0.1)
+
+    def sgd(params, momentum=0.9):
+        return torch.optim.SGD(params, lr=0.1, momentum=momentum)
+
+    def forget(zero, reference, alone) -> None:
+        """What ZeRO.regroup loses with the dead rank: its shards' momentum, in
+        ``reference`` (over ``alone``, ``zero``'s twin) too."""
+        twin = dict(zip(zero.module.parameters(), alone.parameters()))
+        for u in zero.units:
+            lost = range(victim * u.shard_numel, (victim + 1) * u.shard_numel)
+            start = 0
+            for p in u.params:
+                flat = reference.state[twin[p]]["momentum_buffer"].view(-1)
+                lo, hi = max(lost.start, start), min(lost.stop, start + p.numel())
+                if lo < hi:
+                    flat[lo - start:hi - start] = 0
+                start += p.numel()
+
+    mesh = Mesh(comm, dp=size)
+    group = mesh.group("dp")
+    dp = DataParallel(model(), group)
+    zeros = [ZeRO(model(), group, stage, sgd) for stage in (1, 2)]
+    alone = [model() for _ in range(3)]
+    references = [sgd(m.parameters(), momentum) for m, momentum in zip(alone, (0, 0.9, 0.9))]
+    optimizer = sgd(dp.parameters(), momentum=0)
     for step in range(6):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(12, 6, generator=g, dtype=torch.float64), \
             torch.randn(12, 1, generator=g, dtype=torch.float64)
-        reference.zero_grad()
-        expected = torch.nn.functional.mse_loss(alone(x), y)
-        expected.backward()
-        reference.step()
+        expected = []
+        for m, reference in zip(alone, references):
+            reference.zero_grad()
+            expected.append(torch.nn.functional.mse_loss(m(x), y))
+            expected[-1].backward()
         while True:  # a step that fails is redone over the survivors
             optimizer.zero_grad()
+            for zero in zeros:
+                zero.zero_grad()
             shard = slice(comm.rank * 12 // comm.size, (comm.rank + 1) * 12 // comm.size)
-            loss = torch.nn.functional.mse_loss(dp(x[shard]), y[shard])
             try:
-                if rank == victim and step == 3:
-                    die()
-                loss.backward()
-                mean = loss.detach().clone()
-                comm.all_reduce(mean, op="avg")
+                means = []
+                for m in [dp, *zeros]:
+                    loss = torch.nn.functional.mse_loss(m(x[shard]), y[shard])
+                    if rank == victim and step == 3:
+                        die()
+                    loss.backward()
+                    means.append(loss.detach().clone())
+                    comm.all_reduce(means[-1], op="avg")
+                optimizer.step()
+                for zero in zeros:
+                    zero.step()
                 break
             except commlib.CommError as error:
                 recover(error)
-                dp.regroup(comm)
-        optimizer.step()
-        assert torch.allclose(mean, expected, rtol=1e-12), (step, mean, expected)
-    for p, q in zip(dp.parameters(), alone.parameters()):
-        assert torch.allclose(p, q, rtol=1e-10), (p, q)
+                dp.regroup(mesh.group("dp"))
+                for zero, reference, twin in zip(zeros, references[1:], alone[1:]):
+                    forget(zero, reference, twin)
+                    zero.regroup(mesh.group("dp"))
+        for reference in references:
+            reference.step()
+        for mean, want in zip(means, expected):
+            assert torch.allclose(mean, want, rtol=1e-12), (step, mean, want)
+    for m, twin in zip([dp, *zeros], alone):
+        for p, q in zip(m.module.parameters(), twin.parameters()):
+            assert torch.allclose(p, q, rtol=1e-10), (p, q)
 with open(os.path.join(report_dir, f"rank-{rank}.txt"), "w") as f:
     f.write(f"SURVIVOR rank {rank} failed at step {failed_at}, shrank in {attempts} "
             f"attempt(s) to ranks {old.tolist()}; first call after the death "
