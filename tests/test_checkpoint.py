@@ -102,6 +102,7 @@ def test_pipeline_and_expert_checkpoints(tmp_path, saved, resharded):
     assert [loss for _, loss in other] == pytest.approx([loss for _, loss in full[2:]], rel=1e-5)
 
 
+@pytest.mark.long
 def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path, one_process):
     """transformers' GPT-2 (tied lm_head) through the CLI: ZeRO-3 on 2 ranks gives the
     losses of one process; a checkpoint resumes, to fp32 rounding, in another layout

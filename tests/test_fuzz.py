@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from mpirun import run_checked
+from mpirun import run_checked, sizes
 
 pytest.importorskip("hypothesis")
 
@@ -38,7 +38,7 @@ def fuzz(n: int, examples: int, env: dict | None = None) -> dict:
 BUDGET = {1: 400, 2: 500, 3: 400, 4: 300}
 
 
-@pytest.mark.parametrize("n", sorted(BUDGET))
+@pytest.mark.parametrize("n", sizes(*sorted(BUDGET), long=(4,)))
 def test_fuzz_collectives(n):
     fuzz(n, BUDGET[n])
 

@@ -76,7 +76,7 @@ def test_deterministic_mode(n):
     run_checked(n, "tests/mpi/deterministic.py", *(["torch"] if n == 3 else []))
 
 
-@pytest.mark.parametrize("n", sizes(*RANKS, long=(3,)))  # (3: numpy's matrix in the default)
+@pytest.mark.parametrize("n", sizes(*RANKS, long=(3, 4)))  # (numpy's matrix: all in the default)
 def test_collectives_torch(n):
     pytest.importorskip("torch")
     # bfloat16 at the large counts once (3 ranks: uneven chunks); numpy runs the rest of them

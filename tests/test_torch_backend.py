@@ -23,7 +23,7 @@ def test_collectives_match_gloo(n):
     run_checked(n, "tests/mpi/torch_collectives.py", timeout=240)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", sizes(2, 3, 4, long=(4,)))
 def test_ddp_and_fsdp2_train_like_gloo(n):
     out = run_checked(n, "tests/mpi/torch_train.py")
     print(re.search(r"overlap: .*", out).group(0))  # the DDP timeline, for the log
