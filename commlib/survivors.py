@@ -4,12 +4,13 @@ after a peer died, agreed through the store.
 Vocabulary: an *attempt* is one try at shrinking a world (a death during the try fails it
 on every survivor, who then try again: attempt 2, 3, ...); a rank *posts* itself alive
 under the attempt's key; a rank is *out* once its process is seen to have exited: on this
-host by its pid, on another by its *pulse* (a counter in the store that a thread of every
-process of a world spanning hosts raises every BEAT seconds) standing still for SILENT
-seconds, as when its host is lost; else once the deadline passes without its post. Each
-survivor waits until every rank has posted or is out, then offers its view to
-the store: the first view offered is the one every rank takes (compare_set), so no two
-survivors ever form different groups; a rank that finds itself left out raises.
+host by its pid, on another by its *pulse* (a counter in the store that every process of
+a world spanning hosts raises every BEAT seconds, from one thread whatever its worlds:
+_Heart) standing still for SILENT seconds, as when its host is lost or cut off; else once
+the deadline passes without its post. Each survivor waits until every rank has posted or
+is out, then offers its view to the store: the first view offered is the one every rank
+takes (compare_set), so no two survivors ever form different groups; a rank that finds
+itself left out raises.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 
 from . import _C
 from .errors import CommError
@@ -26,51 +28,100 @@ from .errors import CommError
 BEAT, SILENT = 0.25, 1.0  # seconds
 
 
+def whoami() -> tuple[str, int]:
+    """This process as its peers know it: (host, pid). The host is COMMLIB_HOSTID where set
+    (processes with the same one share memory; as NCCL_HOSTID, for containers that share a
+    hostname across machines), else the hostname."""
+    return os.environ.get("COMMLIB_HOSTID") or socket.gethostname(), os.getpid()
+
+
 def gone(world, rank: int) -> bool:
     """Whether ``rank`` of ``world`` (whose ``peers`` are (host, pid)) is seen to have
     exited: its pid on this host, its pulse on another (where ``world.pulses`` watches)."""
     host, pid = world.peers[rank]
-    if host == socket.gethostname():
+    if host == whoami()[0]:
         return not _C.process_alive(pid)  # (csrc/process.h)
     return world.pulses is not None and world.pulses.silent(host, pid)
 
 
 class Pulses:
-    """This process's pulse in ``store`` (a daemon thread raises it every BEAT seconds while
-    the process lives), and what it has seen of its peers' pulses."""
+    """The pulses of a world's peers in ``store``; watching them makes this process beat
+    there too."""
 
     def __init__(self, store):
         self.store = store
-        self.seen: dict = {}  # key: (value, since when)
-        mine = self.key(socket.gethostname(), os.getpid())
-        store.add(mine, 1)  # (present before any peer looks)
-        threading.Thread(target=self._beat, args=(mine,), name="commlib-pulse",
-                         daemon=True).start()
+        _HEART.beat_in(store)
 
     @staticmethod
     def key(host: str, pid: int) -> str:
         return f"commlib/pulse/{host}:{pid}"
 
-    def _beat(self, key: str) -> None:
-        try:
-            while True:
-                time.sleep(BEAT)
-                self.store.add(key, 1)
-        except Exception:  # the store is gone (its host's process ended): nobody watches
-            return
-
     def silent(self, host: str, pid: int) -> bool:
-        """Whether the pulse of ``pid`` on ``host`` has stood still for SILENT seconds of
-        this process's watching (False for a process that never had one)."""
-        key = self.key(host, pid)
-        if not self.store.check([key]):
-            return False
-        value, now = self.store.add(key, 0), time.monotonic()
-        last = self.seen.get(key)
-        if last is None or last[0] != value:
-            self.seen[key] = (value, now)
-            return False
-        return now - last[1] > SILENT
+        """Whether the pulse of ``pid`` on ``host`` has stood still for SILENT seconds since
+        this process first asked (False for a process that never had one). CommError where
+        this process has not reached the store itself for SILENT seconds."""
+        return _HEART.silent(self.store, self.key(host, pid))
+
+
+class _Heart:
+    """This process's one pulse thread. Every BEAT seconds it raises the process's counter
+    in every store it was given (while that store lives), and reads there the counters that
+    waits asked about lately; the waits read what it saw, never the store itself (a store
+    out of reach would hold them). One thread, whatever the worlds: the torch backend
+    makes one per process group."""
+
+    FORGET = 5.0  # seconds: a pulse nobody asked about for this long is no longer read
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reached = weakref.WeakKeyDictionary()  # store -> when a beat there went through
+        self.watched = weakref.WeakKeyDictionary()  # store -> {key: [value, since, asked]}
+        self.thread = None
+
+    def beat_in(self, store) -> None:
+        key = Pulses.key(*whoami())
+        store.add(key, 1)  # (present before any peer looks)
+        with self.lock:
+            self.reached[store] = time.monotonic()
+            self.watched.setdefault(store, {})
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._beat, args=(key,),
+                                               name="commlib-pulse", daemon=True)
+                self.thread.start()
+
+    def silent(self, store, key: str) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            if now - self.reached.get(store, now) > SILENT:
+                raise CommError(f"this process has not reached the store for {SILENT:g} s: "
+                                "its host is cut off from its peers (or the store's is lost)")
+            pulse = self.watched[store].setdefault(key, [None, now, now])
+            pulse[2] = now
+            return pulse[0] is not None and now - pulse[1] > SILENT
+
+    def _beat(self, key: str) -> None:
+        while True:
+            time.sleep(BEAT)
+            with self.lock:
+                stores = [(store, list(pulses)) for store, pulses in self.watched.items()]
+            for store, keys in stores:
+                try:
+                    store.add(key, 1)
+                    seen = {k: store.add(k, 0) for k in keys if store.check([k])}
+                except Exception:  # out of reach, or gone with its host's process
+                    continue
+                now = time.monotonic()
+                with self.lock:
+                    self.reached[store] = now
+                    pulses = self.watched.get(store, {})
+                    for k, value in seen.items():
+                        if k in pulses and pulses[k][0] != value:
+                            pulses[k][:2] = value, now
+                    for k in [k for k, p in pulses.items() if now - p[2] > self.FORGET]:
+                        del pulses[k]
+
+
+_HEART = _Heart()  # (per process: a fork's child starts its own thread on first use)
 
 
 def agree(world, attempt: int, timeout: float) -> list[int]:

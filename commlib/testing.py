@@ -207,6 +207,12 @@ class NamespaceHosts:
             self.kill_strays()
             return None, f"TIMEOUT after {timeout}s\n{out}"
 
+    def cut(self, host: str, off: bool = True) -> None:
+        """Unplug ``host`` from the switch (``off=False``: plug it back): its processes live
+        on, its connections stay open, and nothing it sends arrives, nor anything sent to it."""
+        i = self.names.index(host) + 1
+        self._in(self.switch, f"ip link set v{i} {'down' if off else 'up'}")
+
     # ------------------------------------------------------------------ looking inside hosts
     def shm_files(self) -> dict[str, list[str]]:
         """Each host's /dev/shm entries."""

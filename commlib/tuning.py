@@ -33,7 +33,6 @@ import json
 import math
 import os
 import platform
-import socket
 import time
 import warnings
 from collections import Counter
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import survivors
 from .algorithms import entries
 from .algorithms.pages import mapped
 from .call import COLLECTIVES
@@ -215,7 +215,7 @@ def describe(comm, transport) -> dict:
     worlds of mpiexec and of torchrun on one host run the same transport, one with MPI's
     own algorithm too; one table, measured by the one with more, chooses for both alike
     (Table.measured), rather than two measured apart deciding near-ties by noise."""
-    hosts = Counter(transport.world.allgather(socket.gethostname()))
+    hosts = Counter(transport.world.allgather(survivors.whoami()[0]))
     return {"version": VERSION, "transport": comm.transport, "ranks": comm.size,
             "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

@@ -73,8 +73,8 @@ class Mesh:
         parallelism over the world's ranks still alive (Communicator.shrink; collective over
         them), whose strategies then regroup over its dp group (DataParallel.regroup,
         ZeRO.regroup). Only a mesh of data parallelism alone can shrink: tp, cp, ep and pp
-        split the model (and the ranks of a dp replica hold different parts of it), so a
-        dead rank takes a part no survivor has: CommError saying so."""
+        split the model among ranks, so a dead rank takes a part no survivor has: CommError
+        saying so."""
         split = [f"{d}={s}" for d, s in self.sizes.items() if d != "dp" and s > 1]
         if split:
             raise commlib.CommError(

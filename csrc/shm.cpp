@@ -162,9 +162,7 @@ void ShmComm::set_timeout(double seconds) {
 
 void ShmComm::abort() {
   aborted_.store(true, std::memory_order_release);
-  Doorbell* bell = peers_[rank_].bell;  // wake this rank's wait if it sleeps
-  bell->seq.fetch_add(1, std::memory_order_relaxed);
-  futex_wake(&bell->seq);
+  notify(rank_);  // wake this rank's wait if it sleeps (it checks aborted_ on each wake)
 }
 
 void ShmComm::fail_aborted() {

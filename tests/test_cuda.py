@@ -407,7 +407,7 @@ def test_cupy_arrays():
 SIMULATED = {"COMMLIB_CUDA_STREAMS": simulated_gpu.SIMULATED}
 
 
-@pytest.mark.parametrize("n", sizes(1, 2, 3, 4, long=(4,)))
+@pytest.mark.parametrize("n", sizes(1, 2, 3, 4, long=(2, 4)))
 def test_calls_on_gpu_memory_on_a_simulated_gpu(n):
     """The staged and IPC calls' ordering (cuda/staging.py, transports/cuda_ipc.py): results, stream
     order, async Works, failures releasing the stream, with "device" arrays in host memory,

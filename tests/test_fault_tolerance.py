@@ -22,17 +22,25 @@ SCENARIOS = [  # (scenario, ranks, the dead): tests/mpi/shrink.py
 ]
 
 
-def _store_ranks(scenario: str, n: int, dead: set, tmp_path) -> str:
-    """Run tests/mpi/shrink.py's ``scenario`` on ``n`` ranks that meet through a file store;
-    those in ``dead`` must end SIGKILLed, the others with 0. Their reports, rank by rank."""
+def _store_ranks(scenario: str, n: int, dead: set, tmp_path, hosts=None) -> str:
+    """Run tests/mpi/shrink.py's ``scenario`` on ``n`` ranks that meet through a file store
+    (on ``hosts[r]``, their COMMLIB_HOSTID, where given); those in ``dead`` must end
+    SIGKILLed (one stopped is killed once the others end), the others with 0. Their
+    reports, rank by rank."""
     pytest.importorskip("torch")
     script = str(Path(__file__).parent / "mpi" / "shrink.py")
     env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
     ranks = [subprocess.Popen([sys.executable, script, str(r), str(n), str(tmp_path / "store"),
-                               str(tmp_path), scenario], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(n)]
+                               str(tmp_path), scenario],
+                              env={**env, "COMMLIB_HOSTID": hosts[r]} if hosts else env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(n)]
+    outputs = [""] * n
     try:
-        outputs = [p.communicate(timeout=90)[0] for p in ranks]
+        for r in sorted(range(n), key=lambda r: r in dead):  # the survivors first
+            if r in dead:
+                ranks[r].kill()
+            outputs[r] = ranks[r].communicate(timeout=90)[0]
     finally:
         for p in ranks:
             p.kill()
@@ -54,6 +62,22 @@ def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
         assert [int(m) for m in members.split(", ")] == alive
         assert int(attempts) == (2 if scenario == "between" else 1)
         assert float(seconds) < 10, reports
+    assert _segments() <= before, "shared memory left behind"
+
+
+def test_a_silent_host_is_left_behind_by_its_pulse(tmp_path):
+    """3 ranks on two hosts as commlib sees them (COMMLIB_HOSTID: gloo joins them); the
+    second host's rank stops (SIGSTOP) before a call, alive but silent as a host cut off
+    from the network: the survivors' gloo call fails once its pulse stood still (1 s), not
+    at the timeout (20 s); they shrink to themselves, on shared memory, and go on
+    (tests/mpi/shrink.py silent)."""
+    before = _segments()
+    reports = _store_ranks("silent", 3, {2}, tmp_path, hosts=["a", "a", "b"])
+    found = re.findall(r"SURVIVOR rank (\d) failed at step 3, shrank in 1 attempt\(s\) to "
+                       r"ranks \[0, 1\]; first call after the death ([\d.]+) s", reports)
+    assert [r for r, _ in found] == ["0", "1"], reports
+    print("silence to the first call on the shrunk communicator:", [s for _, s in found], "s")
+    assert max(float(s) for _, s in found) < 5, reports  # (1 s of silence, then a slice)
     assert _segments() <= before, "shared memory left behind"
 
 

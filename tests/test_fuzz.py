@@ -38,7 +38,7 @@ def fuzz(n: int, examples: int, env: dict | None = None) -> dict:
 BUDGET = {1: 400, 2: 500, 3: 400, 4: 300}
 
 
-@pytest.mark.parametrize("n", sizes(*sorted(BUDGET), long=(4,)))
+@pytest.mark.parametrize("n", sizes(*sorted(BUDGET), long=(2, 4)))
 def test_fuzz_collectives(n):
     fuzz(n, BUDGET[n])
 

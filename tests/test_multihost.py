@@ -126,6 +126,38 @@ def test_survivors_of_a_lost_host_shrink_and_go_on(hosts, tmp_path):
     assert not any(hosts.leftovers().values()), hosts.leftovers()
 
 
+def test_survivors_of_a_host_cut_off_shrink_and_go_on(hosts, tmp_path):
+    """As the lost host, but the second host's network is cut with its ranks alive, the
+    store a TCPStore on the first host: the survivors' gloo call ends when the cut-off
+    ranks' pulses have stood still (not at the timeout), they shrink and go on; the
+    cut-off ranks fail by themselves (the store unreachable), leaving nothing."""
+    script = str(Path(__file__).parent / "mpi" / "shrink.py")
+    env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
+    ranks = [hosts.popen_on(hosts.names[r // 2], [
+        sys.executable, script, str(r), "4", "tcp://host1:29650", str(tmp_path), "cut"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(4)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"silent-{r}").exists() for r in (2, 3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks)
+            time.sleep(0.01)
+        (tmp_path / "cut-at").write_text(repr(time.time()))
+        hosts.cut("host2")
+        outputs = [p.communicate(timeout=90)[0] for p in ranks]
+    finally:
+        hosts.kill_strays()
+        hosts.cut("host2", off=False)
+    assert [p.returncode for p in ranks] == [0, 0, 3, 3], outputs
+    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+    found = re.findall(r"SURVIVOR rank (\d) failed at step 3, shrank in 1 attempt\(s\) to "
+                       r"ranks \[0, 1\]; first call after the death ([\d.]+) s", reports)
+    assert [r for r, _ in found] == ["0", "1"], reports
+    print("cut to the first call on the shrunk communicator:", [s for _, s in found], "s")
+    assert max(float(s) for _, s in found) < 3, reports
+    assert not any(hosts.leftovers().values()), hosts.leftovers()
+
+
 def test_torchrun_across_nodes(hosts):
     """torchrun --nnodes 2 --nproc-per-node 2: the backend's groups join the nodes with gloo
     and share memory inside each (every collective against gloo, subgroups, a 2-D mesh);

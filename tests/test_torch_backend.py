@@ -18,7 +18,7 @@ from mpirun import checkout_env, mpiexec, run_checked, sizes, torchrun
 pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])  # 4: also the 2-D device mesh
+@pytest.mark.parametrize("n", sizes(2, 3, 4, long=(2,)))  # 4: also the 2-D device mesh
 def test_collectives_match_gloo(n):
     run_checked(n, "tests/mpi/torch_collectives.py", timeout=240)
 

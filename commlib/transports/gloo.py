@@ -7,13 +7,15 @@ memory inside each host, gloo between them.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import time
 from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
 
-from .. import _C
+from .. import _C, survivors
 from ..errors import CommError, CommTimeoutError
 from . import rows
 from .base import Transport
@@ -40,6 +42,8 @@ class GlooTransport(Transport):
         # then meet gloo's own failures: it aborts the process on mismatched lengths)
         self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
         self.where = replace(self.where, checked=self.checks_calls)
+        self._in_flight = None  # gloo's work being waited for
+        self._interrupted = False
 
     @staticmethod
     def suits(world) -> bool:
@@ -47,14 +51,55 @@ class GlooTransport(Transport):
 
     def wait(self, work, what: str = "its peers inside gloo's collective (gloo does not "
              "say which)") -> None:
-        """Wait for gloo's ``work`` within the call's timeout; its failures as CommErrors."""
+        """Wait for gloo's ``work`` within the call's timeout, its failures as CommErrors.
+        gloo itself waits for a peer until its own timeout; here the wait is cut into
+        slices, between which a rank whose process is gone (on another host: its pulse
+        stood still, as when the host is lost or cut off) or ``interrupt`` fails the call
+        at once."""
+        self._in_flight = work
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        while True:
+            try:
+                work.wait(timedelta(seconds=survivors.BEAT))
+                break
+            except RuntimeError as e:
+                if work.is_completed():  # gloo's own failure, not the slice's end
+                    self._in_flight = None
+                    if "timed out" in str(e).lower():
+                        raise CommTimeoutError(f"gloo timed out waiting for {what} ({e})") \
+                            from None
+                    raise CommError(f"gloo failed while waiting for {what}: {e}") from None
+            if self._interrupted:
+                raise CommError(f"rank {self.rank} aborted the communicator "
+                                "(Communicator.abort) during a call over gloo")
+            gone = [r for r in range(self.size) if r != self.rank and self._gone(r)]
+            if gone:
+                raise CommError(f"{what}: {', '.join(self.world.who(r) for r in gone)} "
+                                f"exited (on another host: its pulse stood still for "
+                                f"{survivors.SILENT:g} s: the host lost or cut off)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommTimeoutError(f"timed out after {self.timeout:g} s waiting for {what}")
+        self._in_flight = None
+
+    def _gone(self, r: int) -> bool:
         try:
-            work.wait(timedelta(seconds=self.timeout)) if self.timeout else work.wait()
-        except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise CommTimeoutError(f"timed out after {self.timeout:g} s waiting for {what}"
-                                       f" ({e})") from None
-            raise CommError(f"gloo failed while waiting for {what}: {e}") from None
+            return survivors.gone(self.world, r)
+        except Exception as e:  # the store is unreachable: this host is the one cut off
+            raise CommError(f"gloo's call: the store is unreachable ({e}); this rank may be "
+                            "the one cut off from its peers") from None
+
+    def interrupt(self) -> None:
+        self._interrupted = True  # (the wait's next slice sees it)
+        super().interrupt()  # (hier's parts)
+
+    def close(self) -> None:
+        """Release gloo's group, unless a call is still in flight there (interrupted, or its
+        peer lost): then its destructor would wait for that call, until gloo's own timeout,
+        so the group is kept, unreachable, for the rest of the process."""
+        if self._in_flight is not None and not self._in_flight.is_completed():
+            _keep_forever(self.group)
+        self.group = None
+        super().close()
 
     def agree(self, desc, splits=None, itemsize=1) -> None:
         self._mine[:8] = desc
@@ -107,3 +152,9 @@ class GlooHostsTransport(HostLayout, GlooTransport):
     def __init__(self, world: StoreWorld, color: int):
         super().__init__(world)
         self.join_hosts(world, color, StoreTransport, GlooTransport, "gloo")
+
+
+def _keep_forever(obj) -> None:
+    """Never free ``obj``: one more reference that nothing will drop (a list would be
+    cleared at the interpreter's exit, and the destructor then run)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

@@ -8,8 +8,6 @@ JSON or raw bytes: nothing received from a peer is unpickled.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -51,7 +49,8 @@ class StoreWorld:
     takes_device_memory = False
     mpi = coll = None
 
-    def __init__(self, store, rank: int, size: int, prefix: str, members=None, peers=None):
+    def __init__(self, store, rank: int, size: int, prefix: str, members=None, peers=None,
+                 pulses=None):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of size {size}")
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
@@ -60,7 +59,7 @@ class StoreWorld:
         # each rank's (host, pid), where known: a set-up wait for a rank that exited fails
         # at once, and survivors.agree leaves it out
         self.peers = None if peers is None else tuple(tuple(p) for p in peers)
-        self.pulses = None  # survivors.Pulses, where the ranks span hosts
+        self.pulses = pulses  # survivors.Pulses, where the ranks span hosts
         self.shrinks = 0  # attempts at shrinking this world so far
         self.rounds = 0  # allgathers so far: names each one's keys
         self._numbered: dict = {"sent": Counter(), "posted": Counter()}
@@ -86,11 +85,10 @@ class StoreWorld:
         over them."""
         self.shrinks += 1
         alive = survivors.agree(self, self.shrinks, timeout)
-        world = StoreWorld(self.store, alive.index(self.rank), len(alive),
-                           f"{self.prefix}/shrink{self.shrinks}",
-                           [self.members[r] for r in alive], [self.peers[r] for r in alive])
-        world.pulses = self.pulses
-        return world
+        return StoreWorld(self.store, alive.index(self.rank), len(alive),
+                          f"{self.prefix}/shrink{self.shrinks}",
+                          [self.members[r] for r in alive], [self.peers[r] for r in alive],
+                          self.pulses)
 
     def crowded(self) -> bool:
         """Whether the group's processes outnumber the cores they may run on (the group is
@@ -102,12 +100,10 @@ class StoreWorld:
         if color is None:
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
-        world = StoreWorld(self.store, members.index((key, self.rank)), len(members),
-                           f"{self.prefix}/split{self.rounds}/{color}",
-                           [self.members[r] for _, r in members],
-                           self.peers and [self.peers[r] for _, r in members])
-        world.pulses = self.pulses
-        return world
+        return StoreWorld(self.store, members.index((key, self.rank)), len(members),
+                          f"{self.prefix}/split{self.rounds}/{color}",
+                          [self.members[r] for _, r in members],
+                          self.peers and [self.peers[r] for _, r in members], self.pulses)
 
     def dup(self) -> "StoreWorld":
         return self.split(0, self.rank)
@@ -183,8 +179,7 @@ class StoreTransport(ShmTransport):
         several, gloo between them (transports/gloo.py), with hier where every host has as
         many ranks. Collective."""
         world = StoreWorld(store, rank, size, prefix)
-        world.peers = tuple(tuple(p) for p in world.allgather([socket.gethostname(),
-                                                                os.getpid()]))
+        world.peers = tuple(tuple(p) for p in world.allgather(survivors.whoami()))
         if len({host for host, _ in world.peers}) > 1:  # a peer's pid says nothing here
             world.pulses = survivors.Pulses(store)
         return cls.over(world)

@@ -17,16 +17,26 @@ Scenarios (a victim SIGKILLs itself):
             together between calls (a whole host lost): the survivors' next call fails,
             they see the dead only by their pulses standing still, shrink to the first
             host's ranks and go on
+  silent    3 ranks, the last on a host of its own (COMMLIB_HOSTID: gloo joins the two);
+            it stops (SIGSTOP) before a call, alive but silent, as a host cut off from
+            the network: the survivors' gloo call ends when its pulse has stood still (not
+            at the timeout), they shrink to the first host's ranks and go on
+  cut       as host, but the second host's network is cut (tests/test_multihost.py, when
+            its ranks say they are ready) with its ranks alive, and the store is a TCPStore
+            on the first host: the survivors see the silence by the pulses, shrink and go
+            on; the cut-off ranks fail (the store unreachable) and exit with 3
   abort     nobody dies: rank 2 comes to an all_reduce 3 s late, and rank 0's watchdog
             aborts its communicator 0.3 s into the call: rank 0's call fails at once (not
             at its timeout), and its peers' calls fail too, naming the abort
 
-Usage: python tests/mpi/shrink.py RANK SIZE STORE_FILE REPORT_DIR SCENARIO   (one per rank)
+Usage: python tests/mpi/shrink.py RANK SIZE STORE REPORT_DIR SCENARIO   (one per rank)
+STORE: a file (a FileStore), or tcp://HOST:PORT (a TCPStore that rank 0 serves)
 """
 import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch.distributed as dist
@@ -38,19 +48,27 @@ from commlib_strategies.mesh import Mesh
 rank, size, store_file, report_dir, scenario = (int(sys.argv[1]), int(sys.argv[2]),
                                                 sys.argv[3], sys.argv[4], sys.argv[5])
 commlib.abort.unlink_mpich_segments()  # (an MPI singleton's segment, as kill_rank_store.py)
-store = dist.FileStore(store_file, size)
+if store_file.startswith("tcp://"):  # (a host cut off loses it too)
+    host, port = store_file[len("tcp://"):].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timedelta(seconds=15))
+else:
+    store = dist.FileStore(store_file, size)
 comm = commlib.Communicator.from_store(store, rank, size)
 comm.timeout = 20
 
 
 def die() -> None:
+    if scenario == "cut":  # (its network is cut by the test: it goes on, and fails)
+        open(os.path.join(report_dir, f"silent-{rank}"), "w").close()
+        time.sleep(1)
+        return
     store.set(f"died/{rank}", repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if scenario == "silent" else signal.SIGKILL)
 
 
 victim = 0 if scenario == "between" else size - 1
-dead = set(range(size // 2, size)) if scenario == "host" else {0, 1} if scenario == "between" \
-    else {victim}
+dead = set(range(size // 2, size)) if scenario in ("host", "cut") \
+    else {0, 1} if scenario == "between" else {victim}
 failed_at, attempts, first_call = None, 0, None
 
 
@@ -59,7 +77,7 @@ def recover(error) -> None:
     global comm, mesh, failed_at, attempts, first_call, old
     assert failed_at is None, f"a second failure: {error}"
     failed_at = step
-    if scenario != "host":  # (across hosts the transport says how it lost the peer)
+    if scenario not in ("host", "cut"):  # (across hosts the transport says how it lost it)
         assert f"rank {victim}" in str(error) and "exited" in str(error), error
     if scenario == "between" and rank == 1:
         survivors.agree(comm._transport.world, 1, 20.0)  # as shrink does, then dies
@@ -84,7 +102,11 @@ def recover(error) -> None:
         except commlib.CommError as again:
             assert scenario == "between" and attempts == 1, again
             assert "exited" in str(again), again
-    died = max(float(store.get(f"died/{r}")) for r in dead if store.check([f"died/{r}"]))
+    if scenario == "cut":
+        with open(os.path.join(report_dir, "cut-at")) as f:
+            died = float(f.read())
+    else:
+        died = max(float(store.get(f"died/{r}")) for r in dead if store.check([f"died/{r}"]))
     x = np.full(1000, comm.rank + 1, np.float64)
     comm.all_reduce(x)
     first_call = time.time() - died
@@ -114,7 +136,7 @@ if scenario == "abort":
             f.write(f"ABORTED rank {rank} after {time.monotonic() - start:.3f} s\n")
     comm.abort()
     sys.exit(0)
-elif scenario == "host":
+elif scenario in ("host", "silent", "cut"):
     for step in range(6):
         try:
             if rank in dead and step == 3:
@@ -123,6 +145,11 @@ elif scenario == "host":
             comm.all_reduce(x)
             assert (x == comm.size * (comm.size + 1) / 2).all(), (step, x[0], comm.size)
         except commlib.CommError as error:
+            if rank in dead:  # (cut off)
+                with open(os.path.join(report_dir, f"rank-{rank}.txt"), "w") as f:
+                    f.write(f"CUT OFF rank {rank} at step {step}: {error}\n")
+                comm.abort()
+                sys.exit(3)
             recover(error)
 elif scenario == "between":
     mesh = Mesh(comm, dp=2, tp=2)
