@@ -19,6 +19,7 @@ from test_mpi import _segments
 SCENARIOS = [  # (scenario, ranks, the dead): tests/mpi/shrink.py
     ("dp", 3, {2}),
     ("between", 4, {0, 1}),
+    pytest.param("inside", 3, {2}, marks=pytest.mark.long),
 ]
 
 
@@ -50,7 +51,7 @@ def _store_ranks(scenario: str, n: int, dead: set, tmp_path, hosts=None) -> str:
     return "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
 
 
-@pytest.mark.parametrize("scenario,n,dead", SCENARIOS, ids=[s for s, _, _ in SCENARIOS])
+@pytest.mark.parametrize("scenario,n,dead", SCENARIOS, ids=["dp", "between", "inside"])
 def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
     before = _segments()
     reports = _store_ranks(scenario, n, dead, tmp_path)
@@ -59,7 +60,7 @@ def test_survivors_shrink_and_go_on(scenario, n, dead, tmp_path):
                        r"to ranks \[(.*)\]; first call after the death ([\d.]+) s", reports)
     assert sorted(int(r) for r, *_ in found) == alive, reports
     for _, step, attempts, members, seconds in found:
-        assert [int(m) for m in members.split(", ")] == alive
+        assert step == "3" and [int(m) for m in members.split(", ")] == alive, reports
         assert int(attempts) == (2 if scenario == "between" else 1)
         assert float(seconds) < 10, reports
     assert _segments() <= before, "shared memory left behind"

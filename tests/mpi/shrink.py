@@ -17,6 +17,8 @@ Scenarios (a victim SIGKILLs itself):
             together between calls (a whole host lost): the survivors' next call fails,
             they see the dead only by their pulses standing still, shrink to the first
             host's ranks and go on
+  inside    3 ranks in a 64 MiB all_reduce; the last SIGKILLs itself 10 ms into it (in
+            the middle of moving the data): the survivors' call fails, they shrink, go on
   silent    3 ranks, the last on a host of its own (COMMLIB_HOSTID: gloo joins the two);
             it stops (SIGSTOP) before a call, alive but silent, as a host cut off from
             the network: the survivors' gloo call ends when its pulse has stood still (not
@@ -35,6 +37,7 @@ STORE: a file (a FileStore), or tcp://HOST:PORT (a TCPStore that rank 0 serves)
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -58,6 +61,12 @@ comm.timeout = 20
 
 
 def die() -> None:
+    if scenario == "inside":  # (10 ms into the call that follows)
+        def kill():
+            store.set(f"died/{rank}", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.01, kill).start()
+        return
     if scenario == "cut":  # (its network is cut by the test: it goes on, and fails)
         open(os.path.join(report_dir, f"silent-{rank}"), "w").close()
         time.sleep(1)
@@ -121,7 +130,6 @@ def recover(error) -> None:
 
 
 if scenario == "abort":
-    import threading
     if rank == 2:
         time.sleep(3)
     elif rank == 0:
@@ -136,12 +144,13 @@ if scenario == "abort":
             f.write(f"ABORTED rank {rank} after {time.monotonic() - start:.3f} s\n")
     comm.abort()
     sys.exit(0)
-elif scenario in ("host", "silent", "cut"):
+elif scenario in ("host", "silent", "cut", "inside"):
     for step in range(6):
         try:
             if rank in dead and step == 3:
                 die()
-            x = np.full(1000, comm.rank + 1, np.float64)
+            big = scenario == "inside" and step == 3  # (64 MiB: a call of some 50 ms)
+            x = np.full(1 << 23 if big else 1000, comm.rank + 1, np.float64)
             comm.all_reduce(x)
             assert (x == comm.size * (comm.size + 1) / 2).all(), (step, x[0], comm.size)
         except commlib.CommError as error:
