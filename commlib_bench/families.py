@@ -113,7 +113,9 @@ def main(argv=None) -> int:
                 row[name] = reason(e)
                 if not isinstance(e, (ValueError, TypeError, NotImplementedError)):
                     traceback.print_exc()
-            world.barrier()  # (in step before the next layout)
+            # in step before the next layout; a rank whose peer failed alone waits in a
+            # receive until its timeout (60 s), so this waits longer
+            world.barrier(timeout=180)
         results.append(row)
         if world.rank == 0:
             print(json.dumps(row), flush=True)

@@ -14,8 +14,17 @@ Each style becomes what the strategies already have:
                                     head, which sees only this rank's heads: Qwen3's q_norm)
     moe_tp_experts                  the experts stay whole under tp (each tp rank computes
                                     them, as for Mixtral); the styles of their parameters
-                                    are those of the stacked experts, which expert
-                                    parallelism splits instead
+                                    (packed_rowwise too) are those of the stacked experts,
+                                    which expert parallelism splits instead
+    moe_identity_expert             nothing to do: an identity expert among experts kept
+                                    whole (transformers divides its input by the tp size
+                                    because its tp ranks sum their experts' outputs)
+    all_reduce                      kept whole with what its own entries split (Inkling's
+                                    stacked shared experts): each tp rank computes it whole,
+                                    so there is no partial output to sum
+    replicate                       kept whole
+    embedding_colwise               kept whole (an embedding other than the input's,
+                                    whose table every rank then holds)
     ep_dispatch_experts             the experts expert parallelism splits
     colwise_gather_output           column-parallel, its output gathered whole (Phi-3's
                                     fused q|k|v: every tp rank then computes every head)
@@ -24,6 +33,11 @@ Each style becomes what the strategies already have:
                                     config's qk_rope_head_dim), which reach each rank's
                                     heads without the column-parallel kv_b_proj, have their
                                     gradient summed over tp (Plan.shared_tail)
+    colwise                         on a bare parameter (no module of its own) with one
+                                    entry per attention head, such as attention sinks:
+                                    each rank keeps its heads' entries (Plan.column_params)
+    local_params                    nothing to do: the module's parameters' parts are what
+                                    its forward runs on here
     colwise_gather_output           on the LM head: split over the vocab (Plan.vocab), the
                                     loss computed on the logits' slices, never gathered;
                                     kept whole where the head is not a linear layer, or
@@ -46,7 +60,10 @@ from torch import nn
 from commlib_strategies.plans import Plan
 from commlib_strategies.tensor_parallel import plain_lookup
 
-STACKED = ("grouped_gemm", "packed_colwise", "rowwise", "colwise")  # under the experts
+STACKED = ("grouped_gemm", "packed_colwise", "packed_rowwise", "rowwise", "colwise")  # under
+# the experts
+WHOLE = ("replicate", "embedding_colwise")  # kept whole
+KEEP_WITH_THEIR_ENTRIES = ("moe_tp_experts", "all_reduce")  # whole, their STACKED entries too
 EMBEDDING_STYLE, HEAD_STYLE = "embedding_rowwise", "colwise_gather_output"  # split over the vocab
 
 
@@ -61,10 +78,11 @@ def from_config(model: nn.Module) -> Plan:
                          "a commlib_strategies.plans.Plan naming its modules")
     within = next(name for name, m in model.named_modules() if m is hf)
     names = [name for name, _ in model.named_modules()]
+    params = dict(model.named_parameters())
 
-    def at(pattern):  # the pattern among model's names, or None where no module matches
+    def at(pattern, among=names):  # the pattern among model's names, or None where none matches
         pattern = f"{within}.{pattern}" if within else pattern
-        return pattern if any(fnmatch(name, pattern) for name in names) else None
+        return pattern if any(fnmatch(name, pattern) for name in among) else None
 
     dispatched = [p for p, style in ep_plan.items() if style == "ep_dispatch_experts"]
     experts = [p for p in dispatched if at(p)]  # (a variant may have none: all dense)
@@ -75,21 +93,33 @@ def from_config(model: nn.Module) -> Plan:
         if style != "ep_dispatch_experts" and not (
                 style == "grouped_gemm" and any(pattern.startswith(e + ".") for e in dispatched)):
             _refuse(hf, pattern, style, "expert")
-    whole = [p for p, style in tp_plan.items() if style == "moe_tp_experts"]
+    whole = [p for p, style in tp_plan.items() if style in KEEP_WITH_THEIR_ENTRIES]
     head = next(name for name, m in hf.named_modules() if m is hf.get_output_embeddings())
     embedding = next(name for name, m in hf.named_modules() if m is hf.get_input_embeddings())
-    column, row, summed, gather, split, tail = {}, [], [], [], [], {}
+    column, row, summed, gather, split, tail, per_head = {}, [], [], [], [], {}, []
     for pattern, style in tp_plan.items():
         if any(pattern.startswith(w + ".") for w in whole) and style in STACKED:
-            continue  # the stacked experts' parameters: see moe_tp_experts
+            continue  # the stacked experts' parameters: see moe_tp_experts, all_reduce
         if (pattern, style) in ((embedding, EMBEDDING_STYLE), (head, HEAD_STYLE)):
             continue  # split over the vocab, or kept whole: _vocab
+        if style == "local_params":  # (each module here runs on its own parameters' parts)
+            continue
+        if style in WHOLE + KEEP_WITH_THEIR_ENTRIES or (style == "moe_identity_expert" and
+                              any(pattern.startswith(w + ".") for w in whole)):
+            continue
+        if at(pattern) is None and (bare := at(pattern, params)):  # a bare parameter
+            heads = getattr(hf.config, "num_attention_heads", None)
+            if style != "colwise" or any(p.shape[0] != heads for name, p in params.items()
+                                         if fnmatch(name, bare)):
+                _refuse(hf, pattern, style, "tensor")
+            per_head.append(bare)  # (attention sinks: one entry per head)
+            continue
         if style not in STYLES or (style == "packed_colwise" and
                                    not pattern.endswith("gate_up_proj")):
             _refuse(hf, pattern, style, "tensor")
         # (a family's plan covers its variants: a pattern no module of this model matches,
         # such as dense MLPs in a model whose every layer has experts, has nothing to do)
-        if (where := at(pattern)) is None or style == "moe_tp_experts":
+        if (where := at(pattern)) is None:
             continue
         if style in ("colwise", "packed_colwise"):
             column[where] = 2 if style == "packed_colwise" else 1
@@ -112,7 +142,8 @@ def from_config(model: nn.Module) -> Plan:
 
     return Plan(column=column, row=tuple(row), column_gather=tuple(gather),
                 vocab=_vocab(hf, tp_plan, embedding, head, at),
-                row_split=tuple(split), tp_summed=tuple(summed), shared_tail=tail, heads=heads,
+                row_split=tuple(split), column_params=tuple(per_head),
+                tp_summed=tuple(summed), shared_tail=tail, heads=heads,
                 heads_split=not any(p.startswith(attention + ".") for p in gather),
                 attention=attention,
                 experts=at(experts[0]) if experts else "",

@@ -86,7 +86,10 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
     ours.update({k: 0.0 for k, v in default.to_dict().items()
                  if isinstance(v, float) and any(w in k for w in ("dropout", "pdrop", "jitter"))})
     ours.update(_tokens_past(default.to_dict(), vocab))
-    return tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
+    config = tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
+    if getattr(config, "num_layers", layers) < layers:  # (LongCat-Flash's num_hidden_layers
+        config.num_layers = layers                      # counts 2 sublayers per layer)
+    return config
 
 
 def _sparse_layers_kept(default, layers: int) -> dict:

@@ -22,9 +22,10 @@ from commlib_strategies.mappings import copy_to_group
 from commlib_strategies.megatron_sp import shard_sequences_
 from commlib_strategies.mesh import Mesh
 from commlib_strategies.model import LanguageModel
-from commlib_strategies.plans import Plan, matching
+from commlib_strategies.plans import Plan, matching, matching_parameters
 from commlib_strategies.sequence_parallel import sum_gradient_over
-from commlib_strategies.tensor_parallel import column_parallel_, row_parallel_, vocab_parallel_
+from commlib_strategies.tensor_parallel import (column_parameter_, column_parallel_,
+                                                row_parallel_, vocab_parallel_)
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Plan | None = None,
@@ -60,7 +61,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan | None = None,
         expert_parallel_(model, matching(model, plan.experts, names=True), mesh, sp)
     elif mesh.size("ep") > 1:
         raise ValueError(f"expert parallel: the plan for {type(model).__name__} names no "
-                         "experts (a model without mixture-of-experts layers)")
+                         "experts (a model without mixture-of-experts layers, or whose "
+                         "config gives no expert parallel plan: pass a Plan naming them)")
     return model
 
 
@@ -87,6 +89,9 @@ def tensor_parallel_(model: nn.Module, group, plan: Plan, sequence: bool = False
     for pattern in plan.row_split:
         for m in matching(model, pattern):
             row_parallel_(m, group, time, split_input=True)
+    for pattern in plan.column_params:
+        for owner, name in matching_parameters(model, pattern):
+            column_parameter_(owner, name, group)
     for pattern in plan.tp_summed:
         for m in matching(model, pattern):
             for p in m.parameters():

@@ -13,6 +13,10 @@ plan for a new family is a short declaration:
                feature (Phi-3's fused q|k|v, whose attention reads the config's head
                counts); with them on the attention, ``heads_split`` is False: every tp rank
                computes every head
+    column_params
+               patterns of bare parameters (no module of their own) that hold one entry per
+               attention head, such as attention sinks: tensor parallelism keeps this
+               rank's heads' entries (their first dim split as the heads are)
     tp_summed  patterns of modules kept whole under tensor parallelism that see only this
                rank's part of their input (a norm over each attention head, such as Qwen3's
                q_norm: this rank's heads): their gradients are summed over tp
@@ -59,6 +63,7 @@ class Plan:
     row: tuple = ()
     column_gather: tuple = ()
     row_split: tuple = ()
+    column_params: tuple = ()
     heads_split: bool = True
     tp_summed: tuple = ()
     shared_tail: dict = field(default_factory=dict)
@@ -80,6 +85,18 @@ def matching(model: nn.Module, pattern: str, names: bool = False) -> list:
                          f"{type(model).__name__}; fix the plan (names as in "
                          "model.named_modules())")
     return [name if names else m for name, m in found]
+
+
+def matching_parameters(model: nn.Module, pattern: str) -> list:
+    """(owner module, attribute name) of each parameter of ``model`` that ``pattern``
+    matches by its full name; at least one (as ``matching``)."""
+    found = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+             for name, _ in model.named_parameters() if fnmatch(name, pattern)]
+    if not found:
+        raise ValueError(f"the plan's pattern {pattern!r} matches no parameter of "
+                         f"{type(model).__name__}; fix the plan (names as in "
+                         "model.named_parameters())")
+    return found
 
 
 def matches(name: str, patterns) -> bool:

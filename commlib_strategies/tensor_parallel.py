@@ -314,6 +314,17 @@ def column_parallel_(module: nn.Module, group: commlib.Communicator, parts: int 
     module.forward = types.MethodType(forward, module)  # (a deep copy rebinds it)
 
 
+def column_parameter_(owner: nn.Module, name: str, group: commlib.Communicator) -> None:
+    """Keep this rank's part of ``owner``'s bare parameter ``name`` along its first dim,
+    one entry per attention head (as a column-parallel projection keeps its heads)."""
+    full = getattr(owner, name)
+    if full.shape[0] % group.size:
+        raise ValueError(f"tensor parallel: {type(owner).__name__}.{name} has {full.shape[0]} "
+                         f"entries (one per head), which do not divide by tp={group.size}")
+    setattr(owner, name, _mark(nn.Parameter(_shard(full, group, 0),
+                                            requires_grad=full.requires_grad), 0, full.shape[0]))
+
+
 def row_parallel_(module: nn.Module, group: commlib.Communicator,
                   sequence_dim: int | None = None, split_input: bool = False) -> None:
     """Make a linear layer row-parallel in place: it keeps this rank's input features and

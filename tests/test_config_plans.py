@@ -13,6 +13,8 @@ from commlib_strategies.config_plans import from_config  # noqa: E402
 from commlib_strategies.families import build  # noqa: E402
 from commlib_strategies.plans import PLANS  # noqa: E402
 
+torch = pytest.importorskip("torch")
+
 SMALL = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              hidden_size=32, intermediate_size=64, head_dim=8, pad_token_id=None,
              bos_token_id=None, eos_token_id=None)
@@ -69,14 +71,43 @@ def test_phi3_fused_projections_are_gathered_whole():
 
 def test_styles_without_a_counterpart_are_refused_by_name():
     model = build("llama", 64, seed=0)
-    model.hf._tp_plan = {**model.hf._tp_plan, "model.layers.*.self_attn.q_proj": "local_params"}
+    model.hf._tp_plan = {**model.hf._tp_plan, "model.layers.*.self_attn.q_proj": "colwise_rep"}
     with pytest.raises(ValueError, match=r"'model.layers.\*.self_attn.q_proj' the style "
-                                         r"'local_params'.*pass a commlib_strategies"):
+                                         r"'colwise_rep'.*pass a commlib_strategies"):
         from_config(model)
     with pytest.raises(ValueError, match="no tensor parallel plan"):
         from_config(build("gpt2", 64, seed=0))
     with pytest.raises(TypeError, match="holds no transformers model"):
         from_config(pytest.importorskip("torch").nn.Linear(2, 2))
+
+
+def test_per_head_parameters_are_split_and_other_bare_ones_refused():
+    """Attention sinks (a bare parameter, one entry per head, in a module marked
+    local_params) are split as the heads are; a bare parameter of another style, or whose
+    entries are not one per head, is refused, never passed over."""
+    model = build("granite_swa", 64, seed=0)
+    assert from_config(model).column_params == ("hf.model.layers.*.self_attn.sinks",)
+    plan = model.hf._tp_plan
+    for style, shape in (("rowwise", None), ("colwise", 3)):
+        if shape:
+            for layer in model.hf.model.layers:
+                layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(shape))
+        model.hf._tp_plan = {**plan, "model.layers.*.self_attn.sinks": style}
+        with pytest.raises(ValueError, match=f"'model.layers.\\*.self_attn.sinks' the style "
+                                             f"'{style}'"):
+            from_config(model)
+
+
+def test_styles_kept_whole():
+    """Inkling's stacked shared experts, under all_reduce, and Aria's packed_rowwise stacked
+    experts are kept whole with their entries; Inkling-2's replicated embedding too."""
+    plan = from_config(build("inkling_text", 64, seed=0))
+    assert not [p for p in [*plan.column, *plan.row, *plan.column_params]
+                if "shared_experts" in p], plan
+    for family in ("inkling2_text", "aria_text"):
+        plan = from_config(build(family, 64, seed=0))
+        assert not [p for p in [*plan.column, *plan.row, *plan.column_params]
+                    if ".experts" in p or "embed" in p], plan
 
 
 def test_a_model_as_transformers_built_it_is_wrapped_and_others_refused():
