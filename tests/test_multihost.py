@@ -106,24 +106,10 @@ def test_survivors_of_a_lost_host_shrink_and_go_on(hosts, tmp_path):
     host die together between calls: the first host's ranks fail their next call, see the
     dead by their pulses standing still (a pid says nothing across hosts), shrink to
     themselves and go on (tests/mpi/shrink.py host), within 2 s of the deaths."""
-    script = str(Path(__file__).parent / "mpi" / "shrink.py")
-    env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
-    ranks = [hosts.popen_on(hosts.names[r // 2], [
-        sys.executable, script, str(r), "4", str(tmp_path / "store"), str(tmp_path), "host"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(4)]
-    try:
-        outputs = [p.communicate(timeout=90)[0] for p in ranks]
-    finally:
-        hosts.kill_strays()
-    assert [p.returncode for p in ranks] == [0, 0, -9, -9], outputs
-    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
-    found = re.findall(r"SURVIVOR rank (\d) failed at step 3, shrank in 1 attempt\(s\) to "
-                       r"ranks \[0, 1\]; first call after the death ([\d.]+) s", reports)
-    assert [r for r, _ in found] == ["0", "1"], reports
-    print("death to the first call on the shrunk communicator:", [s for _, s in found], "s")
-    assert max(float(s) for _, s in found) < 2, reports
-    assert not any(hosts.leftovers().values()), hosts.leftovers()
+    codes, seconds = _survivors_on_hosts(hosts, tmp_path, str(tmp_path / "store"), "host")
+    assert codes == [0, 0, -9, -9]
+    print("death to the first call on the shrunk communicator:", seconds, "s")
+    assert max(seconds) < 2
 
 
 def test_survivors_of_a_host_cut_off_shrink_and_go_on(hosts, tmp_path):
@@ -131,31 +117,43 @@ def test_survivors_of_a_host_cut_off_shrink_and_go_on(hosts, tmp_path):
     store a TCPStore on the first host: the survivors' gloo call ends when the cut-off
     ranks' pulses have stood still (not at the timeout), they shrink and go on; the
     cut-off ranks fail by themselves (the store unreachable), leaving nothing."""
+    codes, seconds = _survivors_on_hosts(hosts, tmp_path, "tcp://host1:29650", "cut")
+    assert codes == [0, 0, 3, 3]
+    print("cut to the first call on the shrunk communicator:", seconds, "s")
+    assert max(seconds) < 3
+
+
+def _survivors_on_hosts(hosts, tmp_path, store: str, scenario: str) -> tuple:
+    """tests/mpi/shrink.py's ``scenario`` on 4 ranks, 2 per host, meeting through ``store``
+    (for "cut", the second host is unplugged once its ranks are about to call): the ranks'
+    exit codes, and the times of the first host's ranks, which must have shrunk to
+    themselves, from the death or the cut to their first call on the shrunk communicator.
+    Nothing may be left on either host."""
     script = str(Path(__file__).parent / "mpi" / "shrink.py")
     env = {**os.environ, **checkout_env(), "COMMLIB_TUNING": "off"}
     ranks = [hosts.popen_on(hosts.names[r // 2], [
-        sys.executable, script, str(r), "4", "tcp://host1:29650", str(tmp_path), "cut"],
+        sys.executable, script, str(r), "4", store, str(tmp_path), scenario],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(4)]
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"silent-{r}").exists() for r in (2, 3)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks)
-            time.sleep(0.01)
-        (tmp_path / "cut-at").write_text(repr(time.time()))
-        hosts.cut("host2")
+        if scenario == "cut":
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"silent-{r}").exists() for r in (2, 3)):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in ranks)
+                time.sleep(0.01)
+            (tmp_path / "cut-at").write_text(repr(time.time()))
+            hosts.cut("host2")
         outputs = [p.communicate(timeout=90)[0] for p in ranks]
+        left = hosts.leftovers()
     finally:
         hosts.kill_strays()
         hosts.cut("host2", off=False)
-    assert [p.returncode for p in ranks] == [0, 0, 3, 3], outputs
     reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
     found = re.findall(r"SURVIVOR rank (\d) failed at step 3, shrank in 1 attempt\(s\) to "
                        r"ranks \[0, 1\]; first call after the death ([\d.]+) s", reports)
-    assert [r for r, _ in found] == ["0", "1"], reports
-    print("cut to the first call on the shrunk communicator:", [s for _, s in found], "s")
-    assert max(float(s) for _, s in found) < 3, reports
-    assert not any(hosts.leftovers().values()), hosts.leftovers()
+    assert [r for r, _ in found] == ["0", "1"], (reports, outputs)
+    assert not any(left.values()), left
+    return [p.returncode for p in ranks], [float(s) for _, s in found]
 
 
 def test_torchrun_across_nodes(hosts):
