@@ -139,13 +139,16 @@ def from_config(model: nn.Module) -> Plan:
                   if getattr(hf.config, a, None))
     regions = tuple(sorted({p.rsplit(".", 1)[0] for p in [*column, *gather]}))  # attn, MLP
     attention = at("model.layers.*.self_attn") or at(_attention_modules(hf)) or ""
+    heads_split = not any(p.startswith(attention + ".") for p in gather)
+    if attention and all(isinstance(m, nn.ModuleList) for name, m in model.named_modules()
+                         if fnmatch(name, attention)):
+        attention += ".?"  # (a list of them per layer: LongCat-Flash's; "?": not their parts)
 
     return Plan(column=column, row=tuple(row), column_gather=tuple(gather),
                 vocab=_vocab(hf, tp_plan, embedding, head, at),
                 row_split=tuple(split), column_params=tuple(per_head),
                 tp_summed=tuple(summed), shared_tail=tail, heads=heads,
-                heads_split=not any(p.startswith(attention + ".") for p in gather),
-                attention=attention,
+                heads_split=heads_split, attention=attention,
                 experts=at(experts[0]) if experts else "",
                 **_cuts(hf, at, names, regions, at(head)))
 

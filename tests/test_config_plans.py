@@ -11,7 +11,7 @@ tf = pytest.importorskip("transformers")
 
 from commlib_strategies.config_plans import from_config  # noqa: E402
 from commlib_strategies.families import build  # noqa: E402
-from commlib_strategies.plans import PLANS  # noqa: E402
+from commlib_strategies.plans import PLANS, matching  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
@@ -162,6 +162,10 @@ def test_context_parallelism_refuses_what_shards_would_change():
 def test_attention_modules_found_where_llama_has_none():
     from commlib_strategies.families import build
     assert from_config(build("gpt_neox", 64, 0)).attention == "hf.gpt_neox.layers.*.attention"
+    # LongCat-Flash holds a list of them per layer: the list's items, not their parts
+    longcat = build("longcat_flash", 64, 0)
+    found = matching(longcat, from_config(longcat).attention)
+    assert len(found) == 4 and {type(m).__name__ for m in found} == {"LongcatFlashMLA"}
 
 
 def test_the_vocab_is_split_where_the_plan_says_and_the_lookup_is_plain():
