@@ -84,7 +84,8 @@ class Dispatcher:
             self.tell_peers(collective, e)
             raise
         if teach and self.fast is not None:
-            self.fast.learn(call, algorithm, algo, plan)
+            staged = algo.otherwise and t.plan(algo.otherwise, call)  # (one_copy's: pages.py)
+            self.fast.learn(call, algorithm, algo, plan, staged)
         return self.engine.run(collective, self._task(call, algo, plan, seconds), async_op,
                                result)
 

@@ -50,9 +50,10 @@ class FastPath:
             on_failure=lambda *failure: _failed(owner(), *failure))
         return None if native is None else cls(native, algorithms, transport.fast_kinds)
 
-    def learn(self, call, requested: str | None, algo, plan) -> None:
+    def learn(self, call, requested: str | None, algo, plan, otherwise=None) -> None:
         """The general path runs ``algo`` (``plan``, or a runner) for ``call``, asked for
-        ``requested`` (None: auto)."""
+        ``requested`` (None: auto); a one_copy that stages by a schedule, by its plan
+        ``otherwise``."""
         if call.collective == "all_to_all" and len(set(call.splits[0] + call.splits[1])) > 1:
             return  # the fast path knows equal parts only
         kind = "plan" if plan is not None else algo.name
@@ -60,7 +61,8 @@ class FastPath:
             return  # other runners (MPI's own, hier, MPI's plans) stay on the general path
         algorithm = 0 if requested is None else self.algorithms.setdefault(
             requested, len(self.algorithms) + 1)
-        steps, tmp = (plan.steps.tolist(), plan.tmp_bytes) if kind == "plan" else ([], 0)
+        staged = plan if kind == "plan" else otherwise
+        steps, tmp = (staged.steps.tolist(), staged.tmp_bytes) if staged is not None else ([], 0)
         # eager sends its descriptor, native agrees on it first, and so do rooted plans
         # (transports/shm.py): dtype and op are filled in per call
         needs_descriptor = kind in ("eager", "native") or (

@@ -156,7 +156,8 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
             huge = measured.fastest(collective, size, found, huge=True)
             if huge not in (None, base) and worth_deciding_by_pages(measured, collective,
                                                                     size, base, huge):
-                return by_pages(found[huge], found[base])  # the call's memory decides
+                return by_pages(found[huge], found[base],  # the call's memory decides
+                                collective in measured.base_pages_in_place)
             return found[base]
     if user_op or deterministic:
         model = model or DEFAULT_MODEL

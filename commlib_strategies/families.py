@@ -77,7 +77,9 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
     sizes = _sizes(vocab, seq_len, d_model, layers, heads, experts or 4, topk)
     if not has_experts(model_type):
         sizes = {k: v for k, v in sizes.items() if "expert" not in k}
-    ours = {k: v for k, v in sizes.items() if hasattr(default, k)}
+    derived = {k for k, v in vars(type(default)).items()  # (Falcon's head_dim)
+               if isinstance(v, property) and v.fset is None}
+    ours = {k: v for k, v in sizes.items() if hasattr(default, k) and k not in derived}
     if "kv_lora_rank" in ours:  # latent attention: every head its own keys, a rotary part
         ours.update(num_key_value_heads=heads, **({"head_dim": ours["qk_rope_head_dim"]}
                                                   if "head_dim" in ours else {}))

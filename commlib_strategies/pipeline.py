@@ -57,8 +57,11 @@ W.)
 """
 from __future__ import annotations
 
+import ast
 import copy
 import functools
+import inspect
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -111,10 +114,38 @@ def _communicators(value):
 
 
 class _Skipped(nn.Module):
-    """Another piece's block on this one: its input passed on as its output."""
+    """Another piece's block on this one: its input passed on as its output, in the form
+    the block returns (``values`` of them: the rest None)."""
+
+    def __init__(self, values: int = 1):
+        super().__init__()
+        self.values = values
 
     def forward(self, hidden, *args, **kwargs):
-        return hidden
+        return hidden if self.values == 1 else (hidden, *[None] * (self.values - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def values_returned(forward) -> int:
+    """How many values a block's ``forward`` returns, read from its return statements: a
+    tuple's length where every one returns a tuple of that length, else 1 (GLM-MoE-DSA's
+    blocks return their indexer's top-k beside the hidden states, for the next block to
+    reuse; annotations are no guide: many say a tuple and return a tensor). What is
+    returned beside the hidden states does not cross stages: a block that needs it from
+    another piece's fails on its absence (GLM-MoE-DSA's "shared" indexer layers)."""
+    try:
+        (function,) = ast.parse(textwrap.dedent(inspect.getsource(forward))).body
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return 1
+    found, todo = set(), list(function.body)
+    while todo:  # (the function's own statements: not those of functions inside it)
+        node = todo.pop()
+        if isinstance(node, ast.Return):
+            found.add(len(node.value.elts) if isinstance(node.value, ast.Tuple) else 1)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
+                                   ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+    return found.pop() if len(found) == 1 else 1
 
 
 class _NoEmbedding(nn.Module):
@@ -145,7 +176,8 @@ class Piece(nn.Module):
         # that passes its input on, so that the blocks kept keep their places: a model
         # may look up what block i is, its layer type, by its place in the list), and
         # the ends
-        memo = {id(b): _Skipped() for i, b in enumerate(layers) if i not in blocks}
+        memo = {id(b): _Skipped(values_returned(type(b).forward))
+                for i, b in enumerate(layers) if i not in blocks}
         self._passed = [None]  # what passed the first of this piece's final modules
         for name, m in model.named_modules():
             if not self.first and matches(name, embeddings):

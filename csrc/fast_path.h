@@ -19,8 +19,8 @@ enum class EntryKind { PLAN, DIRECT, ONE_COPY, EAGER, NATIVE };
 
 struct FastEntry {
   EntryKind kind;
-  std::vector<int64_t> plan;  // PLAN's steps
-  int64_t tmp_bytes;          // PLAN's scratch
+  std::vector<int64_t> plan;  // PLAN's steps; ONE_COPY's where it stages (else direct's)
+  int64_t tmp_bytes;          // the plan's scratch
   int id;                     // names the entry to Python (the flight recorder's rows)
   // the call's descriptor (dtype and op are filled in per call), which the ranks agree
   // on before a PLAN runs (rooted plans: transports/shm.py) and which EAGER sends; empty

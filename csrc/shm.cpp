@@ -326,7 +326,8 @@ void ShmComm::run(const FastEntry& e, const FastCall& c) {
       direct(c.collective, c.out.ptr, c.in.ptr, c.count, dtype, c.op, c.root);
       break;
     case EntryKind::ONE_COPY:
-      one_copy(c.collective, c.out.ptr, c.in.ptr, c.count, dtype, c.op, c.root);
+      one_copy(c.collective, c.out.ptr, c.in.ptr, c.count, dtype, c.op, c.root, {}, {},
+               e.plan.data(), int64_t(e.plan.size()), e.tmp_bytes);
       break;
     default:
       throw std::logic_error("the shm transport runs no eager entries");

@@ -158,10 +158,13 @@ class ShmComm : public FastTransport {
   // One-copy collectives (shm_one_copy.cpp): each rank reads the peers' buffers where
   // they lie with process_vm_readv, instead of staging them. Same arguments as direct();
   // all but reduce. probe_one_copy() (set-up, after attach) says why they cannot run
-  // here ("" when they can); one_copy() raises unless the probe succeeded.
+  // here ("" when they can); one_copy() raises unless the probe succeeded. Where some
+  // rank's buffer is not read in place, the call stages: by the flattened schedule
+  // `otherwise` (its scratch `tmp_bytes`) where one is given, else as direct() does.
   void one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
                 int op, int64_t root, const std::vector<int64_t>& in_splits = {},
-                const std::vector<int64_t>& out_splits = {});
+                const std::vector<int64_t>& out_splits = {}, const int64_t* otherwise = nullptr,
+                int64_t otherwise_len = 0, int64_t tmp_bytes = 0);
   std::string probe_one_copy();
   // calls so far that read peers' buffers where they lie (one_copy's, all_to_all's rest)
   uint64_t calls_read_in_place() const { return calls_read_in_place_; }

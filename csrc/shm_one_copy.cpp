@@ -273,11 +273,17 @@ void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64
 
 void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
                        int dtype, int op, int64_t root, const std::vector<int64_t>& in_splits,
-                       const std::vector<int64_t>& out_splits) {
+                       const std::vector<int64_t>& out_splits, const int64_t* otherwise,
+                       int64_t otherwise_len, int64_t tmp_bytes) {
   if (!one_copy_ok_)
     throw std::invalid_argument("one-copy collectives are unavailable here (probe_one_copy)");
   if (read_in_place(collective, out, in, count, dtype, op, root, in_splits, out_splits)) return;
-  direct(collective, out, in, count, dtype, op, root, in_splits, out_splits);
+  // (read_in_place's meeting checked that every rank made this call: a rooted schedule
+  // needs no agreement of its own)
+  if (otherwise_len > 0)
+    run_plan(otherwise, otherwise_len, {out, in}, tmp_bytes, dtype, op);
+  else
+    direct(collective, out, in, count, dtype, op, root, in_splits, out_splits);
 }
 
 bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,

@@ -193,6 +193,12 @@ def test_mla_rope_features_are_summed_over_tp():
     assert plan.shared_tail == {"model.layers.*.self_attn.kv_a_proj_with_mqa": "qk_rope_head_dim"}
 
 
+def test_a_derived_size_is_left_to_the_config():
+    # Falcon's head_dim is a property of its hidden size and heads, not a field to set
+    model = build("falcon", 64, seed=0)
+    assert model.hf.config.head_dim == model.hf.config.hidden_size // 4
+
+
 def test_shrunk_models_keep_their_experts():
     # DeepSeek-V3's first 3 layers are dense, DeepSeek-V3.2's per-layer MLP types say so,
     # Flint's mlp_only_layers list them: at 2 layers each keeps experts in its last, which

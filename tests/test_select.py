@@ -4,7 +4,8 @@ import math
 import pytest
 
 from commlib import algorithms
-from commlib.algorithms import get
+from commlib.algorithms import entries, get
+from commlib.algorithms.pages import by_pages
 from commlib.select import CostModel, choose
 from commlib.transports.base import Where
 
@@ -115,7 +116,15 @@ def test_measured_table_choice():
     assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).name == "tree"
     table.on_huge_pages["broadcast"] = {"tree": [[mb4, 40.0]], "one_copy": [[mb4, 27.0]]}
     both = choose("broadcast", None, 2, mb4, offers=shm, measured=table)
+    # one_copy's own meeting decides: it stages by tree where it cannot read in place
+    assert (both.name, both.otherwise.name) == ("one_copy", "tree") and both.agrees
+    table.base_pages_in_place = ["broadcast"]  # (one_copy would read 4 KiB pages too)
+    both = choose("broadcast", None, 2, mb4, offers=shm, measured=table)
     assert both.name == "pages" and both.run is not None and both.agrees
+    table.base_pages_in_place = []
+    tree, one_copy, direct = (entries("broadcast")[a] for a in ("tree", "one_copy", "direct"))
+    assert by_pages(one_copy, direct) == one_copy  # (it stages as direct does anyway)
+    assert by_pages(tree, one_copy).name == "pages"  # (a flag decides)
     assert choose("broadcast", "tree", 2, mb4, offers=shm, measured=table).name == "tree"
     # not where a buffer cannot fill a huge page, nor for a gain under pages.WORTH
     assert choose("broadcast", None, 2, 1 << 20, offers=shm, measured=table).name == "tree"
@@ -155,8 +164,8 @@ def test_tuning_times_again_between_differing_winners_and_outliers():
               [3.5, 4.5, 1.0])
     assert to_time_again(table, 2, None, retimed) == {}  # eager to 512 KiB, ring from 1 MiB
     # a re-timed point keeps the lesser time
-    table.put([(False, "all_reduce", "ring", 1024 * K)], [5.0], keep_least=True)
-    table.put([(False, "all_reduce", "rhd", 1024 * K)], [9.0], keep_least=True)
+    table.put([(False, "all_reduce", "ring", 1024 * K)], [5.0], keep=min)
+    table.put([(False, "all_reduce", "rhd", 1024 * K)], [9.0], keep=min)
     assert table.at((False, "all_reduce", "ring", 1024 * K)) == 5.0
     assert table.at((False, "all_reduce", "rhd", 1024 * K)) == 7.0
     assert [b for b, _ in table.times["all_reduce"]["ring"]] == sorted(

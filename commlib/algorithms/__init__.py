@@ -52,6 +52,9 @@ class Algorithm:
     # reduces every element in rank order, ((x0 op x1) op x2) ..., whatever the size: the
     # same bits as every other such algorithm (deterministic mode)
     rank_order: bool = False
+    # one_copy's, chosen by the call's memory (pages.py): what stages the call where some
+    # rank's memory is not read in place (a schedule, or None: as direct does)
+    otherwise: Optional["Algorithm"] = None
 
 
 _registry: dict[tuple[str, str], dict[str, Algorithm]] = {

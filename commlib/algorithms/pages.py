@@ -5,12 +5,15 @@ on huge ones, where their fastest often differ: one_copy reads huge pages in pla
 meeting's cost, while on 4 KiB pages the kernel pins every page it reads and a schedule's
 copies may win. Where the two differ at a call's size, auto takes ``by_pages(huge, base)``:
 each rank looks at the pages of its buffer the peers read (csrc/shm_one_copy.cpp's
-mostly_huge), the ranks
-agree in one all_reduce of a flag (a meeting, a few microseconds against the
-hundreds a call on huge pages takes), and all run ``huge`` only where every rank's buffers
-lie on huge pages, else ``base``. Not an algorithm to ask for by name: auto's alone.
+mostly_huge), the ranks agree in one all_reduce of a flag, and all run ``huge`` only
+where every rank's buffers lie on huge pages, else ``base``. Where ``huge`` is one_copy,
+whose own meeting already tells whether every rank's memory is read in place, no flag is
+needed: one_copy stages by ``base`` itself (``Algorithm.otherwise``), in C++ and on the fast
+path (the flag and the general path cost 60-200 us a 4 MiB broadcast on a 2-core AMD EPYC,
+where one_copy took 220-500). Not an algorithm to ask for by name: auto's alone.
 """
 import mmap
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -78,8 +81,19 @@ def chosen(transport, call, huge: Algorithm, base: Algorithm) -> Algorithm:
 
 
 @lru_cache(maxsize=256)
-def by_pages(huge: Algorithm, base: Algorithm) -> Algorithm:
-    """An entry that runs ``huge`` or ``base`` by the call's memory, agreed by all ranks."""
+def by_pages(huge: Algorithm, base: Algorithm, base_pages_in_place: bool = False) -> Algorithm:
+    """An entry that runs ``huge`` or ``base`` by the call's memory, agreed by all ranks
+    (``base_pages_in_place``: one_copy reads this collective's 4 KiB pages in place too)."""
+    if huge.name == "one_copy" and not base_pages_in_place and \
+            (base.build is not None or base.name == "direct"):
+        flags = {"user_ops": base.user_ops and huge.user_ops,
+                 "rank_order": base.rank_order and huge.rank_order}
+        if base.build is None:
+            return replace(huge, **flags)  # (it stages as direct does)
+
+        def one_copy_else_base(transport, call):
+            transport.one_copy(call, transport.plan(base, call))
+        return replace(huge, run=one_copy_else_base, otherwise=base, **flags)
     def run(transport, call):
         algo, plan, _ = transport.choice(call, chosen(transport, call, huge, base).name)
         transport.agree_call(call, algo)

@@ -103,9 +103,12 @@ class ShmTransport(Transport):
         """The call's direct collective (csrc/shm_direct.cpp)."""
         self.shm.direct(*_arguments(call))
 
-    def one_copy(self, call) -> None:
-        """The call's one-copy collective (csrc/shm_one_copy.cpp)."""
-        self.shm.one_copy(*_arguments(call))
+    def one_copy(self, call, otherwise=None) -> None:
+        """The call's one-copy collective (csrc/shm_one_copy.cpp); where it stages, by the
+        plan ``otherwise`` (a schedule's) if given, else as direct does."""
+        steps, tmp = (otherwise.steps, otherwise.tmp_bytes) if otherwise is not None else \
+            (_NO_STEPS, 0)
+        self.shm.one_copy(*_arguments(call), steps, tmp)
 
     def all_reduce_phase(self, call, phase: int) -> None:
         """The direct all_reduce's reduce-scatter (1) or all-gather (2) alone (hier)."""
@@ -168,6 +171,9 @@ def _set_up(group, crowded: bool):
         raise CommError(f"shared-memory set-up failed: {error or 'on another rank'}; "
                         "set COMMLIB_TRANSPORT=mpi to run without it")
     return shm
+
+
+_NO_STEPS = np.zeros(0, np.int64)
 
 
 def _arguments(call) -> tuple:

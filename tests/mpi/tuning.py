@@ -5,6 +5,7 @@ say otherwise; a cached table of another layout is ignored with a warning; off i
 Usage: mpiexec -n N python tests/mpi/tuning.py CACHE_DIR   (N >= 2; each rank caches under
 CACHE_DIR/rank<r>, as ranks on different hosts would)
 """
+import copy
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ os.environ.pop("COMMLIB_TUNING", None)
 import commlib  # noqa: E402
 from commlib import tuning  # noqa: E402
 from commlib.algorithms import entries  # noqa: E402
-from commlib.algorithms.pages import worth_deciding_by_pages  # noqa: E402
+from commlib.algorithms import pages  # noqa: E402
 from commlib.call import COLLECTIVES  # noqa: E402
 from harness import Checker  # noqa: E402
 
@@ -77,6 +78,30 @@ def measured_and_cached():
         assert not files, "only rank 0 writes the table"
 
 
+def the_copies_large_sizes_keep_their_worse_time():
+    """_time_copies_again times the copies (ON_HUGE_PAGES_TOO) again from a huge page up,
+    on both kinds of pages, and keeps the worse time: a point set to 0 comes back
+    measured, one set past any real time stays; smaller sizes and other collectives are
+    left alone."""
+    if "one_copy" not in world.algorithms("all_gather"):
+        return
+    table = tuning.Table(*copy.deepcopy(world.algorithm_table.parts()))
+    big = tuning.huge_page_bytes()
+    for kind in (table.times, table.on_huge_pages):
+        for c, algos in kind.items():
+            for name, points in algos.items():
+                for point in points:
+                    point[1] = 0.0 if name != "direct" else 1e9
+    tuning._time_copies_again(world, world.barrier, table, world._transport.where)
+    for kind in (table.times, table.on_huge_pages):
+        for c, algos in kind.items():
+            for name, points in algos.items():
+                for b, t in points:
+                    again = c in tuning.ON_HUGE_PAGES_TOO and b >= big
+                    want = 1e9 if name == "direct" else (t if again and t > 0 else 0.0)
+                    assert t == want, (c, name, b, t)
+
+
 def the_choice_is_the_tables_and_the_same_everywhere():
     chosen = auto_choices(world)
     every = world.mpi.allgather(chosen)
@@ -87,9 +112,12 @@ def the_choice_is_the_tables_and_the_same_everywhere():
         names = world.algorithms(collective)
         base = table.fastest(collective, nbytes, names)
         huge = table.fastest(collective, nbytes, names, huge=True)
-        by_pages = huge not in (None, base) and worth_deciding_by_pages(
+        by_pages = huge not in (None, base) and pages.worth_deciding_by_pages(
             table, collective, nbytes, base, huge)
-        assert name == ("pages" if by_pages else base), (collective, count, name)
+        if by_pages:  # (one_copy decides by its own meeting, the rest by a flag)
+            base = pages.by_pages(entries(collective)[huge], entries(collective)[base],
+                                  collective in table.base_pages_in_place).name
+        assert name == base, (collective, count, name)
 
 
 def a_new_table_replaces_what_auto_chose():
@@ -213,44 +241,57 @@ def deterministic_communicators_take_the_table_and_never_measure():
 
 
 def the_calls_memory_decides_where_the_kinds_differ():
-    """A table whose fastest differ by the kind of pages (here: one_copy on huge pages,
-    ring or direct on 4 KiB ones): every rank runs one_copy only where every rank's buffers
-    lie on huge pages, the others' choice where any rank's do not; results exact."""
-    from commlib.algorithms import pages
+    """A table whose fastest differ by the kind of pages: one_copy on huge pages and ring
+    (all_gather) or tree (broadcast) on 4 KiB ones, one_copy on 4 KiB pages and direct on
+    huge ones (all_to_all). Where one_copy is the huge pages' choice its own meeting decides
+    (it reads in place only where every rank's buffers lie on huge pages, else stages by
+    the other's schedule), on the general path and the fast one alike; else the ranks agree
+    on a flag (pages.chosen). Results exact."""
     comm = world.dup()
     table = tuning.Table({}, {})
-    base = {"all_gather": "ring", "broadcast": "ring", "all_to_all": "direct"}
-    for c, slow in base.items():
-        table.put([(False, c, slow, 1 << 20), (False, c, "one_copy", 1 << 20),
-                   (True, c, slow, 1 << 20), (True, c, "one_copy", 1 << 20)],
+    kinds = {"all_gather": ("ring", "one_copy"), "broadcast": ("tree", "one_copy"),
+             "all_to_all": ("one_copy", "direct")}  # (on 4 KiB pages, on huge ones)
+    for c, (base, huge) in kinds.items():
+        table.put([(False, c, base, 1 << 20), (False, c, huge, 1 << 20),
+                   (True, c, base, 1 << 20), (True, c, huge, 1 << 20)],
                   [1.0, 2.0, 2.0, 1.0])
     comm.algorithm_table = table
+    shm = comm._transport.shm
     ran = []
     choose = pages.chosen
     pages.chosen = lambda *args: ran.append(choose(*args)) or ran[-1]
     try:
         count = 1 << 19  # 2 MiB of float32 per part
-        for mine in ("huge", "small") if n > 1 else ():
+        for mine in ("huge", "small", "huge", "small") if n > 1 else ():
             memory = tuning._huge_pages if mine == "huge" or rank else tuning._small_pages
             out, inp = memory(count * n), memory(count * n)
             inp[:] = np.arange(count * n) + rank
+            out[:] = 0  # (its pages, before the broadcast's root says where they lie)
+
+            def on_huge_pages(*call, **args):  # (every rank's buffer that peers read)
+                return all(comm.mpi.allgather(pages.on_huge_pages(
+                    commlib.call.make(*call, **args), rank)))
+            huge = on_huge_pages("all_to_all", n, rank, out, inp)
+            read = on_huge_pages("all_gather", n, rank, out, inp[:count]) + \
+                on_huge_pages("broadcast", n, rank, out, root=0)
+            thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+            assert huge or mine == "small" or not thp.exists() or "[never]" in thp.read_text()
+            in_place = shm.calls_read_in_place
             comm.all_gather(out, inp[:count])
             assert all((out[r * count:(r + 1) * count] == np.arange(count) + r).all()
                        for r in range(n))
             out[:] = rank
             comm.broadcast(out, root=0)  # (the root's pages decide: nobody reads the others)
             assert (out == 0).all()
+            assert shm.calls_read_in_place - in_place == read, \
+                (mine, shm.calls_read_in_place - in_place)
             comm.all_to_all(out, inp)
             assert all((out[r * count:(r + 1) * count] ==
                         np.arange(rank * count, (rank + 1) * count) + r).all()
                        for r in range(n))
-            huge = mine == "huge" and all(comm.mpi.allgather(pages.on_huge_pages(
-                commlib.call.make("all_to_all", n, rank, out, inp), rank)))
-            thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-            assert huge or mine == "small" or not thp.exists() or "[never]" in thp.read_text()
-            expected = ["one_copy"] * 3 if huge else list(base.values())
-            assert [a.name for a in ran[-3:]] == expected, (mine, ran)
-            assert [r["algorithm"] for r in comm.flight_record()[-3:]] == ["pages"] * 3
+            assert ran[-1].name == ("direct" if huge else "one_copy"), (mine, ran)
+            assert [r["algorithm"] for r in comm.flight_record()[-3:]] == \
+                ["one_copy", "one_copy", "pages"]
     finally:
         pages.chosen = choose
     comm.free()
@@ -267,7 +308,8 @@ def off_is_off():
 
 
 if n >= 2:
-    for case in (measured_and_cached, the_choice_is_the_tables_and_the_same_everywhere,
+    for case in (measured_and_cached, the_copies_large_sizes_keep_their_worse_time,
+                 the_choice_is_the_tables_and_the_same_everywhere,
                  a_new_table_replaces_what_auto_chose, rank_0s_table_wins,
                  another_layouts_table_is_ignored,
                  a_table_serves_communicators_with_fewer_algorithms,
