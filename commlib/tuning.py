@@ -18,7 +18,7 @@ time at the call's size, interpolated in log size between measured sizes (where 
 neighbouring sizes' winners differ, sizes between them are measured too, until the
 crossover lies within a factor of 2; a size timed during a slow spell, its reference
 collective's times off from the same calls timed again at the end, is measured again;
-the copies from a huge page up are all timed twice, the worse time kept; beyond the
+beyond the
 largest, time grows with the bytes); where both kinds of memory were timed and their
 fastest differ, the call's own memory decides (commlib/algorithms/pages.py); collectives
 or algorithms the table lacks fall back to the cost model (commlib/select.py). Rank 0's
@@ -42,11 +42,10 @@ import numpy as np
 
 from . import survivors
 from .algorithms import entries
-from .algorithms.pages import huge_page_bytes, mapped
+from .algorithms.pages import mapped
 from .call import COLLECTIVES
 
-VERSION = 12  # 12: the copies' large sizes timed twice, the worse kept;
-# 11: one table per layout serves every communicator whose algorithms it
+VERSION = 11  # 11: one table per layout serves every communicator whose algorithms it
 # measured (torchrun's world, without MPI's own, takes the table mpiexec's world measured);
 # 10: sizes measured again after spells, and between differing winners;
 # 9: up to 7 calls at the largest size on one host, not 3; 8: all_gather and broadcast on
@@ -96,9 +95,9 @@ class Table:
         return (self.times, self.on_huge_pages, self.base_pages_in_place,
                 self.parts_in_place_from)
 
-    def put(self, keys, seconds, keep=None) -> None:
+    def put(self, keys, seconds, keep_least: bool = False) -> None:
         """Set each key's time (key: on huge pages, collective, name, bytes), the points kept
-        in order of bytes; where there was one, ``keep`` (min, max) of the two if given."""
+        in order of bytes; ``keep_least``: where there was one, the lesser of the two."""
         for (on_huge, collective, name, nbytes), t in zip(keys, seconds):
             kind = self.on_huge_pages if on_huge else self.times
             points = kind.setdefault(collective, {}).setdefault(name, [])
@@ -107,7 +106,7 @@ class Table:
                 points.append([nbytes, t])
                 points.sort()
             else:
-                old[1] = keep(old[1], t) if keep else t
+                old[1] = min(old[1], t) if keep_least else t
 
     def at(self, key) -> float:
         """The time measured for ``key`` (as ``put`` takes it)."""
@@ -234,8 +233,8 @@ def measure(comm, start=None, transport=None) -> Table:
     call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages are
     timed only where the transport reads peers' memory in place (on one host). Then sizes
     whose reference times were off in a spell of the machine are measured again
-    (_distrust_spells), sizes between measured ones where the winner changes
-    (_refine), and the copies' sizes from a huge page up again (_time_copies_again)."""
+    (_distrust_spells), and sizes between measured ones where the winner changes
+    (_refine)."""
     start = start or comm.barrier
     reading = ((), -1)
     # (memory's kind matters only where peers' memory is read in place: shared memory)
@@ -256,8 +255,6 @@ def measure(comm, start=None, transport=None) -> Table:
     table.put(*_slowest(comm, table))
     _distrust_spells(comm, start, table, reads_in_place, where)
     _refine(comm, start, table, reads_in_place, where)
-    if reads_in_place:
-        _time_copies_again(comm, start, table, where)
     return table
 
 
@@ -355,21 +352,7 @@ def _refine(comm, start, table: "Table", reads_in_place: bool, where) -> None:
                                   reads_in_place, where)
             slow = Table({})
             slow.put(keys, mine)
-            table.put(*_slowest(comm, slow), keep=min)
-
-
-# From a huge page up, the copies' staged algorithms run at two speeds on some machines,
-# each lasting seconds, where one_copy reading huge pages in place hardly moves (a 4 MiB
-# broadcast on a 2-core AMD EPYC: tree 200-300 us or 500-1200 us, one_copy 250-330 us
-# throughout: docs/benchmarks.md). There each of their algorithms is timed again at the
-# pass's end and its worse time kept: auto takes the choice whose worst case is least.
-def _time_copies_again(comm, start, table: "Table", where) -> None:
-    for nbytes in [b for b in table.sizes() if b >= huge_page_bytes()]:
-        keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), ON_HUGE_PAGES_TOO,
-                              True, where)
-        again = Table({})
-        again.put(keys, mine)
-        table.put(*_slowest(comm, again), keep=max)
+            table.put(*_slowest(comm, slow), keep_least=True)
 
 
 def to_time_again(table: "Table", n: int, where, retimed: set) -> dict[int, list[str]]:

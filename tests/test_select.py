@@ -164,8 +164,8 @@ def test_tuning_times_again_between_differing_winners_and_outliers():
               [3.5, 4.5, 1.0])
     assert to_time_again(table, 2, None, retimed) == {}  # eager to 512 KiB, ring from 1 MiB
     # a re-timed point keeps the lesser time
-    table.put([(False, "all_reduce", "ring", 1024 * K)], [5.0], keep=min)
-    table.put([(False, "all_reduce", "rhd", 1024 * K)], [9.0], keep=min)
+    table.put([(False, "all_reduce", "ring", 1024 * K)], [5.0], keep_least=True)
+    table.put([(False, "all_reduce", "rhd", 1024 * K)], [9.0], keep_least=True)
     assert table.at((False, "all_reduce", "ring", 1024 * K)) == 5.0
     assert table.at((False, "all_reduce", "rhd", 1024 * K)) == 7.0
     assert [b for b, _ in table.times["all_reduce"]["ring"]] == sorted(

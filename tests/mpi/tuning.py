@@ -5,7 +5,6 @@ say otherwise; a cached table of another layout is ignored with a warning; off i
 Usage: mpiexec -n N python tests/mpi/tuning.py CACHE_DIR   (N >= 2; each rank caches under
 CACHE_DIR/rank<r>, as ranks on different hosts would)
 """
-import copy
 import json
 import os
 import sys
@@ -76,30 +75,6 @@ def measured_and_cached():
             (table.base_pages_in_place, table.parts_in_place_from)
     else:
         assert not files, "only rank 0 writes the table"
-
-
-def the_copies_large_sizes_keep_their_worse_time():
-    """_time_copies_again times the copies (ON_HUGE_PAGES_TOO) again from a huge page up,
-    on both kinds of pages, and keeps the worse time: a point set to 0 comes back
-    measured, one set past any real time stays; smaller sizes and other collectives are
-    left alone."""
-    if "one_copy" not in world.algorithms("all_gather"):
-        return
-    table = tuning.Table(*copy.deepcopy(world.algorithm_table.parts()))
-    big = tuning.huge_page_bytes()
-    for kind in (table.times, table.on_huge_pages):
-        for c, algos in kind.items():
-            for name, points in algos.items():
-                for point in points:
-                    point[1] = 0.0 if name != "direct" else 1e9
-    tuning._time_copies_again(world, world.barrier, table, world._transport.where)
-    for kind in (table.times, table.on_huge_pages):
-        for c, algos in kind.items():
-            for name, points in algos.items():
-                for b, t in points:
-                    again = c in tuning.ON_HUGE_PAGES_TOO and b >= big
-                    want = 1e9 if name == "direct" else (t if again and t > 0 else 0.0)
-                    assert t == want, (c, name, b, t)
 
 
 def the_choice_is_the_tables_and_the_same_everywhere():
@@ -308,8 +283,7 @@ def off_is_off():
 
 
 if n >= 2:
-    for case in (measured_and_cached, the_copies_large_sizes_keep_their_worse_time,
-                 the_choice_is_the_tables_and_the_same_everywhere,
+    for case in (measured_and_cached, the_choice_is_the_tables_and_the_same_everywhere,
                  a_new_table_replaces_what_auto_chose, rank_0s_table_wins,
                  another_layouts_table_is_ignored,
                  a_table_serves_communicators_with_fewer_algorithms,
