@@ -177,11 +177,14 @@ PYBIND11_MODULE(_C, m) {
                       "construct on every rank, exchange .name, attach(names), barrier, "
                       "unlink_own(). Methods release the GIL; ptrs are raw addresses.")
       .def(py::init([](int rank, int size, int64_t slot_bytes, int64_t slots,
-                       int64_t staging_bytes, int64_t spin, int64_t yields) {
-             return new ShmComm(rank, size, {slot_bytes, slots, staging_bytes, spin, yields});
+                       int64_t staging_bytes, int64_t spin, int64_t yields,
+                       int64_t background_spin) {
+             return new ShmComm(rank, size,
+                                {slot_bytes, slots, staging_bytes, spin, yields, background_spin});
            }),
            py::arg("rank"), py::arg("size"), py::arg("slot_bytes"), py::arg("slots"),
-           py::arg("staging_bytes"), py::arg("spin"), py::arg("yields"))
+           py::arg("staging_bytes"), py::arg("spin"), py::arg("yields"),
+           py::arg("background_spin") = 0)
       .def_property_readonly("name", &ShmComm::name)
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("size", &ShmComm::size)

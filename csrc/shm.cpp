@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -381,6 +382,11 @@ void ShmComm::end_nap() { peers_[rank_].bell->sleeping.store(0, std::memory_orde
 void ShmComm::cpu_relax() { commlib::cpu_relax(); }
 
 void ShmComm::yield() { sched_yield(); }
+
+bool ShmComm::on_main_thread() {
+  thread_local const bool main = syscall(SYS_gettid) == getpid();
+  return main;
+}
 
 uint64_t ShmComm::arrive() {
   uint64_t target = me_->arrived.load(std::memory_order_relaxed) + 1;

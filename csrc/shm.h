@@ -108,6 +108,9 @@ struct Config {
   int64_t staging_bytes;  // both halves
   int64_t spin;           // polls before yielding; 0 when ranks outnumber cores
   int64_t yields;         // sched_yield()s before sleeping on the doorbell
+  // polls before yielding on a thread other than the process's main one (an async call's):
+  // 0 where a rank has no second core, so that its main thread's compute keeps its core
+  int64_t background_spin;
 };
 
 // Whether at most a quarter of [addr, addr + nbytes) lies on base pages (absent ones
@@ -277,10 +280,11 @@ class ShmComm : public FastTransport {
   // wait (a peer still computing) from burning a core.
   template <class Cond, class Watched>
   void wait(Cond ready, Watched watched) {
+    const int64_t spin = on_main_thread() ? config_.spin : config_.background_spin;
     for (int64_t i = 0; !ready(); ++i) {
-      if (i < config_.spin) {
+      if (i < spin) {
         cpu_relax();
-      } else if (i < config_.spin + config_.yields) {
+      } else if (i < spin + config_.yields) {
         yield();
       } else {
         uint32_t seen = prepare_nap();
@@ -304,6 +308,7 @@ class ShmComm : public FastTransport {
   void end_nap();
   static void cpu_relax();
   static void yield();
+  static bool on_main_thread();
   static auto only(int peer) { return [peer](int r) { return r == peer; }; }
   uint64_t arrive();  // this rank reached the next barrier; returns the barrier's number
   // Waits until every watched peer reached barrier `target`, and checks its signature.

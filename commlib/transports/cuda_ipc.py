@@ -159,7 +159,8 @@ class CudaIpc(Transport):
         """Every rank's proxy over one channel, which rank 0 makes and the others open; rank
         0 unlinks it once every rank has it, so that a crash leaves nothing in /dev/shm.
         Returns the problem, if any."""
-        spin = 0 if group.crowded() else int(os.environ.get("COMMLIB_GPU_PROXY_SPIN", PROXY_SPIN))
+        spin = 0 if group.cores_each() < 1 else \
+            int(os.environ.get("COMMLIB_GPU_PROXY_SPIN", PROXY_SPIN))
         if self.streams_meet:  # every rank, or the proxies hold every meeting
             self.streams_meet = all(group.allgather(self._can_register()))
         words = [self.word(name) for name in WORDS]

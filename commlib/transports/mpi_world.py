@@ -52,8 +52,8 @@ class MpiWorld:
         colors = allgather(self.coll, host_color(self.coll))
         return len(set(colors)), len({colors.count(c) for c in colors}) == 1
 
-    def crowded(self) -> bool:
-        return crowded_host(self.coll)
+    def cores_each(self) -> float:
+        return cores_each_on_host(self.coll)
 
     @cached_property
     def takes_device_memory(self) -> bool:
@@ -141,19 +141,20 @@ def host_color(mpi_comm: MPI.Comm) -> int:
         node.Free()
 
 
-def crowded_host(mpi_comm: MPI.Comm) -> bool:
-    """Whether this machine's MPI processes outnumber the cores they may run on.
-    Collective over ``mpi_comm`` only (a subgroup's creation does not involve the other
-    ranks). Its ranks on this machine share their affinities: where they all have the same
-    cores (nothing bound them), the job's processes on this machine (the launcher says how
-    many) share those cores; where a launcher bound them apart (Open MPI binds each to its
-    own core), only this communicator's ranks are known to share the union."""
+def cores_each_on_host(mpi_comm: MPI.Comm) -> float:
+    """The cores this machine's MPI processes may run on, over how many they are (under 1:
+    they outnumber the cores). Collective over ``mpi_comm`` only (a subgroup's creation
+    does not involve the other ranks). Its ranks on this machine share their affinities:
+    where they all have the same cores (nothing bound them), the job's processes on this
+    machine (the launcher says how many) share those cores; where a launcher bound them
+    apart (Open MPI binds each to its own core), only this communicator's ranks are known
+    to share the union."""
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         cores = [frozenset(c) for c in allgather(node, affinity())]
         if len(set(cores)) == 1:
-            return max(node.Get_size(), _local_processes()) > len(cores[0])
-        return node.Get_size() > len(frozenset().union(*cores))
+            return len(cores[0]) / max(node.Get_size(), _local_processes())
+        return len(frozenset().union(*cores)) / node.Get_size()
     finally:
         node.Free()
 

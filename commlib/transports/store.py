@@ -90,10 +90,10 @@ class StoreWorld:
                           [self.members[r] for r in alive], [self.peers[r] for r in alive],
                           self.pulses)
 
-    def crowded(self) -> bool:
-        """Whether the group's processes outnumber the cores they may run on (the group is
+    def cores_each(self) -> float:
+        """The cores the group's processes may run on, over how many they are (the group is
         all that is known of the machine)."""
-        return self.size > len(set().union(*self.allgather(affinity())))
+        return len(set().union(*self.allgather(affinity()))) / self.size
 
     def split(self, color, key) -> "StoreWorld | None":
         choices = self.allgather([color, key])
