@@ -90,6 +90,9 @@ def from_config(model: nn.Module) -> Plan:
         raise ValueError(f"{type(hf).__name__}'s expert parallel plan names {len(experts)} "
                          "kinds of experts; commlib's expert parallelism takes one")
     for pattern, style in ep_plan.items():
+        if tp_plan.get(pattern) == style:
+            continue  # (the tp plan's own entry restated for expert parallel meshes: Gemma-4's
+            # dense MLPs beside its experts)
         if style != "ep_dispatch_experts" and not (
                 style == "grouped_gemm" and any(pattern.startswith(e + ".") for e in dispatched)):
             _refuse(hf, pattern, style, "expert")
@@ -176,7 +179,10 @@ def _cuts(hf, at, names, regions, head) -> dict:
     (the rest, in order: the final norm, the LM head); without one, from the decoder's own
     parts (_plain_decoder); none where neither says."""
     pp_plan = dict(getattr(hf, "_pp_plan", None) or {})
-    if not any(isinstance(hf.get_submodule(k), nn.ModuleList) for k in pp_plan):
+    # (a plan naming modules the model lacks, as HRM's names Llama's, is none)
+    modules = dict(hf.named_modules())
+    if not all(k in modules for k in pp_plan) or \
+            not any(isinstance(modules[k], nn.ModuleList) for k in pp_plan):
         pp_plan = _plain_decoder(hf)  # (the head's own entry alone, or nothing)
     places = {key: at(key) for key in pp_plan}
     blocks = [k for k in pp_plan if isinstance(hf.get_submodule(k), nn.ModuleList)]

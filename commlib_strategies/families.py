@@ -59,12 +59,17 @@ def _sizes(vocab, seq_len, d_model, layers, heads, experts, topk) -> dict:
                 max_position_embeddings=seq_len, moe_intermediate_size=d_model,
                 shared_expert_intermediate_size=d_model, num_local_experts=experts,
                 num_experts=experts, num_experts_per_tok=topk, n_routed_experts=experts,
+                n_shared_experts=1,
                 n_group=1, topk_group=1,  # (DeepSeek-V3's routing by groups of experts)
                 # state-space and linear-attention layers (Mamba-2 hybrids, Qwen3-Next)
                 mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64, mamba_expand=2,
                 mamba_d_state=16, mamba_chunk_size=16, chunk_size=16, ssm_state_size=16,
                 mamba_dt_rank=4, mamba_n_groups=1, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                # Gemma-3n's and Gemma-4's per-layer inputs (an embedding of their own), and
+                # Gemma-3n's later layers reusing earlier ones' keys
+                vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=d_model // heads,
+                num_kv_shared_layers=0)
 
 
 def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int, heads: int,
@@ -79,7 +84,7 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
         sizes = {k: v for k, v in sizes.items() if "expert" not in k}
     derived = {k for k, v in vars(type(default)).items()  # (Falcon's head_dim)
                if isinstance(v, property) and v.fset is None}
-    ours = {k: v for k, v in sizes.items() if hasattr(default, k) and k not in derived}
+    ours = {k: v for k, v in sizes.items() if _has(default, k) and k not in derived}
     if "kv_lora_rank" in ours:  # latent attention: every head its own keys, a rotary part
         ours.update(num_key_value_heads=heads, **({"head_dim": ours["qk_rope_head_dim"]}
                                                   if "head_dim" in ours else {}))
@@ -88,9 +93,14 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
     ours.update({k: 0.0 for k, v in default.to_dict().items()
                  if isinstance(v, float) and any(w in k for w in ("dropout", "pdrop", "jitter"))})
     ours.update(_tokens_past(default.to_dict(), vocab))
+    ours.update(_per_layer_kept(default.to_dict(), ours, layers))
     config = tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
     if getattr(config, "num_layers", layers) < layers:  # (LongCat-Flash's num_hidden_layers
         config.num_layers = layers                      # counts 2 sublayers per layer)
+    if getattr(config, "rope_parameters", None) == {} and getattr(config, "layer_types", None):
+        # (Cohere-Compass's default gives no rope for its layer types, which its model reads)
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                  for kind in set(config.layer_types)}
     return config
 
 
@@ -112,10 +122,32 @@ def _sparse_layers_kept(default, layers: int) -> dict:
 
 
 def _tokens_past(fields: dict, vocab: int) -> dict:
-    """The special tokens a config names past the vocabulary, as None (an embedding's
-    padding index must lie in it)."""
-    return {k: None for k in ("pad_token_id", "bos_token_id", "eos_token_id")
+    """The special tokens a config names past the vocabulary: the padding one as None (an
+    embedding's padding index must lie in the vocabulary), the others as its last token
+    (some configs take only an int: CWM's)."""
+    return {k: None if k == "pad_token_id" else vocab - 1
+            for k in ("pad_token_id", "bos_token_id", "eos_token_id")
             if isinstance(fields.get(k), int) and fields[k] >= vocab}
+
+
+def _has(config, key: str) -> bool:
+    """Whether ``config`` has ``key`` (as an attribute: GPT-2's attribute_map translates),
+    or holds it per layer (Gemma-4's head_dim, whose reading raises)."""
+    try:
+        return hasattr(config, key)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return key in config.to_dict()
+
+
+def _per_layer_kept(fields: dict, ours: dict, layers: int) -> dict:
+    """A heterogeneous config's per-layer entries (Gemma-4, dots3) for the layers kept,
+    without the sizes set for all (each layer takes ours)."""
+    per_layer = fields.get("per_layer_config")
+    if not isinstance(per_layer, dict) or not per_layer:
+        return {}
+    kept = {i: {k: v for k, v in entry.items() if k not in ours}
+            for i, entry in per_layer.items() if int(i) < layers}
+    return {"per_layer_config": {i: entry for i, entry in kept.items() if entry}}
 
 
 def _causal_lm(model_type: str) -> str:
@@ -136,7 +168,9 @@ def has_experts(model_type: str) -> bool:
         return True
     import transformers as tf
     default = tf.AutoConfig.for_model(_causal_lm(model_type))
-    return bool(getattr(default, "num_experts_per_tok", 0))
+    # (an expert count the default leaves unset counts: DeepSeek-V2's top-k, dots1's)
+    counts = ("num_experts_per_tok", "n_routed_experts", "num_local_experts")
+    return any(_has(default, k) and getattr(default, k) != 0 for k in counts)
 
 
 @dataclass(frozen=True)
@@ -265,7 +299,15 @@ def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 
     config = _config(family, vocab, seq_len, d_model, layers, heads, experts, topk)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf = tf.AutoModelForCausalLM.from_config(config)
+        try:
+            hf = tf.AutoModelForCausalLM.from_config(config)
+        except (TypeError, KeyError, AttributeError, IndexError) as e:
+            # (transformers' own default leaves out what its model needs: LFM2-MoE's
+            # layer_types is None)
+            raise ValueError(
+                f"--model {family}: transformers {tf.__version__} builds no model from its own "
+                f"default config of {family!r} at these sizes ({type(e).__name__}: {e}); pass "
+                "--config with the model's config.json") from e
     moe = (experts, topk) if has_experts(family) else (0, 0)
     return CausalLM(hf.float().train(), FamilyConfig(family, vocab, seq_len, d_model, layers,
                                                      heads, *moe))

@@ -199,6 +199,22 @@ def test_a_derived_size_is_left_to_the_config():
     assert model.hf.config.head_dim == model.hf.config.hidden_size // 4
 
 
+def test_shrinking_meets_each_configs_ways():
+    from commlib_strategies.families import has_experts
+    # expert counts the default leaves unset still say experts (DeepSeek-V2's top-k, dots1's)
+    assert has_experts("deepseek_v2") and has_experts("dots1") and not has_experts("llama")
+    assert build("dots1", 64, seed=0).hf.config.n_routed_experts == 4
+    # a special token past the vocabulary where the config takes only an int (CWM's)
+    assert build("cwm", 64, seed=0).hf.config.bos_token_id == 63
+    # per-layer sizes (Gemma-4's head_dim): the layers kept, with the CLI's sizes; its expert
+    # parallel plan restates its tensor parallel plan's dense MLP entries, which pass
+    gemma4 = build("gemma4_text", 64, seed=0)
+    assert all(layer.self_attn.head_dim == 8 for layer in gemma4.hf.model.layers)
+    assert from_config(gemma4).column
+    # a pipeline plan that names modules the model lacks (HRM's, Llama's) is none
+    assert from_config(build("hrm_text", 64, seed=0)).pipeline == ()
+
+
 def test_shrunk_models_keep_their_experts():
     # DeepSeek-V3's first 3 layers are dense, DeepSeek-V3.2's per-layer MLP types say so,
     # Flint's mlp_only_layers list them: at 2 layers each keeps experts in its last, which
