@@ -14,6 +14,7 @@ itself left out raises.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -77,6 +78,17 @@ class _Heart:
         self.reached = weakref.WeakKeyDictionary()  # store -> when a beat there went through
         self.watched = weakref.WeakKeyDictionary()  # store -> {key: [value, since, asked]}
         self.thread = None
+        self.stopping = threading.Event()
+        # (a daemon thread still inside the store's C++ when the interpreter finalizes is
+        # unwound through frames that cannot be: "terminate called without an active
+        # exception", the process aborted after its work was done)
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """End the pulse thread (at exit, before the interpreter finalizes)."""
+        self.stopping.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * BEAT + 1.0)
 
     def beat_in(self, store) -> None:
         key = Pulses.key(*whoami())
@@ -100,8 +112,7 @@ class _Heart:
             return pulse[0] is not None and now - pulse[1] > SILENT
 
     def _beat(self, key: str) -> None:
-        while True:
-            time.sleep(BEAT)
+        while not self.stopping.wait(BEAT):
             with self.lock:
                 stores = [(store, list(pulses)) for store, pulses in self.watched.items()]
             for store, keys in stores:
