@@ -57,11 +57,8 @@ W.)
 """
 from __future__ import annotations
 
-import ast
 import copy
 import functools
-import inspect
-import textwrap
 import time
 from dataclasses import dataclass
 
@@ -69,6 +66,7 @@ import torch
 from torch import nn
 
 import commlib
+from commlib_strategies.block_outputs import values_returned
 from commlib_strategies.megatron_sp import split_before
 from commlib_strategies.plans import Plan, matches, matching
 from commlib_strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
@@ -123,29 +121,6 @@ class _Skipped(nn.Module):
 
     def forward(self, hidden, *args, **kwargs):
         return hidden if self.values == 1 else (hidden, *[None] * (self.values - 1))
-
-
-@functools.lru_cache(maxsize=None)
-def values_returned(forward) -> int:
-    """How many values a block's ``forward`` returns, read from its return statements: a
-    tuple's length where every one returns a tuple of that length, else 1 (GLM-MoE-DSA's
-    blocks return their indexer's top-k beside the hidden states, for the next block to
-    reuse; annotations are no guide: many say a tuple and return a tensor). What is
-    returned beside the hidden states does not cross stages: a block that needs it from
-    another piece's fails on its absence (GLM-MoE-DSA's "shared" indexer layers)."""
-    try:
-        (function,) = ast.parse(textwrap.dedent(inspect.getsource(forward))).body
-    except (OSError, TypeError, SyntaxError, ValueError):
-        return 1
-    found, todo = set(), list(function.body)
-    while todo:  # (the function's own statements: not those of functions inside it)
-        node = todo.pop()
-        if isinstance(node, ast.Return):
-            found.add(len(node.value.elts) if isinstance(node.value, ast.Tuple) else 1)
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
-                                   ast.ClassDef)):
-            todo.extend(ast.iter_child_nodes(node))
-    return found.pop() if len(found) == 1 else 1
 
 
 class _NoEmbedding(nn.Module):
