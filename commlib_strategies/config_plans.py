@@ -242,7 +242,15 @@ def _refuse(hf, pattern: str, style: str, kind: str):
 def _attention_modules(hf: nn.Module) -> str:
     """The pattern of a model's attention modules where they are not Llama's
     ``model.layers.*.self_attn`` (GPT-NeoX's ``gpt_neox.layers.*.attention``): the modules
-    of a class named ...Attention, the layer index a wildcard ("" if not one pattern)."""
+    of a class named ...Attention, the layer index a wildcard, and where stacks of layers
+    hold them (HRM's L_module and H_module), the stack too ("" if not one pattern)."""
+    def attention(m):
+        return type(m).__name__.endswith("Attention")
     patterns = {re.sub(r"\.\d+(\.|$)", r".*\1", name) for name, m in hf.named_modules()
-                if type(m).__name__.endswith("Attention")}
+                if attention(m)}
+    places = [p.split(".") for p in patterns]
+    if len(patterns) > 1 and len({len(p) for p in places}) == 1:
+        merged = ".".join(s[0] if len(set(s)) == 1 else "*" for s in zip(*places))
+        if all(attention(m) for name, m in hf.named_modules() if fnmatch(name, merged)):
+            patterns = {merged}
     return patterns.pop() if len(patterns) == 1 else ""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from commlib_strategies.attention import Scoring
 from commlib_strategies.model import LanguageModel
 from commlib_strategies.sequence_parallel import positions
 
@@ -94,6 +95,8 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
                  if isinstance(v, float) and any(w in k for w in ("dropout", "pdrop", "jitter"))})
     ours.update(_tokens_past(default.to_dict(), vocab))
     ours.update(_per_layer_kept(default.to_dict(), ours, layers))
+    if isinstance(default.to_dict().get("sliding_window"), int) and default.sliding_window > 0:
+        ours["sliding_window"] = max(2, seq_len // 4)  # sequences longer than the window
     config = tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
     if getattr(config, "num_layers", layers) < layers:  # (LongCat-Flash's num_hidden_layers
         config.num_layers = layers                      # counts 2 sublayers per layer)
@@ -248,23 +251,27 @@ def _not_context_parallel(hf: nn.Module) -> str:
         return (f"its {', '.join(selectors)} compress or select the keys attention sees "
                 "(sparse or compressed attention), which ring and Ulysses attention do not "
                 "do; train it without --cp")
-    sinks = sorted({type(m).__name__ for m in hf.modules()
-                    if isinstance(getattr(m, "sinks", None), torch.Tensor)})
-    if sinks:
-        return (f"its {', '.join(sinks)} attend to learned sinks besides the keys, which "
-                "ring and Ulysses attention do not")
-    if getattr(config, "attn_logit_softcapping", None):
-        return (f"its attention logits are soft-capped (attn_logit_softcapping="
-                f"{config.attn_logit_softcapping}), which ring and Ulysses attention do not do")
-    window, longest = getattr(config, "sliding_window", None), config.max_position_embeddings
-    layer_types = getattr(config, "layer_types", None)
-    sliding = ("sliding_attention" in layer_types if layer_types
-               else getattr(config, "use_sliding_window", True))
-    if sliding and isinstance(window, int) and window < longest:
-        return (f"its attention looks back {window} tokens only (sliding_window), and "
-                f"its sequences are up to {longest}: context parallel attention attends the "
-                "whole causal past")
+    longest = config.max_position_embeddings
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and chunk < longest:
+        return (f"its attention sees only its own chunk of {chunk} tokens "
+                f"(attention_chunk_size), and its sequences are up to {longest}: ring and "
+                "Ulysses attention attend the whole causal past")
     return ""
+
+
+def _slides(module) -> bool:
+    """Whether the config of an attention module says it looks back a window shorter than
+    its sequences (its layer type, or every layer where the config has no types)."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None) or float("inf")
+    if not isinstance(window, int) or not 0 < window < longest:
+        return False
+    types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if types and isinstance(layer, int):
+        return types[layer] == "sliding_attention"
+    return bool(getattr(config, "use_sliding_window", True))
 
 
 def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -278,13 +285,29 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
         raise ValueError(f"context parallel: {type(module).__name__} attends through "
                          "transformers' attention interface, but the plan's attention modules "
                          "do not include it; name them in Plan.attention")
-    if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
-        raise ValueError(f"context parallel attention scales by 1/sqrt(head_dim), the model "
-                         f"asks for {scaling}")
+    unmet = [name for name, unmet in (("position_bias", kwargs.get("position_bias") is not None),
+                                      ("is_causal=False", kwargs.get("is_causal") is False),
+                                      ("sinks", kwargs.get("sinks") is not None)) if unmet]
+    if unmet:
+        raise ValueError(f"context parallel: {type(module).__name__} asks its attention for "
+                         f"{', '.join(unmet)}, which ring and Ulysses attention do not do")
+    sinks = kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        raise ValueError(f"context parallel: {type(module).__name__} holds attention sinks "
+                         "but does not pass them to the attention (as s_aux); ring and "
+                         "Ulysses attention would leave them out")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if not window and _slides(module):
+        raise ValueError(f"context parallel: {type(module).__name__} looks back "
+                         f"{module.config.sliding_window} tokens only (sliding_window), which "
+                         "only its masks say: context parallel attention builds no masks")
+    scoring = Scoring(scale=scaling, softcap=kwargs.get("softcap") or None,
+                      window=window or None)
     groups = query.shape[1] // key.shape[1]  # grouped queries: each k/v head serves several
     if groups > 1:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    return module.attend(query, key, value).transpose(1, 2).contiguous(), None
+    y = module.attend(query, key, value, scoring=scoring, sinks=sinks)
+    return y.transpose(1, 2).contiguous(), None
 
 
 def build(family: str, vocab: int, seed: int, seq_len: int = 16, d_model: int = 32,

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commlib_strategies.attention import causal_attention
 from commlib_strategies.mappings import gather_along, reduce_from_group
-from commlib_strategies.sequence_parallel import (causal_attention, positions,
-                                                  sequence_sharded_cross_entropy)
+from commlib_strategies.sequence_parallel import positions, sequence_sharded_cross_entropy
 from commlib_strategies.tensor_parallel import vocab_parallel_cross_entropy
 
 

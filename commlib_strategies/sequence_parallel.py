@@ -98,8 +98,3 @@ def sequence_sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     group (fp32). The value is replicated; backward gives each rank its own tokens' part."""
     local = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
     return reduce_from_group(local.reshape(1) / (targets.numel() * group.size), group)[0]
-
-
-def causal_attention(q, k, v):
-    """Plain causal attention over whole sequences."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -140,23 +140,53 @@ def test_a_users_config_is_read_as_it_is(tmp_path):
 
 
 def test_context_parallelism_refuses_what_shards_would_change():
-    """Sequence mixing outside attention, soft-capped logits and a window shorter than the
-    model's sequences are refused by name; a window the model does not use is not."""
-    from commlib_strategies.families import build, causal_lm
+    """Sequence mixing outside attention, compressed keys, and chunked attention shorter than
+    the model's sequences are refused by name; a window the model does not use is not."""
+    from commlib_strategies.families import _not_context_parallel, build, causal_lm
     for family, words in [("bamba", "mix the sequence outside attention"),
                           ("qwen3_next", "mix the sequence outside attention"),
-                          ("gemma2", "soft-capped"), ("gpt_oss", "learned sinks"),
                           ("deepseek_v4", "compress or select the keys")]:
         with pytest.raises(ValueError, match=f"context parallel: {family}: .*{words}"):
             build(family, 64, 0).shard_sequences(None)
-    windowed = causal_lm(hf_model(tf.MistralConfig, sliding_window=8,
-                                  max_position_embeddings=16))
-    with pytest.raises(ValueError, match="looks back 8 tokens only"):
-        windowed.shard_sequences(None)
+    chunked = causal_lm(hf_model(tf.Llama4TextConfig, attention_chunk_size=4,
+                                 max_position_embeddings=16, intermediate_size_mlp=64))
+    with pytest.raises(ValueError, match="its own chunk of 4 tokens"):
+        chunked.shard_sequences(None)
     unused = hf_model(tf.Qwen2Config, sliding_window=8, use_sliding_window=False,
                       max_position_embeddings=16)
-    from commlib_strategies.families import _not_context_parallel
     assert _not_context_parallel(unused) == ""
+
+
+def test_context_parallel_attention_scores_as_the_model_does():
+    """On one rank, ring attention computes transformers' own eager attention: Mistral's
+    sliding window (passed to the attention), Gemma-2's soft-capped logits, its scale and
+    alternating windows (its modules' own), GPT-OSS's learned sinks; a window only the
+    masks say (PhiMoE's) is refused at the first forward."""
+    import commlib
+    from commlib_strategies.context_parallel import context_parallel_
+    from commlib_strategies.families import causal_lm
+    world = commlib.init()
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def loss_of(config_class, cp: bool, **more):
+        torch.manual_seed(0)
+        model = causal_lm(hf_model(config_class, max_position_embeddings=16, **more))
+        if cp:
+            context_parallel_(model, world, "ring", 4, [
+                m for m in model.modules() if type(m).__name__.endswith("Attention")])
+        return model.loss(ids[:, :-1], ids[:, 1:]).item()
+    for config_class, more in [(tf.MistralConfig, dict(sliding_window=4)),
+                               (tf.Gemma2Config, dict(sliding_window=4,
+                                                      query_pre_attn_scalar=12,
+                                                      attn_logit_softcapping=2.0)),
+                               (tf.GptOssConfig, dict(sliding_window=4, num_local_experts=4))]:
+        want = loss_of(config_class, False, **more)
+        assert loss_of(config_class, True, **more) == pytest.approx(want, rel=1e-6), config_class
+        if "sliding_window" in more:  # the window matters at these sizes
+            assert loss_of(config_class, False, **{**more, "sliding_window": 16}) != \
+                pytest.approx(want, rel=1e-4)
+    with pytest.raises(ValueError, match="looks back 8 tokens only .* only its masks say"):
+        loss_of(tf.PhimoeConfig, True, sliding_window=8, num_local_experts=4)
 
 
 def test_attention_modules_found_where_llama_has_none():

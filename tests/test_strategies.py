@@ -109,17 +109,21 @@ def test_training_cli_trains_any_model_type_and_a_users_config(tmp_path, one_pro
     Granite-SWA's attention sinks (bare parameters, one per head, split as the heads are)
     and Inkling's shared experts (a module whose output the plan all-reduces); and
     GLM-MoE-DSA in a pipeline, whose blocks return their indexer's top-k beside the hidden
-    states (another piece's block stands in returning as many values)."""
+    states (another piece's block stands in returning as many values); and context
+    parallelism where attention scores otherwise (both with sliding windows shorter than
+    the sequences): Gemma-2's soft-capped logits under ring attention, GPT-OSS's learned
+    sinks under Ulysses."""
     pytest.importorskip("transformers")
-    qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, granite, swa, inkling, glm_dsa = \
-        ANY_MODEL
+    (qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, granite, swa, inkling, glm_dsa,
+     gemma2, gpt_oss) = ANY_MODEL
     models = [qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, minicpm3, granite,
-              granite, swa, inkling, glm_dsa]
+              granite, swa, inkling, glm_dsa, gemma2, gpt_oss]
     runs = [(*qwen2, "--tp", "2"), (*qwen3_moe, "--ep", "2"),
             (*users, "--tp", "2", "--sp", "megatron"), (*cohere, "--pp", "2"),
             (*lara_mini, "--pp", "2"), (*minicpm3, "--tp", "2"), (*minicpm3, "--pp", "2"),
             (*granite, "--pp", "2"), (*granite, "--tp", "2"), (*swa, "--tp", "2"),
-            (*inkling, "--tp", "2"), (*glm_dsa, "--pp", "2")]
+            (*inkling, "--tp", "2"), (*glm_dsa, "--pp", "2"),
+            (*gemma2, "--cp", "2", "--sp", "ring"), (*gpt_oss, "--cp", "2", "--sp", "ulysses")]
     logs, _ = train_many(2, tmp_path, *runs)
     for run, model, log in zip(runs, models, logs, strict=True):
         want = one_process[model]

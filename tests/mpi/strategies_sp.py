@@ -15,6 +15,7 @@ import commlib
 from commlib_bench.activations import LAYOUTS, accounted_bytes, format_table, table
 from harness import Checker, leaf, raises, same_as, use_device
 from harness import close as harness_close
+from commlib_strategies.attention import PLAIN, Scoring
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.mappings import gather_along
@@ -68,6 +69,53 @@ def attention_cores_match_causal_attention():
         (got * mine(w)).sum().backward()
         for got_grad, want_grad in zip(local, full):
             close(got_grad.grad, mine(want_grad.grad))
+
+
+def _attention_written_out(q, k, v, scoring, sinks):
+    """Whole-sequence attention as the models' eager code does it: logits, cap, mask, a
+    sink column in the softmax, dropped."""
+    logits = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scoring.scale is None
+                                        else scoring.scale)
+    if scoring.softcap:
+        logits = scoring.softcap * torch.tanh(logits / scoring.softcap)
+    query, key = torch.arange(q.shape[-2]).unsqueeze(1), torch.arange(k.shape[-2])
+    seen = (key <= query) & ((query - key < scoring.window) if scoring.window else True)
+    logits = logits.masked_fill(~seen.to(logits.device), float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)], -1)
+    probs = logits.softmax(-1)
+    return (probs[..., :-1] if sinks is not None else probs) @ v
+
+
+def attention_cores_score_as_models_do():
+    """Logits scaled otherwise than by 1/sqrt(head_dim), soft-capped, a sliding window
+    within a rank's block of 3 tokens and across blocks (at 4 ranks the window of 2 skips
+    whole blocks), and learned sinks: ring and Ulysses against whole-sequence attention
+    written out, forward and the gradients of q, k, v and the sinks (float64)."""
+    heads, time = 2 * n, 3 * n
+    q, k, v, w = (data(salt, (2, heads, time, 8)) for salt in (11, 12, 13, 14))
+    sinks = data(15, (heads,))
+
+    def mine(t):
+        return t.chunk(n, 2)[rank]
+    for scoring, sunk in ((Scoring(scale=0.3), False), (Scoring(softcap=1.5), False),
+                          (Scoring(window=2), False), (Scoring(window=4), True),
+                          (Scoring(scale=1.0, softcap=2.0, window=5), True), (PLAIN, True)):
+        full = [leaf(t) for t in (q, k, v, sinks)]
+        want = _attention_written_out(*full[:3], scoring, full[3] if sunk else None)
+        (want * w).sum().backward()
+        for core in (ring_attention, ulysses_attention):
+            local = [leaf(mine(t)) for t in (q, k, v)] + [leaf(sinks)]
+            got = core(*local[:3], group=world, scoring=scoring,
+                       sinks=local[3] if sunk else None)
+            close(got.detach(), mine(want.detach()))
+            (got * mine(w)).sum().backward()
+            for got_grad, want_grad in zip(local[:3], full[:3]):
+                close(got_grad.grad, mine(want_grad.grad))
+            if sunk:  # each rank's queries' part of the sinks' gradient, summed here
+                total = local[3].grad.clone()
+                world.all_reduce(total)
+                close(total, full[3].grad)
 
 
 def ring_attention_float32_and_bfloat16():
