@@ -7,10 +7,11 @@ parallel plan, trained by commlib_strategies in each layout against one process.
 Each family is transformers' own default config shrunk to the CLI's small sizes
 (families.build: 2 layers, width 32, 4 heads, 16 tokens), planned by its config
 (config_plans.from_config). Layouts: tp=2, cp=2 (ring attention), ep=2 where it has
-experts, pp=2, ZeRO-3 over dp=2; each runs 3 optimizer steps of commlib-train's trainer
-on the same global batches as one process, and reports the largest relative difference of
-its losses from the one process's, or what refused it (the error's words). A family
-that one process cannot build or train says so once.
+experts, pp=2 (1F1B; and zero-bubble ZB-H1, its backward split into the inputs' and the
+weights' parts, on 4 micro-batches), ZeRO-3 over dp=2; each runs 3 optimizer steps of
+commlib-train's trainer on the same global batches as one process, and reports the
+largest relative difference of its losses from the one process's, or what refused it
+(the error's words). A family that one process cannot build or train says so once.
 """
 import argparse
 import json
@@ -24,7 +25,9 @@ import numpy as np
 import commlib
 
 LAYOUTS = {"tp=2": ["--tp", "2"], "cp=2 ring": ["--cp", "2", "--sp", "ring"],
-           "ep=2": ["--ep", "2"], "pp=2": ["--pp", "2"], "ZeRO-3": ["--zero", "3"]}
+           "ep=2": ["--ep", "2"], "pp=2": ["--pp", "2"],
+           "pp=2 zb-h1": ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"],
+           "ZeRO-3": ["--zero", "3"]}
 SMALL = ["--steps", "3", "--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
          "--batch", "8", "--quiet"]
 AGREE = 1e-4  # relative loss difference counted as the same training

@@ -196,27 +196,32 @@ def _cuts(hf, at, names, regions, head) -> dict:
                    if k != blocks[0] and not {"input_ids", "inputs_embeds"} & set(inputs)),
                   key=names.index)
     norm = next((p for p in last if p != head), None)
+    # Megatron SP gathers the sequence at the final norm: not where a norm without
+    # parameters may also run before the blocks (NanoChat's, on the embeddings)
+    gathers = norm and any(True for _ in hf.get_submodule(
+        next(k for k in pp_plan if places[k] == norm)).parameters())
     return {"pipeline": (first, places[blocks[0]], tuple(last)),
-            "sequence": (f"{places[blocks[0]]}.0", norm, regions) if norm else ()}
+            "sequence": (f"{places[blocks[0]]}.0", norm, regions) if gathers else ()}
 
 
 def _plain_decoder(hf) -> dict:
     """A pipeline plan, as ``_pp_plan`` gives one, for a model whose config names no cut
-    but whose decoder (``hf.base_model``) holds only embeddings (nn.Embedding), one list
-    of blocks and one norm with parameters (besides parameterless parts: rotary tables,
-    dropout), and no state-space layers (Mamba hybrids' blocks pass more between them than
-    hidden states: Bamba's, Falcon-H1's and Nemotron-H's failed cut so): {} for anything
+    but whose decoder (the module holding its input embedding) holds only embeddings
+    (nn.Embedding), one list of blocks and one final norm (with parameters or without:
+    NanoChat's), besides parts without parameters (rotary tables, dropout): {} for anything
     else, which stays uncut."""
-    base = hf.base_model
-    if base is hf or any(w in type(m).__name__ for m in base.modules() for w in ("Mamba", "Mixer")):
+    embedding = hf.get_input_embeddings()
+    base = next((m for m in hf.modules() if any(c is embedding for c in m.children())), hf)
+    if base is hf:
         return {}
     within = next(name for name, m in hf.named_modules() if m is base)
     parts = {name: m for name, m in base.named_children() if any(True for _ in m.parameters())}
     lists = [n for n, m in parts.items() if isinstance(m, nn.ModuleList)]
     embeddings = [n for n, m in parts.items() if isinstance(m, nn.Embedding)]
-    rest = [n for n in parts if n not in lists + embeddings]
+    rest = [n for n in parts if n not in lists + embeddings] or \
+        [n for n, m in base.named_children() if "norm" in type(m).__name__.lower()]
     if len(lists) != 1 or not embeddings or len(rest) != 1 or \
-            "norm" not in type(parts[rest[0]]).__name__.lower():
+            "norm" not in type(getattr(base, rest[0])).__name__.lower():
         return {}
     head = next(name for name, m in hf.named_modules() if m is hf.get_output_embeddings())
     return {**{f"{within}.{n}": (["input_ids"], ["inputs_embeds"]) for n in embeddings},

@@ -67,6 +67,7 @@ def _sizes(vocab, seq_len, d_model, layers, heads, experts, topk) -> dict:
                 mamba_d_state=16, mamba_chunk_size=16, chunk_size=16, ssm_state_size=16,
                 mamba_dt_rank=4, mamba_n_groups=1, linear_num_key_heads=2,
                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_num_heads=heads, linear_head_dim=d_model // heads,  # (Kimi-Linear's)
                 # Gemma-3n's and Gemma-4's per-layer inputs (an embedding of their own), and
                 # Gemma-3n's later layers reusing earlier ones' keys
                 vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=d_model // heads,
@@ -80,6 +81,10 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
     token past the vocabulary."""
     import transformers as tf
     default = tf.AutoConfig.for_model(_causal_lm(model_type))
+    text = getattr(default, "text_config", None)
+    if text is not None and not _has(default, "hidden_size"):  # (Llama-4's causal LM is
+        return _shrunk(text.model_type, vocab, seq_len, d_model, layers, heads,  # its text
+                       experts, topk)                                            # model's)
     sizes = _sizes(vocab, seq_len, d_model, layers, heads, experts or 4, topk)
     if not has_experts(model_type):
         sizes = {k: v for k, v in sizes.items() if "expert" not in k}
@@ -100,11 +105,32 @@ def _shrunk(model_type: str, vocab: int, seq_len: int, d_model: int, layers: int
     config = tf.AutoConfig.for_model(model_type, **ours, attn_implementation="eager")
     if getattr(config, "num_layers", layers) < layers:  # (LongCat-Flash's num_hidden_layers
         config.num_layers = layers                      # counts 2 sublayers per layer)
+    _towers_shrunk(config, sizes)
     if getattr(config, "rope_parameters", None) == {} and getattr(config, "layer_types", None):
         # (Cohere-Compass's default gives no rope for its layer types, which its model reads)
         config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0}
                                   for kind in set(config.layer_types)}
     return config
+
+
+TOWER_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "head_dim")
+
+
+def _towers_shrunk(config, sizes: dict) -> None:
+    """A multimodal causal LM's vision and audio towers (its sub-configs) at our sizes, in
+    place: the model builds them (Phi-4-multimodal's, 13 GB at full size) though text
+    never reaches them. A tower whose config refuses the sizes stays as it was."""
+    for name in getattr(config, "sub_configs", {}):
+        tower = getattr(config, name, None)
+        if not hasattr(tower, "to_dict"):
+            continue
+        fields = tower.to_dict()
+        ours = {k: sizes[k] for k in TOWER_SIZES if k in fields}
+        try:
+            setattr(config, name, type(tower)(**{**fields, **ours}))
+        except (TypeError, ValueError):
+            pass
 
 
 def _sparse_layers_kept(default, layers: int) -> dict:
@@ -170,7 +196,8 @@ def has_experts(model_type: str) -> bool:
     if model_type == "mixtral":
         return True
     import transformers as tf
-    default = tf.AutoConfig.for_model(_causal_lm(model_type))
+    # (Llama-4's experts are its text model's)
+    default = tf.AutoConfig.for_model(_causal_lm(model_type)).get_text_config()
     # (an expert count the default leaves unset counts: DeepSeek-V2's top-k, dots1's)
     counts = ("num_experts_per_tok", "n_routed_experts", "num_local_experts")
     return any(_has(default, k) and getattr(default, k) != 0 for k in counts)

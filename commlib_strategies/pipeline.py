@@ -50,8 +50,10 @@ a ``ZeRO`` of the stage built with ``reduce_in_backward=False`` (stages 2 and 3)
 The split backward (zero-bubble's I and W): I asks autograd for the gradients of the piece's
 input and of the output of every module that holds parameters (keeping the graph); W then
 runs, for each such module, backward from its output's gradient to its own parameters only,
-which touches just that module's operations. Neither recomputes what the other did. (A module
-that applies its children's weights itself, not as their outputs, says so with an
+which touches just that module's operations. Neither recomputes what the other did. The
+parameters of a module that did not run, whose parent applies them itself (Jamba's mixers
+multiply by their dt_proj's weight), get their gradients in I. (A module that applies its
+children's weights itself, not as their outputs, in a way W cannot follow says so with an
 ``unsplittable`` attribute, an expert split over tp: its stages take the schedules without
 W.)
 """
@@ -66,8 +68,8 @@ import torch
 from torch import nn
 
 import commlib
-from commlib_strategies.block_outputs import values_returned
 from commlib_strategies.megatron_sp import split_before
+from commlib_strategies.piece_parts import Final, NoEmbedding, Skipped
 from commlib_strategies.plans import Plan, matches, matching
 from commlib_strategies.pipeline_schedules import (COMPUTE, Action, schedule as build_schedule,
                                                    simulate)
@@ -111,31 +113,6 @@ def _communicators(value):
         yield from (v for v in value.keywords.values() if isinstance(v, commlib.Communicator))
 
 
-class _Skipped(nn.Module):
-    """Another piece's block on this one: its input passed on as its output, in the form
-    the block returns (``values`` of them: the rest None)."""
-
-    def __init__(self, values: int = 1):
-        super().__init__()
-        self.values = values
-
-    def forward(self, hidden, *args, **kwargs):
-        return hidden if self.values == 1 else (hidden, *[None] * (self.values - 1))
-
-
-class _NoEmbedding(nn.Module):
-    """Where a later piece's model would embed: zeros (its input is hidden states), in the
-    dtype and on the device the model is moved to."""
-
-    def __init__(self, width: int, dtype: torch.dtype):
-        super().__init__()
-        self.width = width
-        self.register_buffer("like", torch.empty(0, dtype=dtype), persistent=False)
-
-    def forward(self, ids):
-        return self.like.new_zeros(*ids.shape, self.width)
-
-
 class Piece(nn.Module):
     """Piece ``index`` of ``count``: a copy of ``model`` holding its ``blocks`` of the
     plan's blocks' list (and the embeddings, or the final modules, if first or last);
@@ -151,29 +128,30 @@ class Piece(nn.Module):
         # that passes its input on, so that the blocks kept keep their places: a model
         # may look up what block i is, its layer type, by its place in the list), and
         # the ends
-        memo = {id(b): _Skipped(values_returned(type(b).forward))
-                for i, b in enumerate(layers) if i not in blocks}
-        self._passed = [None]  # what passed the first of this piece's final modules
+        memo = {id(b): Skipped(b) for i, b in enumerate(layers) if i not in blocks}
+        # (piece_parts.Final: the piece's output, and whether the blocks ran)
+        self._passed, self._blocks_ran = [None], [False]
         for name, m in model.named_modules():
             if not self.first and matches(name, embeddings):
-                memo[id(m)] = _NoEmbedding(m.weight.shape[1], m.weight.dtype)
+                memo[id(m)] = NoEmbedding(m.weight.shape[1], m.weight.dtype)
             elif not self.last and matches(name, finals):
-                memo[id(m)] = nn.Identity()
-                memo[id(m)]._forward_hooks.update(m._forward_hooks)  # Megatron SP's gather
-                memo[id(m)].register_forward_hook(_passed_on)
-                memo[id(m)].passed = self._passed  # (the first to run: the final norm's)
+                memo[id(m)] = Final(name, m, self._passed, self._blocks_ran)
         self.model = copy_module(model, memo)
         # the model's name of each parameter copied here (a tied parameter copied under
         # another module keeps the model's one name)
         self.names = {memo[id(p)]: name for name, p in model.named_parameters()
                       if isinstance(memo.get(id(p)), nn.Parameter)}
         (kept,) = matching(self.model, block_list)
+        self._runs = set()  # the places in the blocks' list that ran in this forward
+        for place, block in enumerate(kept):
+            block.register_forward_hook(functools.partial(
+                _ran, self._runs, self._blocks_ran, place, len(kept) - 1))
         # Megatron SP: a model derives its positions and masks (and GPT-2 its output's
         # shape) from its input's length, so stages pass whole sequences (gathered where
         # the final norm would gather), sharded again before a piece's first block
         group = getattr(model, "sequence_group", None)
         if not self.first:
-            entry = next(b for b in kept if not isinstance(b, _Skipped))
+            entry = next(b for b in kept if not isinstance(b, Skipped))
             if group is not None:
                 split_before(entry, group)
             self._arriving = [None]  # the hidden states this piece takes, during its forward
@@ -188,7 +166,14 @@ class Piece(nn.Module):
         return [(self.names[p], p) for p in self.model.parameters()]
 
     def forward(self, x, targets=None):
-        self._passed[0] = None
+        self._passed[0], self._blocks_ran[0] = None, False
+        self._runs.clear()
+        try:
+            return self._forward(x, targets)
+        finally:
+            self._runs.clear()  # (a block recomputed in backward runs once more)
+
+    def _forward(self, x, targets):
         if self.first:
             out = self.model.run(input_ids=x)
         else:  # (placeholder ids of x's batch and length: masks and positions as the first's)
@@ -211,12 +196,16 @@ def _arrives(arriving, block, args, kwargs):
     return args, {**kwargs, "hidden_states": arriving[0]}
 
 
-def _passed_on(identity, args, out):
-    """A final module's stand-in on a piece but the last: what passed the first of them to
-    run is the piece's output (a model may change it on its way to the next: MiniCPM3
-    divides what reaches its LM head by its logits_scaling)."""
-    if identity.passed[0] is None:
-        identity.passed[0] = out
+def _ran(runs, blocks_ran, place, last, block, args, out):
+    """Block ``place`` of the list ran: once in a forward, else the model loops over its
+    blocks (Dory's recurrent depth), which pieces of the list cannot cut; the last one ran:
+    final modules pass on from now (piece_parts.Final)."""
+    if place in runs:
+        raise ValueError(f"pipeline: block {place} of the model's list ran twice in one "
+                         "forward: the model loops over its blocks (a recurrent depth), "
+                         "which pieces of the list cannot hold; train it without --pp")
+    runs.add(place)
+    blocks_ran[0] = blocks_ran[0] or place == last
 
 
 def _held(model: nn.Module, plan: Plan, index: int, count: int, blocks: range) -> list:
@@ -481,16 +470,25 @@ class Pipeline:
 
     def _i(self, a: Action):
         held, grad = self._held_and_output_grad(a)
-        first = self.stage.pieces[a.chunk].first
-        wanted = ([] if first else [held.input]) + [out for _, out in held.modules]
+        piece = self.stage.pieces[a.chunk]
+        outputs = [out for _, out in held.modules]
+        # parameters of modules that were not called, applied by another module (Jamba's
+        # mixer multiplies by its dt_proj's weight): theirs is no W, I gives their gradients
+        called = {id(module) for module, _ in held.modules}
+        applied = [p for m in piece.modules() if id(m) not in called
+                   for p in m.parameters(recurse=False) if p.requires_grad]
+        wanted = ([] if piece.first else [held.input]) + outputs + applied
         roots, root_grads = held.roots(grad)
         # (allow_unused: a module's output nothing later used, such as a router's logits)
         grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True,
                                     allow_unused=True)
-        if not first:
+        if not piece.first:
             self._deliver("B", self._piece(a) - 1, a.microbatch, grads[0])
             grads = grads[1:]
-        held.module_grads = grads
+        held.module_grads = grads[:len(outputs)]
+        for p, g in zip(applied, grads[len(outputs):]):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
 
     def _w(self, a: Action):
         held = self._run.held.pop((a.microbatch, a.chunk))
@@ -504,7 +502,9 @@ class Pipeline:
                 grads.append(grad)
         for module, (outs, grads) in outputs.items():
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            torch.autograd.backward(outs, grads, inputs=params)
+            # (kept: a module whose output is its child's, a Mamba mixer's out_proj's, runs
+            # back through the child's operations too; freed with ``held``)
+            torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)
         self._after_weights(a)
 
     def _send_f(self, a: Action):

@@ -273,5 +273,42 @@ def test_a_decoder_without_a_pipeline_plan_is_cut_by_its_parts():
     assert plan.pipeline == (("hf.model.embed_tokens",), "hf.model.layers",
                              ("hf.model.norm", "hf.lm_head"))
     assert plan.sequence[:2] == ("hf.model.layers.0", "hf.model.norm")
-    # a decoder with other parts that hold parameters is not cut (nanochat's)
-    assert from_config(build("nanochat", 64, seed=0)).pipeline == ()
+    # a final norm without parameters is cut as one (NanoChat's); a decoder with other
+    # parts that hold parameters is not cut (Qwen4-Exp's hyper-connection mixer)
+    assert from_config(build("nanochat", 64, seed=0)).pipeline[2] == \
+        ("hf.model.norm", "hf.lm_head")
+    assert from_config(build("qwen4_exp_text", 64, seed=0)).pipeline == ()
+
+
+@pytest.mark.parametrize("family", ["nanochat", "falcon_h1", "llama4_text"])
+def test_two_pieces_compute_the_whole_model(family):
+    """A pipeline's pieces, one after another in one process, give the model's loss: where
+    the final norm also normalizes the embeddings (NanoChat, its norm without parameters),
+    where blocks return a 1-tuple (Falcon-H1, a Mamba hybrid), where the model asks its
+    embedding for its device (Llama-4)."""
+    from commlib_strategies.pipeline import Piece
+    model = build(family, 64, 0)
+    plan = from_config(model)
+    first, last = (Piece(model, plan, i, 2, range(i, i + 1)) for i in (0, 1))
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    assert last(first(x), y).item() == pytest.approx(model.loss(x, y).item(), rel=1e-6)
+
+
+def test_a_piece_refuses_a_model_that_loops_over_its_blocks():
+    from commlib_strategies.pipeline import Piece
+    model = build("dory", 64, 0)
+    piece = Piece(model, from_config(model), 0, 2, range(0, 1))
+    with pytest.raises(ValueError, match="ran twice in one forward: the model loops"):
+        piece(torch.zeros(2, 16, dtype=torch.long))
+
+
+def test_multimodal_configs_are_shrunk_whole():
+    """Llama-4's causal LM is its text model, built from its text config shrunk; the vision
+    and audio towers Phi-4-multimodal's causal LM builds are shrunk too (13 GB at full
+    size)."""
+    llama4 = build("llama4", 64, 0)
+    assert llama4.hf.config.hidden_size == 32 and llama4.hf.config.num_hidden_layers == 2
+    phi4 = build("phi4_multimodal", 64, 0)
+    assert sum(p.numel() for p in phi4.parameters()) < 10_000_000
+    assert phi4.hf.config.vision_config.num_hidden_layers == 2

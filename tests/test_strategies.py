@@ -112,18 +112,21 @@ def test_training_cli_trains_any_model_type_and_a_users_config(tmp_path, one_pro
     states (another piece's block stands in returning as many values); and context
     parallelism where attention scores otherwise (both with sliding windows shorter than
     the sequences): Gemma-2's soft-capped logits under ring attention, GPT-OSS's learned
-    sinks under Ulysses."""
+    sinks under Ulysses; and Jamba, a Mamba hybrid, in a zero-bubble pipeline (ZB-H1),
+    whose mixers apply their dt_proj's weight without calling it (no module output leads
+    to that weight: the input's backward gives its gradient)."""
     pytest.importorskip("transformers")
     (qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, granite, swa, inkling, glm_dsa,
-     gemma2, gpt_oss) = ANY_MODEL
+     gemma2, gpt_oss, jamba) = ANY_MODEL
     models = [qwen2, qwen3_moe, users, cohere, lara_mini, minicpm3, minicpm3, granite,
-              granite, swa, inkling, glm_dsa, gemma2, gpt_oss]
+              granite, swa, inkling, glm_dsa, gemma2, gpt_oss, jamba]
     runs = [(*qwen2, "--tp", "2"), (*qwen3_moe, "--ep", "2"),
             (*users, "--tp", "2", "--sp", "megatron"), (*cohere, "--pp", "2"),
             (*lara_mini, "--pp", "2"), (*minicpm3, "--tp", "2"), (*minicpm3, "--pp", "2"),
             (*granite, "--pp", "2"), (*granite, "--tp", "2"), (*swa, "--tp", "2"),
             (*inkling, "--tp", "2"), (*glm_dsa, "--pp", "2"),
-            (*gemma2, "--cp", "2", "--sp", "ring"), (*gpt_oss, "--cp", "2", "--sp", "ulysses")]
+            (*gemma2, "--cp", "2", "--sp", "ring"), (*gpt_oss, "--cp", "2", "--sp", "ulysses"),
+            (*jamba, "--pp", "2", "--schedule", "zb-h1")]
     logs, _ = train_many(2, tmp_path, *runs)
     for run, model, log in zip(runs, models, logs, strict=True):
         want = one_process[model]

@@ -41,7 +41,7 @@ ANY_MODEL = [(*SMALL, "--model", "qwen2"), (*SMALL, "--model", "qwen3_moe"),
              (*RUN, "--seq-len", "16", "--config", GRANITE_CONFIG),
              (*SMALL, "--model", "granite_swa"), (*SMALL, "--model", "inkling_text"),
              (*SMALL, "--model", "glm_moe_dsa"), (*SMALL, "--model", "gemma2"),
-             (*SMALL, "--model", "gpt_oss")]
+             (*SMALL, "--model", "gpt_oss"), (*SMALL, "--model", "jamba")]
 
 # the one-process runs the tests compare layouts with (transformers' models where it is in)
 ONE_PROCESS = [RUN, (*RUN, "--experts", "4")]
