@@ -265,14 +265,15 @@ def _not_context_parallel(hf: nn.Module) -> str:
     model does not."""
     config = hf.config
     scans = ("Lightning", "LinearAttention", "DeltaNet", "DeltaAttention", "Mamba")
-    mixers = sorted({type(parent).__name__ for name, parent in hf.named_modules()
+    text = _text_modules(hf)
+    mixers = sorted({type(parent).__name__ for parent in text
                      if any(isinstance(m, nn.Conv1d) for m in parent.children())
                      or any(w in type(parent).__name__ for w in scans)})
     if mixers:
         return (f"its {', '.join(mixers)} mix the sequence outside attention (a causal "
                 "convolution, a state-space or linear-attention scan), which would see "
                 "only each rank's shard; train it without --cp")
-    selectors = sorted({type(m).__name__ for m in hf.modules()
+    selectors = sorted({type(m).__name__ for m in text
                         if any(w in type(m).__name__ for w in ("Compressor", "Indexer"))})
     if selectors:
         return (f"its {', '.join(selectors)} compress or select the keys attention sees "
@@ -285,6 +286,23 @@ def _not_context_parallel(hf: nn.Module) -> str:
                 f"(attention_chunk_size), and its sequences are up to {longest}: ring and "
                 "Ulysses attention attend the whole causal past")
     return ""
+
+
+def _text_modules(hf: nn.Module) -> list:
+    """The modules of a causal LM that text reaches: not its vision or audio towers (the
+    modules built from its config's other sub-configs, Phi-4-multimodal's), which a batch
+    of tokens never runs."""
+    towers = {id(getattr(hf.config, name)) for name in getattr(hf.config, "sub_configs", {})
+              if getattr(hf.config, name) is not hf.config.get_text_config()}
+    skipped, kept = [], []
+    for name, m in hf.named_modules():
+        if any(name.startswith(t + ".") for t in skipped):
+            continue
+        if id(getattr(m, "config", None)) in towers:
+            skipped.append(name)
+        else:
+            kept.append(m)
+    return kept
 
 
 def _slides(module) -> bool:

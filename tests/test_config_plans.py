@@ -306,9 +306,12 @@ def test_a_piece_refuses_a_model_that_loops_over_its_blocks():
 def test_multimodal_configs_are_shrunk_whole():
     """Llama-4's causal LM is its text model, built from its text config shrunk; the vision
     and audio towers Phi-4-multimodal's causal LM builds are shrunk too (13 GB at full
-    size)."""
+    size), and context parallelism does not look into them."""
     llama4 = build("llama4", 64, 0)
     assert llama4.hf.config.hidden_size == 32 and llama4.hf.config.num_hidden_layers == 2
     phi4 = build("phi4_multimodal", 64, 0)
     assert sum(p.numel() for p in phi4.parameters()) < 10_000_000
     assert phi4.hf.config.vision_config.num_hidden_layers == 2
+    # its audio tower's convolutions are no sequence mixing of its text
+    from commlib_strategies.families import _not_context_parallel
+    assert _not_context_parallel(phi4.hf) == ""
