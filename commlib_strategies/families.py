@@ -330,9 +330,10 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
         raise ValueError(f"context parallel: {type(module).__name__} attends through "
                          "transformers' attention interface, but the plan's attention modules "
                          "do not include it; name them in Plan.attention")
-    unmet = [name for name, unmet in (("position_bias", kwargs.get("position_bias") is not None),
-                                      ("is_causal=False", kwargs.get("is_causal") is False),
-                                      ("sinks", kwargs.get("sinks") is not None)) if unmet]
+    unmet = [feature for feature, asked in (
+        ("position_bias", kwargs.get("position_bias") is not None),
+        ("is_causal=False", kwargs.get("is_causal") is False),
+        ("sinks", kwargs.get("sinks") is not None)) if asked]
     if unmet:
         raise ValueError(f"context parallel: {type(module).__name__} asks its attention for "
                          f"{', '.join(unmet)}, which ring and Ulysses attention do not do")

@@ -268,9 +268,13 @@ class PipelineStage(nn.Module):
         self.unsplittable = next((m.unsplittable for m in self.pieces.modules()
                                   if getattr(m, "unsplittable", None)), None)
         self._captured = None  # while run_piece captures: [(module, output)]
-        for module in self.modules():
-            if any(p.requires_grad for p in module.parameters(recurse=False)):
-                module.register_forward_hook(self._on_module_output)
+        # per piece, each module holding trainable parameters -> those (its own): what the
+        # split backward's W runs back to, from the module's output
+        self.weights = [{m: own for m in piece.modules()
+                         if (own := [p for p in m.parameters(recurse=False) if p.requires_grad])}
+                        for piece in self.pieces]
+        for module in (m for weights in self.weights for m in weights):
+            module.register_forward_hook(self._on_module_output)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -474,9 +478,9 @@ class Pipeline:
         outputs = [out for _, out in held.modules]
         # parameters of modules that were not called, applied by another module (Jamba's
         # mixer multiplies by its dt_proj's weight): theirs is no W, I gives their gradients
-        called = {id(module) for module, _ in held.modules}
-        applied = [p for m in piece.modules() if id(m) not in called
-                   for p in m.parameters(recurse=False) if p.requires_grad]
+        called = {module for module, _ in held.modules}
+        applied = [p for m, own in self.stage.weights[a.chunk].items() if m not in called
+                   for p in own]
         wanted = ([] if piece.first else [held.input]) + outputs + applied
         roots, root_grads = held.roots(grad)
         # (allow_unused: a module's output nothing later used, such as a router's logits)
@@ -488,7 +492,7 @@ class Pipeline:
         held.module_grads = grads[:len(outputs)]
         for p, g in zip(applied, grads[len(outputs):]):
             if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+                p.grad = g if p.grad is None else p.grad.add_(g)
 
     def _w(self, a: Action):
         held = self._run.held.pop((a.microbatch, a.chunk))
@@ -501,7 +505,7 @@ class Pipeline:
                 outs.append(out)
                 grads.append(grad)
         for module, (outs, grads) in outputs.items():
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            params = self.stage.weights[a.chunk][module]
             # (kept: a module whose output is its child's, a Mamba mixer's out_proj's, runs
             # back through the child's operations too; freed with ``held``)
             torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)
