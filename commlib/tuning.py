@@ -17,9 +17,9 @@ layout, in this process and the next. ``auto`` then takes the algorithm with the
 time at the call's size, interpolated in log size between measured sizes (where two
 neighbouring sizes' winners differ, sizes between them are measured too, until the
 crossover lies within a factor of 2; a size timed during a slow spell, its reference
-collective's times off from the same calls timed again at the end, is measured again;
-beyond the
-largest, time grows with the bytes); where both kinds of memory were timed and their
+collective's times off from the same calls timed again at the end, is measured again, and
+so is a collective at a size where its two fastest's were; beyond the largest, time grows
+with the bytes); where both kinds of memory were timed and their
 fastest differ, the call's own memory decides (commlib/algorithms/pages.py); collectives
 or algorithms the table lacks fall back to the cost model (commlib/select.py). Rank 0's
 table is the one every rank uses, so two ranks never choose differently.
@@ -45,7 +45,8 @@ from .algorithms import entries
 from .algorithms.pages import mapped
 from .call import COLLECTIVES
 
-VERSION = 11  # 11: one table per layout serves every communicator whose algorithms it
+VERSION = 12  # 12: a collective whose two fastest moved in a spell is measured again;
+# 11: one table per layout serves every communicator whose algorithms it
 # measured (torchrun's world, without MPI's own, takes the table mpiexec's world measured);
 # 10: sizes measured again after spells, and between differing winners;
 # 9: up to 7 calls at the largest size on one host, not 3; 8: all_gather and broadcast on
@@ -232,8 +233,8 @@ def measure(comm, start=None, transport=None) -> Table:
     another state and a slow spell of the machine hits those compared alike. Each timed
     call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages are
     timed only where the transport reads peers' memory in place (on one host). Then sizes
-    whose reference times were off in a spell of the machine are measured again
-    (_distrust_spells), and sizes between measured ones where the winner changes
+    whose reference times, or collectives whose two fastest's, were off in a spell of the
+    machine are measured again (_distrust_spells), and sizes between measured ones where the winner changes
     (_refine)."""
     start = start or comm.barrier
     reading = ((), -1)
@@ -294,32 +295,54 @@ def _slowest(comm, table: "Table") -> tuple[list, list]:
 
 # A pass whose reference (MPI's own collectives, else direct) ran SPELL times slower or
 # faster at a size than when timed again at the pass's end met a spell of the machine
-# there (its speed drifts up to 2x minute to minute): that size is measured again.
+# there (its speed drifts up to 2x minute to minute): that size is measured again. A
+# spell may slow only some algorithms (the staged copies, not MPI's single copy: 64 KiB
+# broadcasts by direct timed at 26-29 us in one pass, 4.9-10 in the next three, so that
+# one_copy won there at half their speed): so each size's two fastest are timed again
+# too, and a collective whose winner or runner-up moved by SPELL is measured again there.
 SPELL = 1.5
 REFERENCES = ("native", "direct")
 
 
 def _distrust_spells(comm, start, table: "Table", reads_in_place: bool, where) -> None:
-    """Time each collective's reference again at every size of ``table``, and measure again
-    (in place of what was) each size where the pass's times of it were off by SPELL."""
-    n, again = comm.size, Table({})
+    """Time again, at every size of ``table``, each collective's reference and its two
+    fastest (on each kind of pages measured), and measure again (in place of what was)
+    each size where the pass's reference times were off by SPELL, and each collective at
+    a size where its winner's or runner-up's were."""
+    n, again = comm.size, Table({}, {})
     for nbytes in table.sizes():
         count = _count(n, nbytes)
-        a, b = _buffers(_small_pages, n, count)
-        keys, calls = [], []
-        for c in COLLECTIVES:
-            name = next((r for r in REFERENCES if r in table.times.get(c, {})), None)
-            if name is not None and nbytes in dict(table.times[c][name]):
-                keys.append((False, c, name, nbytes))
-                calls.append(_call(comm, c, name, a, b, count))
-        again.put(keys, _times(start, calls, _rounds(nbytes)))
+        kinds = [(False, _small_pages)] + ([(True, _huge_pages)] if reads_in_place else [])
+        for on_huge, memory in kinds:
+            a, b = _buffers(memory, n, count)
+            keys = to_check(table, nbytes, n, where, on_huge)
+            again.put(keys, _times(start, [_call(comm, c, name, a, b, count)
+                                           for _, c, name, _ in keys], _rounds(nbytes)))
     again.put(*_slowest(comm, again))
-    for nbytes in spells(table, again):
-        keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), COLLECTIVES,
+    todo = {nbytes: list(COLLECTIVES) for nbytes in spells(table, again)}
+    for nbytes, collectives in upsets(table, again).items():
+        todo.setdefault(nbytes, collectives)
+    for nbytes, collectives in sorted(todo.items()):
+        keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), collectives,
                               reads_in_place, where)
         slow = Table({})
         slow.put(keys, mine)
         table.put(*_slowest(comm, slow))
+
+
+def to_check(table: "Table", nbytes: int, n: int, where, on_huge: bool) -> list:
+    """The keys timed again at ``nbytes`` on one kind of pages: each collective's two
+    fastest there among those that run it, and (on 4 KiB pages) its reference."""
+    keys = []
+    for c, algos in (table.on_huge_pages if on_huge else table.times).items():
+        at = {name: t for name in _runs(c, algos, n, nbytes, where)
+              for b, t in algos[name] if b == nbytes}
+        names = sorted(at, key=at.get)[:2]
+        reference = next((r for r in REFERENCES if r in at), None)
+        if not on_huge and reference is not None and reference not in names:
+            names.append(reference)
+        keys += [(on_huge, c, name, nbytes) for name in names]
+    return keys
 
 
 def spells(table: "Table", again: "Table") -> list[int]:
@@ -329,10 +352,31 @@ def spells(table: "Table", again: "Table") -> list[int]:
     for nbytes in table.sizes():
         ratios = [table.at((False, c, name, nbytes)) / t
                   for c, algos in again.times.items() for name, points in algos.items()
-                  for b, t in points if b == nbytes]
+                  for b, t in points if b == nbytes and name == _reference(table, c)]
         if ratios and abs(np.mean(np.log(ratios))) >= math.log(SPELL):
             found.append(nbytes)
     return found
+
+
+def upsets(table: "Table", again: "Table") -> dict[int, list[str]]:
+    """{bytes: collectives} whose winner's or runner-up's time in ``again`` (which holds
+    them, as to_check gives) differs from ``table``'s by SPELL or more, on either kind of
+    pages."""
+    found: dict = {}
+    for on_huge, kind in ((False, again.times), (True, again.on_huge_pages)):
+        for c, algos in kind.items():
+            for nbytes in sorted({b for points in algos.values() for b, _ in points}):
+                was = {name: table.at((on_huge, c, name, nbytes)) for name, points in
+                       algos.items() if nbytes in dict(points)}
+                moved = [abs(math.log(was[name] / dict(algos[name])[nbytes]))
+                         for name in sorted(was, key=was.get)[:2]]
+                if max(moved) >= math.log(SPELL) and c not in found.get(nbytes, ()):
+                    found.setdefault(nbytes, []).append(c)
+    return dict(sorted(found.items()))
+
+
+def _reference(table: "Table", collective: str) -> str | None:
+    return next((r for r in REFERENCES if r in table.times.get(collective, {})), None)
 
 
 # Where two neighbouring sizes' winners differ, a size between them is timed, until each

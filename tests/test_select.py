@@ -187,6 +187,44 @@ def test_tuning_measures_again_where_the_reference_met_a_spell():
     assert spells(table, again) == [4 * K, 2048 * K]
 
 
+def test_tuning_measures_again_where_a_contender_met_a_spell():
+    """A spell that slows the staged copies and not the reference (MPI's single copy):
+    each size's two fastest are timed again with the reference, and a collective whose
+    winner or runner-up moved by 1.5x either way is measured again there; the reference
+    alone moving is left to spells()."""
+    from commlib.tuning import Table, to_check, upsets
+    K = 1 << 10
+    table = Table({"broadcast": {"native": [[64 * K, 30.0], [256 * K, 60.0]],
+                                 "direct": [[64 * K, 28.0], [256 * K, 40.0]],
+                                 "ring": [[64 * K, 27.0], [256 * K, 50.0]],
+                                 "one_copy": [[64 * K, 14.5], [256 * K, 30.0]]},
+                   "all_reduce": {"native": [[64 * K, 9.0]], "ring": [[64 * K, 5.0]],
+                                  "rhd": [[64 * K, 4.0]]}},
+                  {"broadcast": {"direct": [[64 * K, 20.0]], "one_copy": [[64 * K, 10.0]],
+                                 "ring": [[64 * K, 30.0]]}})
+    assert to_check(table, 64 * K, 2, None, False) == [
+        (False, "broadcast", "one_copy", 64 * K), (False, "broadcast", "ring", 64 * K),
+        (False, "broadcast", "native", 64 * K), (False, "all_reduce", "rhd", 64 * K),
+        (False, "all_reduce", "ring", 64 * K), (False, "all_reduce", "native", 64 * K)]
+    assert to_check(table, 64 * K, 2, None, True) == [
+        (True, "broadcast", "one_copy", 64 * K), (True, "broadcast", "direct", 64 * K)]
+    again = Table({"broadcast": {"one_copy": [[64 * K, 14.0], [256 * K, 29.0]],
+                                 "ring": [[64 * K, 7.0]], "direct": [[256 * K, 39.0]],
+                                 "native": [[64 * K, 31.0], [256 * K, 20.0]]},
+                   "all_reduce": {"rhd": [[64 * K, 4.4]], "ring": [[64 * K, 3.0]],
+                                  "native": [[64 * K, 9.0]]}},
+                  {"broadcast": {"one_copy": [[64 * K, 10.0]], "direct": [[64 * K, 21.0]]}})
+    # broadcast's runner-up ring 27 -> 7 us at 64 KiB; all_reduce's ring 5 -> 3 (1.67x);
+    # at 256 KiB only the reference moved
+    assert upsets(table, again) == {64 * K: ["broadcast", "all_reduce"]}
+    again.times["all_reduce"]["ring"][0][1] = 4.0  # (1.25x: kept)
+    again.on_huge_pages["broadcast"]["direct"][0][1] = 40.0  # slower too: on huge pages
+    again.times["broadcast"]["ring"][0][1] = 26.0
+    assert upsets(table, again) == {64 * K: ["broadcast"]}
+    again.on_huge_pages["broadcast"]["direct"][0][1] = 21.0
+    assert upsets(table, again) == {}
+
+
 def test_the_largest_size_measured_fits_its_time():
     """The tuning pass measures 16 MiB where one of each call there is foreseen to take at
     most LARGEST_SIZE_SECONDS (from the 2 MiB calls' time, by bytes), else 8 or 4 MiB; and
