@@ -234,8 +234,8 @@ def measure(comm, start=None, transport=None) -> Table:
     call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages are
     timed only where the transport reads peers' memory in place (on one host). Then sizes
     whose reference times, or collectives whose two fastest's, were off in a spell of the
-    machine are measured again (_distrust_spells), and sizes between measured ones where the winner changes
-    (_refine)."""
+    machine are measured again (_distrust_spells), and sizes between measured ones where
+    the winner changes (_refine)."""
     start = start or comm.barrier
     reading = ((), -1)
     # (memory's kind matters only where peers' memory is read in place: shared memory)

@@ -7,7 +7,8 @@ write dst); copies count 2 * n * itemsize. Times are medians over --reps
 interleaved samples; small arrays run many calls per sample so timer overhead
 stays small.
 "x numpy" is numpy's time / this row's time (>1 means faster than numpy);
-"% copy" is this row's GB/s relative to _C.copy on the same size.
+"% copy" is this row's GB/s relative to _C.copy on the same size. "copy+16" copies to a
+destination 16 bytes past the source modulo 4 KiB (see csrc/kernels.cpp's copy).
 """
 import statistics
 import time
@@ -45,12 +46,22 @@ def bench_size(nbytes_per_array, reps):
     (a, b), (ha, hb), (ba, bb) = f32, f16, bf16
     pa, pb, pha, phb, pba, pbb = (x.ctypes.data for x in (a, b, ha, hb, ba, bb))
     nb = a.nbytes
+    # a destination 16 bytes past the source modulo 4 KiB (numpy arrays allocated one
+    # after the other often lie so), where glibc's memmove is slow on AMD Zen (kernels.cpp)
+    raw = np.zeros(2 * nb + 3 * 4096, np.uint8)
+    first = -raw.ctypes.data % 4096
+    src16 = raw[first:first + nb]
+    dst16 = raw[first + -(-nb // 4096) * 4096 + 4096 + 16:][:nb]
+    psrc16, pdst16 = src16.ctypes.data, dst16.ctypes.data
     rows = [  # (name, callable, elements, bytes moved, numpy baseline row name)
         ("f32 sum  _C.reduce_into", lambda: _C.reduce_into(pb, pa, n, _C.DTYPES["float32"], SUM),
          n, 3 * nb, "f32 sum  np.add(out=)"),
         ("f32 sum  np.add(out=)", lambda: np.add(a, b, out=b), n, 3 * nb, None),
         ("copy     _C.copy", lambda: _C.copy(pb, pa, nb), n, 2 * nb, "copy     np.copyto"),
         ("copy     np.copyto", lambda: np.copyto(b, a), n, 2 * nb, None),
+        ("copy+16  _C.copy", lambda: _C.copy(pdst16, psrc16, nb), n,
+         2 * nb, "copy+16  np.copyto"),
+        ("copy+16  np.copyto", lambda: np.copyto(dst16, src16), n, 2 * nb, None),
         ("f16 sum  _C.reduce_into",
          lambda: _C.reduce_into(phb, pha, 2 * n, _C.DTYPES["float16"], SUM),
          2 * n, 3 * nb, "f16 sum  np.add(out=)"),

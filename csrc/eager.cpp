@@ -20,7 +20,7 @@ void eager_result(int64_t collective, int rank, int n, int64_t root, const char*
   auto payload = [&](int r) { return payloads + r * row_bytes; };
   auto reduce_rows = [&](int64_t offset) {  // out = row 0 (op) row 1 (op) ... in rank order
     if (n == 1) {
-      std::memcpy(out, payload(0) + offset, out_bytes);
+      copy(out, payload(0) + offset, out_bytes);
       return;
     }
     reduce(out, payload(0) + offset, payload(1) + offset, out_count, dtype, op);
@@ -37,10 +37,10 @@ void eager_result(int64_t collective, int rank, int n, int64_t root, const char*
       reduce_rows(rank * out_bytes);
       break;
     case BROADCAST:
-      if (rank != root) std::memcpy(out, payload(int(root)), out_bytes);
+      if (rank != root) copy(out, payload(int(root)), out_bytes);
       break;
     case ALL_GATHER:
-      for (int r = 0; r < n; ++r) std::memcpy(out + r * sent, payload(r), sent);
+      for (int r = 0; r < n; ++r) copy(out + r * sent, payload(r), sent);
       break;
     default:
       throw std::invalid_argument(std::string("no eager ") + collective_name(collective));

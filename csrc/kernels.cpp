@@ -157,10 +157,38 @@ void scale(void* dst, int64_t count, int dtype, double factor) {
   scale_baseline(dst, size_t(count), dtype, factor);
 }
 
+// glibc's memmove moves blocks from a few KiB to about a MiB with `rep movsb`, which on
+// AMD Zen runs some 20 times slower where the destination lies 1 to 31 bytes past the
+// source modulo 4 KiB (each load waits on a store 4 KiB before it: 4K aliasing): 64 KiB in
+// 24-39 us instead of 1.6 (2-core AMD EPYC, glibc 2.36). numpy arrays allocated one after
+// the other lie 16 bytes apart so, and a staged copy meets any offset of a user's buffer
+// against its slot. There a loop of 16-byte loads and stores copies instead (2.1 us).
 void copy(void* dst, const void* src, int64_t nbytes) {
-  check(nbytes >= 0, "nbytes must be >= 0, got " + std::to_string(nbytes));
-  check(nbytes == 0 || (dst != nullptr && src != nullptr), "null pointer with nbytes > 0");
-  if (nbytes) std::memmove(dst, src, size_t(nbytes));
+  if (nbytes < 0) check(false, "nbytes must be >= 0, got " + std::to_string(nbytes));
+  if (nbytes == 0) return;
+  check(dst != nullptr && src != nullptr, "null pointer with nbytes > 0");
+  auto* d = static_cast<char*>(dst);
+  auto* s = static_cast<const char*>(src);
+  size_t n = size_t(nbytes);
+  uintptr_t gap = (reinterpret_cast<uintptr_t>(d) - reinterpret_cast<uintptr_t>(s)) & 4095;
+  bool aliased = gap != 0 && gap < 32, apart = d + n <= s || s + n <= d;
+#if COMMLIB_X86_DISPATCH
+  if (aliased && apart && n >= 2048) {
+    for (; n >= 64; d += 64, s += 64, n -= 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+      __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d), a);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16), b);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 32), c);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 48), e);
+    }
+  }
+#else
+  (void)aliased, (void)apart;
+#endif
+  std::memmove(d, s, n);
 }
 
 // Non-temporal stores skip the read-for-ownership a normal store does on a cache miss, so a

@@ -84,8 +84,8 @@ void ShmComm::reduce_pieces(const std::vector<Block>& blocks, int dtype, int op,
       int64_t m = std::min(acc_count, len - c);
       for (int j = 0; j < size_; ++j) src[j] = staging(j, g) + (rank_ * per_piece + c) * isz;
       reduce_sources(acc, src, m, dtype, op);
-      if (gather) std::memcpy(mine + (rank_ * per_piece + c) * isz, acc, m * isz);
-      if (me.out) std::memcpy(me.out + (k * per_piece + c) * isz, acc, m * isz);
+      if (gather) copy(mine + (rank_ * per_piece + c) * isz, acc, m * isz);
+      if (me.out) copy(me.out + (k * per_piece + c) * isz, acc, m * isz);
     }
     if (gather) {  // the reduced block is read by every rank, or by the root only
       int readers = gather_root < 0 ? size_ - 1 : (gather_root == rank_ ? 0 : 1);
@@ -95,7 +95,7 @@ void ShmComm::reduce_pieces(const std::vector<Block>& blocks, int dtype, int op,
         wait_arrivals(target, [](int) { return true; });
         for (int j = 0; j < size_; ++j)
           if (j != rank_ && blocks[j].out)
-            std::memcpy(blocks[j].out + k * per_piece * isz, staging(j, g) + j * per_piece * isz,
+            copy(blocks[j].out + k * per_piece * isz, staging(j, g) + j * per_piece * isz,
                         piece_len(blocks[j].count, k, per_piece) * isz);
       }
     }
@@ -130,7 +130,7 @@ void ShmComm::gather_pieces(const std::vector<Block>& blocks, bool one_owner) {
     int64_t len = piece_len(me.count, k, per_piece);
     if (len > 0) {
       wait_staging_free(g);
-      std::memcpy(staging(rank_, g), me.in + k * per_piece, len);
+      copy(staging(rank_, g), me.in + k * per_piece, len);
       count_sent(uint64_t(len) * (size_ - 1));  // every other rank reads this block
     }
     uint64_t barrier = arrive();
@@ -170,7 +170,7 @@ void ShmComm::all_reduce_small(char* buf, int64_t count, int dtype, int op) {
   const int64_t nbytes = count * itemsize(dtype);
   uint64_t g = pieces_++;
   wait_staging_free(g);
-  std::memcpy(staging(rank_, g), buf, nbytes);
+  copy(staging(rank_, g), buf, nbytes);
   count_sent(uint64_t(nbytes) * (size_ - 1));
   wait_arrivals(arrive(), [](int) { return true; });
   std::vector<const char*> src(size_);

@@ -150,7 +150,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
         while (s.done < s.nbytes && slot_free(s.peer)) {
           SlotHeader* h = slot(rank_, s.peer, k);
           uint64_t n = std::min(slot_bytes, s.nbytes - s.done);
-          std::memcpy(reinterpret_cast<char*>(h + 1), s.src + s.done, n);
+          copy(reinterpret_cast<char*>(h + 1), s.src + s.done, n);
           h->sig = sig_;
           h->total = s.nbytes;
           h->offset = s.done;
@@ -191,7 +191,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
           else if (r.nbytes >= streaming_from)
             copy_streaming(r.dst + r.done, data, h->nbytes);
           else
-            std::memcpy(r.dst + r.done, data, h->nbytes);
+            copy(r.dst + r.done, data, h->nbytes);
           r.done += h->nbytes;
           tail(r.peer, rank_)->consumed.store(++k, std::memory_order_release);
           notify(r.peer);
