@@ -154,8 +154,8 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         base = measured.fastest(collective, size, found)
         if base is not None:
             huge = measured.fastest(collective, size, found, huge=True)
-            if huge not in (None, base) and worth_deciding_by_pages(measured, collective,
-                                                                    size, base, huge):
+            if huge not in (None, base) and worth_deciding_by_pages(
+                    measured, collective, n, size, found[base], found[huge]):
                 return by_pages(found[huge], found[base],  # the call's memory decides
                                 collective in measured.base_pages_in_place)
             return found[base]

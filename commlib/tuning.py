@@ -42,10 +42,11 @@ import numpy as np
 
 from . import survivors
 from .algorithms import entries
-from .algorithms.pages import mapped
+from .algorithms.pages import fills_a_huge_page, mapped
 from .call import COLLECTIVES
 
-VERSION = 12  # 12: a collective whose two fastest moved in a spell is measured again;
+VERSION = 13  # 13: the reductions on huge pages too, from a huge page's size (as the
+# copies); 12: a collective whose two fastest moved in a spell is measured again;
 # 11: one table per layout serves every communicator whose algorithms it
 # measured (torchrun's world, without MPI's own, takes the table mpiexec's world measured);
 # 10: sizes measured again after spells, and between differing winners;
@@ -69,11 +70,11 @@ LARGEST_SIZE_SECONDS = 2.0
 # ran at 0.73 of MPI's in the benchmark, where 3 matched the benchmark's times
 LARGEST_CALLS = 7
 # timed on huge pages too, where auto's choice then follows the call's memory
-# (commlib/algorithms/pages.py): all_to_all (whose choice cannot depend on the size, but
-# can on the memory), and the copies, for which one_copy reads huge pages in place (numpy's
-# large arrays lie on them) at a meeting's cost where 4 KiB ones stage. (The reductions are
-# chosen on 4 KiB pages, torch's: docs/collectives.md.)
-ON_HUGE_PAGES_TOO = ("all_to_all", "all_gather", "broadcast")
+# (commlib/algorithms/pages.py): the collectives one_copy runs, for it reads huge pages in
+# place (numpy's large arrays lie on them) at a meeting's cost where 4 KiB ones stage;
+# all_to_all at every size (its one choice, for every size, weighs them all), the others
+# where a buffer fills a huge page (only there auto decides by pages: timed_on_huge_pages)
+ON_HUGE_PAGES_TOO = ("all_to_all", "all_gather", "broadcast", "reduce_scatter", "all_reduce")
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
@@ -265,12 +266,14 @@ def _time_at(comm, start, nbytes: int, rounds: int, collectives, reads_in_place:
     ``nbytes`` at ``where``, on 4 KiB pages and (``reads_in_place``) those of
     ON_HUGE_PAGES_TOO on huge pages too; a key is (on huge pages, collective, name, bytes)."""
     n, count = comm.size, _count(comm.size, nbytes)
-    kinds = [(False, _buffers(_small_pages, n, count))]
+    kinds = [(False, _small_pages, collectives)]
     if reads_in_place:
-        kinds.append((True, _buffers(_huge_pages, n, count)))
+        kinds.append((True, _huge_pages,
+                      [c for c in collectives if timed_on_huge_pages(c, n, nbytes)]))
     keys, mine = [], []
-    for on_huge, (a, b) in kinds:
-        for collective in [c for c in collectives if not on_huge or c in ON_HUGE_PAGES_TOO]:
+    for on_huge, memory, timed in kinds:
+        a, b = _buffers(memory, n, count) if timed else (None, None)
+        for collective in timed:
             calls = []  # (a collective's algorithms take turns among themselves)
             for name in comm.algorithms(collective):
                 refuses = entries(collective)[name].refuses
@@ -280,6 +283,13 @@ def _time_at(comm, start, nbytes: int, rounds: int, collectives, reads_in_place:
                 calls.append(_call(comm, collective, name, a, b, count))
             mine.extend(_times(start, calls, rounds))
     return keys, mine
+
+
+def timed_on_huge_pages(collective: str, n: int, nbytes: int) -> bool:
+    """Whether the pass times ``collective`` at ``nbytes`` among ``n`` ranks on huge pages
+    too."""
+    return collective in ON_HUGE_PAGES_TOO and \
+        (collective == "all_to_all" or fills_a_huge_page(collective, n, nbytes))
 
 
 def _slowest(comm, table: "Table") -> tuple[list, list]:
@@ -314,8 +324,8 @@ def _distrust_spells(comm, start, table: "Table", reads_in_place: bool, where) -
         count = _count(n, nbytes)
         kinds = [(False, _small_pages)] + ([(True, _huge_pages)] if reads_in_place else [])
         for on_huge, memory in kinds:
-            a, b = _buffers(memory, n, count)
             keys = to_check(table, nbytes, n, where, on_huge)
+            a, b = _buffers(memory, n, count) if keys else (None, None)
             again.put(keys, _times(start, [_call(comm, c, name, a, b, count)
                                            for _, c, name, _ in keys], _rounds(nbytes)))
     again.put(*_slowest(comm, again))

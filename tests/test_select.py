@@ -126,9 +126,15 @@ def test_measured_table_choice():
     assert by_pages(one_copy, direct) == one_copy  # (it stages as direct does anyway)
     assert by_pages(tree, one_copy).name == "pages"  # (a flag decides)
     assert choose("broadcast", "tree", 2, mb4, offers=shm, measured=table).name == "tree"
-    # not where a buffer cannot fill a huge page, nor for a gain under pages.WORTH
+    # not where a buffer cannot fill a huge page; a gain under pages.WORTH pays only where
+    # one_copy's meeting decides (a flag costs more)
     assert choose("broadcast", None, 2, 1 << 20, offers=shm, measured=table).name == "tree"
     table.on_huge_pages["broadcast"]["one_copy"] = [[mb4, 35.0]]  # 1.14x
+    assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).otherwise.name == "tree"
+    table.base_pages_in_place = ["broadcast"]
+    assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).name == "tree"
+    table.on_huge_pages["broadcast"]["one_copy"] = [[mb4, 41.0]]  # (a loss)
+    table.base_pages_in_place = []
     assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).name == "tree"
 
 
@@ -273,3 +279,19 @@ def test_between_torchrun_nodes_small_calls_ride_in_the_check():
                   offers=offers).name == "hier"
     gloo = get("all_reduce", "gloo", offers)
     assert DEFAULTS.cost(gloo, unchecked, 4, 64) < DEFAULTS.cost(gloo, checked, 4, 64)
+
+
+def test_the_pass_times_huge_pages_where_auto_decides_by_them():
+    """all_to_all on huge pages at every size (its one choice weighs them all); the other
+    collectives one_copy runs where the buffer the peers read fills a huge page (auto
+    decides by pages only there): reduce_scatter's input holds a block per rank."""
+    from commlib.algorithms.pages import huge_page_bytes
+    from commlib.tuning import timed_on_huge_pages
+    huge = huge_page_bytes()
+    assert timed_on_huge_pages("all_to_all", 2, 256)
+    for collective in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        assert not timed_on_huge_pages(collective, 1, huge // 2)
+        assert timed_on_huge_pages(collective, 1, huge)
+    assert timed_on_huge_pages("reduce_scatter", 4, huge // 4)
+    assert not timed_on_huge_pages("all_reduce", 4, huge // 4)
+    assert not timed_on_huge_pages("reduce", 1, 8 * huge)  # (one_copy runs no reduce)

@@ -1,7 +1,7 @@
 """pages: auto's choice by the kind of memory a call's buffers lie on.
 
-The measured table (commlib/tuning.py) times the copies and all_to_all on 4 KiB pages and
-on huge ones, where their fastest often differ: one_copy reads huge pages in place at a
+The measured table (commlib/tuning.py) times one_copy's collectives on 4 KiB pages and on
+huge ones, where their fastest often differ: one_copy reads huge pages in place at a
 meeting's cost, while on 4 KiB pages the kernel pins every page it reads and a schedule's
 copies may win. Where the two differ at a call's size, auto takes ``by_pages(huge, base)``:
 each rank looks at the pages of its buffer the peers read (csrc/shm_one_copy.cpp's
@@ -25,18 +25,36 @@ from . import Algorithm
 
 
 # The least gain on huge pages (the huge-page choice's time against the other's there)
-# that pays for deciding per call: its agreement and the general path it takes (the C++
-# fast path runs one algorithm): 50-120 us a call on a 2-core AMD EPYC, where huge pages
-# gained 1.3-1.6x at 4-16 MiB and a few percent (noise) below.
+# that pays for deciding per call by a flag: its agreement and the general path it takes
+# (the C++ fast path runs one algorithm): 50-120 us a call on a 2-core AMD EPYC, where huge
+# pages gained 1.3-1.6x at 4-16 MiB and a few percent (noise) below. Where one_copy's own
+# meeting decides, any gain pays.
 WORTH = 1.25
 
 
-def worth_deciding_by_pages(table, collective: str, nbytes: int | None, base: str,
-                            huge: str) -> bool:
-    """Whether a call of ``nbytes`` (None: any size) should choose by its memory: its buffer
-    can fill a huge page, and ``huge`` gains WORTH there."""
-    return (nbytes is None or nbytes >= huge_page_bytes()) and \
-        table.gain_on_huge_pages(collective, nbytes, base, huge) >= WORTH
+def worth_deciding_by_pages(table, collective: str, n: int, nbytes: int | None,
+                            base: Algorithm, huge: Algorithm) -> bool:
+    """Whether a call of ``nbytes`` (None: any size) among ``n`` ranks should choose by its
+    memory: its buffer can fill a huge page, and ``huge`` gains there WORTH, or anything
+    where it decides by its own meeting (one_copy_decides)."""
+    least = 1.0 if one_copy_decides(huge, base, collective in table.base_pages_in_place) \
+        else WORTH
+    return fills_a_huge_page(collective, n, nbytes) and \
+        table.gain_on_huge_pages(collective, nbytes, base.name, huge.name) > least
+
+
+def fills_a_huge_page(collective: str, n: int, nbytes: int | None) -> bool:
+    """Whether the buffer the peers read in a call of ``nbytes`` primary bytes among ``n``
+    ranks (reduce_scatter's input holds n blocks) can fill a huge page (None: any size)."""
+    return nbytes is None or \
+        nbytes * (n if collective == "reduce_scatter" else 1) >= huge_page_bytes()
+
+
+def one_copy_decides(huge: Algorithm, base: Algorithm, base_pages_in_place: bool) -> bool:
+    """Whether ``huge`` is one_copy and stages by ``base`` itself where a rank's buffer lies
+    on 4 KiB pages (its first meeting tells every rank: no flag, and the fast path)."""
+    return huge.name == "one_copy" and not base_pages_in_place and \
+        (base.build is not None or base.name == "direct")
 
 
 @lru_cache(maxsize=1)
@@ -84,8 +102,7 @@ def chosen(transport, call, huge: Algorithm, base: Algorithm) -> Algorithm:
 def by_pages(huge: Algorithm, base: Algorithm, base_pages_in_place: bool = False) -> Algorithm:
     """An entry that runs ``huge`` or ``base`` by the call's memory, agreed by all ranks
     (``base_pages_in_place``: one_copy reads this collective's 4 KiB pages in place too)."""
-    if huge.name == "one_copy" and not base_pages_in_place and \
-            (base.build is not None or base.name == "direct"):
+    if one_copy_decides(huge, base, base_pages_in_place):
         flags = {"user_ops": base.user_ops and huge.user_ops,
                  "rank_order": base.rank_order and huge.rank_order}
         if base.build is None:

@@ -186,6 +186,26 @@ def each_call_is_judged_by_its_own_buffer():
         assert_equal(out, want)
 
 
+def reductions_read_in_place_from_anywhere_in_a_page():
+    """one_copy's reductions read each peer's chunk into a slot at the chunk's own offset in
+    its page (csrc/shm_one_copy.cpp): buffers on huge pages that start anywhere in a page,
+    each rank's elsewhere, reduce right over several chunks, the output apart or the input."""
+    if "one_copy" not in ALGORITHMS or n == 1:
+        return
+    count = 3 << 16
+    values = np.arange(count * n, dtype=np.float32) % 251
+    for skip in (0, 1, 5, 1023):  # (float32 elements into a 4 KiB page)
+        at = (skip + 7 * rank) % 1024
+        src = private(count * n + 1024, np.float32, huge=True)[at:at + count * n]
+        out = private(count + 1024, np.float32, huge=True)[1023 - at:][:count]
+        huge = comm.mpi.allreduce(on_huge_pages(src), op=MPI.LAND)
+        src[:] = values * (rank + 1)
+        assert in_place(lambda: comm.reduce_scatter(out, src, algorithm="one_copy")) == huge
+        assert_equal(out, values[rank * count:][:count] * (n * (n + 1) // 2))
+        assert in_place(lambda: comm.all_reduce(src, algorithm="one_copy")) == huge
+        assert_equal(src, values * (n * (n + 1) // 2))
+
+
 def a_table_decides_how_to_read_in_place():
     """Where the algorithm table measured that reading 4 KiB pages in place beats staging
     them for a collective (tuning.Table.base_pages_in_place), one_copy and direct's

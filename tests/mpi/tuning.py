@@ -88,7 +88,8 @@ def the_choice_is_the_tables_and_the_same_everywhere():
         base = table.fastest(collective, nbytes, names)
         huge = table.fastest(collective, nbytes, names, huge=True)
         by_pages = huge not in (None, base) and pages.worth_deciding_by_pages(
-            table, collective, nbytes, base, huge)
+            table, collective, n, nbytes, entries(collective)[base],
+            entries(collective)[huge])
         if by_pages:  # (one_copy decides by its own meeting, the rest by a flag)
             base = pages.by_pages(entries(collective)[huge], entries(collective)[base],
                                   collective in table.base_pages_in_place).name
