@@ -176,10 +176,10 @@ void copy_blocks(char*& d, const char*& s, size_t& n) {
 
 // glibc's memmove moves blocks from a few KiB to about a MiB with `rep movsb`, which on
 // AMD Zen runs some 20 times slower where the destination lies 1 to 31 bytes past the
-// source modulo 4 KiB (each load waits on a store 4 KiB before it: 4K aliasing): 64 KiB in
-// 24-39 us instead of 1.6 (2-core AMD EPYC, glibc 2.36). numpy arrays allocated one after
-// the other lie 16 bytes apart so, and a staged copy meets any offset of a user's buffer
-// against its slot. There a loop of 16-byte loads and stores copies instead (2.1 us).
+// source modulo 4 KiB (rep_movsb_aliases): 64 KiB in 24-39 us instead of 1.6 (2-core AMD
+// EPYC, glibc 2.36). numpy arrays allocated one after the other lie 16 bytes apart so,
+// and a staged copy meets any offset of a user's buffer against its slot. There a loop of
+// 16-byte loads and stores copies instead (2.1 us).
 void copy(void* dst, const void* src, int64_t nbytes) {
   if (nbytes < 0) check(false, "nbytes must be >= 0, got " + std::to_string(nbytes));
   if (nbytes == 0) return;
@@ -187,8 +187,7 @@ void copy(void* dst, const void* src, int64_t nbytes) {
   auto* d = static_cast<char*>(dst);
   auto* s = static_cast<const char*>(src);
   size_t n = size_t(nbytes);
-  uintptr_t gap = (reinterpret_cast<uintptr_t>(d) - reinterpret_cast<uintptr_t>(s)) & 4095;
-  bool aliased = gap != 0 && gap < 32, apart = d + n <= s || s + n <= d;
+  bool aliased = rep_movsb_aliases(d, s), apart = d + n <= s || s + n <= d;
 #if COMMLIB_X86_DISPATCH
   if (aliased && apart && n >= 2048) copy_blocks<false>(d, s, n);
 #else

@@ -352,6 +352,7 @@ class ShmComm : public FastTransport {
   // lies in a region, else with process_vm_readv.
   void read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t offset,
                  int64_t nbytes);
+  void read_remote(int peer, char* dst, uint64_t src, int64_t nbytes);  // process_vm_readv
   void reduce_from_peers(char* out, const char* own, int64_t first, int64_t n, int dtype,
                          int op, uint64_t Exposed::*which);
   // all_to_all: where `owner`'s part for this rank starts in its input (its parts lie in
@@ -387,7 +388,8 @@ class ShmComm : public FastTransport {
   std::atomic<uint64_t> bytes_sent_{0};  // see bytes_sent(); read from any thread
   void count_sent(uint64_t n) { bytes_sent_.fetch_add(n, std::memory_order_relaxed); }
   std::vector<uint64_t> sent_, received_;  // slots per channel so far
-  std::vector<char> tmp_;             // "tmp" buffer of schedules
+  std::vector<char> tmp_;             // "tmp" buffer of schedules; one_copy's reduction slots
+  std::vector<char> bounce_;          // read_peer's slot where the kernel's copy runs slow
   std::mutex mutex_;                  // one collective at a time
   bool owner_linked_ = false;
   std::atomic<bool> aborted_{false};  // see abort()

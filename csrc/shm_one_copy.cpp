@@ -54,6 +54,7 @@ namespace {
 
 constexpr int64_t kOneCopy = pack_name("one_copy");
 constexpr size_t kPage = 4096;
+constexpr int64_t kBounceFrom = 2048;  // bytes from which read_peer steps around rep movsb
 
 // Bytes read from each peer per step of a reduction: the ranks' chunks stay in half a
 // core's L2 (as the C library reports it), and at least 64 KiB. Fewer, larger reads cost
@@ -92,6 +93,18 @@ std::string forbidden_hint(int error) {
            "profile, or /proc/sys/kernel/yama/ptrace_scope above 0)";
   if (error == ENOSYS) return " (the kernel lacks process_vm_readv)";
   return "";
+}
+
+// Slot `j` of `chunk` bytes in `buffer` (grown as needed), at `from`'s offset in a page:
+// the kernel copies into it from `from` with rep movsb, which must not meet
+// rep_movsb_aliases (slots at fixed places in a heap block met it for every page-aligned
+// buffer, or missed it, by where the block fell in a launch: a 4 MiB reduce_scatter of 4
+// ranks on a 2-core AMD EPYC, 12.7-13.8 ms against 7.0-7.5 with the buffers 16 bytes on).
+char* slot_at_offset_of(std::vector<char>& buffer, int j, int64_t chunk, uint64_t from) {
+  const size_t stride = size_t(chunk) + kPage, need = stride * (j + 1) + kPage;
+  if (buffer.size() < need) buffer.resize(need);
+  char* slots = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) & (kPage - 1));
+  return slots + j * stride + (from & (kPage - 1));
 }
 
 }  // namespace
@@ -232,6 +245,21 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
     return;
   }
   uint64_t src = peers_[peer].exposed->*which + offset;
+  if (nbytes < kBounceFrom || !rep_movsb_aliases(dst, reinterpret_cast<const void*>(src)))
+    return read_remote(peer, dst, src, nbytes);
+  // Where the kernel's copy would run several times slower (a 1 MiB all_gather of 2 ranks
+  // into an output 16 bytes past the input modulo 4 KiB: 862 us, 254 otherwise), a chunk
+  // at a time into a slot, and from there with commlib::copy, which steps around it
+  const int64_t chunk = chunk_bytes(size_);
+  for (int64_t done = 0; done < nbytes; done += chunk) {
+    int64_t m = std::min(chunk, nbytes - done);
+    char* slot = slot_at_offset_of(bounce_, 0, chunk, src + done);
+    read_remote(peer, slot, src + done, m);
+    copy(dst + done, slot, m);
+  }
+}
+
+void ShmComm::read_remote(int peer, char* dst, uint64_t src, int64_t nbytes) {
   while (nbytes > 0) {
     iovec local{dst, size_t(nbytes)}, remote{reinterpret_cast<void*>(src), size_t(nbytes)};
     ssize_t got = process_vm_readv(peers_[peer].pid, &local, 1, &remote, 1, 0);
@@ -246,29 +274,20 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
 
 // Elements [first, first + n) of every rank's buffer, reduced into `out` in rank order (as
 // direct and eager reduce: the same bits): this rank's from `own`, the peers' read at their
-// exposed address `which` (in or out), a chunk at a time. Where `out` is `own` and this
-// rank comes third or later, own is set aside first, as the fold overwrites it before.
+// exposed address `which` (in or out), a chunk at a time, each into a slot at its offset in
+// a page. Where `out` is `own` and this rank comes third or later, own is set aside first,
+// as the fold overwrites it before.
 void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64_t n,
                                 int dtype, int op, uint64_t Exposed::*which) {
   const int64_t isz = itemsize(dtype), chunk = chunk_bytes(size_), step = chunk / isz;
-  const size_t stride = size_t(chunk) + kPage, need = stride * size_ + kPage;
-  if (tmp_.size() < need) tmp_.resize(need);
-  char* slots = tmp_.data() + (-reinterpret_cast<uintptr_t>(tmp_.data()) & (kPage - 1));
-  // Each read lands at its source's offset in a page: the kernel copies with rep movsb,
-  // which on AMD Zen runs about twice slower where the destination lies 1-31 bytes past
-  // the source modulo 4 KiB (see commlib::copy); slots at fixed places in a heap block met
-  // that on every page-aligned buffer, by the luck of the block's address in a launch (a
-  // 4 MiB reduce_scatter of 4 ranks, 2-core AMD EPYC: 12.7-13.8 ms, 7.0-7.5 with the
-  // buffers 16 bytes on).
-  auto slot_for = [&](int j, uint64_t from) {
-    return slots + j * stride + (from & (kPage - 1));
-  };
+  slot_at_offset_of(tmp_, size_ - 1, chunk, 0);  // (grown once, for every slot)
   std::vector<const char*> src(size_);
   for (int64_t c = 0; c < n; c += step) {
     int64_t m = std::min(step, n - c), at = (first + c) * isz;
     for (int j = 0; j < size_; ++j) {
-      char* slot = slot_for(j, j == rank_ ? reinterpret_cast<uintptr_t>(own + c * isz)
-                                          : peers_[j].exposed->*which + at);
+      char* slot = slot_at_offset_of(tmp_, j, chunk,
+                                     j == rank_ ? reinterpret_cast<uintptr_t>(own + c * isz)
+                                                : peers_[j].exposed->*which + at);
       if (j == rank_) {
         bool overwritten = out == own && rank_ >= 2;
         if (overwritten) std::memcpy(slot, own + c * isz, m * isz);

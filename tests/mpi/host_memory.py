@@ -186,24 +186,38 @@ def each_call_is_judged_by_its_own_buffer():
         assert_equal(out, want)
 
 
-def reductions_read_in_place_from_anywhere_in_a_page():
-    """one_copy's reductions read each peer's chunk into a slot at the chunk's own offset in
-    its page (csrc/shm_one_copy.cpp): buffers on huge pages that start anywhere in a page,
-    each rank's elsewhere, reduce right over several chunks, the output apart or the input."""
+def one_copy_reads_from_anywhere_in_a_page():
+    """Buffers on huge pages that start anywhere in a page read in place right, over
+    several chunks: the reductions' slots lie at each chunk's offset in its page, each
+    rank's buffer elsewhere; a read into memory 16 bytes past its source (modulo 4 KiB),
+    where the kernel's copy runs slow, goes through such a slot (csrc/shm_one_copy.cpp)."""
     if "one_copy" not in ALGORITHMS or n == 1:
         return
     count = 3 << 16
     values = np.arange(count * n, dtype=np.float32) % 251
-    for skip in (0, 1, 5, 1023):  # (float32 elements into a 4 KiB page)
-        at = (skip + 7 * rank) % 1024
-        src = private(count * n + 1024, np.float32, huge=True)[at:at + count * n]
-        out = private(count + 1024, np.float32, huge=True)[1023 - at:][:count]
-        huge = comm.mpi.allreduce(on_huge_pages(src), op=MPI.LAND)
+
+    def at(skip):  # (float32 elements into a 4 KiB page, on huge pages)
+        return private(count * n + 2048, np.float32, huge=True)[skip:skip + count * n]
+    for skip in (0, 1, 5, 1023):
+        src, out = at((skip + 7 * rank) % 1024), at(1023 - (skip + 7 * rank) % 1024)
+        huge = comm.mpi.allreduce(on_huge_pages(src) and on_huge_pages(out), op=MPI.LAND)
         src[:] = values * (rank + 1)
-        assert in_place(lambda: comm.reduce_scatter(out, src, algorithm="one_copy")) == huge
-        assert_equal(out, values[rank * count:][:count] * (n * (n + 1) // 2))
+        assert in_place(lambda: comm.reduce_scatter(out[:count], src, algorithm="one_copy")) \
+            == huge
+        assert_equal(out[:count], values[rank * count:][:count] * (n * (n + 1) // 2))
         assert in_place(lambda: comm.all_reduce(src, algorithm="one_copy")) == huge
         assert_equal(src, values * (n * (n + 1) // 2))
+        mine, trailing = at(skip), at(skip + 4)  # (every read 16 bytes past its source)
+        mine[:] = values + rank
+        assert in_place(lambda: comm.all_gather(trailing, mine[:count], algorithm="one_copy")) \
+            == huge
+        assert_equal(trailing, np.concatenate([values[:count] + j for j in range(n)]))
+        assert in_place(lambda: comm.all_to_all(trailing, mine, algorithm="one_copy")) == huge
+        assert_equal(trailing, np.concatenate([values[rank * count:][:count] + j
+                                               for j in range(n)]))
+        read = mine if rank == 0 else trailing
+        assert in_place(lambda: comm.broadcast(read, root=0, algorithm="one_copy")) == huge
+        assert_equal(read, values)
 
 
 def a_table_decides_how_to_read_in_place():
