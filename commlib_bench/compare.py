@@ -41,6 +41,11 @@ def add_arguments(p):
     p.add_argument("--pages", default="numpy", choices=["numpy", "huge", "base"],
                    help="host buffers as numpy allocates them (its large arrays on huge "
                         "pages, where the kernel gives them), or on huge or 4 KiB pages")
+    p.add_argument("--fresh", action="store_true",
+                   help="each rank writes its input before every timed call (untimed), as "
+                        "a training step writes a gradient before reducing it: a peer then "
+                        "reads it from its writer's cache, not from its own, where an "
+                        "unchanged input stays after the calls before")
     p.add_argument("--json", help="write every measurement to this JSON file")
     p.add_argument("--plot", default="compare.png",
                    help="write busbw vs size to this PNG file (default compare.png; '' for none)")
@@ -94,6 +99,8 @@ def main(args, comm) -> int:
     if args.device == "cuda":
         device = use_local_gpu(world, "compare --device cuda")
         what = f"{args.datatype} on cuda (device {device} of rank {comm.rank})"
+    if args.fresh:
+        what += ", each input written before every call"
     grid = sizes(args.minbytes, args.maxbytes, args.stepfactor)
     one_host = len(set(world.allgather(MPI.Get_processor_name()))) == 1  # (else no bound)
     rows, tables, any_wrong = [], {}, False
@@ -114,11 +121,12 @@ def main(args, comm) -> int:
             samples = {p.name: [] for p in active}
             assign(case.inp, np.zeros(len(case.inp)))
             iters = iterations_for(case.nbytes)
+            write = writer(case.inp, sync) if args.fresh else None
             for rep in range(args.reps):
                 for p in active:
                     samples[p.name].extend(iteration_times(
                         world, lambda p=p: (p.run(case), sync()), iters,
-                        warmup=1 if rep == 0 else 0))
+                        warmup=1 if rep == 0 else 0, before=write))
             for p in active:
                 want = case.fill_for_check()
                 p.run(case)
@@ -140,13 +148,20 @@ def main(args, comm) -> int:
     if comm.rank == 0:
         _print(rows, tables, n, what)
         if args.json:
-            write_json(args.json, "compare", world, rows, dtype=args.datatype, device=args.device)
+            write_json(args.json, "compare", world, rows, dtype=args.datatype, device=args.device,
+                       fresh=args.fresh)
         if args.plot:
             plot(rows, tables, args.plot, n, what)
             print(f"# wrote {args.plot}")
         if any_wrong:
             print("# FAILED: some results were wrong")
     return 1 if any_wrong else 0
+
+
+def writer(buf, sync):
+    """A call that writes every element of ``buf`` (a numpy array or a torch tensor)."""
+    fill = buf.fill_ if hasattr(buf, "fill_") else buf.fill
+    return lambda: (fill(0), sync())
 
 
 def _print(rows, tables, n, dtype):

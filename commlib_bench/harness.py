@@ -49,12 +49,16 @@ def use_local_gpu(world: MPI.Comm, what: str) -> int:
     return device
 
 
-def iteration_times(world: MPI.Comm, fn, iters: int, warmup: int = 0) -> np.ndarray:
-    """Per-iteration seconds, each the max over ranks."""
+def iteration_times(world: MPI.Comm, fn, iters: int, warmup: int = 0,
+                    before=None) -> np.ndarray:
+    """Per-iteration seconds, each the max over ranks; ``before()``, where given, runs
+    ahead of each iteration, untimed."""
     for _ in range(warmup):
         fn()
     times = np.empty(iters)
     for i in range(iters):
+        if before is not None:
+            before()
         world.Barrier()
         start = time.perf_counter()
         fn()

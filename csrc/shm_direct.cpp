@@ -47,7 +47,7 @@ Desc descriptor(Collective collective, int64_t count, int dtype, int64_t op, int
 void ShmComm::reduce_sources(char* acc, const std::vector<const char*>& src, int64_t count,
                              int dtype, int op) {
   if (src.size() == 1) {
-    std::memcpy(acc, src[0], count * itemsize(dtype));
+    copy(acc, src[0], count * itemsize(dtype));
     return;
   }
   commlib::reduce(acc, src[0], src[1], count, dtype, op);

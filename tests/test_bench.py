@@ -121,9 +121,12 @@ def test_collective_sweep(n, collective, tmp_path):
 def test_compare_writes_table_json_and_plot(tmp_path):
     js, png = tmp_path / "c.json", tmp_path / "c.png"
     out = bench(2, "compare", "all_reduce", "all_to_all", "-b", "64", "-e", "256K", "-f", "64",
-                "--reps", "2", "--json", str(js), "--plot", str(png), "--pages", "huge")
+                "--reps", "2", "--json", str(js), "--plot", str(png), "--pages", "huge",
+                "--fresh")
     assert "best/peer" in out and "commlib:auto" in out
+    assert "each input written before every call" in out
     doc = json.loads(js.read_text())
+    assert doc["fresh"] is True
     impls = {r["impl"] for r in doc["results"]}
     assert {"commlib:ring", "commlib:auto", "mpi", "memcpy", "bound"} <= impls
     assert "best/bound" in out and "peer/bound" in out
