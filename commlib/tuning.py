@@ -2,8 +2,9 @@
 
 The first communicator of a layout (transport, ranks on each host, CPU model, cores, the
 algorithms on offer) times every algorithm of every collective at a few sizes, each call
-from a common start (MPI's barrier) as the benchmark does: each rank takes the median of
-a few calls, and the table keeps the slowest rank's time, so every rank computes the same
+from a common start (MPI's barrier) as the benchmark does (``compare --fresh``: each on
+an input written just before, as a training step writes a gradient): each rank takes the
+median of a few calls, and the table keeps the slowest rank's time, so every rank computes the same
 table. Buffers lie on 4 KiB pages, where torch's do; all_to_all, whose choice cannot
 depend on the size, and the copies (all_gather, broadcast), which one_copy reads in place
 on huge pages, are timed on huge pages too (where numpy's large arrays lie). How the
@@ -37,6 +38,7 @@ import time
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -45,8 +47,9 @@ from .algorithms import entries
 from .algorithms.pages import fills_a_huge_page, mapped
 from .call import COLLECTIVES
 
-VERSION = 13  # 13: the reductions on huge pages too, from a huge page's size (as the
-# copies); 12: a collective whose two fastest moved in a spell is measured again;
+VERSION = 14  # 14: every call on an input written just before it; 13: the reductions on
+# huge pages too, from a huge page's size (as the copies); 12: a collective
+# whose two fastest moved in a spell is measured again;
 # 11: one table per layout serves every communicator whose algorithms it
 # measured (torchrun's world, without MPI's own, takes the table mpiexec's world measured);
 # 10: sizes measured again after spells, and between differing winners;
@@ -510,12 +513,12 @@ def _slowest_times(comm, start, sizes, memory, calls_at) -> np.ndarray:
     return slowest.reshape(len(sizes), -1)
 
 
-def _with(transport, setting: str, value, call):
+def _with(transport, setting: str, value, call: "Timed") -> "Timed":
     """``call`` with the transport's ``setting`` at ``value``."""
     def run():
         setattr(transport, setting, value)
-        call()
-    return run
+        call.run()
+    return Timed(call.write, run)
 
 
 def _small_pages(count: int) -> np.ndarray:
@@ -526,9 +529,21 @@ def _huge_pages(count: int) -> np.ndarray:
     return mapped(count, np.float32, huge=True)
 
 
-def _call(comm, collective: str, name: str, a, b, count: int):
-    """``collective`` with algorithm ``name`` on ``count`` elements of ``a`` (and ``b``)."""
-    return {
+class Timed(NamedTuple):
+    """A timed call (``run``) and what writes its input before each time (``write``)."""
+    write: Callable[[], None]
+    run: Callable[[], None]
+
+
+def _call(comm, collective: str, name: str, a, b, count: int) -> Timed:
+    """``collective`` with algorithm ``name`` on ``count`` elements of ``a`` (and ``b``),
+    its input (``a``'s first ``count``, reduce_scatter's all of ``a``) written before each
+    time, as a training step writes a gradient before it reduces it: a peer then reads
+    the input from its writer's cache, and a reader in place no longer finds the lines
+    it read last time in its own (broadcast of 256 KiB at 2 ranks: one_copy 19 us on an
+    unchanged input, 34 on a written one, where ring took 24-26 either way)."""
+    inp = a if collective == "reduce_scatter" else a[:count]
+    run = {
         "all_reduce": lambda: comm.all_reduce(a[:count], algorithm=name),
         "reduce": lambda: comm.reduce(a[:count], algorithm=name),
         "broadcast": lambda: comm.broadcast(a[:count], algorithm=name),
@@ -536,6 +551,7 @@ def _call(comm, collective: str, name: str, a, b, count: int):
         "all_gather": lambda: comm.all_gather(b, a[:count], algorithm=name),
         "all_to_all": lambda: comm.all_to_all(b[:count], a[:count], algorithm=name),
     }[collective]
+    return Timed(lambda: inp.fill(1), run)
 
 
 def _starting_line(comm, transport):
@@ -572,18 +588,20 @@ def _rounds(nbytes: int) -> int:
     return max(FEWEST_CALLS, min(CALLS, CALLS * (1 << 20) // nbytes))
 
 
-def _times(start, calls: list, rounds: int) -> list[float]:
+def _times(start, calls: list[Timed], rounds: int) -> list[float]:
     """Seconds of one of each of ``calls`` from a common start (after ``start()``), as the
-    benchmark times them: this rank's median over a few rounds in which every call takes
-    its turn (``rounds`` of them), after a warm-up."""
+    benchmark times them (``compare --fresh``): this rank's median over a few rounds in
+    which every call takes its turn (``rounds`` of them), each on an input just written,
+    after a warm-up."""
     for call in calls:
-        call()
+        call.run()
     times = np.empty((rounds, len(calls)))
     for r in range(rounds):
         for i, call in enumerate(calls):
+            call.write()
             start()
             began = time.perf_counter()
-            call()
+            call.run()
             times[r, i] = time.perf_counter() - began
     return np.median(times, axis=0).tolist()
 

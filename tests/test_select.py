@@ -295,3 +295,30 @@ def test_the_pass_times_huge_pages_where_auto_decides_by_them():
     assert timed_on_huge_pages("reduce_scatter", 4, huge // 4)
     assert not timed_on_huge_pages("all_reduce", 4, huge // 4)
     assert not timed_on_huge_pages("reduce", 1, 8 * huge)  # (one_copy runs no reduce)
+
+
+def test_every_timed_call_runs_on_an_input_written_just_before():
+    """The pass writes each call's input (all of it: reduce_scatter's holds a block per
+    rank) before each timed call, as a training step writes a gradient: a reader in place
+    must not find the lines it read last time in its own cache (compare --fresh)."""
+    import numpy as np
+
+    from commlib import tuning
+    from commlib.call import COLLECTIVES
+    n, count = 3, 5
+    a, b = np.full(count * n, 7.0, np.float32), np.zeros(count * n, np.float32)
+    found = []  # (collective, whether its whole input was freshly written)
+
+    class Recording:
+        def __getattr__(self, collective):
+            def call(*buffers, algorithm):
+                inp = buffers[-1]
+                found.append((collective, len(inp), bool((inp == 1).all())))
+                a[:] = 7  # (a call leaves the input as it may: no longer what was written)
+            return call
+    calls = [tuning._call(Recording(), c, "any", a, b, count) for c in COLLECTIVES]
+    tuning._times(lambda: None, calls, rounds=2)
+    timed = found[len(COLLECTIVES):]  # (after the warm-up)
+    assert [c for c, _, _ in timed] == list(COLLECTIVES) * 2
+    assert all(written for _, _, written in timed), timed
+    assert {c: size for c, size, _ in timed}["reduce_scatter"] == count * n
