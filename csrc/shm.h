@@ -83,6 +83,9 @@ struct alignas(kLine) Exposed {
   // reader) left this one without reading in place, or it would wait for its readers: a
   // later call's number reads as no.
   uint64_t in_place[2];
+  // broadcast: whether this reader's buffer is cheap for the root to write into where it
+  // lies (as cheap_to_read); read by the root after the first meeting of the same call
+  uint64_t root_may_write;
 };
 
 struct alignas(kLine) Doorbell {
@@ -353,6 +356,11 @@ class ShmComm : public FastTransport {
   void read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t offset,
                  int64_t nbytes);
   void read_remote(int peer, char* dst, uint64_t src, int64_t nbytes);  // process_vm_readv
+  // Copies into the peer's exposed output (+ offset): through the mapping where it lies in
+  // a region, else with process_vm_writev.
+  void write_peer(int peer, int64_t offset, const char* src, int64_t nbytes);
+  // broadcast: where the root's share of `reader`'s buffer begins (nbytes: none)
+  int64_t root_writes_from(int reader, int root, int64_t nbytes) const;
   void reduce_from_peers(char* out, const char* own, int64_t first, int64_t n, int dtype,
                          int op, uint64_t Exposed::*which);
   // all_to_all: where `owner`'s part for this rank starts in its input (its parts lie in

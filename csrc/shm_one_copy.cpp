@@ -11,7 +11,10 @@
 //                   signature. Every collective ends with one, so no rank leaves (and
 //                   changes its buffers) while a peer may still read them.
 //   all_gather      read block j from rank j's input into the output.
-//   broadcast       the others read the root's buffer.
+//   broadcast       the others read the root's buffer, all but its last n-th share,
+//                   which the root writes into each of theirs meanwhile: n ranks copy
+//                   where n-1 did (2 ranks, 64 MiB on huge pages: 13.4 ms read by one,
+//                   6.9 shared; 4 MiB 426 us, 233), each (n-1)/n of the bytes.
 //   all_to_all      read rank j's part for this rank (its offset: the sum of the parts j
 //                   sends to lower ranks, from the published splits).
 //   reduce_scatter  read block r of every peer's input a chunk at a time, and reduce them
@@ -272,6 +275,37 @@ void ShmComm::read_remote(int peer, char* dst, uint64_t src, int64_t nbytes) {
   }
 }
 
+void ShmComm::write_peer(int peer, int64_t offset, const char* src, int64_t nbytes) {
+  if (nbytes <= 0) return;
+  if (const char* mapped = view(peer, &Exposed::out, offset, nbytes)) {
+    copy(const_cast<char*>(mapped), src, nbytes);  // (the peer's output: this call's to write)
+    return;
+  }
+  uint64_t dst = peers_[peer].exposed->out + offset;
+  while (nbytes > 0) {
+    iovec local{const_cast<char*>(src), size_t(nbytes)};
+    iovec remote{reinterpret_cast<void*>(dst), size_t(nbytes)};
+    ssize_t put = process_vm_writev(peers_[peer].pid, &local, 1, &remote, 1, 0);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0)
+      fail(FAILED, "rank " + std::to_string(rank_) + " could not write rank " +
+                       std::to_string(peer) + "'s buffer in " + describe(desc_) +
+                       ": process_vm_writev: " + std::strerror(put < 0 ? errno : EFAULT));
+    dst += put, src += put, nbytes -= put;
+  }
+}
+
+int64_t ShmComm::root_writes_from(int reader, int root, int64_t nbytes) const {
+  // a whole number of pages, so that no page is pinned by both; none where the reader's
+  // memory is dear to pin, or where the kernel's copy would meet its slow gap (read_peer
+  // steps around that on the reader's side; the root has no slot in the reader's memory)
+  const int64_t share = nbytes / size_ / int64_t(kPage) * int64_t(kPage), from = nbytes - share;
+  const Exposed *to = peers_[reader].exposed, *of = peers_[root].exposed;
+  const bool slow = rep_movsb_aliases(reinterpret_cast<const void*>(to->out + from),
+                                      reinterpret_cast<const void*>(of->out + from));
+  return share > 0 && to->root_may_write && !slow ? from : nbytes;
+}
+
 // Elements [first, first + n) of every rank's buffer, reduced into `out` in rank order (as
 // direct and eager reduce: the same bits): this rank's from `own`, the peers' read at their
 // exposed address `which` (in or out), a chunk at a time, each into a slot at its offset in
@@ -376,11 +410,20 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(BROADCAST, count, dtype, kNone, root));
       if (size_ == 1) return true;
       expose(out, out);
+      peers_[rank_].exposed->root_may_write =
+          rank_ != root && cheap_to_read(BROADCAST, &Exposed::out, nbytes);
       say_in_place(cheap_to_read(BROADCAST, &Exposed::out, rank_ == root ? nbytes : 0));
       meet();
       if (!every_rank_in_place()) return false;
-      if (rank_ != root) read_peer(int(root), output, &Exposed::out, 0, nbytes);
-      else count_sent(uint64_t(nbytes) * (size_ - 1));
+      if (rank_ != root) {
+        read_peer(int(root), output, &Exposed::out, 0, root_writes_from(rank_, int(root), nbytes));
+        break;
+      }
+      for (int j = 0; j < size_; ++j) {
+        const int64_t from = j == rank_ ? nbytes : root_writes_from(j, rank_, nbytes);
+        write_peer(j, from, output + from, nbytes - from);
+      }
+      count_sent(uint64_t(nbytes) * (size_ - 1));
       break;
     case ALL_TO_ALL: {
       auto send = part_bytes(count, isz, in_splits), recv = part_bytes(count, isz, out_splits);

@@ -166,6 +166,13 @@ def ordinary_memory_on_small_pages_stages():
             == all_huge
         assert_equal(out, np.concatenate([np.arange(count) % 7 + j for j in range(n)])
                      .astype(np.float32))
+        # broadcast reads the root's buffer in place where it lies on huge pages, and the
+        # root writes its share only into readers' buffers that do
+        root_huge = comm.mpi.bcast(huge, root=0)
+        mine[:] = np.arange(count * n) % 11 if rank == 0 else -1
+        assert in_place(lambda: comm.broadcast(mine, root=0, algorithm="one_copy")) \
+            == root_huge, small_on
+        assert_equal(mine, (np.arange(count * n) % 11).astype(np.float32))
 
 
 def each_call_is_judged_by_its_own_buffer():
@@ -190,7 +197,9 @@ def one_copy_reads_from_anywhere_in_a_page():
     """Buffers on huge pages that start anywhere in a page read in place right, over
     several chunks: the reductions' slots lie at each chunk's offset in its page, each
     rank's buffer elsewhere; a read into memory 16 bytes past its source (modulo 4 KiB),
-    where the kernel's copy runs slow, goes through such a slot (csrc/shm_one_copy.cpp)."""
+    where the kernel's copy runs slow, goes through such a slot (csrc/shm_one_copy.cpp);
+    a broadcast into buffers at the root's offset, where the root writes a share of each
+    reader's, and 16 bytes past it, where the readers read it all."""
     if "one_copy" not in ALGORITHMS or n == 1:
         return
     count = 3 << 16
@@ -218,6 +227,10 @@ def one_copy_reads_from_anywhere_in_a_page():
         read = mine if rank == 0 else trailing
         assert in_place(lambda: comm.broadcast(read, root=0, algorithm="one_copy")) == huge
         assert_equal(read, values)
+        mine[:] = values if rank == n - 1 else -1  # (at one offset: the root writes a share)
+        assert in_place(lambda: comm.broadcast(mine, root=n - 1, algorithm="one_copy")) \
+            == huge
+        assert_equal(mine, values)
 
 
 def a_table_decides_how_to_read_in_place():
