@@ -1,5 +1,6 @@
 """one_copy: host-only collectives that read the peers' buffers where they lie with
-process_vm_readv (csrc/shm_one_copy.cpp): one copy per byte where direct makes two, but
+process_vm_readv (csrc/shm_one_copy.cpp; broadcast's root meanwhile writes a share of
+each reader's with process_vm_writev): one copy per byte where direct makes two, but
 a system call per read and the kernel pinning the pages. Pinning 4 KiB pages costs more
 than staging their bytes, so where a rank's buffer lies mostly on them the call stages
 as direct does (each rank looks at its own pages; all see the same verdict). Which wins
@@ -14,7 +15,7 @@ FORMULAS = {
     "all_reduce": lambda n, N: (3, 2 * (n - 1) / n * N, N),
     "reduce_scatter": lambda n, N: (2, (n - 1) * N, n * N),
     "all_gather": lambda n, N: (2, n * N, 0),
-    "broadcast": lambda n, N: (2, N, 0),
+    "broadcast": lambda n, N: (2, (n - 1) / n * N, 0),  # (the root copies a share too)
     "all_to_all": lambda n, N: (2, N, 0),
 }
 
