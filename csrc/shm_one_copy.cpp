@@ -34,9 +34,9 @@
 //                   instead (a meeting dearer than direct).
 //
 // Nothing is staged, so there are no pieces: one read per peer and block. probe_one_copy
-// reads a nonce from every peer at set-up; where the host forbids the system call (a
-// container's seccomp profile, Yama's ptrace_scope) or the ranks cannot see each other's
-// pids, it says why and these collectives are not offered.
+// reads a nonce from every peer at set-up and writes it back; where the host forbids the
+// system calls (a container's seccomp profile, Yama's ptrace_scope) or the ranks cannot
+// see each other's pids, it says why and these collectives are not offered.
 #include <fcntl.h>
 #include <sys/ioctl.h>
 #include <sys/uio.h>
@@ -90,11 +90,11 @@ struct PmScanArg {
 constexpr unsigned long kPagemapScan = _IOWR('f', 16, PmScanArg);
 constexpr uint64_t kPageIsHuge = 1 << 6;
 
-std::string forbidden_hint(int error) {
+std::string forbidden_hint(int error, const std::string& call) {
   if (error == EPERM || error == EACCES)
-    return " (this host forbids reading another process's memory: a container's seccomp "
-           "profile, or /proc/sys/kernel/yama/ptrace_scope above 0)";
-  if (error == ENOSYS) return " (the kernel lacks process_vm_readv)";
+    return " (this host forbids reading or writing another process's memory: a "
+           "container's seccomp profile, or /proc/sys/kernel/yama/ptrace_scope above 0)";
+  if (error == ENOSYS) return " (the kernel lacks " + call + ")";
   return "";
 }
 
@@ -159,10 +159,16 @@ std::string ShmComm::probe_one_copy() {
     ssize_t n = process_vm_readv(peers_[r].pid, &local, 1, &remote, 1, 0);
     std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(peers_[r].pid) + ")";
     if (n != ssize_t(sizeof(got)))
-      return "process_vm_readv from " + who + ": " + std::strerror(errno) + forbidden_hint(errno);
+      return "process_vm_readv from " + who + ": " + std::strerror(errno) +
+             forbidden_hint(errno, "process_vm_readv");
     if (got != seen->nonce)
       return "process_vm_readv from " + who + " read another process (the ranks do not share "
              "a pid namespace)";
+    // (broadcast's root writes into the readers: the nonce written back where it lies)
+    n = process_vm_writev(peers_[r].pid, &local, 1, &remote, 1, 0);
+    if (n != ssize_t(sizeof(got)))
+      return "process_vm_writev to " + who + ": " + std::strerror(errno) +
+             forbidden_hint(errno, "process_vm_writev");
   }
   one_copy_ok_ = true;
   return "";

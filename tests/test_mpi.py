@@ -53,10 +53,11 @@ def test_collectives_numpy_with_small_staging():
                 env={"COMMLIB_SHM_STAGING_BYTES": "4096"})  # (staging is direct's alone)
 
 
-def test_one_copy_off_where_the_host_forbids_process_vm_readv():
+@pytest.mark.parametrize("n,call", [(3, "process_vm_readv"), (2, "process_vm_writev")])
+def test_one_copy_off_where_the_host_forbids_reading_or_writing_a_peer(n, call):
     """(seccomp, as in Docker's default profile) the staged collectives run instead, and
-    set-up says why."""
-    run_checked(3, "tests/mpi/one_copy_forbidden.py")
+    set-up says why (broadcast's root writes into its readers: process_vm_writev)."""
+    run_checked(n, "tests/mpi/one_copy_forbidden.py", call)
 
 
 @pytest.mark.parametrize("n,env", [(1, {}), (2, {}), (3, {}), (4, {}),

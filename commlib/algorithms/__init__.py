@@ -24,9 +24,9 @@ NEEDS = {"schedules": "a transport that runs schedules (shared memory or MPI; no
          "shm": "all ranks on one host with shared memory",
          "eager": "ranks that agree on each call through messages (the mpi, hosts and "
                   "gloo transports)",
-         "one_copy": "all ranks on one host, each able to read the others' memory with "
-                     "process_vm_readv (probed at set-up; off where the host forbids it, "
-                     "or with COMMLIB_ONE_COPY=0)",
+         "one_copy": "all ranks on one host, each able to read and write the others' memory "
+                     "with process_vm_readv and process_vm_writev (probed at set-up; off "
+                     "where the host forbids them, or with COMMLIB_ONE_COPY=0)",
          "hosts": "ranks on several hosts (or COMMLIB_RANKS_PER_HOST)",
          "mpi": "the MPI library (a communicator made under mpiexec, not from a store)",
          "gloo": "torch's gloo (ranks that met through a store on several hosts)",

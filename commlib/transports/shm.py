@@ -4,8 +4,9 @@ into the int64 plans csrc/shm_plan.cpp reads, the direct collectives in C++
 each call without a message of its own. MPI's own collectives run beside them where the
 world is MPI's, and meet here first. Calls on numpy arrays take the C++ fast path
 (commlib/fast_path.py) unless COMMLIB_FAST_PATH=0. One-copy collectives
-(csrc/shm_one_copy.cpp) are offered where every rank can read its peers' memory with
-process_vm_readv (probed at set-up; COMMLIB_ONE_COPY=0 turns them off).
+(csrc/shm_one_copy.cpp) are offered where every rank can read and write its peers' memory
+with process_vm_readv and process_vm_writev (probed at set-up; COMMLIB_ONE_COPY=0 turns
+them off).
 """
 from __future__ import annotations
 
@@ -188,8 +189,9 @@ def _arguments(call) -> tuple:
 
 
 def _probe_one_copy(group, shm) -> set:
-    """{"one_copy"} where every rank can read its peers' memory (process_vm_readv), else
-    an empty set, and rank 0 warns why (collective over ``group``)."""
+    """{"one_copy"} where every rank can read and write its peers' memory (process_vm_readv
+    and process_vm_writev), else an empty set, and rank 0 warns why (collective over
+    ``group``)."""
     if os.environ.get("COMMLIB_ONE_COPY", "1") == "0":
         return set()
     why = [w for w in group.allgather(shm.probe_one_copy()) if w]
