@@ -355,7 +355,8 @@ class ShmComm : public FastTransport {
   // lies in a region, else with process_vm_readv.
   void read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t offset,
                  int64_t nbytes);
-  void read_remote(int peer, char* dst, uint64_t src, int64_t nbytes);  // process_vm_readv
+  // process_vm_writev from `here` to the peer's `there` when writing, else _readv back
+  void transfer(int peer, char* here, uint64_t there, int64_t nbytes, bool writing);
   // Copies into the peer's exposed output (+ offset): through the mapping where it lies in
   // a region, else with process_vm_writev.
   void write_peer(int peer, int64_t offset, const char* src, int64_t nbytes);

@@ -255,7 +255,7 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
   }
   uint64_t src = peers_[peer].exposed->*which + offset;
   if (nbytes < kBounceFrom || !rep_movsb_aliases(dst, reinterpret_cast<const void*>(src)))
-    return read_remote(peer, dst, src, nbytes);
+    return transfer(peer, dst, src, nbytes, false);
   // Where the kernel's copy would run several times slower (a 1 MiB all_gather of 2 ranks
   // into an output 16 bytes past the input modulo 4 KiB: 862 us, 254 otherwise), a chunk
   // at a time into a slot, and from there with commlib::copy, which steps around it
@@ -263,21 +263,26 @@ void ShmComm::read_peer(int peer, char* dst, uint64_t Exposed::*which, int64_t o
   for (int64_t done = 0; done < nbytes; done += chunk) {
     int64_t m = std::min(chunk, nbytes - done);
     char* slot = slot_at_offset_of(bounce_, 0, chunk, src + done);
-    read_remote(peer, slot, src + done, m);
+    transfer(peer, slot, src + done, m, false);
     copy(dst + done, slot, m);
   }
 }
 
-void ShmComm::read_remote(int peer, char* dst, uint64_t src, int64_t nbytes) {
+// Copies between `here` and the peer's address `there` with the kernel's single copy:
+// process_vm_writev when `writing`, else process_vm_readv
+void ShmComm::transfer(int peer, char* here, uint64_t there, int64_t nbytes, bool writing) {
+  auto call = writing ? process_vm_writev : process_vm_readv;
   while (nbytes > 0) {
-    iovec local{dst, size_t(nbytes)}, remote{reinterpret_cast<void*>(src), size_t(nbytes)};
-    ssize_t got = process_vm_readv(peers_[peer].pid, &local, 1, &remote, 1, 0);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0)
-      fail(FAILED, "rank " + std::to_string(rank_) + " could not read rank " +
-                       std::to_string(peer) + "'s buffer in " + describe(desc_) +
-                       ": process_vm_readv: " + std::strerror(got < 0 ? errno : EFAULT));
-    dst += got, src += got, nbytes -= got;
+    iovec local{here, size_t(nbytes)}, remote{reinterpret_cast<void*>(there), size_t(nbytes)};
+    ssize_t done = call(peers_[peer].pid, &local, 1, &remote, 1, 0);
+    if (done < 0 && errno == EINTR) continue;
+    if (done <= 0)
+      fail(FAILED, "rank " + std::to_string(rank_) + " could not " +
+                       (writing ? "write" : "read") + " rank " + std::to_string(peer) +
+                       "'s buffer in " + describe(desc_) + ": " +
+                       (writing ? "process_vm_writev: " : "process_vm_readv: ") +
+                       std::strerror(done < 0 ? errno : EFAULT));
+    here += done, there += done, nbytes -= done;
   }
 }
 
@@ -287,18 +292,7 @@ void ShmComm::write_peer(int peer, int64_t offset, const char* src, int64_t nbyt
     copy(const_cast<char*>(mapped), src, nbytes);  // (the peer's output: this call's to write)
     return;
   }
-  uint64_t dst = peers_[peer].exposed->out + offset;
-  while (nbytes > 0) {
-    iovec local{const_cast<char*>(src), size_t(nbytes)};
-    iovec remote{reinterpret_cast<void*>(dst), size_t(nbytes)};
-    ssize_t put = process_vm_writev(peers_[peer].pid, &local, 1, &remote, 1, 0);
-    if (put < 0 && errno == EINTR) continue;
-    if (put <= 0)
-      fail(FAILED, "rank " + std::to_string(rank_) + " could not write rank " +
-                       std::to_string(peer) + "'s buffer in " + describe(desc_) +
-                       ": process_vm_writev: " + std::strerror(put < 0 ? errno : EFAULT));
-    dst += put, src += put, nbytes -= put;
-  }
+  transfer(peer, const_cast<char*>(src), peers_[peer].exposed->out + offset, nbytes, true);
 }
 
 int64_t ShmComm::root_writes_from(int reader, int root, int64_t nbytes) const {
