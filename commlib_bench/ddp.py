@@ -10,6 +10,9 @@ commlib / gloo cannot beat its ratio to gloo), and the step without DDP.
 Rounds alternate between them (commlib, gloo, hooked, ...) so that drifts of the machine hit
 both alike; each step is forward, backward (with DDP's bucket all-reduces) and an SGD
 update. Step time is the slowest rank's, as DDP waits for all; we report the median.
+Last, DDP's buckets as it built them are all-reduced alone on each backend, each just
+written: added to the step that communicates nothing, they foretell the ratio (where it
+misses, the communication is what to look at, not the overlap).
 """
 import argparse
 import statistics
@@ -33,8 +36,10 @@ def mlp() -> nn.Module:
                          nn.Linear(2048, 10))
 
 
-def _as_it_is(state, bucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook that communicates nothing: the bucket as this rank has it."""
+def _as_it_is(buckets: dict, bucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook that communicates nothing: the bucket as this rank has it (its
+    elements noted in ``buckets`` by its index)."""
+    buckets[bucket.index()] = bucket.buffer().numel()
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
@@ -47,6 +52,26 @@ def fsdp2(model: nn.Module, group) -> nn.Module:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def buckets_alone(sizes, group, rounds) -> float:
+    """Seconds a step that all-reduces buckets of ``sizes`` elements one after another,
+    each just written (as the backward pass writes it) and after a barrier (no rank waits
+    for a late peer), spends in them: the slowest rank's, the median over ``rounds``."""
+    buckets = [torch.empty(n) for n in sizes]
+    times = []
+    for _ in range(rounds):
+        spent = 0.0
+        for b in buckets:
+            b.fill_(1.0)
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(b, group=group)
+            spent += time.perf_counter() - start
+        t = torch.tensor([spent], dtype=torch.float64)
+        dist.all_reduce(t, dist.ReduceOp.MAX, group=group)
+        times.append(t.item())
+    return statistics.median(times)
 
 
 def timed_steps(model, opt, x, y, steps, group) -> list:
@@ -93,7 +118,8 @@ def main():
     # without DDP.
     groups["ddp, no comm"] = groups["no comm"] = groups["commlib"]
     silent = DDP(mlp(), process_group=groups["commlib"])
-    silent.register_comm_hook(None, _as_it_is)
+    buckets: dict = {}  # its buckets' elements by index, as DDP last built them
+    silent.register_comm_hook(buckets, _as_it_is)
     models["ddp, no comm"] = (silent, torch.optim.SGD(silent.parameters(), lr=1e-3))
     local = mlp()
     models["no comm"] = (local, torch.optim.SGD(local.parameters(), lr=1e-3))
@@ -108,6 +134,11 @@ def main():
     for _ in range(args.rounds):
         for name, (ddp, opt) in models.items():
             times[name] += timed_steps(ddp, opt, x, y, args.steps, groups[name])
+
+    # Where the step's communication goes: the same buckets all-reduced alone
+    sizes = [buckets[i] for i in sorted(buckets)]
+    alone = {name: buckets_alone(sizes, groups[name], args.rounds * args.steps)
+             for name in ("commlib", "gloo")}
 
     # Same data and weights: after the same steps the models must hold the same weights,
     # to the rounding of sums added in another order (the backends' algorithms differ from
@@ -129,6 +160,11 @@ def main():
               f"same weights after training: {same}")
         print(f"  the least it could be (DDP communicating nothing / gloo): "
               f"{med['ddp, no comm'] / med['gloo']:.2f}")
+        floor = med["ddp, no comm"]  # (what explains the ratio: the step's communication)
+        print(f"  its {len(sizes)} buckets ({', '.join(f'{4 * n / 2**20:.1f}' for n in sizes)}"
+              f" MiB) all-reduced alone, each just written: commlib {alone['commlib'] * 1e3:.1f}"
+              f" ms a step, gloo {alone['gloo'] * 1e3:.1f} ms; DDP communicating nothing plus"
+              f" those: {(floor + alone['commlib']) / (floor + alone['gloo']):.2f}")
         if args.fsdp:
             print(f"  FSDP2 commlib / gloo step time: "
                   f"{med['fsdp2 commlib'] / med['fsdp2 gloo']:.2f}")
