@@ -68,10 +68,15 @@ def buckets_alone(sizes, group, rounds) -> float:
             start = time.perf_counter()
             dist.all_reduce(b, group=group)
             spent += time.perf_counter() - start
-        t = torch.tensor([spent], dtype=torch.float64)
-        dist.all_reduce(t, dist.ReduceOp.MAX, group=group)
-        times.append(t.item())
+        times.append(slowest(spent, group))
     return statistics.median(times)
+
+
+def slowest(seconds: float, group) -> float:
+    """The slowest rank's ``seconds`` (collective): what a step waiting for all takes."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX, group=group)
+    return t.item()
 
 
 def timed_steps(model, opt, x, y, steps, group) -> list:
@@ -82,9 +87,7 @@ def timed_steps(model, opt, x, y, steps, group) -> list:
         opt.zero_grad(set_to_none=False)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(t, dist.ReduceOp.MAX, group=group)  # the slowest rank's step
-        times.append(t.item())
+        times.append(slowest(time.perf_counter() - start, group))
     return times
 
 
