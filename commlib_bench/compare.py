@@ -38,9 +38,10 @@ def add_arguments(p):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the buffers live (cuda: torch CUDA tensors, the ranks' "
                         "current devices; each timed call ends with a device synchronize)")
-    p.add_argument("--pages", default="numpy", choices=["numpy", "huge", "base"],
+    p.add_argument("--pages", default="numpy", choices=["numpy", "huge", "base", "region"],
                    help="host buffers as numpy allocates them (its large arrays on huge "
-                        "pages, where the kernel gives them), or on huge or 4 KiB pages")
+                        "pages, where the kernel gives them), on huge or 4 KiB pages, or "
+                        "from Communicator.empty (memory every rank of the host maps)")
     p.add_argument("--fresh", action="store_true",
                    help="each rank writes its input before every timed call (untimed), as "
                         "a training step writes a gradient before reducing it: a peer then "
@@ -116,7 +117,7 @@ def main(args, comm) -> int:
         for size in grid:
             count = size // size_of - (size // size_of % n if spec.blocked else 0)
             case = Case(spec, n, comm.rank, count, args.datatype, op, device=args.device,
-                        pages=args.pages)
+                        pages=args.pages, comm=comm)
             active = [p for p in peers if p.unsupported(case) is None]
             samples = {p.name: [] for p in active}
             assign(case.inp, np.zeros(len(case.inp)))

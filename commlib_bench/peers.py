@@ -15,16 +15,18 @@ from commlib.algorithms.pages import mapped
 from .specs import count_wrong, itemsize
 
 
-def alloc(count: int, dtype: str, device: str = "cpu", pages: str = "numpy"):
+def alloc(count: int, dtype: str, device: str = "cpu", pages: str = "numpy", comm=None):
     """``count`` zeros: a numpy array (where numpy puts it: its large arrays on huge pages,
-    where the kernel gives them; or ``pages`` "huge" or "base", 4 KiB ones), else (bfloat16,
-    GPUs) a torch tensor."""
+    where the kernel gives them; or ``pages`` "huge" or "base", 4 KiB ones, or "region":
+    ``comm.empty``'s memory, which every rank of the host maps), else (bfloat16, GPUs) a
+    torch tensor."""
     if dtype == "bfloat16" or device != "cpu":  # numpy has no bfloat16, no GPU: torch tensors
         import torch
         return torch.zeros(count, dtype=getattr(torch, dtype), device=device)
     if pages == "numpy":
         return np.zeros(count, dtype)
-    array = mapped(count, dtype, huge=pages == "huge")
+    array = comm.empty(count, dtype) if pages == "region" else \
+        mapped(count, dtype, huge=pages == "huge")
     array[:] = 0
     return array
 
@@ -48,23 +50,23 @@ class Case:
     """This rank's buffers for one collective at one size (in-place forms share memory)."""
 
     def __init__(self, spec, n, rank, count, dtype, op=None, root=0, inplace=False,
-                 device="cpu", pages="numpy"):
+                 device="cpu", pages="numpy", comm=None):
         (self.spec, self.n, self.rank, self.dtype, self.op,
          self.root) = spec, n, rank, dtype, op, root
         self.inplace = inplace and spec.name in ("reduce_scatter", "all_gather")
         self.count, self.device = count, device
         n_in, n_out = spec.buffer_counts(n, count)
         if n_in == n_out and spec.name != "all_to_all":
-            self.inp = self.out = alloc(n_in, dtype, device, pages)
+            self.inp = self.out = alloc(n_in, dtype, device, pages, comm)
         elif self.inplace and spec.name == "reduce_scatter":
-            self.inp = alloc(n_in, dtype, device, pages)
+            self.inp = alloc(n_in, dtype, device, pages, comm)
             self.out = self.inp[rank * n_out:(rank + 1) * n_out]
         elif self.inplace:
-            self.out = alloc(n_out, dtype, device, pages)
+            self.out = alloc(n_out, dtype, device, pages, comm)
             self.inp = self.out[rank * n_in:(rank + 1) * n_in]
         else:
-            self.inp = alloc(n_in, dtype, device, pages)
-            self.out = alloc(n_out, dtype, device, pages)
+            self.inp = alloc(n_in, dtype, device, pages, comm)
+            self.out = alloc(n_out, dtype, device, pages, comm)
         self._torch = None
 
     @property

@@ -134,6 +134,19 @@ def test_compare_writes_table_json_and_plot(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_on_memory_the_ranks_map(tmp_path):
+    """--pages region: every peer (MPI's too) on Communicator.empty's memory, at an odd
+    size of world, each output checked."""
+    js = tmp_path / "r.json"
+    out = bench(3, "compare", "all_gather", "broadcast", "all_reduce", "-b", "4K", "-e", "64K",
+                "-f", "16", "--reps", "1", "--no-gloo", "--pages", "region", "--json", str(js),
+                "--plot", "")
+    results = json.loads(js.read_text())["results"]
+    assert {"commlib:one_copy", "commlib:auto", "mpi"} <= {r["impl"] for r in results}, out
+    assert len({r["collective"] for r in results}) == 3
+    assert all(r.get("wrong", 0) == 0 for r in results), out
+
+
 @pytest.mark.parametrize("command", ["latency", "bandwidth", "bibw"])
 def test_point_to_point(command):
     out = bench(2, command, "-b", "0", "-e", "4K", "-f", "64", "-n", "5", "-w", "1")
