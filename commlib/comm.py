@@ -314,6 +314,7 @@ class Communicator:
                 self._transport.agree(desc)
                 made.append(memory.allocate(nbytes))
             self._calls.engine.run("empty", allocate, async_op=False)
+            self._calls.see_regions()
             raw = made[0]
         return as_array(raw, shape, dtype)
 

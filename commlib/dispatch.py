@@ -60,6 +60,15 @@ class Dispatcher:
         if self.fast is not None:
             self.fast.forget_auto()
 
+    def see_regions(self) -> None:
+        """The communicator handed out memory every rank maps (Communicator.empty): auto
+        weighs one_copy there from now on (select.Choice.see_regions); what it chose
+        before, it forgets. On every rank alike: the calls are collective."""
+        if not self.transport.choice.regions:
+            self.transport.choice.see_regions()
+            if self.fast is not None:
+                self.fast.forget_auto()
+
     @property
     def staging(self):
         """How calls on GPU memory pass through the host (commlib/cuda/staging.py)."""

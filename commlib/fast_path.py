@@ -53,7 +53,7 @@ class FastPath:
     def learn(self, call, requested: str | None, algo, plan, otherwise=None) -> None:
         """The general path runs ``algo`` (``plan``, or a runner) for ``call``, asked for
         ``requested`` (None: auto); a one_copy that stages by a schedule, by its plan
-        ``otherwise``."""
+        ``otherwise`` (and reads in place only in regions where ``algo.only_regions``)."""
         if call.collective == "all_to_all" and len(set(call.splits[0] + call.splits[1])) > 1:
             return  # the fast path knows equal parts only
         kind = "plan" if plan is not None else algo.name
@@ -70,7 +70,7 @@ class FastPath:
         self.native.learn(CODES[call.collective], algorithm, call.count, call.dtype.itemsize,
                           NONE if call.root is None else call.root, kind, steps, tmp,
                           len(self.entries), call.descriptor(algo.name) if needs_descriptor
-                          else [])
+                          else [], algo.only_regions)
         self.entries.append((algo.name, call.count))
 
     def forget_auto(self) -> None:

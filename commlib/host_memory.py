@@ -97,6 +97,13 @@ class SharedHostMemory:
             owner._freed.append(index)
         owner._own.pop(index)  # unmapped as the holder goes (it exports the mapping still)
 
+    def drop_freed(self) -> None:
+        """Unmap the peers' regions that their owners have freed since the last allocation
+        (collective; each allocation does so first)."""
+        freed, self._freed = self._freed, []
+        gone = self.world.allgather(freed)
+        self._forget([(r, i) for r, indices in enumerate(gone) for i in indices])
+
     def _forget(self, regions) -> None:
         for owner, index in regions:
             if owner != self.rank and (owner, index) in self._peers:

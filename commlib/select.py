@@ -18,7 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from .algorithms import Algorithm, candidates, unavailable
-from .algorithms.pages import by_pages, worth_deciding_by_pages
+from .algorithms.pages import by_pages, in_regions, worth_deciding_by_pages, \
+    worth_reading_regions
 from .call import COLLECTIVES, REDUCING
 from .transports.base import Where
 
@@ -119,14 +120,15 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
            model: CostModel | None = None, transport: str | None = None,
            local: int | None = None, offers: frozenset | None = None,
            where: Where | None = None, measured=None, user_op: bool = False,
-           deterministic: bool = False) -> Algorithm:
+           deterministic: bool = False, regions: bool = False) -> Algorithm:
     """The algorithm for a call on host memory: ``requested``, then the environment, then
     the fastest that ``offers`` allows (default: the transport's own and MPI's) in the
-    ``measured`` table (commlib/tuning.py; where its fastest on huge pages differs, the
-    two by the call's memory: algorithms/pages.py), else the cheapest by the model at
-    ``where`` (else ``transport``, default mpi, with ``local`` ranks per host). A call with a
-    ``user_op`` takes only algorithms that run one; a ``deterministic`` one only those that
-    reduce in rank order (Algorithm.rank_order)."""
+    ``measured`` table (commlib/tuning.py; where its fastest on huge pages differs, the two
+    by the call's memory, and where the communicator has handed out ``regions`` of memory
+    every rank maps, one_copy there: algorithms/pages.py), else the cheapest by the model at
+    ``where`` (else ``transport``, default mpi, with ``local`` ranks per host). A call with
+    a ``user_op`` takes only algorithms that run one; a ``deterministic`` one only those
+    that reduce in rank order (Algorithm.rank_order)."""
     where = where or Where(transport or "mpi", local)
     if offers is None:
         offers = frozenset({where.transport, "mpi", "schedules"})
@@ -153,12 +155,16 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         size = None if collective == "all_to_all" else nbytes
         base = measured.fastest(collective, size, found)
         if base is not None:
-            huge = measured.fastest(collective, size, found, huge=True)
+            chosen = found[base]
+            huge = measured.fastest(collective, size, found, memory="huge")
             if huge not in (None, base) and worth_deciding_by_pages(
                     measured, collective, n, size, found[base], found[huge]):
-                return by_pages(found[huge], found[base],  # the call's memory decides
-                                collective in measured.base_pages_in_place)
-            return found[base]
+                chosen = by_pages(found[huge], found[base],  # the call's memory decides
+                                  collective in measured.base_pages_in_place)
+            if regions and "one_copy" in found and worth_reading_regions(
+                    measured, collective, size, chosen):
+                return in_regions(found["one_copy"], chosen)
+            return chosen
     if user_op or deterministic:
         model = model or DEFAULT_MODEL
         return min(fits, key=lambda a: (model.cost(a, where, n, nbytes), a.name))
@@ -185,11 +191,18 @@ class Choice:
         self.transport = transport
         self.overrides = algorithm_overrides()
         self.measured = None  # this layout's tuning.Table, once used
+        self.regions = False  # whether the communicator has handed out shared regions
         self._plans: dict = {}
 
     def use(self, table) -> None:
         """Choose by ``table`` (tuning.Table, or None) from now on, not as before it."""
         self.measured = table
+        self._plans.clear()
+
+    def see_regions(self) -> None:
+        """The communicator has handed out memory every rank maps (Communicator.empty):
+        from now on calls may lie in it, and auto weighs one_copy there (pages.py)."""
+        self.regions = True
         self._plans.clear()
 
     def __call__(self, call, requested: str | None = None, teaching: bool = False):
@@ -208,7 +221,7 @@ class Choice:
                           requested or self.overrides.get(call.collective, "auto"),
                           t.size, call.nbytes, where=t.where, offers=t.offers,
                           measured=self.measured, user_op=user_op,
-                          deterministic=t.rank_order)
+                          deterministic=t.rank_order, regions=self.regions)
             plan = None if algo.run is not None else t.plan(algo, call)
             if len(self._plans) >= 4096:
                 self._plans.clear()

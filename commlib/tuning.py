@@ -2,26 +2,28 @@
 
 The first communicator of a layout (transport, ranks on each host, CPU model, cores, the
 algorithms on offer) times every algorithm of every collective at a few sizes, each call
-from a common start (MPI's barrier) as the benchmark does (``compare --fresh``: each on
-an input written just before, as a training step writes a gradient): each rank takes the
-median of a few calls, and the table keeps the slowest rank's time, so every rank computes the same
-table. Buffers lie on 4 KiB pages, where torch's do; all_to_all, whose choice cannot
-depend on the size, and the copies (all_gather, broadcast), which one_copy reads in place
-on huge pages, are timed on huge pages too (where numpy's large arrays lie). How the
-algorithms that read the peers' memory in place read is measured first, and holds for
-the rest of the pass and wherever the table is used: for which collectives buffers on
-4 KiB pages are read in place too, rather than staged (the kernel pins every page it
-reads: dearer than staging on one machine, cheaper on another), and from what size of
-its parts direct's all_to_all reads a rank's parts in place. It is cached in the user's
-cache directory (a versioned JSON file) and reused by every later communicator of that
-layout, in this process and the next. ``auto`` then takes the algorithm with the least
-time at the call's size, interpolated in log size between measured sizes (where two
+from a common start (MPI's barrier) as the benchmark does (``compare --fresh``: each on an
+input written just before, as a training step writes a gradient): each rank takes the
+median of a few calls, and the table keeps the slowest rank's time, so every rank computes
+the same table. Buffers lie on 4 KiB pages, where torch's do; all_to_all, whose choice
+cannot depend on the size, and the copies (all_gather, broadcast), which one_copy reads in
+place on huge pages, are timed on huge pages too (where numpy's large arrays lie), and
+one_copy in memory every rank maps (Communicator.empty's regions, which it reads through
+its own mapping). How the algorithms that read the peers' memory in place read is measured
+first, and holds for the rest of the pass and wherever the table is used: for which
+collectives buffers on 4 KiB pages are read in place too, rather than staged (the kernel
+pins every page it reads: dearer than staging on one machine, cheaper on another), and from
+what size of its parts direct's all_to_all reads a rank's parts in place. It is cached in
+the user's cache directory (a versioned JSON file) and reused by every later communicator
+of that layout, in this process and the next. ``auto`` then takes the algorithm with the
+least time at the call's size, interpolated in log size between measured sizes (where two
 neighbouring sizes' winners differ, sizes between them are measured too, until the
 crossover lies within a factor of 2; a size timed during a slow spell, its reference
 collective's times off from the same calls timed again at the end, is measured again, and
 so is a collective at a size where its two fastest's were; beyond the largest, time grows
-with the bytes); where both kinds of memory were timed and their
-fastest differ, the call's own memory decides (commlib/algorithms/pages.py); collectives
+with the bytes); where both kinds of pages were timed and their fastest differ, the call's
+own memory decides, and where a communicator has handed out regions, one_copy takes the
+calls that lie in them where it ran faster there (commlib/algorithms/pages.py); collectives
 or algorithms the table lacks fall back to the cost model (commlib/select.py). Rank 0's
 table is the one every rank uses, so two ranks never choose differently.
 
@@ -46,8 +48,11 @@ from . import survivors
 from .algorithms import entries
 from .algorithms.pages import fills_a_huge_page, mapped
 from .call import COLLECTIVES
+from .errors import CommError
+from .host_memory import as_array
 
-VERSION = 14  # 14: every call on an input written just before it; 13: the reductions on
+VERSION = 15  # 15: one_copy in regions (Communicator.empty's) too; 14: every call on an
+# input written just before it; 13: the reductions on
 # huge pages too, from a huge page's size (as the copies); 12: a collective
 # whose two fastest moved in a spell is measured again;
 # 11: one table per layout serves every communicator whose algorithms it
@@ -78,34 +83,45 @@ LARGEST_CALLS = 7
 # all_to_all at every size (its one choice, for every size, weighs them all), the others
 # where a buffer fills a huge page (only there auto decides by pages: timed_on_huge_pages)
 ON_HUGE_PAGES_TOO = ("all_to_all", "all_gather", "broadcast", "reduce_scatter", "all_reduce")
+# The kinds of memory a table's times were measured on: 4 KiB pages (every algorithm),
+# huge pages (ON_HUGE_PAGES_TOO's) and regions every rank maps (one_copy alone: the others
+# copy through slots or staging wherever a buffer lies)
+MEMORIES = ("base", "huge", "regions")
 _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 
 class Table:
     """Measured seconds per (collective, algorithm) at SIZES' primary bytes: ``times`` on
-    4 KiB pages, ``on_huge_pages`` (ON_HUGE_PAGES_TOO's collectives) on huge ones; and how
-    the transport reads in place, as the times were measured: the collectives that read
-    buffers on 4 KiB pages so too (``base_pages_in_place``), and from what bytes of a
-    rank's largest part direct's all_to_all reads its parts in place
-    (``parts_in_place_from``; -1: where they take several staging pieces)."""
+    4 KiB pages, ``on_huge_pages`` (ON_HUGE_PAGES_TOO's collectives) on huge ones,
+    ``in_regions`` (one_copy's) in memory every rank maps; and how the transport reads in
+    place, as the times were measured: the collectives that read buffers on 4 KiB pages
+    so too (``base_pages_in_place``), and from what bytes of a rank's largest part
+    direct's all_to_all reads its parts in place (``parts_in_place_from``; -1: where they
+    take several staging pieces)."""
 
     def __init__(self, times: dict, on_huge_pages: dict | None = None,
-                 base_pages_in_place=(), parts_in_place_from: int = -1):
+                 base_pages_in_place=(), parts_in_place_from: int = -1,
+                 in_regions: dict | None = None):
         self.times = times  # collective -> algorithm -> [[nbytes, seconds], ...]
         self.on_huge_pages = on_huge_pages or {}
         self.base_pages_in_place = sorted(base_pages_in_place)
         self.parts_in_place_from = parts_in_place_from
+        self.in_regions = in_regions or {}
 
     def parts(self) -> tuple:
         return (self.times, self.on_huge_pages, self.base_pages_in_place,
-                self.parts_in_place_from)
+                self.parts_in_place_from, self.in_regions)
+
+    def of(self, memory: str) -> dict:
+        """The times measured on ``memory`` (one of MEMORIES)."""
+        return {"base": self.times, "huge": self.on_huge_pages,
+                "regions": self.in_regions}[memory]
 
     def put(self, keys, seconds, keep_least: bool = False) -> None:
-        """Set each key's time (key: on huge pages, collective, name, bytes), the points kept
-        in order of bytes; ``keep_least``: where there was one, the lesser of the two."""
-        for (on_huge, collective, name, nbytes), t in zip(keys, seconds):
-            kind = self.on_huge_pages if on_huge else self.times
-            points = kind.setdefault(collective, {}).setdefault(name, [])
+        """Set each key's time (key: memory, collective, name, bytes), the points kept in
+        order of bytes; ``keep_least``: where there was one, the lesser of the two."""
+        for (memory, collective, name, nbytes), t in zip(keys, seconds):
+            points = self.of(memory).setdefault(collective, {}).setdefault(name, [])
             old = next((p for p in points if p[0] == nbytes), None)
             if old is None:
                 points.append([nbytes, t])
@@ -115,9 +131,8 @@ class Table:
 
     def at(self, key) -> float:
         """The time measured for ``key`` (as ``put`` takes it)."""
-        on_huge, collective, name, nbytes = key
-        kind = self.on_huge_pages if on_huge else self.times
-        return next(t for b, t in kind[collective][name] if b == nbytes)
+        memory, collective, name, nbytes = key
+        return next(t for b, t in self.of(memory)[collective][name] if b == nbytes)
 
     def measured(self, comm) -> bool:
         """Whether every algorithm ``comm`` runs was measured here."""
@@ -137,12 +152,12 @@ class Table:
         return Table(*parts) if parts else None
 
     def fastest(self, collective: str, nbytes: int | None, names,
-                huge: bool = False) -> str | None:
-        """The algorithm among ``names`` measured on 4 KiB pages (``huge``: on huge pages)
-        with the least loss, the log of its time over the fastest's, at ``nbytes``
-        (interpolated) or (None: a choice that may not depend on the size) summed over the
-        measured sizes; None where none of them was measured so."""
-        measured = (self.on_huge_pages if huge else self.times).get(collective, {})
+                memory: str = "base") -> str | None:
+        """The algorithm among ``names`` measured on ``memory`` (MEMORIES) with the least
+        loss, the log of its time over the fastest's, at ``nbytes`` (interpolated) or (None:
+        a choice that may not depend on the size) summed over the measured sizes; None
+        where none of them was measured so."""
+        measured = self.of(memory).get(collective, {})
         names = [n for n in names if n in measured]
         if not names:
             return None
@@ -166,6 +181,19 @@ class Table:
         logs = [math.log(self.seconds(measured[base], b) / self.seconds(measured[huge], b))
                 for b in sizes]
         return math.exp(sum(logs) / len(logs))
+
+    def gain_in_regions(self, collective: str, nbytes: int | None, base: str) -> float:
+        """How many times faster one_copy ran in regions than ``base`` on 4 KiB pages at
+        ``nbytes`` (None: the geometric mean over the sizes both were measured at); 0 where
+        they were not."""
+        regions = self.in_regions.get(collective, {}).get("one_copy")
+        pages = self.times.get(collective, {}).get(base)
+        if not regions or not pages:
+            return 0.0
+        sizes = [nbytes] if nbytes is not None else \
+            sorted({b for b, _ in regions} & {b for b, _ in pages})
+        logs = [math.log(self.seconds(pages, b) / self.seconds(regions, b)) for b in sizes]
+        return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
     @staticmethod
     def seconds(points: list, nbytes: int) -> float:
@@ -235,8 +263,9 @@ def measure(comm, start=None, transport=None) -> Table:
     pages (where a user's may lie: torch's do), ON_HUGE_PAGES_TOO's on huge pages too, and
     a collective's algorithms take turns call by call, so that none is timed on memory in
     another state and a slow spell of the machine hits those compared alike. Each timed
-    call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages are
-    timed only where the transport reads peers' memory in place (on one host). Then sizes
+    call follows ``start()`` (default ``comm.barrier``) on every rank. Huge pages and
+    regions are timed only where the transport reads peers' memory in place (on one
+    host; regions where it runs one_copy). Then sizes
     whose reference times, or collectives whose two fastest's, were off in a spell of the
     machine are measured again (_distrust_spells), and sizes between measured ones where
     the winner changes (_refine)."""
@@ -244,8 +273,14 @@ def measure(comm, start=None, transport=None) -> Table:
     reading = ((), -1)
     # (memory's kind matters only where peers' memory is read in place: shared memory)
     reads_in_place = transport is not None and transport.base_pages_in_place is not None
-    if reads_in_place and "one_copy" in comm.algorithms("all_gather"):
+    one_copy = "one_copy" in comm.algorithms("all_gather")
+    if reads_in_place and one_copy:
         reading = _how_to_read_in_place(comm, transport, start)
+    memories = {"base": _small_pages}
+    if reads_in_place:
+        memories["huge"] = _huge_pages
+    if reads_in_place and one_copy and transport.memory is not None:
+        memories["regions"] = _in_regions(transport.memory)
     where = transport.where if transport is not None else None  # (None: as under MPI)
     table = Table({}, {}, *reading)
     before = (0, 0.0)  # (bytes, seconds that one of each call took there)
@@ -254,38 +289,49 @@ def measure(comm, start=None, transport=None) -> Table:
         if nbytes == SIZES[-1]:
             nbytes, rounds = _affordable(comm, nbytes, *before,
                                          LARGEST_CALLS if reads_in_place else FEWEST_CALLS)
-        keys, mine = _time_at(comm, start, nbytes, rounds, COLLECTIVES, reads_in_place, where)
+        keys, mine = _time_at(comm, start, nbytes, rounds, COLLECTIVES, memories, where)
         table.put(keys, mine)  # (this rank's: their sum foresees the largest size's time)
         before = (nbytes, sum(mine))
     table.put(*_slowest(comm, table))
-    _distrust_spells(comm, start, table, reads_in_place, where)
-    _refine(comm, start, table, reads_in_place, where)
+    _distrust_spells(comm, start, table, memories, where)
+    _refine(comm, start, table, memories, where)
+    if "regions" in memories:
+        transport.memory.drop_freed()  # (the peers unmap the pass's regions now)
     return table
 
 
-def _time_at(comm, start, nbytes: int, rounds: int, collectives, reads_in_place: bool,
+def _time_at(comm, start, nbytes: int, rounds: int, collectives, memories: dict,
              where) -> tuple[list, list]:
     """(keys, this rank's seconds) of every algorithm of ``collectives`` that runs
-    ``nbytes`` at ``where``, on 4 KiB pages and (``reads_in_place``) those of
-    ON_HUGE_PAGES_TOO on huge pages too; a key is (on huge pages, collective, name, bytes)."""
+    ``nbytes`` at ``where``, on each of ``memories`` (kind -> what allocates it) that they
+    are timed on (timed_on); a key is (memory, collective, name, bytes)."""
     n, count = comm.size, _count(comm.size, nbytes)
-    kinds = [(False, _small_pages, collectives)]
-    if reads_in_place:
-        kinds.append((True, _huge_pages,
-                      [c for c in collectives if timed_on_huge_pages(c, n, nbytes)]))
     keys, mine = [], []
-    for on_huge, memory, timed in kinds:
-        a, b = _buffers(memory, n, count) if timed else (None, None)
+    for memory, allocate in memories.items():
+        timed = [c for c in collectives if timed_on(memory, c, n, nbytes)]
+        try:
+            a, b = _buffers(allocate, n, count) if timed else (None, None)
+        except CommError:  # (regions: /dev/shm full, say; on every rank alike)
+            continue
         for collective in timed:
             calls = []  # (a collective's algorithms take turns among themselves)
             for name in comm.algorithms(collective):
                 refuses = entries(collective)[name].refuses
-                if refuses and refuses(n, nbytes, where):
+                if (refuses and refuses(n, nbytes, where)) or \
+                        (memory == "regions" and name != "one_copy"):
                     continue  # (never chosen there: select.choose asks it too)
-                keys.append((on_huge, collective, name, nbytes))
+                keys.append((memory, collective, name, nbytes))
                 calls.append(_call(comm, collective, name, a, b, count))
             mine.extend(_times(start, calls, rounds))
     return keys, mine
+
+
+def timed_on(memory: str, collective: str, n: int, nbytes: int) -> bool:
+    """Whether the pass times ``collective`` at ``nbytes`` among ``n`` ranks on ``memory``
+    (each on 4 KiB pages; in regions, those one_copy runs)."""
+    if memory == "huge":
+        return timed_on_huge_pages(collective, n, nbytes)
+    return memory == "base" or collective in ON_HUGE_PAGES_TOO
 
 
 def timed_on_huge_pages(collective: str, n: int, nbytes: int) -> bool:
@@ -297,9 +343,8 @@ def timed_on_huge_pages(collective: str, n: int, nbytes: int) -> bool:
 
 def _slowest(comm, table: "Table") -> tuple[list, list]:
     """The table's points as (keys, the slowest rank's seconds): what every rank keeps."""
-    keys = [(on_huge, c, name, nbytes) for on_huge, kind in ((False, table.times),
-                                                            (True, table.on_huge_pages))
-            for c, algos in kind.items() for name, points in algos.items()
+    keys = [(memory, c, name, nbytes) for memory in MEMORIES
+            for c, algos in table.of(memory).items() for name, points in algos.items()
             for nbytes, _ in points]
     slowest = np.array([table.at(key) for key in keys])
     comm.all_reduce(slowest, op="max")
@@ -317,18 +362,20 @@ SPELL = 1.5
 REFERENCES = ("native", "direct")
 
 
-def _distrust_spells(comm, start, table: "Table", reads_in_place: bool, where) -> None:
+def _distrust_spells(comm, start, table: "Table", memories: dict, where) -> None:
     """Time again, at every size of ``table``, each collective's reference and its two
-    fastest (on each kind of pages measured), and measure again (in place of what was)
+    fastest (on each kind of memory measured), and measure again (in place of what was)
     each size where the pass's reference times were off by SPELL, and each collective at
     a size where its winner's or runner-up's were."""
     n, again = comm.size, Table({}, {})
     for nbytes in table.sizes():
         count = _count(n, nbytes)
-        kinds = [(False, _small_pages)] + ([(True, _huge_pages)] if reads_in_place else [])
-        for on_huge, memory in kinds:
-            keys = to_check(table, nbytes, n, where, on_huge)
-            a, b = _buffers(memory, n, count) if keys else (None, None)
+        for memory, allocate in memories.items():
+            keys = to_check(table, nbytes, n, where, memory)
+            try:
+                a, b = _buffers(allocate, n, count) if keys else (None, None)
+            except CommError:  # (as in _time_at)
+                continue
             again.put(keys, _times(start, [_call(comm, c, name, a, b, count)
                                            for _, c, name, _ in keys], _rounds(nbytes)))
     again.put(*_slowest(comm, again))
@@ -337,24 +384,24 @@ def _distrust_spells(comm, start, table: "Table", reads_in_place: bool, where) -
         todo.setdefault(nbytes, collectives)
     for nbytes, collectives in sorted(todo.items()):
         keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), collectives,
-                              reads_in_place, where)
+                              memories, where)
         slow = Table({})
         slow.put(keys, mine)
         table.put(*_slowest(comm, slow))
 
 
-def to_check(table: "Table", nbytes: int, n: int, where, on_huge: bool) -> list:
-    """The keys timed again at ``nbytes`` on one kind of pages: each collective's two
+def to_check(table: "Table", nbytes: int, n: int, where, memory: str) -> list:
+    """The keys timed again at ``nbytes`` on one kind of memory: each collective's two
     fastest there among those that run it, and (on 4 KiB pages) its reference."""
     keys = []
-    for c, algos in (table.on_huge_pages if on_huge else table.times).items():
+    for c, algos in table.of(memory).items():
         at = {name: t for name in _runs(c, algos, n, nbytes, where)
               for b, t in algos[name] if b == nbytes}
         names = sorted(at, key=at.get)[:2]
         reference = next((r for r in REFERENCES if r in at), None)
-        if not on_huge and reference is not None and reference not in names:
+        if memory == "base" and reference is not None and reference not in names:
             names.append(reference)
-        keys += [(on_huge, c, name, nbytes) for name in names]
+        keys += [(memory, c, name, nbytes) for name in names]
     return keys
 
 
@@ -363,7 +410,7 @@ def spells(table: "Table", again: "Table") -> list[int]:
     calls timed later) by SPELL or more, in the geometric mean over the collectives."""
     found = []
     for nbytes in table.sizes():
-        ratios = [table.at((False, c, name, nbytes)) / t
+        ratios = [table.at(("base", c, name, nbytes)) / t
                   for c, algos in again.times.items() for name, points in algos.items()
                   for b, t in points if b == nbytes and name == _reference(table, c)]
         if ratios and abs(np.mean(np.log(ratios))) >= math.log(SPELL):
@@ -374,12 +421,12 @@ def spells(table: "Table", again: "Table") -> list[int]:
 def upsets(table: "Table", again: "Table") -> dict[int, list[str]]:
     """{bytes: collectives} whose winner's or runner-up's time in ``again`` (which holds
     them, as to_check gives) differs from ``table``'s by SPELL or more, on either kind of
-    pages."""
+    pages or in regions."""
     found: dict = {}
-    for on_huge, kind in ((False, again.times), (True, again.on_huge_pages)):
-        for c, algos in kind.items():
+    for memory in MEMORIES:
+        for c, algos in again.of(memory).items():
             for nbytes in sorted({b for points in algos.values() for b, _ in points}):
-                was = {name: table.at((on_huge, c, name, nbytes)) for name, points in
+                was = {name: table.at((memory, c, name, nbytes)) for name, points in
                        algos.items() if nbytes in dict(points)}
                 moved = [abs(math.log(was[name] / dict(algos[name])[nbytes]))
                          for name in sorted(was, key=was.get)[:2]]
@@ -398,7 +445,7 @@ def _reference(table: "Table", collective: str) -> str | None:
 REFINING = 8
 
 
-def _refine(comm, start, table: "Table", reads_in_place: bool, where) -> None:
+def _refine(comm, start, table: "Table", memories: dict, where) -> None:
     retimed: set = set()
     for _ in range(REFINING):
         todo = to_time_again(table, comm.size, where, retimed)
@@ -406,7 +453,7 @@ def _refine(comm, start, table: "Table", reads_in_place: bool, where) -> None:
             return
         for nbytes, collectives in sorted(todo.items()):
             keys, mine = _time_at(comm, start, nbytes, _rounds(nbytes), collectives,
-                                  reads_in_place, where)
+                                  memories, where)
             slow = Table({})
             slow.put(keys, mine)
             table.put(*_slowest(comm, slow), keep_least=True)
@@ -529,6 +576,13 @@ def _huge_pages(count: int) -> np.ndarray:
     return mapped(count, np.float32, huge=True)
 
 
+def _in_regions(memory) -> Callable[[int], np.ndarray]:
+    """What allocates ``count`` elements in a region of ``memory`` (the transport's
+    host_memory.SharedHostMemory; collective, as Communicator.empty, which the pass does not
+    call: a communicator's calls weigh regions only once its user has some)."""
+    return lambda count: as_array(memory.allocate(count * 4), (count,), np.float32)
+
+
 class Timed(NamedTuple):
     """A timed call (``run``) and what writes its input before each time (``write``)."""
     write: Callable[[], None]
@@ -620,7 +674,7 @@ def _load(digest: str, layout: dict) -> Table | None:
         if data.get("layout") != layout:
             raise ValueError("it was measured for another machine or layout")
         return Table(data["times"], data["on_huge_pages"], data["base_pages_in_place"],
-                     data["parts_in_place_from"])
+                     data["parts_in_place_from"], data["in_regions"])
     except (ValueError, KeyError, TypeError) as e:
         warnings.warn(f"commlib: ignoring the algorithm table {path} ({e}); measuring "
                       "again", stacklevel=2)
@@ -636,7 +690,8 @@ def _save(digest: str, layout: dict, table: Table, seconds: float) -> None:
                                    "base_pages_in_place": table.base_pages_in_place,
                                    "parts_in_place_from": table.parts_in_place_from,
                                    "times": table.times,
-                                   "on_huge_pages": table.on_huge_pages}, indent=1) + "\n")
+                                   "on_huge_pages": table.on_huge_pages,
+                                   "in_regions": table.in_regions}, indent=1) + "\n")
         tmp.replace(path)
     except OSError as e:  # a read-only home: the table lives in this process only
         warnings.warn(f"commlib: cannot cache the algorithm table in {path}: {e}",

@@ -213,16 +213,18 @@ PYBIND11_MODULE(_C, m) {
           [](ShmComm& c, int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
              int dtype, int op, int64_t root, const std::vector<int64_t>& in_splits,
              const std::vector<int64_t>& out_splits,
-             py::array_t<int64_t, py::array::c_style> otherwise, int64_t tmp_bytes) {
+             py::array_t<int64_t, py::array::c_style> otherwise, int64_t tmp_bytes,
+             bool only_regions) {
             const int64_t* steps = otherwise.data();
             int64_t len = otherwise.size();
             py::gil_scoped_release release;
             c.one_copy(collective, out, in, count, dtype, op, root, in_splits, out_splits,
-                       steps, len, tmp_bytes);
+                       steps, len, tmp_bytes, only_regions);
           },
           py::arg("collective"), py::arg("out"), py::arg("in"), py::arg("count"),
           py::arg("dtype"), py::arg("op"), py::arg("root"), py::arg("in_splits"),
-          py::arg("out_splits"), py::arg("otherwise"), py::arg("tmp_bytes"))
+          py::arg("out_splits"), py::arg("otherwise"), py::arg("tmp_bytes"),
+          py::arg("only_regions") = false)
       .def("add_region", &ShmComm::add_region, py::arg("owner"), py::arg("index"),
            py::arg("owner_base"), py::arg("local"), py::arg("bytes"))
       .def("remove_region", &ShmComm::remove_region, py::arg("owner"), py::arg("index"))

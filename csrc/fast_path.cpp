@@ -164,9 +164,10 @@ class FastPath {
   // What the general path runs for this call: an entry of `kind` ("plan", "direct",
   // "one_copy", "eager" or "native": fast_path.h), with `plan` and its scratch bytes for a
   // plan and the call's `descriptor` where the entry needs it. `id` names the entry to the caller.
+  // `only_regions`: a one_copy that reads in place only in regions (fast_path.h).
   void learn(int collective, int algorithm, int64_t count, int64_t itemsize, int64_t root,
              const std::string& kind, std::vector<int64_t> plan, int64_t tmp_bytes, int id,
-             std::vector<int64_t> descriptor) {
+             std::vector<int64_t> descriptor, bool only_regions) {
     static const std::map<std::string, EntryKind> kinds = {
         {"plan", EntryKind::PLAN}, {"direct", EntryKind::DIRECT},
         {"one_copy", EntryKind::ONE_COPY}, {"eager", EntryKind::EAGER},
@@ -176,7 +177,8 @@ class FastPath {
     if (entries_.size() >= kMaxEntries) return;  // the general path runs the rest
     entries_.emplace(Key{collective, algorithm, count, itemsize, root},
                      std::make_unique<const FastEntry>(FastEntry{
-                         found->second, std::move(plan), tmp_bytes, id, std::move(descriptor)}));
+                         found->second, std::move(plan), tmp_bytes, id, std::move(descriptor),
+                         only_regions}));
   }
 
   // Forget the entries learned under `algorithm` (0: auto, whose choices a new algorithm
@@ -405,7 +407,8 @@ void bind_fast_path(py::module_& m) {
            py::keep_alive<1, 2>())
       .def("learn", &FastPath::learn, py::arg("collective"), py::arg("algorithm"),
            py::arg("count"), py::arg("itemsize"), py::arg("root"), py::arg("kind"),
-           py::arg("plan"), py::arg("tmp_bytes"), py::arg("id"), py::arg("descriptor"))
+           py::arg("plan"), py::arg("tmp_bytes"), py::arg("id"), py::arg("descriptor"),
+           py::arg("only_regions") = false)
       .def_property_readonly("call", [](py::object self) {
         auto bound = py::make_tuple(self, py::capsule(self.cast<FastPath*>()));
         return py::reinterpret_steal<py::object>(PyCFunction_New(&call_def, bound.ptr()));

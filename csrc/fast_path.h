@@ -26,6 +26,7 @@ struct FastEntry {
   // on before a PLAN runs (rooted plans: transports/shm.py) and which EAGER sends; empty
   // where there is none
   std::vector<int64_t> descriptor;
+  bool only_regions = false;  // ONE_COPY's: reads in place only in regions (shm.h)
 };
 
 struct FastCall {

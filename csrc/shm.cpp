@@ -328,7 +328,7 @@ void ShmComm::run(const FastEntry& e, const FastCall& c) {
       break;
     case EntryKind::ONE_COPY:
       one_copy(c.collective, c.out.ptr, c.in.ptr, c.count, dtype, c.op, c.root, {}, {},
-               e.plan.data(), int64_t(e.plan.size()), e.tmp_bytes);
+               e.plan.data(), int64_t(e.plan.size()), e.tmp_bytes, e.only_regions);
       break;
     default:
       throw std::logic_error("the shm transport runs no eager entries");

@@ -167,10 +167,12 @@ class ShmComm : public FastTransport {
   // here ("" when they can); one_copy() raises unless the probe succeeded. Where some
   // rank's buffer is not read in place, the call stages: by the flattened schedule
   // `otherwise` (its scratch `tmp_bytes`) where one is given, else as direct() does.
+  // `only_regions`: buffers are read in place only where they lie in a region (auto's
+  // route for memory every rank maps: commlib/algorithms/pages.py's in_regions).
   void one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
                 int op, int64_t root, const std::vector<int64_t>& in_splits = {},
                 const std::vector<int64_t>& out_splits = {}, const int64_t* otherwise = nullptr,
-                int64_t otherwise_len = 0, int64_t tmp_bytes = 0);
+                int64_t otherwise_len = 0, int64_t tmp_bytes = 0, bool only_regions = false);
   std::string probe_one_copy();
   // calls so far that read peers' buffers where they lie (one_copy's, all_to_all's rest)
   uint64_t calls_read_in_place() const { return calls_read_in_place_; }
@@ -338,14 +340,16 @@ class ShmComm : public FastTransport {
   // some rank's buffer would cost more to pin than to stage: the caller stages instead.
   bool read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count, int dtype,
                      int op, int64_t root, const std::vector<int64_t>& in_splits,
-                     const std::vector<int64_t>& out_splits);
+                     const std::vector<int64_t>& out_splits, bool only_regions);
   // Publishes this call's buffers (after begin), and whether peers may read them where
   // they lie (say_in_place); every_rank_in_place() reads that back after a meet.
-  // cheap_to_read: whether this rank's exposed `which`, of `bytes`, is (in a region, or
-  // mostly on huge pages, or anywhere where `collective` reads base pages in place).
+  // cheap_to_read: whether this rank's exposed `which`, of `bytes`, is (in a region, or,
+  // unless `only_regions`, mostly on huge pages, or anywhere where `collective` reads base
+  // pages in place).
   void expose(uintptr_t in, uintptr_t out);
   void say_in_place(bool cheap);
-  bool cheap_to_read(int64_t collective, uint64_t Exposed::*which, int64_t bytes) const;
+  bool cheap_to_read(int64_t collective, uint64_t Exposed::*which, int64_t bytes,
+                     bool only_regions = false) const;
   bool in_place_at(int rank) const;
   bool every_rank_in_place() const;
   void meet();  // a barrier inside a call: every peer arrived, signatures checked

@@ -31,7 +31,9 @@
 //                   buffers are read in place wherever they lie: base_pages_in_place).
 //                   Each rank says so for its own buffer in the first meeting; where any
 //                   says no, every rank sees it alike and the call runs as direct's
-//                   instead (a meeting dearer than direct).
+//                   instead (a meeting dearer than direct). A call `only_regions` (auto's
+//                   route for memory every rank maps, where 4 KiB or huge pages would be
+//                   staged better by another algorithm) reads in place only in regions.
 //
 // Nothing is staged, so there are no pieces: one read per peer and block. probe_one_copy
 // reads a nonce from every peer at set-up and writes it back; where the host forbids the
@@ -205,11 +207,13 @@ void ShmComm::say_in_place(bool cheap) {
   peers_[rank_].exposed->in_place[call_ % 2] = 2 * call_ + cheap;
 }
 
-bool ShmComm::cheap_to_read(int64_t collective, uint64_t Exposed::*which,
-                            int64_t bytes) const {
+bool ShmComm::cheap_to_read(int64_t collective, uint64_t Exposed::*which, int64_t bytes,
+                            bool only_regions) const {
   const Exposed* mine = peers_[rank_].exposed;
-  return (which == &Exposed::in ? mine->in_region : mine->out_region) >= 0 || bytes <= 0 ||
-         (base_pages_in_place_ >> collective & 1) || mostly_huge(mine->*which, bytes);
+  if ((which == &Exposed::in ? mine->in_region : mine->out_region) >= 0 || bytes <= 0)
+    return true;
+  return !only_regions &&
+         ((base_pages_in_place_ >> collective & 1) || mostly_huge(mine->*which, bytes));
 }
 
 bool ShmComm::in_place_at(int rank) const {
@@ -340,10 +344,12 @@ void ShmComm::reduce_from_peers(char* out, const char* own, int64_t first, int64
 void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
                        int dtype, int op, int64_t root, const std::vector<int64_t>& in_splits,
                        const std::vector<int64_t>& out_splits, const int64_t* otherwise,
-                       int64_t otherwise_len, int64_t tmp_bytes) {
+                       int64_t otherwise_len, int64_t tmp_bytes, bool only_regions) {
   if (!one_copy_ok_)
     throw std::invalid_argument("one-copy collectives are unavailable here (probe_one_copy)");
-  if (read_in_place(collective, out, in, count, dtype, op, root, in_splits, out_splits)) return;
+  if (read_in_place(collective, out, in, count, dtype, op, root, in_splits, out_splits,
+                    only_regions))
+    return;
   // (read_in_place's meeting checked that every rank made this call: a rooted schedule
   // needs no agreement of its own)
   if (otherwise_len > 0)
@@ -355,7 +361,7 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
 bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
                             int dtype, int op, int64_t root,
                             const std::vector<int64_t>& in_splits,
-                            const std::vector<int64_t>& out_splits) {
+                            const std::vector<int64_t>& out_splits, bool only_regions) {
   const int64_t isz = itemsize(dtype), nbytes = count * isz;
   char* output = reinterpret_cast<char*>(out);
   const char* input = reinterpret_cast<const char*>(in);
@@ -365,7 +371,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       begin(descriptor(ALL_REDUCE, count, dtype, op, kNone));
       if (size_ == 1 || count == 0) return true;
       expose(out, out);
-      say_in_place(cheap_to_read(ALL_REDUCE, &Exposed::out, nbytes));
+      say_in_place(cheap_to_read(ALL_REDUCE, &Exposed::out, nbytes, only_regions));
       meet();
       if (!every_rank_in_place()) return false;
       {
@@ -389,7 +395,8 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       }
       if (count == 0) return true;
       expose(in, out);
-      say_in_place(cheap_to_read(REDUCE_SCATTER, &Exposed::in, nbytes * size_));
+      say_in_place(
+          cheap_to_read(REDUCE_SCATTER, &Exposed::in, nbytes * size_, only_regions));
       meet();
       if (!every_rank_in_place()) return false;
       reduce_from_peers(output, input + rank_ * nbytes, rank_ * count, count, dtype, op,
@@ -398,7 +405,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
     case ALL_GATHER:
       begin(descriptor(ALL_GATHER, count, dtype, kNone, kNone));
       expose(in, out);
-      say_in_place(cheap_to_read(ALL_GATHER, &Exposed::in, nbytes));
+      say_in_place(cheap_to_read(ALL_GATHER, &Exposed::in, nbytes, only_regions));
       meet();
       if (!every_rank_in_place()) return false;
       if (output + rank_ * nbytes != input) copy(output + rank_ * nbytes, input, nbytes);
@@ -411,8 +418,9 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       if (size_ == 1) return true;
       expose(out, out);
       peers_[rank_].exposed->root_may_write =
-          rank_ != root && cheap_to_read(BROADCAST, &Exposed::out, nbytes);
-      say_in_place(cheap_to_read(BROADCAST, &Exposed::out, rank_ == root ? nbytes : 0));
+          rank_ != root && cheap_to_read(BROADCAST, &Exposed::out, nbytes, only_regions);
+      say_in_place(
+          cheap_to_read(BROADCAST, &Exposed::out, rank_ == root ? nbytes : 0, only_regions));
       meet();
       if (!every_rank_in_place()) return false;
       if (rank_ != root) {
@@ -432,7 +440,7 @@ bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int
       int64_t sent = 0;
       for (int64_t b : send) sent += b;
       expose(in, out);
-      say_in_place(cheap_to_read(ALL_TO_ALL, &Exposed::in, sent));
+      say_in_place(cheap_to_read(ALL_TO_ALL, &Exposed::in, sent, only_regions));
       meet();
       check_splits(isz);
       if (!every_rank_in_place()) return false;

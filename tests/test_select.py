@@ -107,9 +107,9 @@ def test_measured_table_choice():
     # decides (algorithms/pages.py), for a size-free choice as for a sized one
     table.on_huge_pages = {"all_to_all": {"a": [[1 << 16, 1.0], [1 << 20, 40.0]],
                                           "b": [[1 << 16, 1.0], [1 << 20, 10.0]]}}
-    assert table.fastest("all_to_all", None, ["a", "b"], huge=True) == "b"
-    assert table.fastest("all_to_all", 1 << 16, ["a", "b"], huge=True) == "a"  # (a tie)
-    assert table.fastest("all_to_all", None, ["a", "c"], huge=True) == "a"
+    assert table.fastest("all_to_all", None, ["a", "b"], memory="huge") == "b"
+    assert table.fastest("all_to_all", 1 << 16, ["a", "b"], memory="huge") == "a"  # (a tie)
+    assert table.fastest("all_to_all", None, ["a", "c"], memory="huge") == "a"
     shm = frozenset({"shm", "schedules", "one_copy"})
     mb4 = 4 << 20
     table.times["broadcast"] = {"tree": [[mb4, 40.0]], "one_copy": [[mb4, 44.0]]}
@@ -138,6 +138,38 @@ def test_measured_table_choice():
     assert choose("broadcast", None, 2, mb4, offers=shm, measured=table).name == "tree"
 
 
+
+def test_auto_weighs_one_copy_in_regions_once_there_are_some():
+    """Where one_copy ran faster in regions than the 4 KiB pages' choice, a communicator
+    that has handed out regions routes calls through it (reading in place only there,
+    else staging by that choice); not before, not where it ran slower, and not past what
+    one_copy cannot stage by (MPI's own) or where the choice is one_copy already."""
+    from commlib.tuning import Table
+    K, shm = 1 << 10, frozenset({"shm", "schedules", "one_copy", "mpi"})
+    table = Table({"all_gather": {"ring": [[64 * K, 10.0], [2048 * K, 100.0]],
+                                  "one_copy": [[64 * K, 20.0], [2048 * K, 200.0]]}},
+                  {}, in_regions={"all_gather": {"one_copy": [[64 * K, 4.0],
+                                                              [2048 * K, 120.0]]}})
+
+    def chosen(nbytes, regions=True):
+        return choose("all_gather", None, 2, nbytes, offers=shm, measured=table,
+                      regions=regions)
+    assert chosen(64 * K, regions=False).name == "ring"
+    routed = chosen(64 * K)
+    assert (routed.name, routed.otherwise.name, routed.only_regions) == \
+        ("one_copy", "ring", True) and routed.agrees
+    assert chosen(2048 * K).name == "ring"  # (one_copy slower in regions there)
+    assert choose("all_gather", "one_copy", 2, 64 * K, offers=shm, measured=table,
+                  regions=True).only_regions is False  # (asked for: reads where it can)
+    table.times["all_gather"]["direct"] = [[64 * K, 5.0], [2048 * K, 50.0]]
+    routed = chosen(64 * K)
+    assert (routed.name, routed.otherwise, routed.only_regions) == ("one_copy", None, True)
+    table.times["all_gather"]["native"] = [[64 * K, 1.0], [2048 * K, 10.0]]
+    assert chosen(64 * K).name == "native"  # (one_copy cannot stage by MPI's own)
+    table.times["all_gather"]["one_copy"] = [[64 * K, 0.5], [2048 * K, 5.0]]
+    assert chosen(64 * K) == entries("all_gather")["one_copy"]
+
+
 def test_tuning_times_again_between_differing_winners_and_outliers():
     """Neighbouring sizes with different winners further than 2x apart get a size between
     them (log middle), until brackets span 2x; a winner unlike both neighbours is timed
@@ -159,21 +191,21 @@ def test_tuning_times_again_between_differing_winners_and_outliers():
     # then: eager wins 4 KiB, ring 256 KiB and 2 MiB; all_gather's brackets span 4x
     todo = to_time_again(table, 2, None, retimed)
     assert todo == {32 * K: ["all_reduce", "all_gather"], 8 * K: ["all_gather"]}, todo
-    table.put([(False, "all_reduce", name, 32 * K) for name in ("ring", "rhd", "eager")],
+    table.put([("base", "all_reduce", name, 32 * K) for name in ("ring", "rhd", "eager")],
               [3.0, 2.0, 0.2])  # eager wins at 32 KiB, so at 256 KiB (extrapolated) too
     table.times["all_gather"] = {"ring": [[4 * K, 1.0], [64 * K, 2.0]],
                                  "rhd": [[4 * K, 2.0], [64 * K, 2.5]]}
     assert to_time_again(table, 2, None, retimed) == {1024 * K: ["all_reduce"]}
-    table.put([(False, "all_reduce", name, 1024 * K) for name in ("ring", "rhd")], [6.0, 7.0])
+    table.put([("base", "all_reduce", name, 1024 * K) for name in ("ring", "rhd")], [6.0, 7.0])
     assert to_time_again(table, 2, None, retimed) == {512 * K: ["all_reduce"]}
-    table.put([(False, "all_reduce", name, 512 * K) for name in ("ring", "rhd", "eager")],
+    table.put([("base", "all_reduce", name, 512 * K) for name in ("ring", "rhd", "eager")],
               [3.5, 4.5, 1.0])
     assert to_time_again(table, 2, None, retimed) == {}  # eager to 512 KiB, ring from 1 MiB
     # a re-timed point keeps the lesser time
-    table.put([(False, "all_reduce", "ring", 1024 * K)], [5.0], keep_least=True)
-    table.put([(False, "all_reduce", "rhd", 1024 * K)], [9.0], keep_least=True)
-    assert table.at((False, "all_reduce", "ring", 1024 * K)) == 5.0
-    assert table.at((False, "all_reduce", "rhd", 1024 * K)) == 7.0
+    table.put([("base", "all_reduce", "ring", 1024 * K)], [5.0], keep_least=True)
+    table.put([("base", "all_reduce", "rhd", 1024 * K)], [9.0], keep_least=True)
+    assert table.at(("base", "all_reduce", "ring", 1024 * K)) == 5.0
+    assert table.at(("base", "all_reduce", "rhd", 1024 * K)) == 7.0
     assert [b for b, _ in table.times["all_reduce"]["ring"]] == sorted(
         b for b, _ in table.times["all_reduce"]["ring"])
 
@@ -208,12 +240,12 @@ def test_tuning_measures_again_where_a_contender_met_a_spell():
                                   "rhd": [[64 * K, 4.0]]}},
                   {"broadcast": {"direct": [[64 * K, 20.0]], "one_copy": [[64 * K, 10.0]],
                                  "ring": [[64 * K, 30.0]]}})
-    assert to_check(table, 64 * K, 2, None, False) == [
-        (False, "broadcast", "one_copy", 64 * K), (False, "broadcast", "ring", 64 * K),
-        (False, "broadcast", "native", 64 * K), (False, "all_reduce", "rhd", 64 * K),
-        (False, "all_reduce", "ring", 64 * K), (False, "all_reduce", "native", 64 * K)]
-    assert to_check(table, 64 * K, 2, None, True) == [
-        (True, "broadcast", "one_copy", 64 * K), (True, "broadcast", "direct", 64 * K)]
+    assert to_check(table, 64 * K, 2, None, "base") == [
+        ("base", "broadcast", "one_copy", 64 * K), ("base", "broadcast", "ring", 64 * K),
+        ("base", "broadcast", "native", 64 * K), ("base", "all_reduce", "rhd", 64 * K),
+        ("base", "all_reduce", "ring", 64 * K), ("base", "all_reduce", "native", 64 * K)]
+    assert to_check(table, 64 * K, 2, None, "huge") == [
+        ("huge", "broadcast", "one_copy", 64 * K), ("huge", "broadcast", "direct", 64 * K)]
     again = Table({"broadcast": {"one_copy": [[64 * K, 14.0], [256 * K, 29.0]],
                                  "ring": [[64 * K, 7.0]], "direct": [[256 * K, 39.0]],
                                  "native": [[64 * K, 31.0], [256 * K, 20.0]]},

@@ -55,6 +55,9 @@ class Algorithm:
     # one_copy's, chosen by the call's memory (pages.py): what stages the call where some
     # rank's memory is not read in place (a schedule, or None: as direct does)
     otherwise: Optional["Algorithm"] = None
+    # one_copy's, auto's route for memory every rank maps (pages.py's in_regions): it reads
+    # in place only where every rank's buffer lies in a region (Communicator.empty)
+    only_regions: bool = False
 
 
 _registry: dict[tuple[str, str], dict[str, Algorithm]] = {

@@ -10,7 +10,16 @@ where every rank's buffers lie on huge pages, else ``base``. Where ``huge`` is o
 whose own meeting already tells whether every rank's memory is read in place, no flag is
 needed: one_copy stages by ``base`` itself (``Algorithm.otherwise``), in C++ and on the fast
 path (the flag and the general path cost 60-200 us a 4 MiB broadcast on a 2-core AMD EPYC,
-where one_copy took 220-500). Not an algorithm to ask for by name: auto's alone.
+where one_copy took 220-500).
+
+Memory every rank maps (Communicator.empty's regions) is the third kind: one_copy reads it
+through its own mapping, with no system call, and beat MPI 1.2-4.6x at 2 ranks where auto,
+choosing by 4 KiB pages, ran a schedule at 0.57-0.65 of it. Once a communicator has handed
+out such memory, auto routes a call through ``in_regions(one_copy, base)`` where the table
+timed one_copy in regions faster than ``base`` on 4 KiB pages: one_copy's meeting, reading
+in place only where every rank's buffer lies in a region, else staging by ``base`` (a
+meeting more than ``base``: 1.3-3.5 us at 2 ranks). Not an algorithm to ask for by name:
+auto's alone.
 """
 import mmap
 from dataclasses import replace
@@ -53,8 +62,34 @@ def fills_a_huge_page(collective: str, n: int, nbytes: int | None) -> bool:
 def one_copy_decides(huge: Algorithm, base: Algorithm, base_pages_in_place: bool) -> bool:
     """Whether ``huge`` is one_copy and stages by ``base`` itself where a rank's buffer lies
     on 4 KiB pages (its first meeting tells every rank: no flag, and the fast path)."""
-    return huge.name == "one_copy" and not base_pages_in_place and \
-        (base.build is not None or base.name == "direct")
+    return huge.name == "one_copy" and not base_pages_in_place and stages_by(base)
+
+
+def stages_by(base: Algorithm) -> bool:
+    """Whether one_copy can stage a call by ``base``: a schedule, or direct."""
+    return base.build is not None or base.name == "direct"
+
+
+def worth_reading_regions(table, collective: str, nbytes: int | None, base: Algorithm) -> bool:
+    """Whether a call of ``nbytes`` (None: any size) that auto runs by ``base`` should go
+    through one_copy's meeting where its memory may lie in regions: one_copy can stage it by
+    ``base``, and was timed faster in regions than ``base`` on 4 KiB pages."""
+    return base.name != "one_copy" and stages_by(base) and \
+        table.gain_in_regions(collective, nbytes, base.name) > 1.0
+
+
+@lru_cache(maxsize=256)
+def in_regions(one_copy: Algorithm, base: Algorithm) -> Algorithm:
+    """An entry that runs ``one_copy`` where every rank's buffer lies in a region, else
+    ``base`` (its one_copy meeting tells every rank alike)."""
+    otherwise = base if base.build is not None else None  # (None: as direct does)
+
+    def run(transport, call):
+        transport.one_copy(call, otherwise and transport.plan(otherwise, call),
+                           only_regions=True)
+    return replace(one_copy, run=run, otherwise=otherwise, only_regions=True,
+                   user_ops=base.user_ops and one_copy.user_ops,
+                   rank_order=base.rank_order and one_copy.rank_order)
 
 
 @lru_cache(maxsize=1)

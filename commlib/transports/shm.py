@@ -104,12 +104,13 @@ class ShmTransport(Transport):
         """The call's direct collective (csrc/shm_direct.cpp)."""
         self.shm.direct(*_arguments(call))
 
-    def one_copy(self, call, otherwise=None) -> None:
+    def one_copy(self, call, otherwise=None, only_regions: bool = False) -> None:
         """The call's one-copy collective (csrc/shm_one_copy.cpp); where it stages, by the
-        plan ``otherwise`` (a schedule's) if given, else as direct does."""
+        plan ``otherwise`` (a schedule's) if given, else as direct does; ``only_regions``:
+        it reads in place only buffers in regions (Communicator.empty's)."""
         steps, tmp = (otherwise.steps, otherwise.tmp_bytes) if otherwise is not None else \
             (_NO_STEPS, 0)
-        self.shm.one_copy(*_arguments(call), steps, tmp)
+        self.shm.one_copy(*_arguments(call), steps, tmp, only_regions)
 
     def all_reduce_phase(self, call, phase: int) -> None:
         """The direct all_reduce's reduce-scatter (1) or all-gather (2) alone (hier)."""

@@ -54,6 +54,8 @@ def measured_and_cached():
         assert set(table.times[collective]) == set(world.algorithms(collective)), collective
     for collective in tuning.ON_HUGE_PAGES_TOO:
         assert set(table.on_huge_pages[collective]) == set(world.algorithms(collective))
+        if "one_copy" in world.algorithms(collective):  # (and in regions, one_copy alone)
+            assert set(table.in_regions[collective]) == {"one_copy"}, collective
     # how to read in place, measured where algorithms do, and in force
     reads = world._transport
     if "one_copy" in world.algorithms("all_gather"):
@@ -86,7 +88,7 @@ def the_choice_is_the_tables_and_the_same_everywhere():
         nbytes = None if collective == "all_to_all" else count * 4  # (one choice for all)
         names = world.algorithms(collective)
         base = table.fastest(collective, nbytes, names)
-        huge = table.fastest(collective, nbytes, names, huge=True)
+        huge = table.fastest(collective, nbytes, names, memory="huge")
         by_pages = huge not in (None, base) and pages.worth_deciding_by_pages(
             table, collective, n, nbytes, entries(collective)[base],
             entries(collective)[huge])
@@ -228,8 +230,8 @@ def the_calls_memory_decides_where_the_kinds_differ():
     kinds = {"all_gather": ("ring", "one_copy"), "broadcast": ("tree", "one_copy"),
              "all_to_all": ("one_copy", "direct")}  # (on 4 KiB pages, on huge ones)
     for c, (base, huge) in kinds.items():
-        table.put([(False, c, base, 1 << 20), (False, c, huge, 1 << 20),
-                   (True, c, base, 1 << 20), (True, c, huge, 1 << 20)],
+        table.put([("base", c, base, 1 << 20), ("base", c, huge, 1 << 20),
+                   ("huge", c, base, 1 << 20), ("huge", c, huge, 1 << 20)],
                   [1.0, 2.0, 2.0, 1.0])
     comm.algorithm_table = table
     shm = comm._transport.shm
@@ -273,6 +275,66 @@ def the_calls_memory_decides_where_the_kinds_differ():
     comm.free()
 
 
+def regions_take_one_copy_once_the_communicator_has_some():
+    """A table where one_copy, timed in regions, beats what won on 4 KiB pages (ring,
+    direct): auto runs that until the communicator hands out regions (Communicator.empty);
+    then a call whose buffers lie in regions on every rank runs one_copy in place, on the
+    general path and the fast one, and one where any rank's lie elsewhere (on huge pages
+    too, which one_copy would read in place) stages by the table's choice. Results exact."""
+    comm = world.dup()
+    shm = getattr(comm._transport, "shm", None)
+    if shm is None or "one_copy" not in comm.algorithms("all_gather"):
+        return comm.free()  # (no regions where the ranks share no memory)
+    table = tuning.Table({}, {})
+    base = {c: "direct" if c == "all_to_all" else "ring" for c in tuning.ON_HUGE_PAGES_TOO}
+    for c, name in base.items():
+        for nbytes in (1 << 10, 1 << 24):
+            table.put([("base", c, name, nbytes), ("base", c, "one_copy", nbytes),
+                       ("regions", c, "one_copy", nbytes)], [1.0, 2.0, 0.5])
+    comm.algorithm_table = table
+    count = 3001  # (not a multiple of the ranks)
+
+    def all_gather(out, inp):
+        inp[:] = np.arange(count) + rank
+        comm.all_gather(out, inp)
+        assert all((out[r * count:(r + 1) * count] == np.arange(count) + r).all()
+                   for r in range(n))
+        return comm.flight_record()[-1]["algorithm"]
+
+    def read_in_place(call) -> int:
+        before = shm.calls_read_in_place
+        call()
+        return shm.calls_read_in_place - before
+
+    private = np.zeros(count * n, np.float32), np.zeros(count, np.float32)
+    assert [all_gather(*private) for _ in range(2)] == ["ring", "ring"]
+    out, inp = comm.empty(count * n), comm.empty(count)
+    assert read_in_place(lambda: all_gather(out, inp)) == 1  # the general path's
+    assert read_in_place(lambda: all_gather(out, inp)) == 1  # the fast path's
+    assert comm.flight_record()[-1]["algorithm"] == "one_copy"
+    mixed = (out, inp) if rank else private  # rank 0's on private memory
+    assert read_in_place(lambda: all_gather(*mixed)) == 0
+    assert read_in_place(lambda: all_gather(*mixed)) == 0
+    huge = tuning._huge_pages(1 << 19)
+    huge[:] = rank  # (its pages, which one_copy would read in place: mostly_huge)
+    assert read_in_place(lambda: comm.broadcast(huge, root=0)) == 0
+    assert (huge == 0).all()
+    a = comm.empty(count)
+    for _ in range(2):
+        a[:] = rank + 1
+        assert read_in_place(lambda: comm.all_reduce(a)) == 1
+        assert (a == n * (n + 1) / 2).all()
+        parts, got = comm.empty(count * n), np.zeros(count * n, np.float32)
+        mine = parts if rank else np.zeros(count * n, np.float32)  # (what the peers read)
+        mine[:] = parts[:] = np.repeat(np.arange(n) + 10 * rank, count)
+        assert read_in_place(lambda: comm.all_to_all(got, mine)) == 0
+        assert (got == np.repeat(10 * np.arange(n) + rank, count)).all()
+        got[:] = 0
+        assert read_in_place(lambda: comm.all_to_all(got, parts)) == 1
+        assert (got == np.repeat(10 * np.arange(n) + rank, count)).all()
+    comm.free()
+
+
 def off_is_off():
     os.environ["COMMLIB_TUNING"] = "off"
     try:
@@ -289,6 +351,7 @@ if n >= 2:
                  another_layouts_table_is_ignored,
                  a_table_serves_communicators_with_fewer_algorithms,
                  the_calls_memory_decides_where_the_kinds_differ,
+                 regions_take_one_copy_once_the_communicator_has_some,
                  deterministic_communicators_take_the_table_and_never_measure, off_is_off):
         check.check(case.__name__, case)
 check.finish()
