@@ -90,14 +90,14 @@ class Communicator:
 
     @property
     def algorithm_table(self):
-        """The algorithm table measured for this communicator's layout (tuning.Table:
+        """The algorithm table measured for this communicator's layout (table.Table:
         ``times[collective][algorithm]`` is [[bytes, seconds], ...]), or None where auto
         uses the cost model (COMMLIB_TUNING=off, one rank)."""
         return self._transport.choice.measured
 
     @algorithm_table.setter
     def algorithm_table(self, table) -> None:
-        """Choose by ``table`` (a tuning.Table, say measured on another run) from now on;
+        """Choose by ``table`` (a table.Table, say measured on another run) from now on;
         collective: rank 0's is taken everywhere, so that no two ranks choose differently."""
         self._calls.use_table(tuning.Table.rank_0s(self._transport.world, table))
 

@@ -54,7 +54,7 @@ class Dispatcher:
             self.fast.native.timeout = self.timeout
 
     def use_table(self, table) -> None:
-        """Choose by ``table`` (tuning.Table) from now on: what auto chose before, it forgets."""
+        """Choose by ``table`` (table.Table) from now on: what auto chose before, it forgets."""
         self.transport.choice.use(table)
         self.transport.use_table(table)
         if self.fast is not None:

@@ -190,12 +190,12 @@ class Choice:
     def __init__(self, transport):
         self.transport = transport
         self.overrides = algorithm_overrides()
-        self.measured = None  # this layout's tuning.Table, once used
+        self.measured = None  # this layout's table.Table, once used
         self.regions = False  # whether the communicator has handed out shared regions
         self._plans: dict = {}
 
     def use(self, table) -> None:
-        """Choose by ``table`` (tuning.Table, or None) from now on, not as before it."""
+        """Choose by ``table`` (table.Table, or None) from now on, not as before it."""
         self.measured = table
         self._plans.clear()
 

@@ -117,7 +117,7 @@ class Transport:
         return ()
 
     def use_table(self, table) -> None:
-        """Take what a measured table (tuning.Table, or None) says of how this transport
+        """Take what a measured table (table.Table, or None) says of how this transport
         moves data (the shm transport: how it reads in place)."""
 
     def run(self, algo, plan, call) -> None:
