@@ -95,8 +95,31 @@ class Dispatcher:
         if teach and self.fast is not None:
             staged = algo.otherwise and t.plan(algo.otherwise, call)  # (one_copy's: pages.py)
             self.fast.learn(call, algorithm, algo, plan, staged)
+        if t.submits(algo) and self.failure is None:
+            return self._submit(call, algo, plan, seconds, async_op, result)
         return self.engine.run(collective, self._task(call, algo, plan, seconds), async_op,
                                result)
+
+    def _submit(self, call, algo, plan, seconds, async_op, result):
+        """The call as a job of the transport's own thread (Transport.submit), handed over
+        as soon as nothing before it runs in Python: the engine's task waits for it and
+        records how it ended (after it ended, whatever happened meanwhile: its buffers are
+        the job's until then)."""
+        t, record, what = self.transport, self._record(call, algo), \
+            f"{call.collective} ({algo.name})"
+
+        def finish(job):
+            if self.failure is not None:
+                try:
+                    job.wait()
+                except CommError:
+                    pass
+                raise self.finish(record, self.unusable())
+            times = []
+            self.run_recorded(record, what, lambda: times.extend(job.wait()))
+            record[9:11] = times  # when the transport's thread ran it
+        return self.engine.run_job(call.collective, lambda: t.submit(call, algo, plan, seconds),
+                                   finish, async_op, result)
 
     def _record(self, call, algo):
         return self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,

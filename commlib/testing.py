@@ -15,6 +15,11 @@ memory. Files are shared, as on a cluster with one network file system.
         code, out = hosts.mpiexec([2, 2], [sys.executable, "script.py"], timeout=60)
         hosts.leftovers()                        # segments or processes left on any host
 
+``link="1gbit"`` shapes every host's eth0 as a user's link is (a token bucket, tc's tbf:
+``RATE[:BURST]``, burst 256kb by default): what leaves each host is held to the rate, so
+each direction between two hosts is. Unshaped, veth moves bytes as fast as the cores copy
+them, and the CPU, not the wire, bounds every transfer.
+
 Teardown kills each holder by pid; a host's namespaces go with its last process, and the
 veth pairs with them, so nothing is left: no namespace, interface, process or file.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +38,8 @@ from pathlib import Path
 
 SUBNET = "10.77.0"  # private to the switch's network namespace: it cannot clash
 LAUNCHER = "launcher"
+_RATE = re.compile(r"\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)")
+_BURST = re.compile(r"\d+([kmg]?b?)")
 
 # Run by each host's holder inside its new namespaces; it ends as the host's pid 1.
 _HOST_SETUP = """
@@ -76,11 +84,15 @@ def usable() -> str | None:
 
 
 class NamespaceHosts:
-    """``count`` namespace hosts named host1, host2, ... at 10.77.0.1, .2, ..."""
+    """``count`` namespace hosts named host1, host2, ... at 10.77.0.1, .2, ..., each eth0
+    shaped to ``link`` (``RATE[:BURST]``, tc's units: "1gbit", "100mbit:64kb"; None:
+    unshaped)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, link: str | None = None):
         if count < 1:
             raise ValueError(f"NamespaceHosts({count}): need at least one host")
+        self.shaping = shaping(link)
+        self.link = link
         self.names = [f"host{i + 1}" for i in range(count)]
         self.cores = dict(zip(self.names, _share(sorted(os.sched_getaffinity(0)), count)))
         self.pids: dict[str, int] = {}  # host -> its pid 1, as this machine sees it
@@ -123,6 +135,8 @@ class NamespaceHosts:
                      f"&& ip link set v{i + 1} master br0 up")
             self._in(pid, f"ip addr add {SUBNET}.{i + 1}/24 dev eth0 && ip link set eth0 up "
                      "&& ip link set lo up")
+            if self.shaping:
+                self._in(pid, f"tc qdisc add dev eth0 root {self.shaping}")
         script = self._dir / "enter-host"
         script.write_text(_LAUNCH % "\n".join(f"{n}) pid={p} cores={self.cores[n]};;"
                                               for n, p in self.pids.items()))
@@ -244,6 +258,20 @@ class NamespaceHosts:
         for name, pid in self.pids.items():
             subprocess.run(["nsenter", "-t", str(pid), "--pid", "--mount", "--", "sh", "-c",
                             "kill -9 -1; rm -rf /dev/shm/*"], capture_output=True)
+
+
+def shaping(link: str | None) -> str | None:
+    """tc's qdisc for ``link`` (``RATE[:BURST]``), or None where it is None or empty."""
+    if not link:
+        return None
+    rate, _, burst = link.lower().partition(":")
+    burst = burst or "256kb"
+    if not _RATE.fullmatch(rate) or not _BURST.fullmatch(burst):
+        raise ValueError(f"link {link!r}: expected RATE[:BURST] in tc's units, e.g. 1gbit, "
+                         "100mbit:64kb (rates in bit, kbit, mbit, gbit or bps; bursts in bytes, "
+                         "kb, mb)")
+    # the queue holds 50 ms at the rate: enough for TCP to fill the link, no more
+    return f"tbf rate {rate} burst {burst} latency 50ms"
 
 
 def default_mpiexec() -> str:

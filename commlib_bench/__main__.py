@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     if args.command in ONE_PROCESS:
         return COMMANDS[args.command].main(args) or 0
     if args.hosts:
-        return across_hosts(args.hosts, args.per_host, sys.argv[1:] if argv is None else argv)
+        return across_hosts(args, sys.argv[1:] if argv is None else argv)
     import commlib
     return COMMANDS[args.command].main(args, commlib.init()) or 0
 
@@ -55,23 +55,30 @@ def add_host_arguments(p) -> argparse.ArgumentParser:
                    help="run across N namespace hosts on this machine (root; not under mpiexec)")
     p.add_argument("--per-host", type=int, default=1, metavar="K", help="ranks per host "
                    "with --hosts (default 1)")
+    p.add_argument("--link", metavar="RATE[:BURST]", help="with --hosts: every host's eth0 "
+                   "shaped to RATE (tc's tbf: 1gbit, 100mbit:64kb; default unshaped)")
     return p
 
 
-def across_hosts(hosts: int, per_host: int, argv: list) -> int:
-    """Run this command (``argv`` without --hosts/--per-host) on ``per_host`` ranks on
-    each of ``hosts`` namespace hosts; returns mpiexec's exit code."""
-    from commlib.testing import NamespaceHosts, usable
+def across_hosts(args, argv: list, module: str = "commlib_bench") -> int:
+    """Run ``python -m module`` with ``argv`` less --hosts/--per-host/--link on
+    ``args.per_host`` ranks on each of ``args.hosts`` namespace hosts, their links shaped
+    to ``args.link``; returns mpiexec's exit code."""
+    from commlib.testing import NamespaceHosts, shaping, usable
     if usable():
-        raise SystemExit(f"commlib-bench --hosts: {usable()}")
-    if hosts < 1 or per_host < 1:
-        raise SystemExit("commlib-bench: --hosts and --per-host take positive counts")
+        raise SystemExit(f"{module} --hosts: {usable()}")
+    if args.hosts < 1 or args.per_host < 1:
+        raise SystemExit(f"{module}: --hosts and --per-host take positive counts")
+    try:
+        shaping(args.link)
+    except ValueError as e:
+        raise SystemExit(f"{module} --link: {e}") from None
     _, rest = add_host_arguments(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    with NamespaceHosts(hosts) as h:
-        print(f"commlib-bench: {hosts} namespace hosts x {per_host} ranks: {' '.join(rest)}",
-              flush=True)
-        job = h.popen(h.command([per_host] * hosts, [sys.executable, "-m", "commlib_bench",
-                                                      *rest]), cwd=os.getcwd())
+    with NamespaceHosts(args.hosts, link=args.link) as h:
+        print(f"{module}: {args.hosts} namespace hosts x {args.per_host} ranks"
+              f"{f', links {args.link}' if args.link else ''}: {' '.join(rest)}", flush=True)
+        job = h.popen(h.command([args.per_host] * args.hosts,
+                                [sys.executable, "-m", module, *rest]), cwd=os.getcwd())
         return job.wait()
 
 

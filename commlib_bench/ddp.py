@@ -1,6 +1,7 @@
 """DDP (and FSDP2) step time, commlib backend vs gloo, in one run on the same data.
 
-    mpiexec -n 2 python commlib_bench/ddp.py [--rounds 5] [--steps 10] [--batch 32] [--fsdp]
+    mpiexec -n 2 python -m commlib_bench.ddp [--rounds 5] [--steps 10] [--batch 32] [--fsdp]
+    python -m commlib_bench.ddp --hosts 2 --link 1gbit      # across 2 namespace hosts (root)
 
 A ~25M-parameter MLP is wrapped three times from the same initial weights: commlib, gloo,
 and commlib with its zero-copy hook (commlib/torch_hooks.py: buckets all-reduced in shared
@@ -16,6 +17,7 @@ misses, the communication is what to look at, not the overlap).
 """
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -27,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
 from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
+from commlib_bench.__main__ import across_hosts, add_host_arguments
 
 
 def mlp() -> nn.Module:
@@ -98,7 +101,10 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 on both backends too")
+    add_host_arguments(parser)
     args = parser.parse_args()
+    if args.hosts:
+        return across_hosts(args, sys.argv[1:], "commlib_bench.ddp")
     torch.set_num_threads(args.threads)
 
     tb.init_process_group()
@@ -175,4 +181,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

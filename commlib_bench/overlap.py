@@ -1,7 +1,8 @@
 """overlap: an async all_reduce against the caller's compute (OSU osu_iallreduce method).
 
 pure_comm = issue + wait with nothing between; a compute loop (single-threaded matmuls,
-which release the GIL) is calibrated to last as long; overall = issue, compute, wait;
+which release the GIL) is calibrated to last as long (on the slowest rank); overall =
+issue, compute, wait, timed in turn with the compute alone;
 overlap % = max(0, 100 - 100 (overall - compute) / pure_comm). MPI's own Iallreduce is
 measured the same way, interleaved, as the anchor. A progress thread can only overlap
 where a core is free for it: with as many ranks as cores, both compete for the same CPUs.
@@ -29,6 +30,15 @@ def overlap_percent(overall: float, compute_time: float, pure_comm: float) -> fl
     if pure_comm <= 0:
         return 0.0
     return max(0.0, 100.0 - 100.0 * (overall - compute_time) / pure_comm)
+
+
+def calibrated(world, units: int, seconds: float) -> int:
+    """Compute units that take about ``seconds`` on the slowest rank (OSU sizes the compute
+    to the communication's time): ``units`` scaled by what 3 runs of them took."""
+    for _ in range(2):
+        took = float(np.median(iteration_times(world, lambda: compute(units), 3)))
+        units = max(1, round(units * seconds / max(took, 1e-9)))
+    return units
 
 
 def add_arguments(p):
@@ -62,14 +72,19 @@ def main(args, comm) -> int:
                 for i in impls}
         for impl in impls:
             pure_comm = float(np.median(pure[impl]))
-            units = max(1, round(pure_comm / unit))
+            units = calibrated(world, max(1, round(pure_comm / unit)), pure_comm)
 
             def overlapped(impl=impl, units=units):
                 finish = issue(impl, buf)
                 compute(units)
                 finish()
-            alone = float(np.median(iteration_times(world, lambda: compute(units), args.iters)))
-            overall = float(np.median(iteration_times(world, overlapped, args.iters, 1)))
+            # alone and overlapped in turn, so that drifts of the machine hit both alike
+            alone, overall = [], []
+            overlapped()
+            for _ in range(args.iters):
+                alone.append(iteration_times(world, lambda: compute(units), 1)[0])
+                overall.append(iteration_times(world, overlapped, 1)[0])
+            alone, overall = float(np.median(alone)), float(np.median(overall))
             rows.append({"size": buf.nbytes, "impl": impl, "overall": overall * 1e6,
                          "compute": alone * 1e6, "pure_comm": pure_comm * 1e6,
                          "overlap": overlap_percent(overall, alone, pure_comm)})

@@ -6,9 +6,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "call.h"
 #include "fast_path.h"
 #include "kernels.h"
+#include "net.h"
 #include "process.h"
 #include "shm.h"
 #include "user_ops.h"
@@ -16,6 +19,7 @@
 namespace py = pybind11;
 using commlib::DType;
 using commlib::Op;
+using commlib::NetComm;
 using commlib::shm::ShmComm;
 
 namespace {
@@ -123,6 +127,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("src"), py::arg("nbytes"),
       "Copy nbytes bytes with stores that bypass the cache (large copies); no overlap.");
 
+  m.def("request_slice", &commlib::request_slice, py::arg("nanoseconds"),
+        "Ask for scheduler slices this short for the calling thread (Linux 6.12+); whether "
+        "the kernel took it.");
   m.def("process_alive", &commlib::process_alive, py::arg("pid"),
         "Whether process pid of this host still lives (a zombie does not).");
 
@@ -249,6 +256,89 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("staging_bytes",
                              [](const ShmComm& c) { return c.config().staging_bytes; })
       .def_property("timeout", &ShmComm::timeout, &ShmComm::set_timeout,
+                    "seconds a call may wait for its peers before CommTimeoutError (0: none)");
+
+  py::class_<NetComm, commlib::FastTransport>(
+      m, "NetComm", "The ranks of a communicator across hosts, joined by TCP (csrc/net.h). "
+                    "Set-up: construct on every rank, exchange addresses and .port, connect. "
+                    "Methods release the GIL and sleep while the links cannot move.")
+      .def(py::init<int, int, int, int64_t>(), py::arg("rank"), py::arg("size"),
+           py::arg("header"), py::arg("payload_bytes"))
+      .def_property_readonly("port", &NetComm::port)
+      .def("connect", &NetComm::connect, py::arg("addresses"), py::arg("ports"), py::arg("token"),
+           py::arg("timeout"), nogil())
+      .def("check", &NetComm::check, py::arg("descriptor"), py::arg("itemsize"),
+           py::arg("splits"), nogil(),
+           "Raise CollectiveMismatchError unless every rank's descriptor (and splits: the "
+           "bytes to each rank, then from each, or none) agree.")
+      .def(
+          "eager",
+          [](NetComm& c, std::vector<int64_t> desc, uintptr_t out, int64_t out_count,
+             uintptr_t in, int64_t in_count, int op) {
+            if (desc.size() != commlib::kDescFields)
+              throw std::invalid_argument("a descriptor has 8 fields");
+            const int dtype = int(desc[commlib::DTYPE]);
+            py::gil_scoped_release release;
+            c.eager(desc, {int(desc[commlib::COLLECTIVE]), {out, out_count, dtype},
+                           {in, in_count, dtype}, commlib::kNone, op, desc[commlib::ROOT],
+                           desc[commlib::OP]});
+          },
+          py::arg("descriptor"), py::arg("out"), py::arg("out_count"), py::arg("inp"),
+          py::arg("in_count"), py::arg("op"))
+      .def(
+          "run_plan",
+          [](NetComm& c, py::array_t<int64_t, py::array::c_style> plan, uintptr_t out,
+             uintptr_t in, int64_t tmp_bytes, int dtype, int op) {
+            const int64_t* words = plan.data();
+            const int64_t length = plan.size();
+            py::gil_scoped_release release;
+            c.run_plan(words, length, out, in, tmp_bytes, dtype, op);
+          },
+          py::arg("plan"), py::arg("out"), py::arg("in"), py::arg("tmp_bytes"), py::arg("dtype"),
+          py::arg("op"))
+      .def("interrupt", &NetComm::interrupt, "From any thread: the call in flight fails now.")
+      .def(
+          "submit",
+          [](NetComm& c, bool agree, std::vector<int64_t> desc, std::vector<int64_t> splits,
+             int64_t itemsize, std::optional<py::array_t<int64_t, py::array::c_style>> plan,
+             uintptr_t out, int64_t out_count, uintptr_t in, int64_t in_count, int op,
+             int64_t tmp_bytes, double scale, double timeout) {
+            if (desc.size() != commlib::kDescFields)
+              throw std::invalid_argument("a descriptor has 8 fields");
+            commlib::NetJob job;
+            const int dtype = int(desc[commlib::DTYPE]);
+            job.call = {int(desc[commlib::COLLECTIVE]), {out, out_count, dtype},
+                        {in, in_count, dtype}, commlib::kNone, op, desc[commlib::ROOT],
+                        desc[commlib::OP]};
+            job.agree = agree, job.desc = std::move(desc), job.splits = std::move(splits);
+            job.itemsize = itemsize, job.eager = !plan, job.tmp_bytes = tmp_bytes;
+            job.scale = scale, job.timeout = timeout;
+            if (plan) job.plan = plan->data(), job.words = plan->size();
+            return c.submit(std::move(job));
+          },
+          py::arg("agree"), py::arg("descriptor"), py::arg("splits"), py::arg("itemsize"),
+          py::arg("plan"), py::arg("out"), py::arg("out_count"), py::arg("inp"),
+          py::arg("in_count"), py::arg("op"), py::arg("tmp_bytes"), py::arg("scale"),
+          py::arg("timeout"),
+          "A whole call for the proxy's thread (net.h's job; no plan: eager): its ticket, "
+          "at once. The caller keeps the plan and the buffers alive until it is done.")
+      .def("done", &NetComm::done, py::arg("ticket"), nogil())
+      .def("wait", &NetComm::wait, py::arg("ticket"), nogil(),
+           "Sleep until the job is done; raise its error.")
+      .def(
+          "use_native",
+          [](NetComm& c, py::dict entry_points, int status_bytes, uintptr_t comm,
+             std::map<int, uintptr_t> dtypes, std::map<int, uintptr_t> ops,
+             std::vector<int> reducible, uintptr_t in_place, int handle_bytes) {
+            c.use_native(std::make_unique<commlib::MpiNative>(
+                entry_points, handle_bytes, status_bytes, comm, dtypes, ops, reducible,
+                in_place));
+          },
+          py::arg("entry_points"), py::arg("status_bytes"), py::arg("comm"), py::arg("dtypes"),
+          py::arg("ops"), py::arg("reducible"), py::arg("in_place"), py::arg("handle_bytes"))
+      .def_property_readonly("payload_bytes", &NetComm::payload_bytes)
+      .def_property_readonly("bytes_sent", &NetComm::bytes_sent)
+      .def_property("timeout", &NetComm::timeout, &NetComm::set_timeout,
                     "seconds a call may wait for its peers before CommTimeoutError (0: none)");
 
   m.def(

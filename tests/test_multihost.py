@@ -82,6 +82,23 @@ def test_a_rank_killed_on_another_host_ends_the_job(hosts, per_host, tmp_path):
     assert took < 40, f"the job took {took:.0f} s to end"
 
 
+@pytest.fixture(scope="module")
+def shaped_hosts():
+    """Two hosts whose links carry 1 Gbit/s, as a user's do (the wire bounds a transfer)."""
+    with NamespaceHosts(2, link="1gbit") as h:
+        yield h
+
+
+@pytest.mark.parametrize("per_host", [[1, 1], [2, 2]], ids=str)
+def test_async_collectives_move_while_the_caller_computes(shaped_hosts, per_host):
+    """tests/mpi/overlap.py: an async all_reduce's result lands while its caller runs a
+    pure-Python loop or a torch matmul, and its progress thread spends little of the core
+    (net between the hosts, and hier: shared memory inside them)."""
+    out = run_checked(sum(per_host), "tests/mpi/overlap.py",
+                      launch=on_hosts(shaped_hosts, per_host), timeout=200)
+    print("\n".join(line for line in out.splitlines() if "landed" in line or "matmul" in line))
+
+
 def test_torch_backend_collectives_and_ddp_like_gloo(hosts):
     """The torch backend's store and groups across hosts: every collective against gloo
     (2 + 1 ranks), DDP and FSDP2 training like gloo (2 x 1)."""

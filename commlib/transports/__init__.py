@@ -13,8 +13,9 @@ import os
 # name -> (module, class): imported on first use, so that importing commlib loads no CUDA
 TRANSPORTS = {"mpi": ("mpi", "MpiTransport"), "shm": ("shm", "ShmTransport"),
               "hosts": ("hosts", "HostsTransport"), "store": ("store", "StoreTransport"),
-              "gloo": ("gloo", "GlooTransport"), "cuda_ipc": ("cuda_ipc", "CudaIpc")}
-PREFERENCE = ("shm", "hosts", "mpi")
+              "gloo": ("gloo", "GlooTransport"), "cuda_ipc": ("cuda_ipc", "CudaIpc"),
+              "net": ("net", "NetTransport")}
+PREFERENCE = ("shm", "hosts", "net", "mpi")
 
 
 def load(name: str):
@@ -33,6 +34,6 @@ def pick(world):
     for name in PREFERENCE if requested == "auto" else (requested,):
         cls = load(name)
         if cls.suits(world):
-            return cls(world)
+            return cls.create(world)
     raise ValueError(f"COMMLIB_TRANSPORT={requested}, but this communicator spans "
                      f"{world.hosts[0]} hosts; use auto or mpi")

@@ -82,6 +82,11 @@ class Transport:
             raw = self._scratch[slot] = np.empty(nbytes, np.uint8)
         return Buffer(raw, raw.ctypes.data, numel, dtype, raw[:nbytes])
 
+    @classmethod
+    def create(cls, world) -> "Transport":
+        """The transport for ``world`` (transports.pick's; a class may hand it to another)."""
+        return cls(world)
+
     def agree_call(self, call, algo) -> None:
         """Agree on ``call`` before ``algo`` runs it, unless running it checks that itself
         or calls go unchecked (COMMLIB_CHECK=0, where a transport allows it)."""
@@ -128,6 +133,18 @@ class Transport:
             self.run_plan(plan, call)
         if call.scale:
             _C.scale(call.out.ptr, call.out.numel, call.dtype.code, call.scale)
+
+    def submits(self, algo) -> bool:
+        """Whether ``algo``'s calls run here as jobs of a thread of the transport's own
+        (submit), beside whatever the caller does."""
+        return False
+
+    def submit(self, call, algo, plan, seconds: float):
+        """Hand ``call`` (agreement, ``algo``'s run, scaling) to the transport's own thread,
+        bounded by ``seconds``; returns the job: ``wait()`` sleeps until it is done, raises
+        its error, and returns when it ran (started, finished: time.monotonic's clock),
+        ``done()`` says whether it is; it holds ``call``'s buffers."""
+        raise NotImplementedError(f"the {self.name} transport runs no jobs")
 
     def execute(self, call, algorithm: str | None = None) -> None:
         """Run ``call`` now, on this thread, without agreeing on it first: for algorithms

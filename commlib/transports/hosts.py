@@ -1,5 +1,7 @@
-"""hosts: ranks on several hosts, as many on each: the mpi transport, plus hier
-(commlib/algorithms/hier.py) over a shm transport inside each host and an mpi one between.
+"""hosts: ranks on several hosts, as many on each: the net transport (TCP between the
+hosts, csrc/net.h), plus hier (commlib/algorithms/hier.py) over a shm transport inside each
+host and a net one between. COMMLIB_CROSS=mpi joins them through MPI instead (its
+point-to-point messages and its agreement), as before the net transport.
 HostLayout is what hier's runners use, shared with gloo's hosts transport (transports/gloo.py,
 torchrun's nodes).
 
@@ -15,6 +17,7 @@ from dataclasses import replace
 
 from .mpi import MpiTransport
 from .mpi_world import MpiWorld, host_color
+from .net import NetTransport, over_net
 from .shm import ShmTransport
 
 
@@ -57,15 +60,30 @@ class HostLayout:
         super().close()
 
 
-class HostsTransport(HostLayout, MpiTransport):
+class HostsTransport(HostLayout, NetTransport):
     name = "hosts"
     offers = frozenset({"hosts", "mpi", "schedules", "eager"})
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)
-        self.join_hosts(world, host_color(world.coll), ShmTransport, MpiTransport, "mpi")
+        self.join_hosts(world, host_color(world.coll), ShmTransport, NetTransport, "mpi")
 
     @staticmethod
     def suits(world) -> bool:
         hosts, even = world.hosts
         return hosts > 1 and even
+
+    @classmethod
+    def create(cls, world):
+        """Joined by net (TCP), or with COMMLIB_CROSS=mpi by MPI (HostsOverMpi)."""
+        return cls(world) if over_net() else HostsOverMpi(world)
+
+
+class HostsOverMpi(HostLayout, MpiTransport):
+    """The hosts transport with MPI's messages and agreement between the hosts."""
+    name = "hosts"
+    offers = HostsTransport.offers
+
+    def __init__(self, world: MpiWorld):
+        super().__init__(world)
+        self.join_hosts(world, host_color(world.coll), ShmTransport, MpiTransport, "mpi")

@@ -121,13 +121,7 @@ class Agreement:
             _mpi_entry_points(), MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status), self.inbox,
             self.header, me, self.peer_ranks, [MPI._handleof(r) for r in self.receives],
             partial(_persistent_sends, mpi_comm, self.inbox[me], self.peer_ranks))
-        # the fast path's native entries: MPI's own collectives on this communicator, where
-        # every handle MPI takes by value is as wide as a request (MPICH's and Open MPI's)
-        if {MPI._sizeof(t) for t in (MPI.Datatype, MPI.Op, MPI.Comm)} == {
-                MPI._sizeof(MPI.Request)}:
-            self.native.use_native(_mpi_entry_points(), MPI._sizeof(MPI.Status),
-                                   MPI._handleof(mpi_comm), *c_tables(),
-                                   int(MPI.IN_PLACE) % (1 << 64), MPI._sizeof(MPI.Request))
+        use_native(self.native, mpi_comm)
 
     def check(self, desc: list, itemsize: int, splits=None) -> None:
         self.native.check(desc, itemsize, [*splits[0], *splits[1]] if splits else [])
@@ -138,6 +132,16 @@ class Agreement:
                 _abandon(request, self.inbox, cancel=False)
                 continue
             request.Free()
+
+
+def use_native(exchange, mpi_comm) -> None:
+    """The fast path's native entries on ``exchange`` (the C++ side of an agreement): MPI's
+    own collectives on ``mpi_comm``, where every handle MPI takes by value is as wide as a
+    request (MPICH's and Open MPI's)."""
+    if {MPI._sizeof(t) for t in (MPI.Datatype, MPI.Op, MPI.Comm)} == {MPI._sizeof(MPI.Request)}:
+        exchange.use_native(_mpi_entry_points(), MPI._sizeof(MPI.Status),
+                            MPI._handleof(mpi_comm), *c_tables(),
+                            int(MPI.IN_PLACE) % (1 << 64), MPI._sizeof(MPI.Request))
 
 
 def _persistent_sends(comm, row: np.ndarray, peers: list, words: int) -> tuple[list, list]:
@@ -167,7 +171,7 @@ class MpiTransport(Transport):
         self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
         # (native entries agree first, as the general path does where calls are checked)
         self.fast_kinds = frozenset({"eager", "native"} if self.checks_calls else {"eager"})
-        self.agreement = Agreement(world.coll)  # (eager's exchange, even unchecked)
+        self.agreement = self.make_agreement(world)  # (eager's exchange, even unchecked)
         self._arena = np.empty(0, np.uint8)  # a plan's tmp, then its receive scratch
         self._lock = threading.Lock()  # one plan at a time (they share the arena)
         self._sent = 0  # by plans, to peers
@@ -175,6 +179,10 @@ class MpiTransport(Transport):
     @staticmethod
     def suits(world) -> bool:
         return True
+
+    def make_agreement(self, world):
+        """What checks this transport's calls, and carries eager's data: over MPI."""
+        return Agreement(world.coll)
 
     def set_timeout(self, seconds: float) -> None:
         super().set_timeout(seconds)

@@ -84,15 +84,17 @@ def ranks_per_host() -> list:
 
 def expected_transport() -> str:
     """The transport commlib's auto choice must pick for this launch: shared memory on one
-    host, hosts for equal ranks on each of several, else what joins the hosts: mpi, or
-    gloo under torchrun (or COMMLIB_TRANSPORT's)."""
+    host, hosts for equal ranks on each of several, else what joins the hosts: net (TCP;
+    mpi with COMMLIB_CROSS=mpi), or gloo under torchrun (or COMMLIB_TRANSPORT's)."""
     forced = os.environ.get("COMMLIB_TRANSPORT")
     if forced and forced != "auto":
         return forced
     layout = ranks_per_host()
     if len(layout) == 1:
         return "shm"
-    return "hosts" if len(set(layout)) == 1 else "gloo" if torchrun() else "mpi"
+    if len(set(layout)) == 1:
+        return "hosts"
+    return "gloo" if torchrun() else os.environ.get("COMMLIB_CROSS", "net")
 
 
 def assert_equal(got, want) -> None:

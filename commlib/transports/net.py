@@ -1,0 +1,186 @@
+"""net: ranks on several hosts joined by TCP (csrc/net.h), one connection per pair, made
+at set-up from the addresses the world's ranks exchange. Schedules run flattened into the
+int64 plans csrc/net.h documents; calls are agreed on over the same connections, small
+ones carry their data there (eager), and MPI's own collectives (native) run after that
+agreement where the world is MPI's. Every wait sleeps in poll() without the GIL, so an
+async call moves its bytes on the progress engine's thread while the caller computes, and
+spends no core while the link is the bound.
+
+COMMLIB_CROSS=mpi joins the hosts through MPI instead (the mpi transport, and the hosts
+transport's MPI form), as before this transport.
+
+Which address a rank is reached at: COMMLIB_SOCKET_IFNAME's interface (as NCCL's
+NCCL_SOCKET_IFNAME), else its hostname's address where that is not a loopback one, else
+its first interface that is up and not loopback.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .. import _C
+from ..call import NONE, default_timeout, descriptor
+from . import rows
+from .mpi import MpiTransport, use_native
+from .mpi_world import MpiWorld
+
+_BUFFERS = {"out": 0, "in": 1, "tmp": 2}
+SET_UP_SECONDS = 120.0  # for the peers to connect, where COMMLIB_TIMEOUT sets no limit
+
+
+class Links:
+    """This rank's connections to its peers (the C++ NetComm as ``native``): the
+    agreement's rows and the plans' transfers both travel them."""
+
+    def __init__(self, world):
+        size = world.size
+        self.native = _C.NetComm(world.rank, size, rows.header_words(size),
+                                 rows.mpi_payload_bytes(size))
+        token = world.allgather(secrets.randbits(63))[0]  # rank 0's: this set-up's alone
+        found = world.allgather([address(), self.native.port])
+        seconds = default_timeout() or SET_UP_SECONDS
+        self.native.connect([a for a, _ in found], [p for _, p in found], token, seconds)
+        if isinstance(world, MpiWorld):
+            use_native(self.native, world.coll)
+
+    def check(self, desc: list, itemsize: int, splits=None) -> None:
+        self.native.check(desc, itemsize, [*splits[0], *splits[1]] if splits else [])
+
+    def free(self) -> None:
+        self.native = None  # (the connections close with it)
+
+
+class NetTransport(MpiTransport):
+    name = "net"
+
+    @staticmethod
+    def suits(world) -> bool:
+        return world.hosts[0] > 1 and over_net()
+
+    def make_agreement(self, world) -> Links:
+        return Links(world)
+
+    def barrier(self) -> None:  # (an exchange of rows is a barrier, checked or not)
+        self.agree(descriptor("barrier", "native", 0, NONE, NONE, NONE))
+
+    def plan(self, algo, call):
+        return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
+                        call.params)
+
+    def run_plan(self, plan, call) -> None:
+        inp = call.inp.ptr if call.inp is not None else 0
+        self.agreement.native.run_plan(plan.words, call.out.ptr, inp, plan.tmp_bytes,
+                                       call.dtype.code, call.op_code)
+
+    def submits(self, algo) -> bool:
+        return algo.build is not None or algo.needs == "eager"
+
+    def submit(self, call, algo, plan, seconds: float):
+        native, inp = self.agreement.native, call.inp
+        splits = call.split_bytes()
+        ticket = native.submit(
+            self.checks_calls and not algo.agrees, call.descriptor(algo.name),
+            [*splits[0], *splits[1]] if splits else [], call.dtype.itemsize,
+            None if plan is None else plan.words, call.out.ptr, call.out.numel,
+            0 if inp is None else inp.ptr, 0 if inp is None else inp.numel, call.op_code,
+            0 if plan is None else plan.tmp_bytes, call.scale or 0.0, seconds)
+
+        return Job(native, ticket, (call, plan))
+
+    def interrupt(self) -> None:
+        if self.agreement.native is not None:
+            self.agreement.native.interrupt()
+        super().interrupt()  # (hier's parts)
+
+
+def over_net() -> bool:
+    """Whether TCP (this transport) joins the hosts: COMMLIB_CROSS, net (default) or mpi."""
+    cross = os.environ.get("COMMLIB_CROSS", "net")
+    if cross not in ("net", "mpi"):
+        raise ValueError(f"COMMLIB_CROSS={cross!r}; valid: net (TCP between the hosts, the "
+                         "default), mpi (MPI's messages)")
+    return cross == "net"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A call handed to the proxy (NetComm.submit); ``held``: its buffers and plan, alive
+    until it is done."""
+    native: object
+    ticket: int
+    held: tuple
+
+    def wait(self) -> tuple:
+        """(started, finished) on time.monotonic's clock; raises the job's error."""
+        return self.native.wait(self.ticket)
+
+    def done(self) -> bool:
+        return self.native.done(self.ticket)
+
+
+@dataclass(frozen=True)
+class NetPlan:
+    words: np.ndarray  # int64, the format csrc/net.h documents
+    tmp_bytes: int
+
+
+@lru_cache(maxsize=4096)
+def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int,
+             params: tuple) -> NetPlan:
+    schedule = algorithm.build(size, rank, count, itemsize, **dict(params))
+    words = [len(schedule.rounds)]
+    for rnd in schedule.rounds:
+        words.append(len(rnd.copies))
+        for c in rnd.copies:
+            words += [_BUFFERS[c.src.buf], c.src.offset * itemsize, _BUFFERS[c.dst.buf],
+                      c.dst.offset * itemsize, c.src.count * itemsize]
+        words.append(len(rnd.sends))
+        for s in rnd.sends:
+            words += [s.peer, _BUFFERS[s.src.buf], s.src.offset * itemsize, s.src.count * itemsize]
+        words.append(len(rnd.recvs))
+        for r in rnd.recvs:
+            src = getattr(r, "src", None)
+            words += [r.peer, _BUFFERS[r.dst.buf], r.dst.offset * itemsize,
+                      r.dst.count * itemsize, -1 if src is None else _BUFFERS[src.buf],
+                      0 if src is None else src.offset * itemsize]
+    return NetPlan(np.array(words, np.int64), schedule.tmp_count * itemsize)
+
+
+def address() -> str:
+    """The IPv4 address this rank's peers reach it at (the module's header says which)."""
+    wanted = os.environ.get("COMMLIB_SOCKET_IFNAME")
+    if wanted:
+        found = _interface_address(wanted)
+        if found is None:
+            have = [n for _, n in socket.if_nameindex() if _interface_address(n)]
+            raise ValueError(f"COMMLIB_SOCKET_IFNAME={wanted!r}: no such interface with an "
+                             f"IPv4 address here; these have one: {', '.join(have) or 'none'}")
+        return found
+    try:
+        mine = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        mine = None
+    if mine and not mine.startswith("127."):
+        return mine
+    for _, name in socket.if_nameindex():
+        found = _interface_address(name)
+        if found and not found.startswith("127."):
+            return found
+    return "127.0.0.1"
+
+
+def _interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (SIOCGIFADDR), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
