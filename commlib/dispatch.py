@@ -118,8 +118,9 @@ class Dispatcher:
             times = []
             self.run_recorded(record, what, lambda: times.extend(job.wait()))
             record[9:11] = times  # when the transport's thread ran it
-        return self.engine.run_job(call.collective, lambda: t.submit(call, algo, plan, seconds),
-                                   finish, async_op, result)
+        return self.engine.run_job(
+            call.collective, lambda now: t.submit(call, algo, plan, seconds, now), finish,
+            async_op, result)
 
     def _record(self, call, algo):
         return self.recorder.issue(call.collective, algo.name, call.count, call.dtype.name,

@@ -36,6 +36,7 @@ class FastPath:
         self.call = native.call
         self.algorithms = algorithms  # name asked for -> id (shared with C++; auto is 0)
         self.entries: list[tuple] = []  # entry id -> (algorithm name, count) for the record
+        self.plans_agree = False  # whether the transport agrees on a plan's call first (net)
 
     @classmethod
     def create(cls, transport, calls, timeout: float) -> "FastPath | None":
@@ -48,7 +49,11 @@ class FastPath:
             op_codes=_OP_CODES, algorithms=algorithms, timeout=timeout,
             records=calls.recorder.calls.maxlen,
             on_failure=lambda *failure: _failed(owner(), *failure))
-        return None if native is None else cls(native, algorithms, transport.fast_kinds)
+        if native is None:
+            return None
+        made = cls(native, algorithms, transport.fast_kinds)
+        made.plans_agree = transport.plans_agree and transport.checks_calls
+        return made
 
     def learn(self, call, requested: str | None, algo, plan, otherwise=None) -> None:
         """The general path runs ``algo`` (``plan``, or a runner) for ``call``, asked for
@@ -66,7 +71,7 @@ class FastPath:
         # eager sends its descriptor, native agrees on it first, and so do rooted plans
         # (transports/shm.py): dtype and op are filled in per call
         needs_descriptor = kind in ("eager", "native") or (
-            kind == "plan" and call.collective in ROOTED)
+            kind == "plan" and (call.collective in ROOTED or self.plans_agree))
         self.native.learn(CODES[call.collective], algorithm, call.count, call.dtype.itemsize,
                           NONE if call.root is None else call.root, kind, steps, tmp,
                           len(self.entries), call.descriptor(algo.name) if needs_descriptor

@@ -15,6 +15,33 @@ from .call import env_number
 _now = time.monotonic
 
 
+def busy_seconds(since: float, until: float) -> float:
+    """Seconds within [since, until] (time.monotonic's clock) during which a call of this
+    process was running, on any communicator: the union of the calls' [started, finished]
+    (one still running counts to ``until``), from what the recorders keep (keep_calls)."""
+    spans = []
+    for recorder in list(FlightRecorder.alive):
+        for r in reversed(recorder.rows()):  # (newest first: stop at the window's start)
+            if r[10] is not None and r[10] <= since and r[8] < since:
+                break
+            if r[9] is not None and r[9] < until and (r[10] is None or r[10] > since):
+                spans.append((max(r[9], since), min(until if r[10] is None else r[10], until)))
+    total, reach = 0.0, since
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def keep_calls(calls: int) -> None:
+    """The recorder of every communicator alive now keeps at least its last ``calls``
+    calls: what busy_seconds reads over a window as long as a step."""
+    for recorder in list(FlightRecorder.alive):
+        if recorder.calls.maxlen < calls:
+            recorder.keep(calls)
+
+
 def default_size() -> int:
     if os.environ.get("COMMLIB_TRACE"):
         return int(env_number("COMMLIB_TRACE_CALLS", 100000, int))

@@ -25,6 +25,7 @@ veth pairs with them, so nothing is left: no namespace, interface, process or fi
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import re
@@ -258,6 +259,40 @@ class NamespaceHosts:
         for name, pid in self.pids.items():
             subprocess.run(["nsenter", "-t", str(pid), "--pid", "--mount", "--", "sh", "-c",
                             "kill -9 -1; rm -rf /dev/shm/*"], capture_output=True)
+
+
+# ------------------------------------------------------------------ a command across hosts
+def add_host_arguments(p) -> argparse.ArgumentParser:
+    """--hosts N, --per-host K, --link RATE: what across_hosts takes (the benchmarks',
+    commlib-train's)."""
+    p.add_argument("--hosts", type=int, default=0, metavar="N",
+                   help="run across N namespace hosts on this machine (root; not under mpiexec)")
+    p.add_argument("--per-host", type=int, default=1, metavar="K", help="ranks per host "
+                   "with --hosts (default 1)")
+    p.add_argument("--link", metavar="RATE[:BURST]", help="with --hosts: every host's eth0 "
+                   "shaped to RATE (tc's tbf: 1gbit, 100mbit:64kb; default unshaped)")
+    return p
+
+
+def across_hosts(args, argv: list, module: str = "commlib_bench") -> int:
+    """Run ``python -m module`` with ``argv`` less --hosts/--per-host/--link on
+    ``args.per_host`` ranks on each of ``args.hosts`` namespace hosts (brought up and torn
+    down here), their links shaped to ``args.link``; returns mpiexec's exit code."""
+    if usable():
+        raise SystemExit(f"{module} --hosts: {usable()}")
+    if args.hosts < 1 or args.per_host < 1:
+        raise SystemExit(f"{module}: --hosts and --per-host take positive counts")
+    try:
+        shaping(args.link)
+    except ValueError as e:
+        raise SystemExit(f"{module} --link: {e}") from None
+    _, rest = add_host_arguments(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
+    with NamespaceHosts(args.hosts, link=args.link) as h:
+        print(f"{module}: {args.hosts} namespace hosts x {args.per_host} ranks"
+              f"{f', links {args.link}' if args.link else ''}: {' '.join(rest)}", flush=True)
+        job = h.popen(h.command([args.per_host] * args.hosts,
+                                [sys.executable, "-m", module, *rest]), cwd=os.getcwd())
+        return job.wait()
 
 
 def shaping(link: str | None) -> str | None:

@@ -48,7 +48,9 @@ import numpy as np
 from .call import env_number
 from .dtypes import DTYPES
 from .recorder import FlightRecorder, default_size
+from .recorder import busy_seconds as recorder_busy, keep_calls as recorder_keep_calls
 from .responder import Responder, ask
+from .work import own_cpu_seconds as work_own_cpu_seconds
 
 _ROUNDS = 8  # ping-pongs per rank when measuring clock offsets
 _TAG = 32766
@@ -248,6 +250,18 @@ def tracing(where):
         tracer.write()
         for r in tracer.recorders:
             r.keep(default_size())
+
+
+# ---------------------------------------------------------------------------- a step's time
+def busy_seconds(since: float, until: float) -> float:
+    """Seconds within [since, until] (time.monotonic's clock) during which some call of
+    this process was running, on any communicator (recorder.busy_seconds): a step's
+    communication, beside its compute (own_cpu_seconds)."""
+    return recorder_busy(since, until)
+
+
+keep_calls = recorder_keep_calls  # every recorder keeps at least N calls (for busy_seconds)
+own_cpu_seconds = work_own_cpu_seconds  # CPU seconds of commlib's own threads so far
 
 
 @contextmanager

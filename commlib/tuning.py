@@ -52,7 +52,8 @@ from .errors import CommError
 from .host_memory import as_array
 from .table import MEMORIES, Table
 
-VERSION = 15  # 15: one_copy in regions (Communicator.empty's) too; 14: every call on an
+VERSION = 16  # 16: TCP between the hosts (the net transport), what joins them in the layout;
+# 15: one_copy in regions (Communicator.empty's) too; 14: every call on an
 # input written just before it; 13: the reductions on
 # huge pages too, from a huge page's size (as the copies); 12: a collective
 # whose two fastest moved in a spell is measured again;
@@ -129,7 +130,8 @@ def describe(comm, transport) -> dict:
     own algorithm too; one table, measured by the one with more, chooses for both alike
     (Table.measured), rather than two measured apart deciding near-ties by noise."""
     hosts = Counter(transport.world.allgather(survivors.whoami()[0]))
-    return {"version": VERSION, "transport": comm.transport, "ranks": comm.size,
+    return {"version": VERSION, "transport": comm.transport, "cross": transport.where.cross,
+            "ranks": comm.size,
             "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count()}

@@ -47,10 +47,10 @@ class Work:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list | None = []
-        # whether the operation itself is over, where something other than this Work's
-        # own completion says so (a job of a transport's thread, before the engine has
-        # taken the interpreter to record it)
-        self._over = None
+        # a job a transport's thread runs, whose completion this Work records
+        # (ProgressEngine.run_job): it says whether it is over before the engine has
+        # recorded it, and a waiter may record it itself
+        self._job: "_Queued | None" = None
 
     def __repr__(self):
         state = "failed" if self._exception else "done" if self.is_completed() else "pending"
@@ -58,7 +58,14 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (at most ``timeout`` seconds); re-raise the operation's error."""
-        if not self._done.wait(timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = self._job
+        if job is not None and not self._done.is_set() and job.settle(timeout):
+            task = job.take()  # (None: the engine's thread has it)
+            if task is not None:
+                self._run(task)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._done.wait(left):
             raise CommTimeoutError(f"{self.what} did not complete within {timeout} s "
                                    "(it keeps running; a peer may not have issued it)")
         if self._exception is not None:
@@ -66,7 +73,7 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set() or (self._over is not None and self._over())
+        return self._done.is_set() or (self._job is not None and self._job.done())
 
     def exception(self) -> BaseException | None:
         """The error the operation raised, or None (also while it is still running)."""
@@ -77,8 +84,19 @@ class Work:
         with self._lock:
             if self._callbacks is not None:
                 self._callbacks.append(fn)
+                if self._job is not None:
+                    self._job.wake()  # (its engine records it, then calls fn)
                 return
         fn(self)
+
+    def _run(self, task) -> None:
+        """Run the task that completes this Work (the engine's, or a waiter's)."""
+        error = None
+        try:
+            task()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            error = e
+        self._finish(self.result, error)
 
     def _finish(self, result=None, exception: BaseException | None = None) -> None:
         with self._lock:
@@ -184,6 +202,29 @@ def in_thread(what: str, task, work: Work | None = None) -> Work:
     return work
 
 
+NATIVE_THREADS = frozenset({"commlib-proxy"})  # the OS names of the C++ threads (csrc/net.cpp)
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds commlib's own threads in this process have spent so far (progress
+    engines and pollers, named commlib-*, and the transports' C++ threads: NATIVE_THREADS),
+    to the nanosecond (schedstat): what a caller takes from its process's to tell its own
+    compute from commlib's."""
+    ids = {t.native_id for t in threading.enumerate() if t.name.startswith("commlib")}
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if int(tid) not in ids:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() not in NATIVE_THREADS:
+                        continue
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # (ended meanwhile)
+            continue
+    return total / 1e9
+
+
 _live_threads: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -257,27 +298,51 @@ class ProgressEngine(_Background):
         return self._complete(inline, work, task, async_op, result, python=True)
 
     def run_job(self, what: str, submit, finish, async_op: bool, result=None):
-        """As run, for a call its transport runs as a job: ``submit()`` hands it over and
-        returns it (Transport.submit), ``finish(job)`` waits for it (and records it).
-        Submitted now where nothing issued before it runs in Python (the jobs run in issue
-        order; its Work is completed as soon as the job is done), else by its task, in its
-        turn."""
+        """As run, for a call its transport runs as a job: ``submit(now)`` hands it over
+        (or, ``now``, to run on this thread) and returns it (Transport.submit),
+        ``finish(job)`` waits for it (and records it). A blocking call with nothing before
+        it runs at once; else it is submitted now where nothing issued before it runs in
+        Python (the jobs run in issue order; its Work is completed as soon as the job is
+        done), else by its task, in its turn."""
         with self._lock:
             if self._closed:
                 raise CommError(f"{what} issued on a freed communicator")
             python = self._in_python > 0
-            if python:
-                task = lambda: finish(submit())  # noqa: E731
+            job = None
+            if not async_op and self._idle():  # the caller runs it, at once
+                task = lambda: finish(submit(True))  # noqa: E731
+            elif python:
+                task = lambda: finish(submit(False))  # noqa: E731
             else:
-                job = submit()
+                job = submit(False)
                 task = lambda: finish(job)  # noqa: E731
-            inline, work = self._enqueue(what, task, async_op, result, python)
-            if work is not None and not python:
-                work._over = job.done
+            # (a job submitted here needs the engine's thread only to be recorded: its
+            # waiter records it itself, so the thread is woken only for callbacks)
+            inline, work = self._enqueue(what, task, async_op, result, python,
+                                         wake=job is None)
+            if work is not None and job is not None:
+                work._job = _Queued(self, self._queue[-1], job)
         return self._complete(inline, work, task, async_op, result, python)
 
-    def _enqueue(self, what, task, async_op, result, python):  # with the lock held
-        """(whether the caller runs ``task`` itself, else the Work queued for it)."""
+    def _take(self, entry):
+        """``entry``'s task, taken off the queue (a waiter runs it), or None: the engine's
+        thread took it."""
+        with self._lock:
+            try:
+                self._queue.remove(entry)
+            except ValueError:
+                return None
+            if self._on_busy is not None and self._idle():
+                self._on_busy(-1)
+            return entry[1]
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _enqueue(self, what, task, async_op, result, python, wake=True):  # with the lock held
+        """(whether the caller runs ``task`` itself, else the Work queued for it); ``wake``:
+        the engine's thread at once."""
         if self._closed:
             raise CommError(f"{what} issued on a freed communicator")
         self._in_python += python
@@ -291,7 +356,8 @@ class ProgressEngine(_Background):
         work.result = result
         self._queue.append((work, task, python))
         self._start()
-        self._cv.notify_all()
+        if wake:
+            self._cv.notify_all()
         return False, work
 
     def _complete(self, inline, work, task, async_op, result, python):
@@ -329,6 +395,29 @@ class ProgressEngine(_Background):
             work._finish(work.result, error)
             # the task's arrays and events go here, not when the next one is taken
             del work, task, error, python
+
+
+class _Queued:
+    """A job submitted at once (ProgressEngine.run_job) as its Work sees it: whether it is
+    over, settling it (waiting for it to be over), taking its task off the engine's queue,
+    waking the engine to record it."""
+
+    __slots__ = ("engine", "entry", "job")
+
+    def __init__(self, engine, entry, job):
+        self.engine, self.entry, self.job = engine, entry, job
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def settle(self, timeout: float | None) -> bool:
+        return self.job.settle(timeout)
+
+    def take(self):
+        return self.engine._take(self.entry)
+
+    def wake(self) -> None:
+        self.engine._wake()
 
 
 class RequestPoller(_Background):

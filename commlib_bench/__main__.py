@@ -18,8 +18,9 @@ hosts on this machine (commlib/testing.py: own network stack, hostname and /dev/
 joined over TCP), runs the command across them under mpiexec, and tears them down.
 """
 import argparse
-import os
 import sys
+
+from commlib.testing import add_host_arguments, across_hosts
 
 from . import (calibrate, collective, compare, gpu_kernels, gpu_overlap, gpu_steps, kernels,
                overlap, p2p, torch_latency, user_ops)
@@ -48,38 +49,6 @@ def main(argv=None) -> int:
         return across_hosts(args, sys.argv[1:] if argv is None else argv)
     import commlib
     return COMMANDS[args.command].main(args, commlib.init()) or 0
-
-
-def add_host_arguments(p) -> argparse.ArgumentParser:
-    p.add_argument("--hosts", type=int, default=0, metavar="N",
-                   help="run across N namespace hosts on this machine (root; not under mpiexec)")
-    p.add_argument("--per-host", type=int, default=1, metavar="K", help="ranks per host "
-                   "with --hosts (default 1)")
-    p.add_argument("--link", metavar="RATE[:BURST]", help="with --hosts: every host's eth0 "
-                   "shaped to RATE (tc's tbf: 1gbit, 100mbit:64kb; default unshaped)")
-    return p
-
-
-def across_hosts(args, argv: list, module: str = "commlib_bench") -> int:
-    """Run ``python -m module`` with ``argv`` less --hosts/--per-host/--link on
-    ``args.per_host`` ranks on each of ``args.hosts`` namespace hosts, their links shaped
-    to ``args.link``; returns mpiexec's exit code."""
-    from commlib.testing import NamespaceHosts, shaping, usable
-    if usable():
-        raise SystemExit(f"{module} --hosts: {usable()}")
-    if args.hosts < 1 or args.per_host < 1:
-        raise SystemExit(f"{module}: --hosts and --per-host take positive counts")
-    try:
-        shaping(args.link)
-    except ValueError as e:
-        raise SystemExit(f"{module} --link: {e}") from None
-    _, rest = add_host_arguments(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    with NamespaceHosts(args.hosts, link=args.link) as h:
-        print(f"{module}: {args.hosts} namespace hosts x {args.per_host} ranks"
-              f"{f', links {args.link}' if args.link else ''}: {' '.join(rest)}", flush=True)
-        job = h.popen(h.command([args.per_host] * args.hosts,
-                                [sys.executable, "-m", module, *rest]), cwd=os.getcwd())
-        return job.wait()
 
 
 if __name__ == "__main__":

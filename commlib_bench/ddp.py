@@ -28,8 +28,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
+from commlib.testing import across_hosts, add_host_arguments
 from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
-from commlib_bench.__main__ import across_hosts, add_host_arguments
 
 
 def mlp() -> nn.Module:

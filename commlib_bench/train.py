@@ -1,7 +1,8 @@
 """Training throughput: strategies' DP and ZeRO-2/3 on commlib against torch DDP and FSDP2
 on gloo, the same GPT and data, in one run.
 
-    mpiexec -n 2 python commlib_bench/train.py [--rounds 3] [--steps 5] [--d-model 256] [--layers 4]
+    mpiexec -n 2 python -m commlib_bench.train [--rounds 3] [--steps 5] [--d-model 256] [--layers 4]
+    python -m commlib_bench.train --hosts 2 --link 1gbit    # across 2 namespace hosts (root)
 
 Every contestant starts from the same weights (commlib_strategies.model.GPT, one seed) and trains
 on the same global batches with AdamW. Rounds alternate between the contestants so drifts
@@ -11,6 +12,7 @@ tokens/s (global batch tokens over step time) and the ratio to the matching torc
 """
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib
 import commlib.torch_backend as tb
+from commlib.testing import across_hosts, add_host_arguments
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel
 from commlib_strategies.model import GPT, GPTConfig, cross_entropy
@@ -76,7 +79,10 @@ def main():
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    add_host_arguments(p)
     args = p.parse_args()
+    if args.hosts:
+        return across_hosts(args, sys.argv[1:], "commlib_bench.train")
     torch.set_num_threads(args.threads)
     tb.init_process_group("gloo")  # torch's default group is gloo; commlib's world is MPI's
     world = commlib.init()
@@ -115,4 +121,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,6 +8,10 @@ for Adam (ZeRO paper accounting, Φ = parameter count, N = data-parallel ranks):
     ZeRO stage 1 divides the optimizer state by N, stage 2 also the gradients, stage 3 also
     the parameters.
 
+Measured after backward. Stage 1 reduce-scatters each unit's gradients during backward
+(overlapping the rest of it) and keeps them too, full size, as stage 1 holds them: it then
+holds the seeds' gradients and this rank's reduced shard, Φ + Φ/N (theory says so).
+
 and what it sends per step: the gradients' all-reduce (plain data parallelism), or their
 reduce-scatter plus the parameters' all-gather (ZeRO 1 and 2), moves 2Φ·(N-1)/N elements
 per rank; ZeRO 3 gathers the parameters twice (forward, backward): 3Φ·(N-1)/N. The seeds
@@ -58,5 +62,6 @@ def theory(numel: int, dtype: torch.dtype, ranks: int, stage: int) -> dict:
     master = max(width, 4)
     states = 3 * master if width < 4 or stage > 0 else 2 * width
     return {"parameters": numel * width / (ranks if stage >= 3 else 1),
-            "gradients": numel * width / (ranks if stage >= 2 else 1),
+            "gradients": numel * width * (1 / ranks if stage >= 2 else
+                                          1 + 1 / ranks if stage == 1 else 1),
             "optimizer": numel * states / (ranks if stage >= 1 else 1)}

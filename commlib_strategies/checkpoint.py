@@ -46,6 +46,8 @@ def save_checkpoint(root, step: int, trainer) -> Path:
     ``step`` optimizer steps as ``root/step-<step>``; collective over the mesh's world.
     Returns the checkpoint's path. A checkpoint of the same step is replaced."""
     world = trainer.mesh.world
+    if trainer.zero is not None:
+        trainer.zero.settle()  # (gather_ahead: the parameters whole)
     root = Path(root)
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     if world.rank == 0:
@@ -92,6 +94,8 @@ def load_checkpoint(path, trainer) -> int:
     Every rank reads what it needs itself: no communication, so every rank raises the same
     ValueError on a bad checkpoint, and then before changing anything."""
     path = _resolve(Path(path))
+    if getattr(trainer, "zero", None) is not None:
+        trainer.zero.settle()  # (no gather in flight overwrites what is loaded)
     try:
         manifest = _read_manifest(path, trainer)
     except (KeyError, TypeError, AttributeError) as e:

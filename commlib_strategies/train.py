@@ -42,13 +42,15 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
 import torch
 
 import commlib
-from commlib.trace import region
+from commlib.testing import across_hosts, add_host_arguments
+from commlib.trace import busy_seconds, keep_calls, own_cpu_seconds, region
 from commlib_strategies import accounting
 from commlib_strategies.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
@@ -137,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "torchrun, which takes --log for its own --log-dir: --step-log)")
     out.add_argument("--plot", default="", help="write the loss curve to this PNG file")
     out.add_argument("--quiet", action="store_true", help="print only the summary")
+    add_host_arguments(p.add_argument_group(
+        "across hosts (root; not under mpiexec): namespace hosts on this machine"))
     args = p.parse_args(argv)
     if args.save_every < 0:
         p.error("--save-every must be >= 0")
@@ -262,8 +266,10 @@ class Trainer:
             groups = zero_arguments(model, mesh) if layout.experts else \
                 {"group": mesh.group("dp")}
             # a pipeline's microbatches accumulate: it says when a chunk's gradients are final
+            # stages 1 and 2 gather the new parameters during the next forward
             self.zero = ZeRO(model, stage=layout.zero, optimizer=adamw,
-                             reduce_in_backward=layout.pp == 1, **groups)
+                             reduce_in_backward=layout.pp == 1,
+                             gather_ahead=layout.zero < 3, **groups)
             self.optimizer = self.zero.optimizer
         else:
             if layout.pp == 1 and not layout.experts:
@@ -281,6 +287,7 @@ class Trainer:
                                      measure=False, **reduce)
         self.args = args
         self.data = AdditionDataset(args.seed)
+        self._quiet = None  # bytes sent at the last step's quiet point
 
     def named_parameters(self):
         """(the reference model's name, parameter) of every parameter this rank holds."""
@@ -318,6 +325,11 @@ class Trainer:
         if self.layout.experts and not self.zero:
             reduce_gradients(self.model, self.mesh)
         held = accounting.measured(self.model, self.optimizer, self.zero)
+        # sent: from the last step's point to this one's where no call is in flight (after
+        # backward: ZeRO's gathers ahead, issued by the last step, have served its forward)
+        quiet = self.bytes_sent()
+        held["sent"] = quiet - (before if self._quiet is None else self._quiet)
+        self._quiet = quiet
         with region("optimizer"):
             if self.zero:
                 self.zero.step()
@@ -325,7 +337,6 @@ class Trainer:
             else:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
-        held["sent"] = self.bytes_sent() - before
         total = loss.detach().double().reshape(1)
         for dim in ("dp", "ep"):  # the ranks that saw different data
             self.mesh.group(dim).all_reduce(total, op="avg")
@@ -343,10 +354,14 @@ def _mb(nbytes: float) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.hosts:
+        return across_hosts(args, sys.argv[1:] if argv is None else argv,
+                            "commlib_strategies.train")
     world = commlib.init()
     try:
         use_device(args.device, world)
         trainer = Trainer(args, world)
+        keep_calls(1024)  # (its communicators': a step's calls, for busy_seconds)
         first = _resume(args, trainer)
     except ValueError as e:
         if world.rank == 0:
@@ -364,17 +379,25 @@ def main(argv=None) -> int:
     records, tokens = [], args.batch * args.seq_len
     for step in range(first, args.steps):
         world.barrier()
-        start = time.perf_counter()
+        start, cpu, own = time.monotonic(), time.process_time(), own_cpu_seconds()
         loss, held = trainer.step(step)
-        seconds = time.perf_counter() - start
+        end = time.monotonic()
+        # compute: the CPU the step's own threads spent (not commlib's); communication:
+        # while some call of the step was running; the slowest rank's of each
+        parts = torch.tensor([end - start, time.process_time() - cpu - (own_cpu_seconds() - own),
+                              busy_seconds(start, end)], dtype=torch.float64)
+        world.all_reduce(parts, op="max")
+        seconds, compute, communication = parts.tolist()
         most = {k: max(v) for k, v in _gather_held(world, held).items()}
         records.append({"step": step, "loss": loss, "seconds": seconds,
+                        "compute_seconds": compute, "communication_seconds": communication,
                         "tokens_per_s": tokens / seconds, "bytes_held_max": most})
         if lead and not args.quiet:
             print(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.6f}"
-                  f"  {tokens / seconds:9.0f} tok/s  MB/rank: params {_mb(most['parameters'])}"
-                  f" grads {_mb(most['gradients'])} optim {_mb(most['optimizer'])}"
-                  f" sent {_mb(most['sent'])}", flush=True)
+                  f"  {tokens / seconds:9.0f} tok/s  {seconds * 1e3:.0f} ms (compute "
+                  f"{compute * 1e3:.0f}, comm {communication * 1e3:.0f})  MB/rank: params "
+                  f"{_mb(most['parameters'])} grads {_mb(most['gradients'])} optim "
+                  f"{_mb(most['optimizer'])} sent {_mb(most['sent'])}", flush=True)
         done = step + 1
         if args.save_dir and (done == args.steps
                               or args.save_every and done % args.save_every == 0):
@@ -419,6 +442,13 @@ def _summary(args, trainer, records) -> None:
                              trainer.mesh.size("dp"), args.zero)
     got = records[-1]["bytes_held_max"]
     print(f"# final loss {records[-1]['loss']:.6f}; median {rates[len(rates) // 2]:.0f} tok/s")
+    timed = records[1:] or records  # (the first step sets buffers up)
+    step, compute, communication = (statistics.median(r[k] for r in timed) for k in (
+        "seconds", "compute_seconds", "communication_seconds"))
+    print(f"# median step {step * 1e3:.1f} ms: compute {compute * 1e3:.1f} ms (CPU of the "
+          f"step's own threads), communication {communication * 1e3:.1f} ms (calls running); "
+          f"step / max(compute, communication) {step / max(compute, communication, 1e-9):.2f}, "
+          f"hidden {_hidden(step, compute, communication):.0%} of the shorter")
     dp = trainer.mesh.size("dp")
     want["sent"] = accounting.traffic_theory(trainer.numel, dtype, dp, args.zero)
     print("# per-rank MB, measured vs the seeds' figures (Φ/tp parameters per rank; "
@@ -430,6 +460,15 @@ def _summary(args, trainer, records) -> None:
     for k in HELD:
         shown = dp_tp_only and (k != "sent" or layout.tp == 1)
         print(f"#   {k:10s} {_mb(got[k]):>10s} {_mb(want[k]) if shown else '-':>10s}")
+
+
+def _hidden(step: float, compute: float, communication: float) -> float:
+    """The share of the shorter of compute and communication that ran beside the other:
+    1 where the step took the longer alone, 0 where it took their sum."""
+    shorter = min(compute, communication)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute + communication - step) / shorter))
 
 
 def _plot(records, path: str) -> None:

@@ -13,10 +13,16 @@ sharded over a group of its own: expert-parallel experts, replicated over dp onl
 shards of every unit, concatenated, are the *master* vector: the only parameters the
 optimizer sees (any torch optimizer), so its state exists for 1/n of the model.
 
-    stage 1  backward as usual; step() reduce-scatters each unit's gradients to their
-             owners, updates the master shard, all-gathers the new parameters.
-    stage 2  as soon as a unit's gradients are complete in backward, they are
-             reduce-scattered (async, overlapping the rest of backward) and freed.
+    stage 1  as soon as a unit's gradients are complete in backward, they are
+             reduce-scattered to their owners (async, overlapping the rest of backward) and
+             zeroed: they stay allocated at full size, as stage 1 holds them, and the next
+             backward accumulates afresh. step() updates the master shard and all-gathers
+             the new parameters.
+    stage 2  as stage 1, but a unit's gradients are freed once reduce-scattered.
+             With ``gather_ahead``, stages 1 and 2 wait for a unit's new parameters only
+             just before its next forward, so that their all-gather overlaps the forward;
+             until then the parameters are empty (settle(), gathered(), full_parameters()
+             and checkpoints make them whole).
     stage 3  parameters live only as shards: a unit is all-gathered just before its forward
              (the next unit's gather is already in flight), freed after it, gathered again
              before its backward (prefetching the unit before it), then freed again.
@@ -26,7 +32,7 @@ size), stage 3 all-gathers it twice and reduce-scatters it once (3x).
 
 Where several backward passes accumulate into one step's gradients and only the caller knows
 when a unit's are final (a pipeline: every microbatch runs its own backward, split into
-pieces), ``reduce_in_backward=False`` turns the hooks of stages 2 and 3 off: the caller
+pieces), ``reduce_in_backward=False`` turns the backward hooks off: the caller
 launches each unit's reduce-scatter with ``reduce(params)`` once the gradients of ``params``
 (whole units) are final, and ``wait()`` collects them (reducing any unit not yet launched).
 """
@@ -129,6 +135,7 @@ class _Unit:
         self.gathered = False    # the parameters hold their full values
         self.gather_work = None  # (work, flat) of an all-gather in flight
         self.grad_work = None    # (work, shard) of a reduce-scatter in flight
+        self.refresh = None      # stages 1, 2: (work, flat) of the new parameters' all-gather
         self.ready: set = set()
         self.held = False  # stage 3: gathered for the model's whole forward, and backward
 
@@ -164,10 +171,14 @@ class ZeRO(nn.Module):
 
     def __init__(self, module: nn.Module, group: commlib.Communicator, stage: int, optimizer,
                  units: list | None = None, reduce_in_backward: bool = True,
-                 unit_groups: dict | None = None):
+                 unit_groups: dict | None = None, gather_ahead: bool = False):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        if gather_ahead and stage == 3:
+            raise ValueError("ZeRO: gather_ahead is stages 1 and 2's (stage 3 prefetches each "
+                             "unit's gather during forward and backward anyway)")
+        self.gather_ahead = gather_ahead
         self.module, self.group, self.stage = module, group, stage
         unit_groups = unit_groups or {}
         self.units, offset = [], 0
@@ -209,9 +220,17 @@ class ZeRO(nn.Module):
         # evidence of overlap: gathers already in flight when needed, reduce-scatters
         # launched while backward was still running
         self.prefetched = self.reduced_during_backward = 0
-        if stage >= 2 and reduce_in_backward:
+        self.reduce_in_backward = reduce_in_backward
+        if reduce_in_backward:
             for p in self._unit_of:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        if gather_ahead:  # each unit's new parameters just before its forward needs them
+            root = [u for u in self.units if u.module is module]
+            module.register_forward_pre_hook(lambda m, args: self._refresh(root))
+            for u in self.units:
+                if u.module is not module and u.params:
+                    u.module.register_forward_pre_hook(
+                        lambda m, args, u=u: self._refresh([*root, u]))
         if stage == 3:
             self._discovering = None  # during the first forward: _UsesOutsideForward
             module.register_forward_pre_hook(lambda m, args: self._before_model_forward())
@@ -321,7 +340,10 @@ class ZeRO(nn.Module):
         shard = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
         u.grad_work = (u.group.reduce_scatter(shard, flat, op="avg", async_op=True), shard)
         for p in u.params:
-            p.grad = None
+            if self.stage == 1 and p.grad is not None:
+                p.grad.zero_()  # (held, as stage 1 holds them: the next backward adds to 0)
+            else:
+                p.grad = None
         if self.stage == 3:
             self._free(u)
         u.ready.clear()
@@ -375,10 +397,8 @@ class ZeRO(nn.Module):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> None:
-        if self.stage == 1:
-            for u in reversed(self.units):
-                self._reduce_scatter(u)
-            self._collect_gradients()
+        if self.stage == 1 and self.grad_shard is None and not self.reduce_in_backward:
+            self.wait()
         if self.grad_shard is None:
             raise RuntimeError("ZeRO.step() without gradients: call loss.backward() first")
         if self.stage == 3:  # nothing gathered outlives the step: it would be stale after it
@@ -392,15 +412,33 @@ class ZeRO(nn.Module):
         self.master.grad = None
         if self.stage == 3 and self.param_shard.data_ptr() != self.master.data_ptr():
             self.param_shard.copy_(self.master.data)
-        if self.stage < 3:
-            gathers = []
+        if self.stage < 3:  # every rank's new parameters, unit by unit in forward order
             for u in self.units:
                 flat = torch.empty(u.padded, dtype=u.dtype, device=u.device)
-                gathers.append((u.group.all_gather(flat, self._master_of(u).to(u.dtype),
-                                                      async_op=True), u, flat))
-            for work, u, flat in gathers:
-                work.wait()
-                for p, view in zip(u.params, u.views(flat)):
+                u.refresh = (u.group.all_gather(flat, self._master_of(u).to(u.dtype),
+                                                async_op=True), flat)
+                if self.gather_ahead:  # (empty until its next forward or settle)
+                    for p in u.params:
+                        p.data = torch.empty(0, dtype=u.dtype, device=u.device)
+            if not self.gather_ahead:
+                self.settle()
+
+    def settle(self) -> None:
+        """Make every parameter whole and current (gather_ahead: their gathers are waited
+        for now rather than at each unit's next forward). Collective where any is pending."""
+        self._refresh(self.units)
+
+    def _refresh(self, units) -> None:
+        for u in units:
+            if u.refresh is None:
+                continue
+            work, flat = u.refresh
+            u.refresh = None
+            work.wait()
+            for p, view in zip(u.params, u.views(flat)):
+                if self.gather_ahead:
+                    p.data = view
+                else:
                     p.copy_(view)
 
     def zero_grad(self) -> None:
@@ -422,6 +460,7 @@ class ZeRO(nn.Module):
         for a parameter just added; where that matters, restart from the last checkpoint
         instead. Stage 3 cannot: the dead rank's parameter shards are lost with it. The
         optimizer object is kept (its learning-rate schedule goes on)."""
+        self.settle()  # (the parameters, whole, refill a dead rank's shards)
         if self.stage == 3:
             raise commlib.CommError(
                 "ZeRO.regroup: stage 3 keeps each parameter shard on one rank only, so a dead "
@@ -472,7 +511,8 @@ class ZeRO(nn.Module):
     @contextmanager
     def gathered(self):
         """Inside, every parameter holds its whole value: stage 3 gathers them all (collective)
-        and frees them on the way out; stages 1 and 2 hold them anyway."""
+        and frees them on the way out; stages 1 and 2 hold them anyway (settled first)."""
+        self.settle()
         if self.stage == 3:
             for u in self.units:
                 self._gather(u)

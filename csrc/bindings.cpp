@@ -299,10 +299,11 @@ PYBIND11_MODULE(_C, m) {
       .def("interrupt", &NetComm::interrupt, "From any thread: the call in flight fails now.")
       .def(
           "submit",
-          [](NetComm& c, bool agree, std::vector<int64_t> desc, std::vector<int64_t> splits,
-             int64_t itemsize, std::optional<py::array_t<int64_t, py::array::c_style>> plan,
-             uintptr_t out, int64_t out_count, uintptr_t in, int64_t in_count, int op,
-             int64_t tmp_bytes, double scale, double timeout) {
+          [](NetComm& c, bool now, bool agree, std::vector<int64_t> desc,
+             std::vector<int64_t> splits, int64_t itemsize,
+             std::optional<py::array_t<int64_t, py::array::c_style>> plan, uintptr_t out,
+             int64_t out_count, uintptr_t in, int64_t in_count, int op, int64_t tmp_bytes,
+             double scale, double timeout) -> py::object {
             if (desc.size() != commlib::kDescFields)
               throw std::invalid_argument("a descriptor has 8 fields");
             commlib::NetJob job;
@@ -314,15 +315,24 @@ PYBIND11_MODULE(_C, m) {
             job.itemsize = itemsize, job.eager = !plan, job.tmp_bytes = tmp_bytes;
             job.scale = scale, job.timeout = timeout;
             if (plan) job.plan = plan->data(), job.words = plan->size();
-            return c.submit(std::move(job));
+            if (!now) return py::int_(c.submit(std::move(job)));
+            std::pair<double, double> ran;
+            {
+              py::gil_scoped_release release;
+              ran = c.run_now(job);
+            }
+            return py::make_tuple(ran.first, ran.second);
           },
-          py::arg("agree"), py::arg("descriptor"), py::arg("splits"), py::arg("itemsize"),
-          py::arg("plan"), py::arg("out"), py::arg("out_count"), py::arg("inp"),
-          py::arg("in_count"), py::arg("op"), py::arg("tmp_bytes"), py::arg("scale"),
-          py::arg("timeout"),
-          "A whole call for the proxy's thread (net.h's job; no plan: eager): its ticket, "
-          "at once. The caller keeps the plan and the buffers alive until it is done.")
+          py::arg("now"), py::arg("agree"), py::arg("descriptor"), py::arg("splits"),
+          py::arg("itemsize"), py::arg("plan"), py::arg("out"), py::arg("out_count"),
+          py::arg("inp"), py::arg("in_count"), py::arg("op"), py::arg("tmp_bytes"),
+          py::arg("scale"), py::arg("timeout"),
+          "A whole call (net.h's job; no plan: eager): for the proxy's thread, its ticket at "
+          "once (the caller keeps the plan and the buffers alive until it is done); or, "
+          "`now`, run on this thread: when it ran.")
       .def("done", &NetComm::done, py::arg("ticket"), nogil())
+      .def("settle", &NetComm::settle, py::arg("ticket"), py::arg("seconds"), nogil(),
+           "Sleep until the job is done (True), or `seconds` pass (negative: no limit).")
       .def("wait", &NetComm::wait, py::arg("ticket"), nogil(),
            "Sleep until the job is done; raise its error.")
       .def(

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -50,6 +51,10 @@ struct Hello {  // what a connecting rank sends first
 
 std::string system_error(const std::string& what, int error) {
   return what + ": " + std::strerror(error);
+}
+
+double now_seconds() {  // CLOCK_MONOTONIC: Python's time.monotonic
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
 }
 
 double seconds_since(Clock::time_point t) {
@@ -192,6 +197,16 @@ bool NetComm::done(uint64_t ticket) {
   return finished_ >= ticket;
 }
 
+bool NetComm::settle(uint64_t ticket, double seconds) {
+  std::unique_lock<std::mutex> lock(jobs_lock_);
+  auto over = [&] { return finished_ >= ticket; };
+  if (seconds < 0) {
+    jobs_changed_.wait(lock, over);
+    return true;
+  }
+  return jobs_changed_.wait_for(lock, std::chrono::duration<double>(seconds), over);
+}
+
 std::pair<double, double> NetComm::wait(uint64_t ticket) {
   std::unique_lock<std::mutex> lock(jobs_lock_);
   if (ticket == 0 || ticket > submitted_) throw std::invalid_argument("no such ticket");
@@ -204,11 +219,15 @@ std::pair<double, double> NetComm::wait(uint64_t ticket) {
   return {ended.started, ended.finished};
 }
 
+std::pair<double, double> NetComm::run_now(const NetJob& job) {
+  const double started = now_seconds();
+  execute(job);
+  return {started, now_seconds()};
+}
+
 void NetComm::serve() {
   request_slice(100000);  // woken by the network on a busy core, it runs at once (process.h)
-  auto now = [] {
-    return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
-  };
+  pthread_setname_np(pthread_self(), "commlib-proxy");  // (commlib.work.own_cpu_seconds)
   std::unique_lock<std::mutex> lock(jobs_lock_);
   for (;;) {
     jobs_changed_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
@@ -216,13 +235,13 @@ void NetComm::serve() {
     auto [ticket, job] = std::move(jobs_.front());
     jobs_.pop_front();
     lock.unlock();
-    Ended ended{now(), 0, nullptr};
+    Ended ended{now_seconds(), 0, nullptr};
     try {
       execute(job);
     } catch (...) {
       ended.error = std::current_exception();
     }
-    ended.finished = now();
+    ended.finished = now_seconds();
     lock.lock();
     ended_[ticket] = ended;
     finished_ = ticket;
@@ -422,24 +441,31 @@ void NetComm::plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uin
 }
 
 bool NetComm::takes(const FastEntry& entry, const FastCall& call) const {
-  return entry.kind == EntryKind::EAGER ||
+  return entry.kind == EntryKind::EAGER || entry.kind == EntryKind::PLAN ||
          (entry.kind == EntryKind::NATIVE && native_ && native_->takes(call, size_));
 }
 
 void NetComm::run(const FastEntry& entry, const FastCall& call) {
   std::lock_guard<std::mutex> running(running_);
   if (entry.kind == EntryKind::EAGER) return eager_rows(entry.descriptor, call, timeout_);
-  if (entry.kind != EntryKind::NATIVE || !native_)
-    throw std::logic_error("the network transport runs only eager and native entries");
-  int64_t* mine = row(rank_);  // agreed on first, as the general path agrees
-  std::copy(entry.descriptor.begin(), entry.descriptor.end(), mine);
-  mine[DTYPE] = call.out.dtype, mine[OP] = call.op_given;
-  const int64_t width = itemsize(call.out.dtype);
-  const bool splits = call.collective == ALL_TO_ALL;
-  if (splits) std::fill(mine + kDescFields, mine + kDescFields + 2 * size_,
-                        call.in.count / size_ * width);
-  exchange_rows(header_, width, splits, timeout_);
-  sent_ += native_->run(call, rank_, size_, timeout_);
+  if (entry.kind == EntryKind::NATIVE && !native_)
+    throw std::logic_error("the network transport runs native entries only over MPI");
+  if (!entry.descriptor.empty()) {  // agreed on first, as the general path agrees
+    int64_t* mine = row(rank_);
+    std::copy(entry.descriptor.begin(), entry.descriptor.end(), mine);
+    mine[DTYPE] = call.out.dtype, mine[OP] = call.op_given;
+    const int64_t width = itemsize(call.out.dtype);
+    const bool splits = call.collective == ALL_TO_ALL;  // (equal parts, in bytes)
+    if (splits) std::fill(mine + kDescFields, mine + kDescFields + 2 * size_,
+                          call.in.count / size_ * width);
+    exchange_rows(header_, width, splits, timeout_);
+  }
+  if (entry.kind == EntryKind::NATIVE) {
+    sent_ += native_->run(call, rank_, size_, timeout_);
+    return;
+  }
+  plan_rounds(entry.plan.data(), int64_t(entry.plan.size()), call.out.ptr, call.in.ptr,
+              entry.tmp_bytes, call.out.dtype, call.op, timeout_);
 }
 
 void NetComm::move(Exchange& x) {

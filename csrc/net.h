@@ -97,7 +97,11 @@ class NetComm : public FastTransport {
   // which returns when it ran (seconds on CLOCK_MONOTONIC: Python's time.monotonic), once.
   uint64_t submit(NetJob job);
   bool done(uint64_t ticket);
+  bool settle(uint64_t ticket, double seconds);  // until done (true), or `seconds` (<0: ever)
   std::pair<double, double> wait(uint64_t ticket);
+  // A job run now, on the calling thread (a blocking call with nothing queued): no thread
+  // hop; when it ran, or its error.
+  std::pair<double, double> run_now(const NetJob& job);
 
   // MPI's own collectives for NATIVE entries (mpi_native.h), from now on.
   void use_native(std::unique_ptr<MpiNative> native) { native_ = std::move(native); }

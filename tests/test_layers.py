@@ -10,7 +10,8 @@ from importlib import import_module
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace"}
+PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace",
+          "commlib.testing"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,5 +1,6 @@
 """hier: collectives across hosts in three stages, shared memory inside each host and
-MPI (or gloo, between torchrun's nodes) between them, so each byte crosses the network
+TCP (the net transport; MPI's messages with COMMLIB_CROSS=mpi, gloo between torchrun's
+nodes) between them, so each byte crosses the network
 once per host, not once per rank.
 
     all_reduce      host reduce-scatter -> all-reduce of each shard among the ranks that
@@ -88,7 +89,8 @@ def broadcast(t, call):
 
 
 # what the cross stage's transport offers, by what joins the hosts (Where.cross)
-CROSS_OFFERS = {"mpi": frozenset({"mpi", "schedules"}), "gloo": frozenset({"gloo"})}
+CROSS_OFFERS = {"mpi": frozenset({"mpi", "schedules"}), "net": frozenset({"mpi", "schedules"}),
+                "gloo": frozenset({"gloo"})}
 
 # L ranks on each of H hosts: per-rank bytes of the host stage and of the cross stage
 BYTES = {

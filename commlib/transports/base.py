@@ -19,7 +19,7 @@ class Where:
     the sizes its data paths cut calls into (defaults: for costs away from a transport)."""
     transport: str = "mpi"
     local: Optional[int] = None
-    cross: str = "mpi"  # what joins the hosts (hier's cross stage): mpi, or gloo
+    cross: str = "mpi"  # what joins the hosts (hier's cross stage): net, mpi, or gloo
     staging_bytes: int = 1 << 20    # the shared-memory transport's staging (csrc/shm.h)
     slot_bytes: int = 16 << 20      # a CUDA IPC slot (commlib/transports/cuda_ipc.py)
     one_shot_bytes: int = 256 << 10  # CUDA IPC all_reduce chunks one-shot up to this size
@@ -97,6 +97,7 @@ class Transport:
         self.timeout = seconds
 
     fast_kinds = frozenset()  # the entries its fast path runs (csrc/fast_path.h)
+    plans_agree = False  # whether its fast path's plans agree on the call first (as net's)
 
     def fast_path(self, **kwargs):
         """A C++ fast path for this transport's calls (commlib/fast_path.py), or None."""
@@ -139,11 +140,13 @@ class Transport:
         (submit), beside whatever the caller does."""
         return False
 
-    def submit(self, call, algo, plan, seconds: float):
+    def submit(self, call, algo, plan, seconds: float, now: bool = False):
         """Hand ``call`` (agreement, ``algo``'s run, scaling) to the transport's own thread,
-        bounded by ``seconds``; returns the job: ``wait()`` sleeps until it is done, raises
-        its error, and returns when it ran (started, finished: time.monotonic's clock),
-        ``done()`` says whether it is; it holds ``call``'s buffers."""
+        bounded by ``seconds`` (``now``: on this one, when waited for); returns the job:
+        ``wait()`` sleeps until it is done, raises its error, and returns when it ran
+        (started, finished: time.monotonic's clock), ``done()`` says whether it is,
+        ``settle(timeout)`` sleeps until it is (without taking its result); it holds
+        ``call``'s buffers."""
         raise NotImplementedError(f"the {self.name} transport runs no jobs")
 
     def execute(self, call, algorithm: str | None = None) -> None:

@@ -66,7 +66,7 @@ class HostsTransport(HostLayout, NetTransport):
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)
-        self.join_hosts(world, host_color(world.coll), ShmTransport, NetTransport, "mpi")
+        self.join_hosts(world, host_color(world.coll), ShmTransport, NetTransport, "net")
 
     @staticmethod
     def suits(world) -> bool:

@@ -59,6 +59,11 @@ class Links:
 
 class NetTransport(MpiTransport):
     name = "net"
+    plans_agree = True  # (a fast-path plan here is agreed on first, as the general path's)
+
+    def __init__(self, world):
+        super().__init__(world)
+        self.fast_kinds = self.fast_kinds | {"plan"}  # (its plans run in C++ as MPI's do not)
 
     @staticmethod
     def suits(world) -> bool:
@@ -76,23 +81,23 @@ class NetTransport(MpiTransport):
 
     def run_plan(self, plan, call) -> None:
         inp = call.inp.ptr if call.inp is not None else 0
-        self.agreement.native.run_plan(plan.words, call.out.ptr, inp, plan.tmp_bytes,
+        self.agreement.native.run_plan(plan.steps, call.out.ptr, inp, plan.tmp_bytes,
                                        call.dtype.code, call.op_code)
 
     def submits(self, algo) -> bool:
         return algo.build is not None or algo.needs == "eager"
 
-    def submit(self, call, algo, plan, seconds: float):
+    def submit(self, call, algo, plan, seconds: float, now: bool = False):
         native, inp = self.agreement.native, call.inp
         splits = call.split_bytes()
-        ticket = native.submit(
-            self.checks_calls and not algo.agrees, call.descriptor(algo.name),
-            [*splits[0], *splits[1]] if splits else [], call.dtype.itemsize,
-            None if plan is None else plan.words, call.out.ptr, call.out.numel,
-            0 if inp is None else inp.ptr, 0 if inp is None else inp.numel, call.op_code,
-            0 if plan is None else plan.tmp_bytes, call.scale or 0.0, seconds)
-
-        return Job(native, ticket, (call, plan))
+        job = (self.checks_calls and not algo.agrees, call.descriptor(algo.name),
+               [*splits[0], *splits[1]] if splits else [], call.dtype.itemsize,
+               None if plan is None else plan.steps, call.out.ptr, call.out.numel,
+               0 if inp is None else inp.ptr, 0 if inp is None else inp.numel, call.op_code,
+               0 if plan is None else plan.tmp_bytes, call.scale or 0.0, seconds)
+        if now:
+            return Here(lambda: native.submit(True, *job))
+        return Job(native, native.submit(False, *job), (call, plan))
 
     def interrupt(self) -> None:
         if self.agreement.native is not None:
@@ -124,10 +129,29 @@ class Job:
     def done(self) -> bool:
         return self.native.done(self.ticket)
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Sleep until it is done (True), or ``timeout`` seconds pass (None: no limit)."""
+        return self.native.settle(self.ticket, -1.0 if timeout is None else timeout)
+
+
+@dataclass(frozen=True)
+class Here:
+    """A job to run on the caller's thread (``submit(now=True)``): waiting for it runs it."""
+    run: object
+
+    def wait(self) -> tuple:
+        return self.run()
+
+    def done(self) -> bool:
+        return False
+
+    def settle(self, timeout: float | None = None) -> bool:
+        return False
+
 
 @dataclass(frozen=True)
 class NetPlan:
-    words: np.ndarray  # int64, the format csrc/net.h documents
+    steps: np.ndarray  # int64, the format csrc/net.h documents
     tmp_bytes: int
 
 
