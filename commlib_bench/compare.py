@@ -35,6 +35,8 @@ def add_arguments(p):
     p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per size")
     p.add_argument("--no-gloo", action="store_true", help="leave torch gloo out")
+    p.add_argument("--impls", help="only these, comma-separated (auto, ring, mpi, gloo...: "
+                   "commlib's by algorithm name); default every one")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the buffers live (cuda: torch CUDA tensors, the ranks' "
                         "current devices; each timed call ends with a device synchronize)")
@@ -112,6 +114,9 @@ def main(args, comm) -> int:
                  + (["commlib:deterministic"] if spec.reduces else [])
                  + (["commlib:registered"] if args.device == "cuda" else []) + ["mpi"]
                  + ([] if args.no_gloo else ["gloo"]))
+        if args.impls:
+            wanted = set(args.impls.split(","))
+            names = [m for m in names if m.split(":")[-1] in wanted or m in wanted]
         peers = make_peers(comm, names)
         op = "sum" if spec.reduces else None
         for size in grid:

@@ -560,11 +560,14 @@ def errors():
 
 def expected_transport(ranks):
     """On one host shared memory; on several, hosts where each has as many of ``ranks``,
-    else what joins them: MPI under mpiexec, gloo under torchrun."""
+    else what joins them: TCP (net; MPI with COMMLIB_CROSS=mpi) under mpiexec, gloo under
+    torchrun."""
     per_host = Counter(HOSTS[r] for r in ranks).values()
     if len(per_host) == 1:
         return "shm"
-    return "hosts" if len(set(per_host)) == 1 else "mpi" if MPI.COMM_WORLD.size > 1 else "gloo"
+    if len(set(per_host)) == 1:
+        return "hosts"
+    return os.environ.get("COMMLIB_CROSS", "net") if MPI.COMM_WORLD.size > 1 else "gloo"
 
 
 def is_commlib(group):
