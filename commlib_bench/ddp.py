@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
 from commlib.testing import across_hosts, add_host_arguments
+from commlib.trace import busy_seconds, keep_calls
 from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
 
 
@@ -49,11 +50,16 @@ def _as_it_is(buckets: dict, bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def fsdp2(model: nn.Module, group) -> nn.Module:
-    """``model`` sharded by FSDP2 over ``group``: each Linear, then the whole."""
+    """``model`` sharded by FSDP2 over ``group``: each Linear, then the whole; each layer's
+    all-gather prefetched while the layer before it (in forward; after it, in backward)
+    computes (FSDP2's explicit prefetching: on the CPU there are no streams to overlap on)."""
     mesh = DeviceMesh.from_group(group, "cpu")
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    layers = [layer for layer in model if isinstance(layer, nn.Linear)]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    for before, after in zip(layers, layers[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
     return fully_shard(model, mesh=mesh)
 
 
@@ -94,6 +100,32 @@ def timed_steps(model, opt, x, y, steps, group) -> list:
     return times
 
 
+def where_the_step_goes(model, opt, x, y, group, steps: int) -> tuple:
+    """(before the first bucket's call, the calls' busy time, after the last, step), ms,
+    medians over ``steps``: where DDP's step on the commlib backend goes (its calls from
+    the communicator's flight recorder, on time.monotonic's clock). Before the first call
+    the step computes its forward and the first bucket's backward: communication cannot
+    start earlier; after the last come the copy back and the optimizer step."""
+    comm = group.comm
+    parts = []
+    for _ in range(steps):
+        dist.barrier(group=group)
+        start = time.monotonic()
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        end = time.monotonic()
+        calls = [r for r in comm.flight_record() if r["issued"] >= start and r["finished"]
+                 and r["collective"] == "all_reduce"]
+        if not calls:
+            continue
+        first = min(r["started"] for r in calls)
+        last = max(r["finished"] for r in calls)
+        busy = busy_seconds(start, end)
+        parts.append([first - start, busy, end - last, end - start])
+    return tuple(statistics.median(p[i] for p in parts) * 1e3 for i in range(4))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -132,6 +164,7 @@ def main():
     models["ddp, no comm"] = (silent, torch.optim.SGD(silent.parameters(), lr=1e-3))
     local = mlp()
     models["no comm"] = (local, torch.optim.SGD(local.parameters(), lr=1e-3))
+    keep_calls(4096)  # (where_the_step_goes reads a step's calls)
     params = sum(p.numel() for p in models["commlib"][0].parameters())
     g = torch.Generator().manual_seed(rank)
     x, y = (torch.randn(args.batch, 2048, generator=g),
@@ -144,18 +177,23 @@ def main():
         for name, (ddp, opt) in models.items():
             times[name] += timed_steps(ddp, opt, x, y, args.steps, groups[name])
 
+    # Same data and weights: after the same steps the models must hold the same weights,
+    # to the rounding of sums added in another order (the backends' algorithms differ from
+    # 3 ranks on)
+    with torch.no_grad():
+        apart = max(float((o - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                    for name in ("commlib", "hooked")
+                    for o, g in zip(models[name][0].parameters(),
+                                    models["gloo"][0].parameters()))
+    same = f"{'yes' if apart <= 1e-5 else 'NO'} (apart by {apart:.1e} of the largest weight)"
+    # Where the commlib step's time goes: compute before the first bucket, the calls, after
+    before, busy, after, step = where_the_step_goes(*models["commlib"], x, y,
+                                                    groups["commlib"], args.steps)
     # Where the step's communication goes: the same buckets all-reduced alone
     sizes = [buckets[i] for i in sorted(buckets)]
     alone = {name: buckets_alone(sizes, groups[name], args.rounds * args.steps)
              for name in ("commlib", "gloo")}
 
-    # Same data and weights: after the same steps the models must hold the same weights,
-    # to the rounding of sums added in another order (the backends' algorithms differ from
-    # 3 ranks on)
-    apart = max(float((o - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                for name in ("commlib", "hooked")
-                for o, g in zip(models[name][0].parameters(), models["gloo"][0].parameters()))
-    same = f"{'yes' if apart <= 1e-5 else 'NO'} (apart by {apart:.1e} of the largest weight)"
     if rank == 0:
         med = {name: statistics.median(t) for name, t in times.items()}
         print(f"DDP {params / 1e6:.1f}M-parameter MLP, {size} ranks, batch {args.batch}, "
@@ -174,6 +212,10 @@ def main():
               f" MiB) all-reduced alone, each just written: commlib {alone['commlib'] * 1e3:.1f}"
               f" ms a step, gloo {alone['gloo'] * 1e3:.1f} ms; DDP communicating nothing plus"
               f" those: {(floor + alone['commlib']) / (floor + alone['gloo']):.2f}")
+        print(f"  commlib's step ({step:.1f} ms): {before:.1f} ms before its first bucket's "
+              f"call (forward, the first bucket's backward), calls running {busy:.1f} ms, "
+              f"{after:.1f} ms after the last; the least such a step takes: "
+              f"{before + busy + after:.1f} ms")
         if args.fsdp:
             print(f"  FSDP2 commlib / gloo step time: "
                   f"{med['fsdp2 commlib'] / med['fsdp2 gloo']:.2f}")

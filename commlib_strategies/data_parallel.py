@@ -2,8 +2,10 @@
 gradients are averaged over the group during backward.
 
 Vocabulary: a *bucket* is a flat buffer holding the gradients of several parameters of one
-dtype (about ``bucket_bytes``), in reverse registration order, which is roughly the order
-backward produces them. A parameter's gradient is copied into its bucket by a hook as soon
+dtype (about ``bucket_bytes``; the first, which backward fills first, about
+``first_bucket_bytes``, as torch's DDP: the communication starts after the last layer's
+gradients, not after 25 MB of them), in reverse registration order, which is roughly the
+order backward produces them. A parameter's gradient is copied into its bucket by a hook as soon
 as autograd has accumulated it; a full bucket's all-reduce is launched at once (async), so
 it overlaps the rest of backward. Buckets are launched strictly in index order, so every
 rank issues the same collectives in the same order even if its gradients arrive in another.
@@ -52,12 +54,16 @@ class _Bucket:
 
 class DataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group: commlib.Communicator,
-                 bucket_bytes: int = 25 << 20, register_buckets: bool = True):
+                 bucket_bytes: int = 25 << 20, register_buckets: bool = True,
+                 first_bucket_bytes: int = 1 << 20):
         super().__init__()
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if first_bucket_bytes <= 0:
+            raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes}")
         self.module, self.group = module, group
         self.bucket_bytes, self.register_buckets = bucket_bytes, register_buckets
+        self.first_bucket_bytes = min(first_bucket_bytes, bucket_bytes)
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in list(module.parameters()) + list(module.buffers()):
                 group.broadcast(t.data, root=0)
@@ -77,7 +83,8 @@ class DataParallel(torch.nn.Module):
 
     def _bucket(self, params: list) -> None:
         """``params``' buckets over ``self.group``, none launched yet."""
-        self.buckets = _make_buckets(params, self.bucket_bytes, self.group)
+        self.buckets = _make_buckets(params, self.bucket_bytes, self.first_bucket_bytes,
+                                     self.group)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.registered = _register(self.group, self.buckets) if self.register_buckets else []
         self._pending = False  # this backward has hooked, and will finish at its end
@@ -137,10 +144,11 @@ class DataParallel(torch.nn.Module):
         self._pending = False
 
 
-def _make_buckets(params: list, bucket_bytes: int, group) -> list:
+def _make_buckets(params: list, bucket_bytes: int, first_bucket_bytes: int, group) -> list:
     buckets, current, size = [], [], 0
     for p in reversed(params):
-        if current and (p.dtype != current[0].dtype or size + p.nbytes > bucket_bytes):
+        cap = bucket_bytes if buckets else first_bucket_bytes
+        if current and (p.dtype != current[0].dtype or size + p.nbytes > cap):
             buckets.append(_Bucket(current, current[0].dtype, group))
             current, size = [], 0
         current.append(p)

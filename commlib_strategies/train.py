@@ -241,8 +241,13 @@ class Trainer:
         self.layout = layout_of(args, world.size)
         self.mesh = Mesh(world, **self.layout.sizes)
         try:
+            # the loss's own communicators: calls on one run in order, and its average
+            # must not wait behind the gathers ZeRO issues ahead of the next forward
+            self.loss_groups = [self.mesh.group(dim).dup() for dim in ("dp", "ep")]
             self._build(args)
         except BaseException:  # (a model or layout refused: its communicators go too)
+            for group in getattr(self, "loss_groups", ()):
+                group.free()
             self.mesh.free()
             raise
 
@@ -338,8 +343,8 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
         total = loss.detach().double().reshape(1)
-        for dim in ("dp", "ep"):  # the ranks that saw different data
-            self.mesh.group(dim).all_reduce(total, op="avg")
+        for group in self.loss_groups:  # the ranks that saw different data (dp, ep)
+            group.all_reduce(total, op="avg")
         return float(total), held
 
 
