@@ -52,7 +52,8 @@ from .errors import CommError
 from .host_memory import as_array
 from .table import MEMORIES, Table
 
-VERSION = 16  # 16: TCP between the hosts (the net transport), what joins them in the layout;
+VERSION = 16  # 16: TCP between the hosts (the net transport), what joins them and how fast
+# (the link's class) in the layout;
 # 15: one_copy in regions (Communicator.empty's) too; 14: every call on an
 # input written just before it; 13: the reductions on
 # huge pages too, from a huge page's size (as the copies); 12: a collective
@@ -134,7 +135,25 @@ def describe(comm, transport) -> dict:
             "ranks": comm.size,
             "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count()}
+            else os.cpu_count(), **({"link": _link_class(comm)} if len(hosts) > 1 else {})}
+
+
+def _link_class(comm) -> int:
+    """How fast the hosts' link is, to a factor of 2 (log2 of bytes a second through a
+    1 MiB all_reduce, the slowest rank's median of 3): a table measured on one network
+    chooses for another as badly as for another machine (a 1 Gbit/s link and veth alone
+    differ 10x, and the order of the algorithms with them). Collective."""
+    buf = np.zeros(1 << 18, np.float32)
+    comm.all_reduce(buf)  # (warm)
+    took = []
+    for _ in range(3):
+        comm.barrier()
+        began = time.perf_counter()
+        comm.all_reduce(buf)
+        took.append(time.perf_counter() - began)
+    seconds = np.array([np.median(took)])
+    comm.all_reduce(seconds, op="max")
+    return round(math.log2(2 * buf.nbytes / max(seconds[0], 1e-9)))
 
 
 def measure(comm, start=None, transport=None) -> Table:

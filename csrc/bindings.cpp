@@ -346,6 +346,9 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("entry_points"), py::arg("status_bytes"), py::arg("comm"), py::arg("dtypes"),
           py::arg("ops"), py::arg("reducible"), py::arg("in_place"), py::arg("handle_bytes"))
+      .def("set_spin", &NetComm::set_spin, py::arg("seconds"), py::arg("background_seconds"),
+           "Seconds a wait polls back to back before it sleeps, on the caller's thread and on "
+           "the proxy's.")
       .def_property_readonly("payload_bytes", &NetComm::payload_bytes)
       .def_property_readonly("bytes_sent", &NetComm::bytes_sent)
       .def_property("timeout", &NetComm::timeout, &NetComm::set_timeout,

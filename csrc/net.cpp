@@ -144,6 +144,7 @@ struct NetComm::Link {
 struct NetComm::Exchange {
   int dtype = U8, op = SUM;
   double timeout = 0;  // seconds (0: none)
+  double spin = 0;     // seconds to poll back to back before sleeping (the calling thread's)
 };
 
 NetComm::NetComm(int rank, int size, int header, int64_t payload_bytes)
@@ -219,6 +220,8 @@ std::pair<double, double> NetComm::wait(uint64_t ticket) {
   return {ended.started, ended.finished};
 }
 
+double NetComm::spin_seconds() const { return background_ ? background_spin_ : spin_; }
+
 std::pair<double, double> NetComm::run_now(const NetJob& job) {
   const double started = now_seconds();
   execute(job);
@@ -251,6 +254,7 @@ void NetComm::serve() {
 
 void NetComm::execute(const NetJob& job) {
   std::lock_guard<std::mutex> running(running_);
+  background_ = std::this_thread::get_id() == proxy_.get_id();
   const FastCall& c = job.call;
   if (job.eager) {
     eager_rows(job.desc, c, job.timeout);
@@ -339,6 +343,7 @@ void NetComm::interrupt() {
 void NetComm::check(const std::vector<int64_t>& desc, int64_t itemsize,
                     const std::vector<int64_t>& splits) {
   std::lock_guard<std::mutex> running(running_);
+  background_ = false;
   if (desc.size() != kDescFields || (!splits.empty() && int(splits.size()) != 2 * size_))
     throw std::invalid_argument("a descriptor has 8 fields, and splits 2 per rank");
   std::copy(desc.begin(), desc.end(), row(rank_));
@@ -348,6 +353,7 @@ void NetComm::check(const std::vector<int64_t>& desc, int64_t itemsize,
 
 void NetComm::eager(const std::vector<int64_t>& desc, const FastCall& c) {
   std::lock_guard<std::mutex> running(running_);
+  background_ = false;
   eager_rows(desc, c, timeout_);
 }
 
@@ -379,7 +385,7 @@ void NetComm::exchange_rows(int64_t words, int64_t itemsize, bool splits, double
     link->in.push_back(in);
   }
   Exchange x;
-  x.timeout = seconds;
+  x.timeout = seconds, x.spin = spin_seconds();
   move(x);
   for (int peer = 0; peer < size_; ++peer)
     if (peer != rank_ && got[peer] < header_ * 8)
@@ -391,6 +397,7 @@ void NetComm::exchange_rows(int64_t words, int64_t itemsize, bool splits, double
 void NetComm::run_plan(const int64_t* plan, int64_t words, uintptr_t out, uintptr_t in,
                        int64_t tmp_bytes, int dtype, int op) {
   std::lock_guard<std::mutex> running(running_);
+  background_ = false;
   plan_rounds(plan, words, out, in, tmp_bytes, dtype, op, timeout_);
 }
 
@@ -412,7 +419,7 @@ void NetComm::plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uin
     if (peer < 0 || peer >= size_ || !links_[peer]) throw std::invalid_argument("a plan's peer out of range");
     return *links_[peer];
   };
-  Exchange x{dtype, op, seconds};
+  Exchange x{dtype, op, seconds, spin_seconds()};
   for (int64_t rounds = next(); rounds > 0; --rounds) {
     for (int64_t copies = next(); copies > 0; --copies) {
       char* src = buffer(next());
@@ -447,6 +454,7 @@ bool NetComm::takes(const FastEntry& entry, const FastCall& call) const {
 
 void NetComm::run(const FastEntry& entry, const FastCall& call) {
   std::lock_guard<std::mutex> running(running_);
+  background_ = false;
   if (entry.kind == EntryKind::EAGER) return eager_rows(entry.descriptor, call, timeout_);
   if (entry.kind == EntryKind::NATIVE && !native_)
     throw std::logic_error("the network transport runs native entries only over MPI");
@@ -559,6 +567,7 @@ void NetComm::move(Exchange& x) {
   };
 
   std::vector<pollfd> waits;
+  Clock::time_point spun_since{};  // when the links last stopped moving (spinning)
   for (;;) {
     bool pending = false, moved = false;
     for (auto& link : links_) {
@@ -570,7 +579,14 @@ void NetComm::move(Exchange& x) {
     if (!pending) return;
     if (interrupted_.load())
       fail("rank " + std::to_string(rank_) + " aborted the communicator (Communicator.abort)");
-    if (moved) continue;
+    if (moved) {
+      spun_since = Clock::time_point{};
+      continue;
+    }
+    if (x.spin > 0) {  // a moment back to back before sleeping: a sleep costs a wake-up
+      if (spun_since == Clock::time_point{}) spun_since = Clock::now();
+      if (seconds_since(spun_since) < x.spin) continue;
+    }
     // nothing can move now: sleep until a link can, the deadline, or an interrupt
     waits.assign(1, {wake_, POLLIN, 0});
     for (auto& link : links_) {

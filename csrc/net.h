@@ -108,6 +108,12 @@ class NetComm : public FastTransport {
   bool takes(const FastEntry& entry, const FastCall& call) const override;
   void run(const FastEntry& entry, const FastCall& call) override;
 
+  // Seconds a wait polls back to back before it sleeps: on the calling thread (a
+  // blocking call), and on the proxy's (beside the caller's compute: 0 where they share
+  // a core).
+  void set_spin(double seconds, double background_seconds) {
+    spin_ = seconds, background_spin_ = background_seconds;
+  }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   double timeout() const override { return timeout_; }
@@ -147,6 +153,9 @@ class NetComm : public FastTransport {
   std::string broken_;  // why calls can no longer run ("" while they can)
   std::atomic<bool> interrupted_{false};
   double timeout_ = 0;
+  double spin_ = 0, background_spin_ = 0;
+  bool background_ = false;  // the call running is the proxy's (with running_ held)
+  double spin_seconds() const;
   std::atomic<uint64_t> sent_{0};
 
   // the proxy: jobs queued, the tickets done and the errors of those that failed

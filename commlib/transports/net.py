@@ -33,6 +33,7 @@ from .mpi_world import MpiWorld
 
 _BUFFERS = {"out": 0, "in": 1, "tmp": 2}
 SET_UP_SECONDS = 120.0  # for the peers to connect, where COMMLIB_TIMEOUT sets no limit
+SPIN_SECONDS = 50e-6  # a wait's polls back to back before it sleeps (where cores allow)
 
 
 class Links:
@@ -47,6 +48,12 @@ class Links:
         found = world.allgather([address(), self.native.port])
         seconds = default_timeout() or SET_UP_SECONDS
         self.native.connect([a for a, _ in found], [p for _, p in found], token, seconds)
+        # a blocking call polls a moment before it sleeps (a sleep costs a wake-up), where
+        # no rank of its host shares its core; the proxy, beside the caller's compute, only
+        # where each has two cores
+        cores = min(world.allgather(world.cores_each()))
+        spin = SPIN_SECONDS if cores >= 1 else 0.0
+        self.native.set_spin(spin, spin if cores >= 2 else 0.0)
         if isinstance(world, MpiWorld):
             use_native(self.native, world.coll)
 
