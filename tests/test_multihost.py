@@ -7,6 +7,7 @@ may be left on any host (no rank, no /dev/shm file). Run just these with
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -97,6 +98,41 @@ def test_async_collectives_move_while_the_caller_computes(shaped_hosts, per_host
     out = run_checked(sum(per_host), "tests/mpi/overlap.py",
                       launch=on_hosts(shaped_hosts, per_host), timeout=200)
     print("\n".join(line for line in out.splitlines() if "landed" in line or "matmul" in line))
+
+
+def test_strategies_and_torch_train_alike_across_a_shaped_link(shaped_hosts, tmp_path,
+                                                              one_process):
+    """Over 1 Gbit/s links, where communication runs beside compute: commlib-train's DP
+    and ZeRO-1/2/3 print the single-process run's losses (one launch: train_many), and
+    torch's DDP and FSDP2 on the commlib backend train like gloo."""
+    runs = [(*RUN, "--dp", "2", *(["--zero", str(z)] if z else [])) for z in range(4)]
+    code, out = on_hosts(shaped_hosts, [1, 1])(
+        2, "tests/mpi/train_many.py", str(tmp_path), *map(shlex.join, runs), timeout=300,
+        env=checkout_env())
+    assert code == 0, out[-4000:]
+    for i, args in enumerate(runs):
+        got = losses(json.loads((tmp_path / f"{i}.json").read_text()))
+        assert got == pytest.approx(one_process[RUN], rel=1e-5), (args, got, one_process[RUN])
+    run_checked(2, "tests/mpi/torch_train.py", launch=on_hosts(shaped_hosts, [1, 1]),
+                timeout=300)
+
+
+def test_a_rank_killed_mid_overlap_fails_every_survivor(shaped_hosts, tmp_path):
+    """The last rank is SIGKILLed while an async all_reduce is on the wire (1 Gbit/s) and
+    its peers compute: each survivor's wait raises CommError naming it at once (its
+    connection closed), the job ends, and nothing is left on either host."""
+    start = time.monotonic()
+    code, out = on_hosts(shaped_hosts, [1, 1])(
+        2, "tests/mpi/kill_rank.py", "async", timeout=60, options=("-disable-auto-cleanup",),
+        env={"COMMLIB_TIMEOUT": "30", "REPORT_DIR": str(tmp_path)})
+    assert code not in (None, 0), out[-3000:]
+    assert "RETURNED" not in out
+    reports = "".join(f.read_text() for f in sorted(tmp_path.glob("rank-*.txt")))
+    found = re.findall(r"SURVIVOR rank \d raised after ([\d.]+) s: (.*)", reports)
+    assert found, (reports, out[-3000:])
+    for seconds, message in found:
+        assert float(seconds) < 5 and "rank 1" in message, message
+    assert time.monotonic() - start < 40
 
 
 def test_torch_backend_collectives_and_ddp_like_gloo(hosts):
