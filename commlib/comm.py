@@ -45,7 +45,8 @@ class Communicator:
         """A communicator of ``size`` processes that meet through ``store`` (a
         torch.distributed Store) instead of MPI, for launchers such as torchrun; collective,
         each rank passing its own ``rank``. On one host they share memory
-        (commlib/transports/store.py); across hosts gloo joins them (transports/gloo.py)."""
+        (commlib/transports/store.py); across hosts TCP joins them (transports/net.py; gloo
+        with COMMLIB_CROSS=gloo)."""
         return cls.__new__(cls)._over(transports.load("store").create(store, rank, size, prefix))
 
     def _over(self, transport, may_measure: bool = True) -> "Communicator":

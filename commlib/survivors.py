@@ -63,6 +63,20 @@ class Pulses:
         this process has not reached the store itself for SILENT seconds."""
         return _HEART.silent(self.store, self.key(host, pid))
 
+    def watch(self, owner, peers: dict, lost) -> None:
+        """Call ``lost(why)`` from the pulse thread, once, when a pulse of ``peers`` (rank
+        -> (host, pid)) has stood still for SILENT seconds or this process cannot reach
+        the store: for waits that cannot ask themselves (the net transport's, in C++).
+        Until ``unwatch(owner)``, or ``owner`` is gone."""
+        keys = {r: (host, pid, self.key(host, pid)) for r, (host, pid) in peers.items()}
+        with _HEART.lock:
+            _HEART.watchers[owner] = (self.store, keys, lost)
+
+    @staticmethod
+    def unwatch(owner) -> None:
+        with _HEART.lock:
+            _HEART.watchers.pop(owner, None)
+
 
 class _Heart:
     """This process's one pulse thread. Every BEAT seconds it raises the process's counter
@@ -77,6 +91,7 @@ class _Heart:
         self.lock = threading.Lock()
         self.reached = weakref.WeakKeyDictionary()  # store -> when a beat there went through
         self.watched = weakref.WeakKeyDictionary()  # store -> {key: [value, since, asked]}
+        self.watchers = weakref.WeakKeyDictionary()  # owner -> (store, peers' keys, lost)
         self.thread = None
         self.stopping = threading.Event()
         # (a daemon thread still inside the store's C++ when the interpreter finalizes is
@@ -130,6 +145,26 @@ class _Heart:
                             pulses[k][:2] = value, now
                     for k in [k for k, p in pulses.items() if now - p[2] > self.FORGET]:
                         del pulses[k]
+            self._alert()
+
+    def _alert(self) -> None:
+        """Tell each watcher whose peer's pulse stood still (Pulses.watch), once."""
+        with self.lock:
+            watching = list(self.watchers.items())
+        for owner, (store, keys, lost) in watching:
+            try:
+                quiet = [(r, host, pid) for r, (host, pid, k) in keys.items()
+                         if self.silent(store, k)]
+                if not quiet:
+                    continue
+                why = ", ".join(f"rank {r} (pid {pid} on {host})" for r, host, pid in quiet) + \
+                    (f" exited (on another host: its pulse stood still for {SILENT:g} s: the "
+                     "host lost or cut off)")
+            except CommError as e:  # this process is the one cut off
+                why = str(e)
+            with self.lock:
+                self.watchers.pop(owner, None)
+            lost(why)
 
 
 _HEART = _Heart()  # (per process: a fork's child starts its own thread on first use)

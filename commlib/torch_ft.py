@@ -7,7 +7,7 @@ HSDP, LocalSGD and DiLoCo run their cross-replica traffic on commlib.
     manager = torchft.Manager(pg=ProcessGroupCommlibFT(), ...)
 
 Needs the ``ft`` extra (torchft). The replicas of one quorum share memory where they share
-a host, and gloo joins them across hosts (Communicator.from_store).
+a host, and TCP joins them across hosts (Communicator.from_store).
 """
 from __future__ import annotations
 

@@ -296,7 +296,8 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("plan"), py::arg("out"), py::arg("in"), py::arg("tmp_bytes"), py::arg("dtype"),
           py::arg("op"))
-      .def("interrupt", &NetComm::interrupt, "From any thread: the call in flight fails now.")
+      .def("interrupt", &NetComm::interrupt, py::arg("why") = "",
+           "From any thread: the call in flight fails now, and every later one, saying why.")
       .def(
           "submit",
           [](NetComm& c, bool now, bool agree, std::vector<int64_t> desc,

@@ -333,7 +333,14 @@ void NetComm::fail(const std::string& why) {
   throw PeerError(why);
 }
 
-void NetComm::interrupt() {
+void NetComm::interrupt(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(why_mutex_);
+    if (interrupted_why_.empty())
+      interrupted_why_ = why.empty() ? "rank " + std::to_string(rank_) +
+                                           " aborted the communicator (Communicator.abort)"
+                                     : why;
+  }
   interrupted_.store(true);
   const uint64_t one = 1;
   if (write(wake_, &one, sizeof(one)) < 0) {
@@ -577,8 +584,10 @@ void NetComm::move(Exchange& x) {
       pending |= !link->out.empty() || !link->in.empty();
     }
     if (!pending) return;
-    if (interrupted_.load())
-      fail("rank " + std::to_string(rank_) + " aborted the communicator (Communicator.abort)");
+    if (interrupted_.load()) {
+      std::lock_guard<std::mutex> lock(why_mutex_);
+      fail(interrupted_why_);
+    }
     if (moved) {
       spun_since = Clock::time_point{};
       continue;

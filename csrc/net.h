@@ -90,8 +90,9 @@ class NetComm : public FastTransport {
   // A plan (the format above) on the call's buffers; `tmp_bytes` of scratch.
   void run_plan(const int64_t* plan, int64_t words, uintptr_t out, uintptr_t in,
                 int64_t tmp_bytes, int dtype, int op);
-  // From any thread: a call in flight fails now, and every later one.
-  void interrupt();
+  // From any thread: a call in flight fails now, and every later one, saying `why` ("":
+  // this rank aborted the communicator).
+  void interrupt(const std::string& why = "");
 
   // Jobs (the vocabulary above): a ticket, at once; whether it is done; waiting for it,
   // which returns when it ran (seconds on CLOCK_MONOTONIC: Python's time.monotonic), once.
@@ -152,6 +153,8 @@ class NetComm : public FastTransport {
   std::unique_ptr<MpiNative> native_;
   std::string broken_;  // why calls can no longer run ("" while they can)
   std::atomic<bool> interrupted_{false};
+  std::mutex why_mutex_;
+  std::string interrupted_why_;  // what interrupt() was told
   double timeout_ = 0;
   double spin_ = 0, background_spin_ = 0;
   bool background_ = false;  // the call running is the proxy's (with running_ held)

@@ -210,9 +210,9 @@ def _survivors_on_hosts(hosts, tmp_path, store: str, scenario: str) -> tuple:
 
 
 def test_torchrun_across_nodes(hosts):
-    """torchrun --nnodes 2 --nproc-per-node 2: the backend's groups join the nodes with gloo
-    and share memory inside each (every collective against gloo, subgroups, a 2-D mesh);
-    uneven subgroups run on gloo alone. Then DDP and FSDP2 at 2 nodes x 1."""
+    """torchrun --nnodes 2 --nproc-per-node 2: the backend's groups join the nodes over TCP
+    (net) and share memory inside each (every collective against gloo, subgroups, a 2-D
+    mesh); uneven subgroups run on net alone. Then DDP and FSDP2 at 2 nodes x 1."""
     run_checked(4, "tests/mpi/torch_collectives.py", launch=torchrun_on_hosts(hosts, 2, 2),
                 timeout=400)
     run_checked(2, "tests/mpi/torch_train.py", launch=torchrun_on_hosts(hosts, 2, 1),
@@ -220,10 +220,11 @@ def test_torchrun_across_nodes(hosts):
 
 
 def test_collective_matrix_under_torchrun_across_nodes(hosts):
-    """commlib.init() under torchrun on 2 nodes x 2: every collective, dtype, op and
-    algorithm (gloo's own across all four, and hier: shared memory, then gloo), at the
-    small counts (the mpiexec layouts cross TCP with the large ones)."""
-    run_checked(4, "tests/mpi/matrix.py", "numpy", "narrow",
+    """commlib.init() under torchrun on 2 nodes x 2 with COMMLIB_CROSS=gloo: every
+    collective, dtype, op and algorithm (gloo's own across all four, and hier: shared
+    memory, then gloo), at the small counts (the mpiexec layouts and the backend's test
+    above cross the hosts over net)."""
+    run_checked(4, "tests/mpi/matrix.py", "numpy", "narrow", env={"COMMLIB_CROSS": "gloo"},
                 launch=torchrun_on_hosts(hosts, 2, 2), timeout=400)
 
 

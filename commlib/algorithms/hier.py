@@ -1,6 +1,6 @@
 """hier: collectives across hosts in three stages, shared memory inside each host and
-TCP (the net transport; MPI's messages with COMMLIB_CROSS=mpi, gloo between torchrun's
-nodes) between them, so each byte crosses the network
+TCP (the net transport; with COMMLIB_CROSS, MPI's messages under mpiexec or gloo under
+torchrun) between them, so each byte crosses the network
 once per host, not once per rank.
 
     all_reduce      host reduce-scatter -> all-reduce of each shard among the ranks that

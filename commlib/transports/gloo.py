@@ -1,9 +1,9 @@
-"""gloo: a communicator made from a store (torchrun) whose ranks are on several hosts.
-There is no MPI library to join the hosts, so torch's gloo process group (TCP, under the
-same store) does: each call's agreement is an all-gather of its descriptor there, and the
-call runs as gloo's collective (commlib/algorithms/gloo.py), or, when small, rides in that
-all-gather (eager). With as many ranks on every host, GlooHostsTransport adds hier: shared
-memory inside each host, gloo between them.
+"""gloo: a communicator made from a store (torchrun) whose ranks are on several hosts,
+with COMMLIB_CROSS=gloo (by default the net transport joins them): torch's gloo process
+group (TCP, under the same store) does: each call's agreement is an all-gather of its
+descriptor there, and the call runs as gloo's collective (commlib/algorithms/gloo.py), or,
+when small, rides in that all-gather (eager). With as many ranks on every host,
+GlooHostsTransport adds hier: shared memory inside each host, gloo between them.
 """
 from __future__ import annotations
 

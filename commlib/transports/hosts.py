@@ -64,9 +64,12 @@ class HostsTransport(HostLayout, NetTransport):
     name = "hosts"
     offers = frozenset({"hosts", "mpi", "schedules", "eager"})
 
-    def __init__(self, world: MpiWorld):
+    def __init__(self, world, color: int | None = None, local_cls=ShmTransport):
+        """Over an MpiWorld, or a StoreWorld (torchrun's) with its host's ``color`` and the
+        store's shm transport as ``local_cls``."""
         super().__init__(world)
-        self.join_hosts(world, host_color(world.coll), ShmTransport, NetTransport, "net")
+        self.join_hosts(world, host_color(world.coll) if color is None else color, local_cls,
+                        NetTransport, "net")
 
     @staticmethod
     def suits(world) -> bool:

@@ -6,8 +6,10 @@ agreement where the world is MPI's. Every wait sleeps in poll() without the GIL,
 async call moves its bytes on the progress engine's thread while the caller computes, and
 spends no core while the link is the bound.
 
-COMMLIB_CROSS=mpi joins the hosts through MPI instead (the mpi transport, and the hosts
-transport's MPI form), as before this transport.
+It joins the hosts whether the ranks met through MPI (mpiexec) or through a store
+(torchrun: commlib/transports/store.py). COMMLIB_CROSS names what joins them instead, as
+before this transport: mpi under mpiexec (the mpi transport, and the hosts transport's MPI
+form), gloo under torchrun (transports/gloo.py).
 
 Which address a rank is reached at: COMMLIB_SOCKET_IFNAME's interface (as NCCL's
 NCCL_SOCKET_IFNAME), else its hostname's address where that is not a loopback one, else
@@ -25,7 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .. import _C
+from .. import _C, survivors
 from ..call import NONE, default_timeout, descriptor
 from . import rows
 from .mpi import MpiTransport, use_native
@@ -56,11 +58,20 @@ class Links:
         self.native.set_spin(spin, spin if cores >= 2 else 0.0)
         if isinstance(world, MpiWorld):
             use_native(self.native, world.coll)
+        # a peer on another host that is lost or cut off closes no connection: its pulse
+        # says it (torchrun's worlds; under mpiexec the job ends with it)
+        self.pulses = getattr(world, "pulses", None)
+        if self.pulses is not None:
+            here = survivors.whoami()[0]
+            self.pulses.watch(self, {r: p for r, p in enumerate(world.peers) if p[0] != here},
+                              self.native.interrupt)
 
     def check(self, desc: list, itemsize: int, splits=None) -> None:
         self.native.check(desc, itemsize, [*splits[0], *splits[1]] if splits else [])
 
     def free(self) -> None:
+        if self.pulses is not None:
+            self.pulses.unwatch(self)
         self.native = None  # (the connections close with it)
 
 
@@ -70,7 +81,10 @@ class NetTransport(MpiTransport):
 
     def __init__(self, world):
         super().__init__(world)
-        self.fast_kinds = self.fast_kinds | {"plan"}  # (its plans run in C++ as MPI's do not)
+        # MPI's own collectives (native) only where the ranks met through MPI (not torchrun's)
+        self.offers = (self.offers - {"mpi"}) | world.offers
+        kinds = self.fast_kinds if "mpi" in world.offers else self.fast_kinds - {"native"}
+        self.fast_kinds = kinds | {"plan"}  # (its plans run in C++ as MPI's do not)
 
     @staticmethod
     def suits(world) -> bool:
@@ -112,12 +126,14 @@ class NetTransport(MpiTransport):
         super().interrupt()  # (hier's parts)
 
 
-def over_net() -> bool:
-    """Whether TCP (this transport) joins the hosts: COMMLIB_CROSS, net (default) or mpi."""
+def over_net(instead: str = "mpi") -> bool:
+    """Whether TCP (this transport) joins the hosts, by COMMLIB_CROSS: net (the default), or
+    ``instead``, what else can where the ranks met (mpi under mpiexec, gloo under torchrun)."""
     cross = os.environ.get("COMMLIB_CROSS", "net")
-    if cross not in ("net", "mpi"):
-        raise ValueError(f"COMMLIB_CROSS={cross!r}; valid: net (TCP between the hosts, the "
-                         "default), mpi (MPI's messages)")
+    if cross not in ("net", instead):
+        where = "MPI (mpiexec)" if instead == "mpi" else "a store (torchrun)"
+        raise ValueError(f"COMMLIB_CROSS={cross!r}, but these ranks met through {where}; "
+                         f"valid here: net (TCP between the hosts, the default), {instead}")
     return cross == "net"
 
 

@@ -1,9 +1,10 @@
 """store: the shm transport among processes that meet through a key-value store instead of
 MPI, for launchers such as torchrun (each process alone in its MPI world, all sharing
 torch.distributed's TCPStore). Set-up facts travel through the store, then collectives run
-on shared memory as under mpiexec. Point-to-point messages go through the store itself:
-correct (MPI's order per source and tag is kept) but slow. Values put in the store are
-JSON or raw bytes: nothing received from a peer is unpickled.
+on shared memory as under mpiexec, and across hosts over TCP (the net transport).
+Point-to-point messages go through the store itself: correct (MPI's order per source and
+tag is kept) but slow. Values put in the store are JSON or raw bytes: nothing received
+from a peer is unpickled.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from .. import survivors
 from ..errors import CommError
 from ..work import Work, finished, in_thread
 from .base import affinity
+from .hosts import HostsTransport
+from .net import NetTransport, over_net
 from .shm import ShmTransport
 
 
@@ -176,8 +179,7 @@ class StoreTransport(ShmTransport):
     @classmethod
     def create(cls, store, rank: int, size: int, prefix: str):
         """The transport of ranks that meet through ``store``: this one on one host; on
-        several, gloo between them (transports/gloo.py), with hier where every host has as
-        many ranks. Collective."""
+        several, as ``over`` says. Collective."""
         world = StoreWorld(store, rank, size, prefix)
         world.peers = tuple(tuple(p) for p in world.allgather(survivors.whoami()))
         if len({host for host, _ in world.peers}) > 1:  # a peer's pid says nothing here
@@ -187,12 +189,14 @@ class StoreTransport(ShmTransport):
     @classmethod
     def over(cls, world: StoreWorld):
         """The transport of ``world``'s ranks (whose ``peers`` are known): shared memory on
-        one host; on several, gloo."""
+        one host; on several, TCP between them (the net transport; with hier where every
+        host has as many ranks), or gloo (COMMLIB_CROSS=gloo)."""
         hosts = [host for host, _ in world.peers]
-        rank = world.rank
         if len(set(hosts)) == 1:
             return cls(world)
+        even = len(set(Counter(hosts).values())) == 1
+        color = sorted(set(hosts)).index(hosts[world.rank])
+        if over_net(instead="gloo"):
+            return HostsTransport(world, color, cls) if even else NetTransport(world)
         from .gloo import GlooHostsTransport, GlooTransport
-        if len(set(Counter(hosts).values())) > 1:
-            return GlooTransport(world)
-        return GlooHostsTransport(world, sorted(set(hosts)).index(hosts[rank]))
+        return GlooHostsTransport(world, color) if even else GlooTransport(world)

@@ -85,7 +85,8 @@ def ranks_per_host() -> list:
 def expected_transport() -> str:
     """The transport commlib's auto choice must pick for this launch: shared memory on one
     host, hosts for equal ranks on each of several, else what joins the hosts: net (TCP;
-    mpi with COMMLIB_CROSS=mpi), or gloo under torchrun (or COMMLIB_TRANSPORT's)."""
+    mpi with COMMLIB_CROSS=mpi under mpiexec, gloo with COMMLIB_CROSS=gloo under torchrun
+    (or COMMLIB_TRANSPORT's)."""
     forced = os.environ.get("COMMLIB_TRANSPORT")
     if forced and forced != "auto":
         return forced
@@ -94,7 +95,7 @@ def expected_transport() -> str:
         return "shm"
     if len(set(layout)) == 1:
         return "hosts"
-    return "gloo" if torchrun() else os.environ.get("COMMLIB_CROSS", "net")
+    return os.environ.get("COMMLIB_CROSS", "net")
 
 
 def assert_equal(got, want) -> None:

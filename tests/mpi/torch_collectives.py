@@ -12,8 +12,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mpi4py import MPI
-
 import commlib.torch_backend as tb
 from commlib.torch_work import TorchWork
 from harness import Checker, raises
@@ -560,14 +558,14 @@ def errors():
 
 def expected_transport(ranks):
     """On one host shared memory; on several, hosts where each has as many of ``ranks``,
-    else what joins them: TCP (net; MPI with COMMLIB_CROSS=mpi) under mpiexec, gloo under
-    torchrun."""
+    else what joins them: TCP (net), or COMMLIB_CROSS's (mpi under mpiexec, gloo under
+    torchrun)."""
     per_host = Counter(HOSTS[r] for r in ranks).values()
     if len(per_host) == 1:
         return "shm"
     if len(set(per_host)) == 1:
         return "hosts"
-    return os.environ.get("COMMLIB_CROSS", "net") if MPI.COMM_WORLD.size > 1 else "gloo"
+    return os.environ.get("COMMLIB_CROSS", "net")
 
 
 def is_commlib(group):
@@ -575,6 +573,9 @@ def is_commlib(group):
     assert isinstance(group, tb.ProcessGroupCommlib), repr(group)
     want = expected_transport(dist.get_process_group_ranks(group))
     assert group.comm.transport == want, (group.comm.transport, want)
+    if want != "shm":  # (gloo's own collectives are there only where gloo joins the hosts)
+        over_gloo = "gloo" in group.comm.algorithms("all_reduce")
+        assert over_gloo == (os.environ.get("COMMLIB_CROSS") == "gloo"), over_gloo
 
 
 def subgroups():
