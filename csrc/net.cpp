@@ -116,7 +116,8 @@ void tune(int fd) {
 struct NetComm::Outgoing {
   Header header;
   const char* data;
-  int64_t done = 0;  // bytes of header and data sent
+  int64_t done = 0;        // bytes of header and data sent
+  std::vector<char> kept;  // the data's copy, once the call it belongs to has failed
 };
 
 struct NetComm::Incoming {
@@ -136,6 +137,10 @@ struct NetComm::Link {
   std::vector<char> scratch;  // a reducing receive's piece
   int64_t filled = 0;         // bytes of the piece that arrived
   int low_water = 1;          // SO_RCVLOWAT: the bytes that wake a wait for this link
+  // after a call failed its agreement: the peer's data sent ahead for it are dropped
+  // until its next row (skip: what is left of the frame being dropped)
+  bool stale = false;
+  int64_t skip = 0;
   ~Link() {
     if (fd >= 0) close(fd);
   }
@@ -145,6 +150,7 @@ struct NetComm::Exchange {
   int dtype = U8, op = SUM;
   double timeout = 0;  // seconds (0: none)
   double spin = 0;     // seconds to poll back to back before sleeping (the calling thread's)
+  bool rows_only = false;  // done once every receive is in (sends may still be going out)
 };
 
 NetComm::NetComm(int rank, int size, int header, int64_t payload_bytes)
@@ -262,10 +268,10 @@ void NetComm::execute(const NetJob& job) {
     if (job.agree) {
       std::copy(job.desc.begin(), job.desc.end(), row(rank_));
       std::copy(job.splits.begin(), job.splits.end(), row(rank_) + kDescFields);
-      exchange_rows(header_, job.itemsize, !job.splits.empty(), job.timeout);
+      send_rows(header_);
     }
     plan_rounds(job.plan, job.words, c.out.ptr, c.in.ptr, job.tmp_bytes, c.out.dtype, c.op,
-                job.timeout);
+                job.timeout, job.agree ? Agreed{job.itemsize, !job.splits.empty()} : Agreed{});
   }
   if (job.scale != 0) scale(reinterpret_cast<void*>(c.out.ptr), c.out.count, c.out.dtype, job.scale);
 }
@@ -382,34 +388,54 @@ void NetComm::eager_rows(const std::vector<int64_t>& desc, const FastCall& c, do
 }
 
 void NetComm::exchange_rows(int64_t words, int64_t itemsize, bool splits, double seconds) {
+  send_rows(words);
+  Exchange x;
+  x.timeout = seconds, x.spin = spin_seconds();
+  move(x);
+  check_rows(itemsize, splits);
+}
+
+void NetComm::send_rows(int64_t words) {
   usable();
-  std::vector<int64_t> got(size_, 0);
+  row_lengths_.assign(size_, 0);
   for (auto& link : links_) {
     if (!link) continue;
     link->out.push_back({{ROW, 0, words * 8}, reinterpret_cast<const char*>(row(rank_))});
     Incoming in{ROW, reinterpret_cast<char*>(row(link->peer)), row_words_ * 8};
-    in.got = &got[link->peer];
+    in.got = &row_lengths_[link->peer];
     link->in.push_back(in);
   }
-  Exchange x;
-  x.timeout = seconds, x.spin = spin_seconds();
-  move(x);
+}
+
+void NetComm::check_rows(int64_t itemsize, bool splits) {
   for (int peer = 0; peer < size_; ++peer)
-    if (peer != rank_ && got[peer] < header_ * 8)
+    if (peer != rank_ && row_lengths_[peer] < header_ * 8)
       fail("rank " + std::to_string(peer) + " sent a row shorter than its header");
   const std::string reason = check_table(row(0), size_, row_words_, itemsize, splits);
-  if (!reason.empty()) throw MismatchError(reason);
+  if (reason.empty()) return;
+  // what this rank sent ahead goes out during the next call (each peer drops it): its
+  // buffers may be gone by then, and this row rewritten
+  for (auto& link : links_) {
+    if (!link) continue;
+    for (Outgoing& o : link->out) {
+      const int64_t from = std::max<int64_t>(0, o.done - kHeaderBytes);
+      o.kept.assign(o.data + from, o.data + o.header.bytes);
+      o.data = o.kept.data() - from;
+    }
+    link->stale = true;
+  }
+  throw MismatchError(reason);
 }
 
 void NetComm::run_plan(const int64_t* plan, int64_t words, uintptr_t out, uintptr_t in,
                        int64_t tmp_bytes, int dtype, int op) {
   std::lock_guard<std::mutex> running(running_);
   background_ = false;
-  plan_rounds(plan, words, out, in, tmp_bytes, dtype, op, timeout_);
+  plan_rounds(plan, words, out, in, tmp_bytes, dtype, op, timeout_, Agreed{});
 }
 
 void NetComm::plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uintptr_t in,
-                          int64_t tmp_bytes, int dtype, int op, double seconds) {
+                          int64_t tmp_bytes, int dtype, int op, double seconds, Agreed agreed) {
   usable();
   if (int64_t(tmp_.size()) < tmp_bytes) tmp_.resize(size_t(tmp_bytes));
   char* buffers[3] = {reinterpret_cast<char*>(out), reinterpret_cast<char*>(in), tmp_.data()};
@@ -427,8 +453,18 @@ void NetComm::plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uin
     return *links_[peer];
   };
   Exchange x{dtype, op, seconds, spin_seconds()};
+  auto agree_now = [&]() {
+    Exchange rows = x;
+    rows.rows_only = true;
+    move(rows);
+    check_rows(agreed.itemsize, agreed.splits);
+    agreed.rows = false;
+  };
   for (int64_t rounds = next(); rounds > 0; --rounds) {
-    for (int64_t copies = next(); copies > 0; --copies) {
+    int64_t copies = next();
+    // copies may rearrange the caller's data in place: only once the call is agreed on
+    if (agreed.rows && copies > 0 && in == 0) agree_now();
+    for (; copies > 0; --copies) {
       char* src = buffer(next());
       const int64_t src_offset = next();
       char* dst = buffer(next());
@@ -442,6 +478,9 @@ void NetComm::plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uin
       l.out.push_back({{DATA, 0, bytes}, src + offset});
       sent_ += uint64_t(bytes);
     }
+    // the rows went out before: the first round's sends follow them and cross with the
+    // peers' rows; its receives wait for the check (the peers' data wait in the sockets)
+    if (agreed.rows) agree_now();
     for (int64_t recvs = next(); recvs > 0; --recvs) {
       Link& l = link(next());
       char* dst = buffer(next());
@@ -452,6 +491,7 @@ void NetComm::plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uin
     }
     move(x);
   }
+  if (agreed.rows) agree_now();  // (a plan of no rounds)
 }
 
 bool NetComm::takes(const FastEntry& entry, const FastCall& call) const {
@@ -473,6 +513,12 @@ void NetComm::run(const FastEntry& entry, const FastCall& call) {
     const bool splits = call.collective == ALL_TO_ALL;  // (equal parts, in bytes)
     if (splits) std::fill(mine + kDescFields, mine + kDescFields + 2 * size_,
                           call.in.count / size_ * width);
+    if (entry.kind == EntryKind::PLAN) {  // (its first round's data go out behind the rows)
+      send_rows(header_);
+      plan_rounds(entry.plan.data(), int64_t(entry.plan.size()), call.out.ptr, call.in.ptr,
+                  entry.tmp_bytes, call.out.dtype, call.op, timeout_, Agreed{width, splits});
+      return;
+    }
     exchange_rows(header_, width, splits, timeout_);
   }
   if (entry.kind == EntryKind::NATIVE) {
@@ -480,7 +526,7 @@ void NetComm::run(const FastEntry& entry, const FastCall& call) {
     return;
   }
   plan_rounds(entry.plan.data(), int64_t(entry.plan.size()), call.out.ptr, call.in.ptr,
-              entry.tmp_bytes, call.out.dtype, call.op, timeout_);
+              entry.tmp_bytes, call.out.dtype, call.op, timeout_, Agreed{});
 }
 
 void NetComm::move(Exchange& x) {
@@ -530,6 +576,13 @@ void NetComm::move(Exchange& x) {
     bool moved = false;
     while (!l.in.empty()) {
       Incoming& i = l.in.front();
+      if (l.skip > 0) {  // a stale frame's data (Link::stale), dropped
+        if (l.scratch.empty()) l.scratch.resize(kPieceBytes);
+        const int64_t k = take(l, l.scratch.data(), std::min(l.skip, kPieceBytes));
+        if (k < 0) return moved;
+        l.skip -= k, moved = true;
+        continue;
+      }
       if (i.header_done < kHeaderBytes) {
         const int64_t k = take(l, reinterpret_cast<char*>(&i.header) + i.header_done,
                                kHeaderBytes - i.header_done);
@@ -537,6 +590,11 @@ void NetComm::move(Exchange& x) {
         i.header_done += k, moved = true;
         if (i.header_done < kHeaderBytes) continue;
         const Header& h = i.header;
+        if (l.stale && h.kind == DATA && i.kind == ROW) {  // sent ahead for a failed call
+          l.skip = h.bytes, i.header_done = 0;
+          continue;
+        }
+        if (h.kind == ROW) l.stale = false;
         const std::string from = "rank " + std::to_string(l.peer);
         if (h.kind != i.kind)
           fail(from + (h.kind == ROW ? " began another call" : " sent data") +
@@ -581,7 +639,7 @@ void NetComm::move(Exchange& x) {
       if (!link) continue;
       if (!link->out.empty()) moved |= send_some(*link);
       if (!link->in.empty()) moved |= recv_some(*link);
-      pending |= !link->out.empty() || !link->in.empty();
+      pending |= !link->in.empty() || (!x.rows_only && !link->out.empty());
     }
     if (!pending) return;
     if (interrupted_.load()) {
@@ -604,7 +662,8 @@ void NetComm::move(Exchange& x) {
                                        (link->in.empty() ? 0 : POLLIN)), 0});
       if (!link->in.empty()) {  // wake for a piece's worth, not for every packet
         const Incoming& i = link->in.front();
-        const int64_t left = i.header_done < kHeaderBytes ? kHeaderBytes - i.header_done
+        const int64_t left = link->skip > 0 ? link->skip
+                             : i.header_done < kHeaderBytes ? kHeaderBytes - i.header_done
                              : i.src ? std::min(kPieceBytes, i.bytes - i.done) - link->filled
                                      : i.bytes - i.done;
         const int want = int(std::max<int64_t>(1, std::min(left, kLowWaterBytes)));

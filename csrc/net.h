@@ -131,6 +131,20 @@ class NetComm : public FastTransport {
   // Sends this rank's row (its first `words` words) to every peer, takes theirs, and
   // checks them (`splits`: all_to_all's fields too).
   void exchange_rows(int64_t words, int64_t itemsize, bool splits, double seconds);
+  // The two halves of it: this rank's row queued to every peer, theirs awaited; and,
+  // once they are in, the lengths and the table checked. A call that fails the check
+  // keeps what it queued behind the row, to go out (and be dropped) during the next.
+  void send_rows(int64_t words);
+  void check_rows(int64_t itemsize, bool splits);
+  // A plan agreed on by rows already sent: checked after its first round's sends are
+  // queued behind them (rows: none to check)
+  struct Agreed {
+    bool rows = false;
+    int64_t itemsize = 1;
+    bool splits = false;
+    Agreed() = default;
+    Agreed(int64_t width, bool all_to_all) : rows(true), itemsize(width), splits(all_to_all) {}
+  };
   // Moves every frame of `x` (sends and receives, each link in order) until all are done.
   void move(Exchange& x);
   void fail(const std::string& why);  // the communicator is unusable from now on: throws
@@ -139,7 +153,7 @@ class NetComm : public FastTransport {
   // the calls' work, with running_ held
   void eager_rows(const std::vector<int64_t>& desc, const FastCall& call, double seconds);
   void plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uintptr_t in,
-                   int64_t tmp_bytes, int dtype, int op, double seconds);
+                   int64_t tmp_bytes, int dtype, int op, double seconds, Agreed agreed);
   void serve();  // the proxy's thread
   int64_t* row(int r) { return inbox_.data() + size_t(r) * row_words_; }
 
@@ -149,6 +163,7 @@ class NetComm : public FastTransport {
   int wake_ = -1;  // an eventfd: interrupt() makes every wait return
   std::vector<std::unique_ptr<Link>> links_;  // by rank (none for this one)
   std::vector<int64_t> inbox_;                // one row per rank; this rank's is what it sends
+  std::vector<int64_t> row_lengths_;          // the bytes of each peer's row, as it came
   std::vector<char> tmp_;
   std::unique_ptr<MpiNative> native_;
   std::string broken_;  // why calls can no longer run ("" while they can)
