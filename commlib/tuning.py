@@ -106,13 +106,18 @@ def table_for(comm, transport, refresh: bool = False, may_measure: bool = True
         raise ValueError("measure_algorithms: this communicator is in deterministic mode, "
                          "whose calls refuse most algorithms; measure on one that is not "
                          "(comm.dup(deterministic=False)): the table serves its layout")
-    layout = describe(comm, transport)
-    digest = hashlib.sha1(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+    layouts = _layouts(comm, transport)
+    layout = layouts[0]
+    digest = _digest(layout)
     table = None
     if comm.rank == 0 and mode() != "refresh" and not refresh:
-        table = _tables.get(digest) or _load(digest, layout)
-        if table is not None and not table.measured(comm):
-            table = None  # measured by a communicator with fewer algorithms: measure all
+        for other in layouts:  # (a link near the boundary of its class: either one's)
+            table = _tables.get(_digest(other)) or _load(_digest(other), other)
+            if table is not None and not table.measured(comm):
+                table = None  # measured by a communicator with fewer algorithms: measure all
+            if table is not None:
+                digest = _digest(other)
+                break
     table = Table.rank_0s(transport.world, table)
     if table is None and (transport.rank_order or not may_measure):
         return None  # (its calls could not time every algorithm: the cost model chooses)
@@ -130,19 +135,37 @@ def describe(comm, transport) -> dict:
     worlds of mpiexec and of torchrun on one host run the same transport, one with MPI's
     own algorithm too; one table, measured by the one with more, chooses for both alike
     (Table.measured), rather than two measured apart deciding near-ties by noise."""
+    return _layouts(comm, transport)[0]
+
+
+def _layouts(comm, transport) -> list[dict]:
+    """describe's layout, then, across hosts, the same with the link's neighbouring
+    classes, the nearer first: a link whose speed wanders across a class's boundary (on
+    veth the same link measured 2^30.6 to 2^32.4 bytes a second) takes a table of either,
+    rather than two or three tables, each measured once, taking turns by the link's
+    noise."""
     hosts = Counter(transport.world.allgather(survivors.whoami()[0]))
-    return {"version": VERSION, "transport": comm.transport, "cross": transport.where.cross,
-            "ranks": comm.size,
-            "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(), **({"link": _link_class(comm)} if len(hosts) > 1 else {})}
+    layout = {"version": VERSION, "transport": comm.transport, "cross": transport.where.cross,
+              "ranks": comm.size, "per_host": sorted(hosts.values()), "cpu": _cpu_model(),
+              "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+              else os.cpu_count()}
+    if len(hosts) == 1:
+        return [layout]
+    speed = _link_speed(comm)
+    nearest = round(speed)
+    return [{**layout, "link": c} for c in sorted((nearest, nearest - 1, nearest + 1),
+                                                   key=lambda c: abs(c - speed))]
 
 
-def _link_class(comm) -> int:
-    """How fast the hosts' link is, to a factor of 2 (log2 of bytes a second through a
-    1 MiB all_reduce, the slowest rank's median of 3): a table measured on one network
-    chooses for another as badly as for another machine (a 1 Gbit/s link and veth alone
-    differ 10x, and the order of the algorithms with them). Collective."""
+def _digest(layout: dict) -> str:
+    return hashlib.sha1(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _link_speed(comm) -> float:
+    """How fast the hosts' link is, as log2 of bytes a second through a 1 MiB all_reduce
+    (the slowest rank's median of 3); its class is this to a factor of 2: a table measured
+    on one network chooses for another as badly as for another machine (a 1 Gbit/s link
+    and veth alone differ 10x, and the order of the algorithms with them). Collective."""
     buf = np.zeros(1 << 18, np.float32)
     comm.all_reduce(buf)  # (warm)
     took = []
@@ -153,7 +176,7 @@ def _link_class(comm) -> int:
         took.append(time.perf_counter() - began)
     seconds = np.array([np.median(took)])
     comm.all_reduce(seconds, op="max")
-    return round(math.log2(2 * buf.nbytes / max(seconds[0], 1e-9)))
+    return math.log2(2 * buf.nbytes / max(seconds[0], 1e-9))
 
 
 def measure(comm, start=None, transport=None) -> Table:

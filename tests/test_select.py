@@ -354,3 +354,24 @@ def test_every_timed_call_runs_on_an_input_written_just_before():
     assert [c for c, _, _ in timed] == list(COLLECTIVES) * 2
     assert all(written for _, _, written in timed), timed
     assert {c: size for c, size, _ in timed}["reduce_scatter"] == count * n
+
+
+def test_a_link_near_a_class_boundary_takes_a_neighbours_table(monkeypatch):
+    """Across hosts the layout names the link's speed class (log2 bytes/s); a speed that
+    wanders across a boundary looks up the nearest class, then the neighbours, nearer
+    first, so that one table serves the link instead of one per class it wanders into."""
+    from types import SimpleNamespace
+
+    from commlib import tuning
+
+    world = SimpleNamespace(allgather=lambda value: ["host1", "host2"])
+    transport = SimpleNamespace(world=world, where=Where("hosts", cross="net"))
+    comm = SimpleNamespace(transport="hosts", size=2)
+    for speed, want in ((31.4, [31, 32, 30]), (30.6, [31, 30, 32]), (27.0, [27, 26, 28])):
+        monkeypatch.setattr(tuning, "_link_speed", lambda comm, speed=speed: speed)
+        layouts = tuning._layouts(comm, transport)
+        assert [lay["link"] for lay in layouts] == want
+        assert {k: v for k, v in layouts[0].items() if k != "link"} == \
+            {k: v for k, v in layouts[2].items() if k != "link"}
+    world.allgather = lambda value: ["host1", "host1"]  # one host: no link in the layout
+    assert [("link" in lay) for lay in tuning._layouts(comm, transport)] == [False]
