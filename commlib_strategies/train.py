@@ -86,8 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     layout.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                         help="ZeRO stage over the dp ranks; 0: plain data parallelism "
                              "with bucketed all-reduce (default)")
-    layout.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="gradient bucket size of plain data parallelism, MB (default 25)")
+    layout.add_argument("--bucket-mb", type=float, default=None,
+                        help="gradient bucket size of plain data parallelism, MB (default: "
+                             "an eighth of the gradients, at most DDP's 25: with one bucket "
+                             "most of them, nothing is left to communicate during backward)")
     layout.add_argument("--sp", choices=SEQUENCE_KINDS,
                         help="sequence parallelism: megatron (on the tp ranks), ulysses or "
                              "ring attention (on the cp ranks)")
@@ -234,6 +236,15 @@ def _model(args, layout: Layout):
     return model, plan
 
 
+def bucket_bytes(model, args) -> int:
+    """--bucket-mb's, else an eighth of the model's gradients (at least 1 MiB, at most
+    DDP's 25 MiB), so that most of them are communicated during backward."""
+    if args.bucket_mb is not None:
+        return int(args.bucket_mb * 2**20)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return int(min(25 << 20, max(1 << 20, grads // 8)))
+
+
 class Trainer:
     """The model in the requested layout, and one optimizer step of it."""
 
@@ -280,7 +291,7 @@ class Trainer:
             if layout.pp == 1 and not layout.experts:
                 # its hooks average the gradients during backward
                 self.data_parallel = DataParallel(model, mesh.group("dp"),
-                                                  bucket_bytes=int(args.bucket_mb * 2**20))
+                                                  bucket_bytes=bucket_bytes(model, args))
             self.optimizer = adamw(model.parameters())
         if layout.pp > 1:
             # gradients over dp: averaged by the pipeline, or reduce-scattered by ZeRO (2 and
