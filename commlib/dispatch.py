@@ -88,7 +88,7 @@ class Dispatcher:
             seconds = self.timeout if timeout is None else check_timeout(timeout)
             if call.device is not None:
                 return self._on_device(call, algorithm, async_op, seconds, result)
-            algo, plan, teach = t.choice(call, algorithm, teaching=True, background=async_op)
+            algo, plan, teach = t.choice(call, algorithm, teaching=True)
         except (ValueError, TypeError) as e:
             self.tell_peers(collective, e)
             raise

@@ -205,33 +205,28 @@ class Choice:
         self.regions = True
         self._plans.clear()
 
-    def __call__(self, call, requested: str | None = None, teaching: bool = False,
-                 background: bool = False):
+    def __call__(self, call, requested: str | None = None, teaching: bool = False):
         """(algorithm, plan or None, whether to teach it) for ``call`` asked for
-        ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape;
-        ``background``: an async call, whose auto choice takes only what the transport
-        progresses beside the caller's compute (Transport.background_offers).
+        ``requested`` (None: COMMLIB_ALGO_<COLLECTIVE>, else auto), cached per call shape.
         Only a ``teaching`` caller (the dispatcher, which teaches the fast path) is told to
         teach a shape, once: inner calls (ordered's stages, staging) share the cache but
         must not use up that turn, or the shape would stay on the general path for good."""
         t = self.transport
         user_op = call.op is not None and not call.op.builtin
-        asked = requested or self.overrides.get(call.collective, "auto")
-        background = background and asked == "auto"
         key = (call.collective, requested, call.count, call.dtype.itemsize, call.params,
-               user_op, t.rank_order, background)
+               user_op, t.rank_order)
         hit = self._plans.get(key)
         if hit is None:
-            offers = t.background_offers() if background else t.offers
-            algo = choose(call.collective, asked, t.size, call.nbytes, where=t.where,
-                          offers=offers,
+            algo = choose(call.collective,
+                          requested or self.overrides.get(call.collective, "auto"),
+                          t.size, call.nbytes, where=t.where, offers=t.offers,
                           measured=self.measured, user_op=user_op,
                           deterministic=t.rank_order, regions=self.regions)
             plan = None if algo.run is not None else t.plan(algo, call)
             if len(self._plans) >= 4096:
                 self._plans.clear()
             hit = self._plans[key] = [algo, plan, False]
-        teach = teaching and not background and not hit[2]  # (the fast path: blocking calls)
+        teach = teaching and not hit[2]
         if teaching:
             hit[2] = True
         return hit[0], hit[1], teach

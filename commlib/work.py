@@ -149,15 +149,24 @@ def wait_request(request: MPI.Request, deadline: Deadline, waiting_for: str,
     non-blocking operation progresses only while MPI is called, so this polls back to
     back (as MPI's own blocking wait spins), letting other threads run in between. On
     expiry the request is abandoned with ``keep`` (its buffers; a receive is cancelled
-    first, a send, ``cancel=False``, not), and CommTimeoutError names ``waiting_for``."""
-    polls = 0
+    first, a send, ``cancel=False``, not), and CommTimeoutError names ``waiting_for``.
+    Off the main thread (an async call's, beside the caller's compute) it naps between
+    polls after the first 64, 10 us doubling to 100 us: back to back, an async 16 MiB
+    all_reduce's polls at 1 Gbit/s took 72% of the core the caller computed on; 100 us
+    of a 1 Gbit/s link is 12 KB, less than the sockets hold."""
+    polls, nap = 0, 1e-5
+    beside = threading.current_thread() is not threading.main_thread()
     while not request.Test(status):
         polls += 1
         if polls % 64 == 0 and deadline.expired():
             _abandon(request, keep, cancel)
             raise CommTimeoutError(f"timed out after {deadline.seconds:g} s waiting for "
                                    f"{waiting_for}")
-        os.sched_yield()  # lets the GIL go (time.sleep(0) would nap for ~0.4 ms)
+        if beside and polls > 64:
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-4)
+        else:
+            os.sched_yield()  # lets the GIL go (time.sleep(0) would nap for ~0.4 ms)
 
 
 def keep_for_good(buffers) -> None:

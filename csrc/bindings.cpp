@@ -185,13 +185,13 @@ PYBIND11_MODULE(_C, m) {
                       "unlink_own(). Methods release the GIL; ptrs are raw addresses.")
       .def(py::init([](int rank, int size, int64_t slot_bytes, int64_t slots,
                        int64_t staging_bytes, int64_t spin, int64_t yields,
-                       int64_t background_spin) {
-             return new ShmComm(rank, size,
-                                {slot_bytes, slots, staging_bytes, spin, yields, background_spin});
+                       int64_t background_spin, int64_t background_yields) {
+             return new ShmComm(rank, size, {slot_bytes, slots, staging_bytes, spin, yields,
+                                             background_spin, background_yields});
            }),
            py::arg("rank"), py::arg("size"), py::arg("slot_bytes"), py::arg("slots"),
            py::arg("staging_bytes"), py::arg("spin"), py::arg("yields"),
-           py::arg("background_spin") = 0)
+           py::arg("background_spin") = 0, py::arg("background_yields") = 0)
       .def_property_readonly("name", &ShmComm::name)
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("size", &ShmComm::size)
@@ -212,6 +212,8 @@ PYBIND11_MODULE(_C, m) {
       .def("abort", &ShmComm::abort)
       .def("all_reduce", &ShmComm::all_reduce, py::arg("buf"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("phases"), nogil())
+      .def("all_reduce_phase_in_place", &ShmComm::all_reduce_phase_in_place, py::arg("buf"),
+           py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("phase"), nogil())
       .def("direct", &ShmComm::direct, py::arg("collective"), py::arg("out"), py::arg("in"),
            py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
            py::arg("in_splits"), py::arg("out_splits"), nogil())

@@ -418,9 +418,8 @@ void NetComm::check_rows(int64_t itemsize, bool splits) {
   for (auto& link : links_) {
     if (!link) continue;
     for (Outgoing& o : link->out) {
-      const int64_t from = std::max<int64_t>(0, o.done - kHeaderBytes);
-      o.kept.assign(o.data + from, o.data + o.header.bytes);
-      o.data = o.kept.data() - from;
+      o.kept.assign(o.data, o.data + o.header.bytes);  // (whole, sent part too: rare)
+      o.data = o.kept.data();
     }
     link->stale = true;
   }

@@ -114,6 +114,9 @@ struct Config {
   // polls before yielding on a thread other than the process's main one (an async call's):
   // 0 where a rank has no second core, so that its main thread's compute keeps its core
   int64_t background_spin;
+  // sched_yield()s there: 0 where a rank has no second core, for each yield beside compute
+  // gives it a whole time slice (16 MiB's host stage beside a matmul: 10 -> 125 ms)
+  int64_t background_yields;
 };
 
 // Whether at most a quarter of [addr, addr + nbytes) lies on base pages (absent ones
@@ -174,6 +177,11 @@ class ShmComm : public FastTransport {
                 const std::vector<int64_t>& out_splits = {}, const int64_t* otherwise = nullptr,
                 int64_t otherwise_len = 0, int64_t tmp_bytes = 0, bool only_regions = false);
   std::string probe_one_copy();
+  // hier's host stages of an all_reduce (shm_one_copy.cpp), phase 1 (each rank reduces its
+  // block from the peers' buffers) and 2 (after the cross stage, each reads the others'
+  // blocks from their owners), read in place whatever the pages: three meetings in all,
+  // where direct's phases meet twice per staging piece.
+  void all_reduce_phase_in_place(uintptr_t buf, int64_t count, int dtype, int op, int phase);
   // calls so far that read peers' buffers where they lie (one_copy's, all_to_all's rest)
   uint64_t calls_read_in_place() const { return calls_read_in_place_; }
   // The collectives (a bit per Collective code) whose buffers on base (4 KiB) pages are
@@ -285,11 +293,13 @@ class ShmComm : public FastTransport {
   // wait (a peer still computing) from burning a core.
   template <class Cond, class Watched>
   void wait(Cond ready, Watched watched) {
-    const int64_t spin = on_main_thread() ? config_.spin : config_.background_spin;
+    const bool main = on_main_thread();
+    const int64_t spin = main ? config_.spin : config_.background_spin;
+    const int64_t yields = main ? config_.yields : config_.background_yields;
     for (int64_t i = 0; !ready(); ++i) {
       if (i < spin) {
         cpu_relax();
-      } else if (i < spin + config_.yields) {
+      } else if (i < spin + yields) {
         yield();
       } else {
         uint32_t seen = prepare_nap();

@@ -358,6 +358,35 @@ void ShmComm::one_copy(int64_t collective, uintptr_t out, uintptr_t in, int64_t 
     direct(collective, out, in, count, dtype, op, root, in_splits, out_splits);
 }
 
+void ShmComm::all_reduce_phase_in_place(uintptr_t buf, int64_t count, int dtype, int op,
+                                        int phase) {
+  if (!one_copy_ok_)
+    throw std::invalid_argument("one-copy collectives are unavailable here (probe_one_copy)");
+  if (phase != 1 && phase != 2) throw std::invalid_argument("phase must be 1 or 2");
+  const int64_t isz = itemsize(dtype);
+  char* base = reinterpret_cast<char*>(buf);
+  std::lock_guard<std::mutex> lock(mutex_);
+  begin({{ALL_REDUCE, kOneCopy, count, dtype, op, kNone, phase, 0}});
+  if (size_ == 1 || count == 0) return;
+  auto [mine, n] = block(count, size_, rank_);
+  if (phase == 1) {
+    // No meeting at the end: until phase 2's first, each rank writes only its own block,
+    // which no peer reads before then.
+    expose(buf, buf);
+    meet();
+    reduce_from_peers(base + mine * isz, base + mine * isz, mine, n, dtype, op,
+                      &Exposed::out);
+    return;
+  }
+  meet();  // every block reduced by its owner and through the stage between
+  for (int j = 0; j < size_; ++j) {
+    auto [first, m] = block(count, size_, j);
+    if (j != rank_) read_peer(j, base + first * isz, &Exposed::out, first * isz, m * isz);
+  }
+  count_sent(uint64_t(n * isz) * (size_ - 1));
+  meet();  // no rank leaves (and changes its buffer) while a peer reads it
+}
+
 bool ShmComm::read_in_place(int64_t collective, uintptr_t out, uintptr_t in, int64_t count,
                             int dtype, int op, int64_t root,
                             const std::vector<int64_t>& in_splits,

@@ -375,30 +375,3 @@ def test_a_link_near_a_class_boundary_takes_a_neighbours_table(monkeypatch):
             {k: v for k, v in layouts[2].items() if k != "link"}
     world.allgather = lambda value: ["host1", "host1"]  # one host: no link in the layout
     assert [("link" in lay) for lay in tuning._layouts(comm, transport)] == [False]
-
-
-def test_an_async_call_over_net_takes_what_its_proxy_progresses():
-    """Over net, MPI's own collectives move only while polled: an async call's auto choice
-    passes them over (its proxy would spin on the core the caller computes on), a blocking
-    call's takes them where the table says they are fastest, and a request is honoured."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from commlib.call import make
-    from commlib.select import Choice
-    from commlib.transports.net import NetTransport
-    from commlib.tuning import Table
-
-    transport = SimpleNamespace(size=2, rank=0, rank_order=False, where=Where("net", cross="net"),
-                                offers=frozenset({"mpi", "schedules", "eager"}),
-                                plan=lambda algo, call: None)
-    transport.background_offers = lambda: NetTransport.background_offers(transport)
-    choice = Choice(transport)
-    choice.use(Table({"all_reduce": {"native": [[1 << 20, 1.0]], "ring": [[1 << 20, 2.0]],
-                                     "rhd": [[1 << 20, 3.0]], "tree": [[1 << 20, 4.0]]}}))
-    call = make("all_reduce", 2, 0, np.zeros(1 << 18, np.float32), op="sum")
-    assert choice(call)[0].name == "native"
-    assert choice(call, background=True)[0].name == "ring"
-    assert choice(call, "native", background=True)[0].name == "native"
-    assert choice(call, teaching=True, background=True)[2] is False  # (the fast path: sync)

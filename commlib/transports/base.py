@@ -103,11 +103,6 @@ class Transport:
         """A C++ fast path for this transport's calls (commlib/fast_path.py), or None."""
         return None
 
-    def background_offers(self) -> frozenset:
-        """What an async call's auto choice may take: ``offers``, less what would keep the
-        thread that progresses it beside the caller's compute from sleeping."""
-        return self.offers
-
     def device_offers(self) -> frozenset:
         """What calls on GPU arrays may use here beyond ``offers`` (a CUDA-aware MPI)."""
         return frozenset()

@@ -93,12 +93,6 @@ class NetTransport(MpiTransport):
     def make_agreement(self, world) -> Links:
         return Links(world)
 
-    def background_offers(self) -> frozenset:
-        # MPI's own collectives move only while polled: async, the proxy would spin on the
-        # core the caller computes on (its 16 MiB all_reduce at 1 Gbit/s took the whole
-        # core, where a plan sleeps in poll() between the link's wake-ups)
-        return self.offers - {"mpi"}
-
     def barrier(self) -> None:  # (an exchange of rows is a barrier, checked or not)
         self.agree(descriptor("barrier", "native", 0, NONE, NONE, NONE))
 

@@ -33,7 +33,9 @@ class ShmTransport(Transport):
 
     def __init__(self, world):
         super().__init__(world)
-        self.shm = _set_up(world, world.cores_each())  # the C++ ShmComm
+        # (the fewest cores any rank has: every rank sees the same)
+        self.cores_each = min(world.allgather(world.cores_each()))
+        self.shm = _set_up(world, self.cores_each)  # the C++ ShmComm
         self.timeout = self.shm.timeout
         self.memory = SharedHostMemory(self.shm, world)  # Communicator.empty's
         one_copy = _probe_one_copy(world, self.shm)
@@ -113,8 +115,19 @@ class ShmTransport(Transport):
         self.shm.one_copy(*_arguments(call), steps, tmp, only_regions)
 
     def all_reduce_phase(self, call, phase: int) -> None:
-        """The direct all_reduce's reduce-scatter (1) or all-gather (2) alone (hier)."""
-        self.shm.all_reduce(call.out.ptr, call.out.numel, call.dtype.code, call.op_code, phase)
+        """An all_reduce's reduce-scatter (1) or all-gather (2) alone (hier's host stages).
+        Direct's meet twice per staging piece (2 per 256 KiB at 2 ranks), each meeting a
+        wait for a peer's thread to get a core; where the host's ranks outnumber its cores
+        each costs a scheduler's turn, and beside compute a long one (2 hosts of 1 core x
+        2 ranks, an async 16 MiB beside a matmul: phase 1 took 50-125 ms, alone 10). There,
+        where one_copy can run, the phases read the peers' buffers in place: three
+        meetings in all (1-20 ms beside the matmul; blocking calls as fast either way).
+        ``cores_each`` is agreed: every host-mate runs the same phases."""
+        args = call.out.ptr, call.out.numel, call.dtype.code, call.op_code, phase
+        if "one_copy" in self.offers and self.cores_each < 1:
+            self.shm.all_reduce_phase_in_place(*args)
+        else:
+            self.shm.all_reduce(*args)
 
     def fast_path(self, **kwargs):
         if os.environ.get("COMMLIB_FAST_PATH", "1") == "0":
@@ -149,13 +162,14 @@ def _set_up(group, cores_each: float):
     # Spinning on a core that a peer needs only delays it: no spinning when ranks
     # outnumber cores. Nor, where each has one core, in an async call's background
     # thread: the main thread's compute needs that core (DDP at 2 ranks on 2 cores:
-    # steps 7-9% shorter; blocking calls on the main thread spin as before).
-    cores_each = min(group.allgather(cores_each))
+    # steps 7-9% shorter; blocking calls on the main thread spin as before). Nor yielding
+    # there: each yield beside the compute gives it a whole time slice; it sleeps at once.
     spin = 0 if cores_each < 1 else int(os.environ.get("COMMLIB_SHM_SPIN", 20_000))
     shm, error = None, None
     try:
         shm = _C.ShmComm(rank, size, spin=spin, yields=200,
-                         background_spin=spin if cores_each >= 2 else 0, **config)
+                         background_spin=spin if cores_each >= 2 else 0,
+                         background_yields=200 if cores_each >= 2 else 0, **config)
     except (RuntimeError, ValueError) as e:
         error = e
     try:
