@@ -95,7 +95,7 @@ class Dispatcher:
         if teach and self.fast is not None:
             staged = algo.otherwise and t.plan(algo.otherwise, call)  # (one_copy's: pages.py)
             self.fast.learn(call, algorithm, algo, plan, staged)
-        if t.submits(algo) and self.failure is None:
+        if t.submits(algo, call) and self.failure is None:
             return self._submit(call, algo, plan, seconds, async_op, result)
         return self.engine.run(collective, self._task(call, algo, plan, seconds), async_op,
                                result)

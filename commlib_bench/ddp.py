@@ -1,6 +1,7 @@
 """DDP (and FSDP2) step time, commlib backend vs gloo, in one run on the same data.
 
     mpiexec -n 2 python -m commlib_bench.ddp [--rounds 5] [--steps 10] [--batch 32] [--fsdp]
+                                             [--compress int8,bf16]
     python -m commlib_bench.ddp --hosts 2 --link 1gbit      # across 2 namespace hosts (root)
 
 A ~25M-parameter MLP is wrapped three times from the same initial weights: commlib, gloo,
@@ -13,7 +14,9 @@ both alike; each step is forward, backward (with DDP's bucket all-reduces) and a
 update. Step time is the slowest rank's, as DDP waits for all; we report the median.
 Last, DDP's buckets as it built them are all-reduced alone on each backend, each just
 written: added to the step that communicates nothing, they foretell the ratio (where it
-misses, the communication is what to look at, not the overlap).
+misses, the communication is what to look at, not the overlap). ``--compress`` adds DDP
+through commlib's compressed hook (commlib/torch_compression.py) in each format, and
+torch's own fp16 and PowerSGD hooks on gloo, with the bytes a step sends.
 """
 import argparse
 import statistics
@@ -61,6 +64,37 @@ def fsdp2(model: nn.Module, group) -> nn.Module:
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
     return fully_shard(model, mesh=mesh)
+
+
+def add_compressed(models: dict, groups: dict, formats: list) -> dict:
+    """DDP through commlib's compressed hook in each of ``formats``, and torch's fp16 and
+    PowerSGD hooks on gloo beside them, added to ``models``; returns the hooks' states."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from commlib.torch_compression import CompressedBuckets, compressed_hook
+    states = {}
+    for fmt in formats:
+        name = f"commlib {fmt}+ef"
+        groups[name] = groups["commlib"]
+        ddp = DDP(mlp(), process_group=groups[name])
+        states[name] = CompressedBuckets(groups[name], fmt)
+        ddp.register_comm_hook(states[name], compressed_hook)
+        models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    if formats:
+        gloo = groups["gloo"]
+        # (PowerSGD in one bucket: its second all-reduce, issued from the first's callback
+        # on gloo's threads, went out in another order on each rank with several buckets,
+        # and gloo aborted on the mismatch)
+        for name, state, hook, cap in [
+                ("torch fp16 (gloo)", gloo, default_hooks.fp16_compress_hook, 25),
+                ("torch powersgd (gloo)", powerSGD_hook.PowerSGDState(
+                    process_group=gloo, matrix_approximation_rank=4, start_powerSGD_iter=2),
+                 powerSGD_hook.powerSGD_hook, 1024)]:
+            groups[name] = gloo
+            ddp = DDP(mlp(), process_group=gloo, bucket_cap_mb=cap)
+            ddp.register_comm_hook(state, hook)
+            models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    return states
 
 
 def buckets_alone(sizes, group, rounds) -> float:
@@ -133,6 +167,11 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 on both backends too")
+    parser.add_argument("--compress", default="", metavar="FORMATS",
+                        help="wire formats (commlib/compressed.py: bf16, fp16, int8, fp8_e4m3, "
+                             "fp8_e5m2), comma-separated: DDP through commlib's compressed "
+                             "hook with error feedback in each, beside torch's fp16 and "
+                             "PowerSGD (rank 4, error feedback) hooks on gloo")
     add_host_arguments(parser)
     args = parser.parse_args()
     if args.hosts:
@@ -149,6 +188,7 @@ def main():
         if name == "hooked":
             ddp.register_comm_hook(RegisteredBuckets(group), zero_copy_hook)
         models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    compressed = add_compressed(models, groups, [f for f in args.compress.split(",") if f])
     for backend in ("commlib", "gloo") if args.fsdp else ():
         name = f"fsdp2 {backend}"
         groups[name] = groups[backend]
@@ -219,6 +259,17 @@ def main():
         if args.fsdp:
             print(f"  FSDP2 commlib / gloo step time: "
                   f"{med['fsdp2 commlib'] / med['fsdp2 gloo']:.2f}")
+        steps = 3 + args.rounds * args.steps
+        for name, state in compressed.items():
+            print(f"  {name}: step / DDP communicating nothing "
+                  f"{med[name] / med['ddp, no comm']:.2f}, / gloo {med[name] / med['gloo']:.2f}"
+                  f"; {state.bytes_sent / steps / 2**20:.2f} MiB sent a step by rank 0 "
+                  f"(uncompressed {4 * params / 2**20:.1f} MiB of gradients)")
+        for name in ("torch fp16 (gloo)", "torch powersgd (gloo)"):
+            if name in med:
+                print(f"  {name}: step / DDP communicating nothing "
+                      f"{med[name] / med['ddp, no comm']:.2f}, / gloo "
+                      f"{med[name] / med['gloo']:.2f}")
     dist.destroy_process_group()
 
 

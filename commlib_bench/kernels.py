@@ -8,7 +8,8 @@ interleaved samples; small arrays run many calls per sample so timer overhead
 stays small.
 "x numpy" is numpy's time / this row's time (>1 means faster than numpy);
 "% copy" is this row's GB/s relative to _C.copy on the same size. "copy+16" copies to a
-destination 16 bytes past the source modulo 4 KiB (see csrc/kernels.cpp's copy).
+destination 16 bytes past the source modulo 4 KiB (see csrc/kernels.cpp's copy). The wire
+rows are the compressed collectives' kernels (commlib/compressed.py).
 """
 import statistics
 import time
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 from commlib import _C
+from commlib.compressed import Wire
 
 SUM = _C.OPS["sum"]
 
@@ -69,6 +71,7 @@ def bench_size(nbytes_per_array, reps):
         ("bf16 sum _C.reduce_into",
          lambda: _C.reduce_into(pbb, pba, 2 * n, _C.DTYPES["bfloat16"], SUM),
          2 * n, 3 * nb, None),
+        *wire_rows(a, b),
     ]
     times = dict(zip([r[0] for r in rows], median_seconds([r[1] for r in rows], nb, reps)))
     copy_gbs = 2 * nb / times["copy     _C.copy"] / 1e9
@@ -79,6 +82,30 @@ def bench_size(nbytes_per_array, reps):
         vs_np = f"{times[base] / t:7.2f}" if base else "      -"
         print(f"{size:>7} | {name:<24} | {t * 1e6:10.1f} | {gbs:7.1f} | {elems / t / 1e9:7.2f} | "
               f"{vs_np} | {100 * gbs / copy_gbs:6.0f}%")
+
+
+def wire_rows(data, residual):
+    """The compressed collectives' kernels (csrc/wire.h) on float32 ``data``: encoding
+    with error feedback (reads data and residual, writes residual and packet), and the
+    owner's step of an all_reduce, two packets decoded, summed and encoded again with its
+    residual (reads the packets and the residual, writes both); bytes as they move."""
+    rows = []
+    n = data.size
+    for fmt in ("bf16", "int8", "fp8_e4m3"):
+        wire = Wire(fmt, 64)
+        packets = [wire.encode(data) for _ in range(2)]
+        total = np.empty(n, np.float32)
+        p = wire.packet_bytes(n)
+        pd, pr, pt = data.ctypes.data, residual.ctypes.data, total.ctypes.data
+        pp = [x.ctypes.data for x in packets]
+        rows += [
+            (f"{fmt:<8} encode+ef", lambda pd=pd, pr=pr, w=wire, out=pp[0]: _C.wire_encode(
+                pd, pr, out, n, w.code, w.block), n, 12 * n + p, None),
+            (f"{fmt:<8} sum2+encode", lambda w=wire, pp=pp, pt=pt, pr=pr: (
+                _C.wire_decode_sum(pt, pp, n, w.code, w.block, 1.0),
+                _C.wire_encode(pt, pr, pp[0], n, w.code, w.block)), n, 3 * p + 16 * n, None),
+        ]
+    return rows
 
 
 def add_arguments(p):

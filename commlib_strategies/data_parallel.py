@@ -18,6 +18,10 @@ On GPUs whose ranks share a host, each bucket is registered with the group
 directly (zero-copy), with no copy through the IPC workspace. Host buckets of ranks that
 share memory live in memory every rank maps (Communicator.empty), and their all-reduce
 (one_copy) reads the peers' buckets in place, with no copy through staging.
+
+With ``compress`` (a wire format: commlib/compressed.py) each bucket's all-reduce carries
+its gradients in that format, with an error feedback per bucket (``error_feedback``), on
+a thread of its own so that backward goes on meanwhile: float32 buckets on the CPU.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from contextlib import contextmanager
 import torch
 
 import commlib
+from commlib import compressed
 
 
 class _Bucket:
@@ -55,8 +60,19 @@ class _Bucket:
 class DataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group: commlib.Communicator,
                  bucket_bytes: int = 25 << 20, register_buckets: bool = True,
-                 first_bucket_bytes: int = 1 << 20):
+                 first_bucket_bytes: int = 1 << 20, compress=None,
+                 error_feedback: bool = True):
         super().__init__()
+        self.wire = None if compress is None else compressed.as_wire(compress)
+        self.error_feedback = error_feedback
+        if self.wire is not None:
+            for p in module.parameters():
+                if p.requires_grad and (p.dtype != torch.float32 or p.device.type != "cpu"):
+                    raise TypeError(f"DataParallel(compress={self.wire.format!r}) compresses "
+                                    f"float32 gradients on the CPU, not {p.dtype} on "
+                                    f"{p.device}: keep the model in float32 on the CPU, or "
+                                    f"leave compress out")
+            self.background = compressed.Background()
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if first_bucket_bytes <= 0:
@@ -86,9 +102,20 @@ class DataParallel(torch.nn.Module):
         self.buckets = _make_buckets(params, self.bucket_bytes, self.first_bucket_bytes,
                                      self.group)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        # the compressed calls' own communicator (their thread's calls must not meet the
+        # group's others), and an error feedback per bucket (a new group, new buckets:
+        # they start afresh)
+        self.compressed_group = self.group.dup() if self.wire is not None else None
+        self.feedback = [compressed.ErrorFeedback() if self.error_feedback else None
+                         for _ in self.buckets]
         self.registered = _register(self.group, self.buckets) if self.register_buckets else []
         self._pending = False  # this backward has hooked, and will finish at its end
         self._next_launch = 0
+
+    @property
+    def own_groups(self) -> list:
+        """The communicators it made (the compressed calls'): their traffic is its too."""
+        return [] if self.compressed_group is None else [self.compressed_group]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -128,8 +155,13 @@ class DataParallel(torch.nn.Module):
                         bucket.view(p).zero_()
             elif until_incomplete:
                 self.launched_during_backward += 1
-            bucket.work = self.group.all_reduce(bucket.flat, op="avg", async_op=True,
-                                                algorithm=bucket.algorithm)
+            if self.wire is not None:
+                bucket.work = self.background.submit(
+                    compressed.all_reduce, self.compressed_group, bucket.flat, self.wire,
+                    self.feedback[self._next_launch], op="avg")
+            else:
+                bucket.work = self.group.all_reduce(bucket.flat, op="avg", async_op=True,
+                                                    algorithm=bucket.algorithm)
             self._next_launch += 1
 
     def _finish(self):

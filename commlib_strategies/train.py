@@ -49,6 +49,7 @@ import time
 import torch
 
 import commlib
+from commlib.compressed import FORMATS
 from commlib.testing import across_hosts, add_host_arguments
 from commlib.trace import busy_seconds, keep_calls, own_cpu_seconds, region
 from commlib_strategies import accounting
@@ -90,6 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="gradient bucket size of plain data parallelism, MB (default: "
                              "an eighth of the gradients, at most DDP's 25: with one bucket "
                              "most of them, nothing is left to communicate during backward)")
+    layout.add_argument("--compress", metavar="FORMAT", choices=sorted(FORMATS),
+                        help="data parallelism's gradients (ZeRO's reduce-scatter too) "
+                             "carried in a wire format with error feedback "
+                             "(commlib/compressed.py: " + ", ".join(FORMATS) +
+                             "; float32 on the CPU)")
+    layout.add_argument("--no-feedback", action="store_true",
+                        help="--compress without error feedback (what encoding loses is lost)")
     layout.add_argument("--sp", choices=SEQUENCE_KINDS,
                         help="sequence parallelism: megatron (on the tp ranks), ulysses or "
                              "ring attention (on the cp ranks)")
@@ -150,6 +158,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--save-every needs --save-dir")
     if args.resume == "" and not args.save_dir:
         p.error("--resume without PATH resumes from --save-dir: give one of them")
+    if args.compress and (args.pp > 1 or args.experts or args.bf16 or args.device != "cpu"):
+        p.error("--compress compresses data parallelism's (and ZeRO's) float32 gradients on "
+                "the CPU (no --pp, --experts, --bf16 or --device cuda with it yet)")
+    if args.no_feedback and not args.compress:
+        p.error("--no-feedback is --compress's: give a format")
     if args.bf16 and args.zero == 0:
         p.error("--bf16 keeps fp32 master weights in ZeRO's optimizer shards: add --zero 1, 2 or 3")
     if args.config:
@@ -285,13 +298,16 @@ class Trainer:
             # stages 1 and 2 gather the new parameters during the next forward
             self.zero = ZeRO(model, stage=layout.zero, optimizer=adamw,
                              reduce_in_backward=layout.pp == 1,
-                             gather_ahead=layout.zero < 3, **groups)
+                             gather_ahead=layout.zero < 3, compress=args.compress,
+                             error_feedback=not args.no_feedback, **groups)
             self.optimizer = self.zero.optimizer
         else:
             if layout.pp == 1 and not layout.experts:
                 # its hooks average the gradients during backward
                 self.data_parallel = DataParallel(model, mesh.group("dp"),
-                                                  bucket_bytes=bucket_bytes(model, args))
+                                                  bucket_bytes=bucket_bytes(model, args),
+                                                  compress=args.compress,
+                                                  error_feedback=not args.no_feedback)
             self.optimizer = adamw(model.parameters())
         if layout.pp > 1:
             # gradients over dp: averaged by the pipeline, or reduce-scattered by ZeRO (2 and
@@ -312,7 +328,9 @@ class Trainer:
         return self.model.named_parameters()
 
     def bytes_sent(self) -> int:
-        return sum(self.mesh.group(d).bytes_sent for d in DIMS)
+        wrappers = [w for w in (self.zero, getattr(self, "data_parallel", None)) if w]
+        return sum(self.mesh.group(d).bytes_sent for d in DIMS) + sum(
+            g.bytes_sent for w in wrappers for g in w.own_groups)
 
     def _local_batch(self, step: int):
         x, y = self.data.batch(step, self.args.batch, self.args.seq_len)

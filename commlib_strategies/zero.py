@@ -30,6 +30,12 @@ optimizer sees (any torch optimizer), so its state exists for 1/n of the model.
 Traffic per step: stages 1 and 2 reduce-scatter and all-gather the model once each (2x its
 size), stage 3 all-gathers it twice and reduce-scatters it once (3x).
 
+With ``compress`` (a wire format: commlib/compressed.py) each unit's gradients are
+reduce-scattered in that format, as ZeRO++'s qgZ does, with an error feedback per unit
+(unless ``error_feedback`` is False),
+on a thread of their own so that backward goes on meanwhile (float32 units on the CPU);
+parameters travel uncompressed.
+
 Where several backward passes accumulate into one step's gradients and only the caller knows
 when a unit's are final (a pipeline: every microbatch runs its own backward, split into
 pieces), ``reduce_in_backward=False`` turns the backward hooks off: the caller
@@ -46,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 import commlib
+from commlib import compressed
 
 
 def default_units(model: nn.Module) -> list:
@@ -171,8 +178,11 @@ class ZeRO(nn.Module):
 
     def __init__(self, module: nn.Module, group: commlib.Communicator, stage: int, optimizer,
                  units: list | None = None, reduce_in_backward: bool = True,
-                 unit_groups: dict | None = None, gather_ahead: bool = False):
+                 unit_groups: dict | None = None, gather_ahead: bool = False,
+                 compress=None, error_feedback: bool = True):
         super().__init__()
+        self.wire = None if compress is None else compressed.as_wire(compress)
+        self.error_feedback = error_feedback
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         if gather_ahead and stage == 3:
@@ -198,6 +208,20 @@ class ZeRO(nn.Module):
             raise ValueError(f"ZeRO: the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
                              "convert it to one (e.g. model.to(torch.bfloat16))")
         self.dtype = dtypes.pop() if dtypes else torch.float32
+        if self.wire is not None:
+            if self.dtype != torch.float32 or any(
+                    u.device.type != "cpu" for u in self.units if u.params):
+                raise TypeError(f"ZeRO(compress={self.wire.format!r}) compresses float32 "
+                                f"gradients on the CPU, not {self.dtype}: keep the model in "
+                                f"float32 on the CPU, or leave compress out")
+            self.background = compressed.Background()
+            self.feedback: dict = {}  # unit -> ErrorFeedback
+            # the compressed calls' own communicators (their thread's calls must not meet
+            # the gathers stage 3 issues meanwhile), one per group, made in unit order
+            self.compressed_groups: dict = {}
+            for u in self.units:
+                if id(u.group) not in self.compressed_groups:
+                    self.compressed_groups[id(u.group)] = u.group.dup()
         devices = {u.device for u in self.units if u.params}
         if len(devices) > 1:
             raise ValueError(f"ZeRO: the model's parameters are on {sorted(map(str, devices))}; "
@@ -247,6 +271,17 @@ class ZeRO(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @property
+    def own_groups(self) -> list:
+        """The communicators it made (the compressed calls'): their traffic is its too."""
+        return list(self.compressed_groups.values()) if self.wire is not None else []
+
+    def _feedback(self, u: _Unit):
+        """``u``'s error feedback (none without ``error_feedback``)."""
+        if not self.error_feedback:
+            return None
+        return self.feedback.setdefault(u, compressed.ErrorFeedback())
 
     def _master_of(self, u: _Unit) -> torch.Tensor:
         return self.master.data[u.master_offset:u.master_offset + u.shard_numel]
@@ -338,7 +373,13 @@ class ZeRO(nn.Module):
         unit's parameters)."""
         flat = u.flatten([p.grad for p in u.params])
         shard = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
-        u.grad_work = (u.group.reduce_scatter(shard, flat, op="avg", async_op=True), shard)
+        if self.wire is None:
+            work = u.group.reduce_scatter(shard, flat, op="avg", async_op=True)
+        else:  # (flat stays referenced by the call until it ends)
+            work = self.background.submit(compressed.reduce_scatter,
+                                          self.compressed_groups[id(u.group)], shard, flat,
+                                          self.wire, self._feedback(u), op="avg")
+        u.grad_work = (work, shard)
         for p in u.params:
             if self.stage == 1 and p.grad is not None:
                 p.grad.zero_()  # (held, as stage 1 holds them: the next backward adds to 0)

@@ -33,6 +33,7 @@ void bind_fast_path(py::module_& m);     // fast_path.cpp
 void bind_mpi_exchange(py::module_& m);  // mpi_exchange.cpp
 void bind_eager(py::module_& m);         // eager.cpp
 void bind_gpu_proxy(py::module_& m);     // gpu_proxy.cpp
+void bind_wire(py::module_& m);          // wire.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -178,6 +179,7 @@ PYBIND11_MODULE(_C, m) {
   commlib::bind_mpi_exchange(m);
   commlib::bind_eager(m);
   commlib::bind_gpu_proxy(m);
+  commlib::bind_wire(m);
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm, commlib::FastTransport>(m, "ShmComm",
                       "Shared-memory transport among the ranks of one host (csrc/shm.h). Set-up: "
@@ -306,7 +308,7 @@ PYBIND11_MODULE(_C, m) {
              std::vector<int64_t> splits, int64_t itemsize,
              std::optional<py::array_t<int64_t, py::array::c_style>> plan, uintptr_t out,
              int64_t out_count, uintptr_t in, int64_t in_count, int op, int64_t tmp_bytes,
-             double scale, double timeout) -> py::object {
+             double scale, double timeout, bool native) -> py::object {
             if (desc.size() != commlib::kDescFields)
               throw std::invalid_argument("a descriptor has 8 fields");
             commlib::NetJob job;
@@ -315,7 +317,9 @@ PYBIND11_MODULE(_C, m) {
                         {in, in_count, dtype}, commlib::kNone, op, desc[commlib::ROOT],
                         desc[commlib::OP]};
             job.agree = agree, job.desc = std::move(desc), job.splits = std::move(splits);
-            job.itemsize = itemsize, job.eager = !plan, job.tmp_bytes = tmp_bytes;
+            job.itemsize = itemsize, job.eager = !plan && !native, job.native = native;
+            job.tmp_bytes = tmp_bytes;
+            if (native && !c.takes_native(job.call)) return py::none();
             job.scale = scale, job.timeout = timeout;
             if (plan) job.plan = plan->data(), job.words = plan->size();
             if (!now) return py::int_(c.submit(std::move(job)));
@@ -329,10 +333,23 @@ PYBIND11_MODULE(_C, m) {
           py::arg("now"), py::arg("agree"), py::arg("descriptor"), py::arg("splits"),
           py::arg("itemsize"), py::arg("plan"), py::arg("out"), py::arg("out_count"),
           py::arg("inp"), py::arg("in_count"), py::arg("op"), py::arg("tmp_bytes"),
-          py::arg("scale"), py::arg("timeout"),
-          "A whole call (net.h's job; no plan: eager): for the proxy's thread, its ticket at "
-          "once (the caller keeps the plan and the buffers alive until it is done); or, "
-          "`now`, run on this thread: when it ran.")
+          py::arg("scale"), py::arg("timeout"), py::arg("native") = false,
+          "A whole call (net.h's job; no plan: eager, or `native`: MPI's own collective): "
+          "for the proxy's thread, its ticket at once (the caller keeps the plan and the "
+          "buffers alive until it is done); or, `now`, run on this thread: when it ran. "
+          "None where a native job is one MPI's collective cannot take.")
+      .def(
+          "takes_native",
+          [](NetComm& c, int64_t collective, int dtype, int op, int64_t out_count,
+             int64_t in_count) {
+            commlib::FastCall call{};
+            call.collective = int(collective), call.op = op;
+            call.out = {0, out_count, dtype}, call.in = {0, in_count, dtype};
+            return c.takes_native(call);
+          },
+          py::arg("collective"), py::arg("dtype"), py::arg("op"), py::arg("out_count"),
+          py::arg("in_count"),
+          "Whether a job of MPI's own collective (submit's `native`) can run this call.")
       .def("done", &NetComm::done, py::arg("ticket"), nogil())
       .def("settle", &NetComm::settle, py::arg("ticket"), py::arg("seconds"), nogil(),
            "Sleep until the job is done (True), or `seconds` pass (negative: no limit).")

@@ -116,7 +116,7 @@ void MpiNative::start(const FastCall& c, int rank, int size, void* result) {
                     "failed to start (error " + std::to_string(code) + ")");
 }
 
-uint64_t MpiNative::run(const FastCall& c, int rank, int size, double timeout) {
+uint64_t MpiNative::run(const FastCall& c, int rank, int size, double timeout, bool nap) {
   const uint64_t width = itemsize(c.out.dtype), n = uint64_t(size);
   // MPI's in-place reduce_scatter leaves the result at the front, not in block r: where the
   // output lies in the input, the result comes apart, then is copied (as native.py does)
@@ -128,7 +128,7 @@ uint64_t MpiNative::run(const FastCall& c, int rank, int size, double timeout) {
   else
     start<uint64_t>(c, rank, size, result);
   try {
-    wait(timeout);
+    wait(timeout, nap);
   } catch (const TimeoutError&) {
     if (apart) new std::vector<char>(std::move(result_));  // MPI may still write it: kept
     throw;
@@ -143,7 +143,7 @@ uint64_t MpiNative::run(const FastCall& c, int rank, int size, double timeout) {
   }
 }
 
-void MpiNative::wait(double timeout) {
+void MpiNative::wait(double timeout, bool nap) {
   const Test test = as<Test>(test_);
   const bool done = poll_until([&] {
     int finished = 0;
@@ -151,7 +151,7 @@ void MpiNative::wait(double timeout) {
       throw PeerError("MPI_Test failed inside MPI's own collective (error " +
                       std::to_string(code) + ")");
     return finished != 0;
-  }, timeout);
+  }, timeout, nap);
   if (!done)
     throw TimeoutError("timed out after " + seconds_text(timeout) + " s waiting for its "
                        "peers inside MPI's collective (MPI does not say which)");

@@ -264,6 +264,14 @@ void NetComm::execute(const NetJob& job) {
   const FastCall& c = job.call;
   if (job.eager) {
     eager_rows(job.desc, c, job.timeout);
+  } else if (job.native) {  // (the proxy polls it with naps: poll_until)
+    if (!takes_native(c)) throw std::logic_error("a native job MPI's collective cannot take");
+    if (job.agree) {
+      std::copy(job.desc.begin(), job.desc.end(), row(rank_));
+      std::copy(job.splits.begin(), job.splits.end(), row(rank_) + kDescFields);
+      exchange_rows(header_, job.itemsize, !job.splits.empty(), job.timeout);
+    }
+    sent_ += native_->run(c, rank_, size_, job.timeout, background_);
   } else {
     if (job.agree) {
       std::copy(job.desc.begin(), job.desc.end(), row(rank_));

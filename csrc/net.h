@@ -55,6 +55,7 @@ struct NetJob {
   std::vector<int64_t> splits;   // all_to_all's bytes to and from each rank, or none
   int64_t itemsize = 1;
   bool eager = false;            // the data ride in the rows (else `plan` runs)
+  bool native = false;           // MPI's own collective runs after the rows (no plan)
   const int64_t* plan = nullptr; // (kept alive by the caller until the job is done)
   int64_t words = 0;
   FastCall call{};               // the buffers, count, dtype, op
@@ -106,6 +107,8 @@ class NetComm : public FastTransport {
 
   // MPI's own collectives for NATIVE entries (mpi_native.h), from now on.
   void use_native(std::unique_ptr<MpiNative> native) { native_ = std::move(native); }
+  // whether MPI's own collective can run `c` here (a job's `native`)
+  bool takes_native(const FastCall& c) const { return native_ && native_->takes(c, size_); }
   bool takes(const FastEntry& entry, const FastCall& call) const override;
   void run(const FastEntry& entry, const FastCall& call) override;
 

@@ -49,6 +49,13 @@ def test_collectives_numpy_on_virtual_hosts(n, per_host, env):
                 env={"COMMLIB_RANKS_PER_HOST": str(per_host), **env})
 
 
+@pytest.mark.parametrize("n", RANKS)
+def test_compressed_collectives(n):
+    """Every wire format's all_reduce, reduce_scatter and all_gather against a simulation
+    of every rank; error feedback across steps (tests/mpi/compressed.py)."""
+    run_checked(n, "tests/mpi/compressed.py", timeout=300)
+
+
 def test_collectives_numpy_with_small_staging():
     """Direct collectives cut into many pieces (4 KiB of staging: 640 bytes per peer in a piece
     of a 3-rank all_to_all), as on a host whose ranks get little shared memory."""

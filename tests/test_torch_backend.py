@@ -30,6 +30,13 @@ def test_ddp_and_fsdp2_train_like_gloo(n):
 
 
 @pytest.mark.parametrize("n", [1, 3])
+def test_compressed_ddp_hook(n):
+    """commlib.torch_compression: DDP through compressed all_reduces, every format."""
+    out = run_checked(n, "tests/mpi/torch_compressed.py", timeout=300)
+    print("\n".join(line for line in out.splitlines() if "loss gap" in line))
+
+
+@pytest.mark.parametrize("n", [1, 3])
 def test_init_paths(n):
     run_checked(n, "tests/mpi/torch_init.py")
 

@@ -135,9 +135,9 @@ class Transport:
         if call.scale:
             _C.scale(call.out.ptr, call.out.numel, call.dtype.code, call.scale)
 
-    def submits(self, algo) -> bool:
-        """Whether ``algo``'s calls run here as jobs of a thread of the transport's own
-        (submit), beside whatever the caller does."""
+    def submits(self, algo, call) -> bool:
+        """Whether ``call`` run by ``algo`` runs here as a job of a thread of the
+        transport's own (submit), beside whatever the caller does."""
         return False
 
     def submit(self, call, algo, plan, seconds: float, now: bool = False):

@@ -1,0 +1,256 @@
+"""Compressed collectives: float32 data carried in a wire format of fewer bytes
+(csrc/wire.h), summed in float32 at every step, never in the wire format, with error
+feedback.
+
+    wire      Wire(format, block): how the elements travel. "bf16", "fp16": 2 bytes each,
+              rounded to nearest-even; "int8", "fp8_e4m3", "fp8_e5m2": 1 byte each and a
+              float32 scale per block of 32, 64, 128 or 256 elements (the MX idea).
+    feedback  ErrorFeedback: what encoding lost, one per tensor, held by the caller and
+              added to that tensor's next call: a worker residual (this rank's data as it
+              sent them) and, for all_reduce, a server residual (the part this rank sums
+              and sends back), as DeepSpeed's 1-bit Adam keeps both. state_dict() and
+              load_state_dict() carry them through a checkpoint; reset() forgets them.
+
+    all_reduce      rank j's part of every rank's data goes to rank j encoded (all_to_all
+                    of packets); rank j decodes and sums them in rank order in float32,
+                    encodes the sum, and every rank gathers and decodes every part
+                    (all_gather of packets): 2 (n-1)/n of the packed bytes a rank, as a
+                    ring's reduce-scatter and all-gather send of the float32 ones. Every
+                    rank decodes the same packets: the results are equal bit for bit, and
+                    the same from run to run (deterministic mode's promise holds).
+    reduce_scatter  the first half: rank j's output is its block's float32 sum.
+    all_gather      each rank's encoded input, gathered and decoded.
+
+The sums are exact float32 sums of the decoded values; what a format loses is its
+rounding of each rank's data and (all_reduce) of the sum sent back. Ops: sum and avg.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _C
+
+FORMATS = dict(_C.WIRE_FORMATS)  # name -> code (csrc/wire.h)
+SCALED = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})
+BLOCKS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Wire:
+    """A wire format: ``format`` (FORMATS) and, for the scaled ones, ``block`` elements
+    per float32 scale."""
+    format: str
+    block: int = 64
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown wire format {self.format!r}; known: "
+                             f"{', '.join(FORMATS)}")
+        if self.format in SCALED and self.block not in BLOCKS:
+            raise ValueError(f"{self.format} takes a block of {', '.join(map(str, BLOCKS))} "
+                             f"elements per scale, not {self.block!r}")
+
+    @property
+    def code(self) -> int:
+        return FORMATS[self.format]
+
+    def packet_bytes(self, count: int) -> int:
+        """Bytes of ``count`` elements in this format, scales included."""
+        return _C.wire_packet_bytes(self.code, count, self.block)
+
+    def encode(self, data: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+        """``data`` (float32) as a packet; with ``residual``, data + residual is encoded
+        and the residual becomes what the packet lost."""
+        packet = np.empty(self.packet_bytes(data.size), np.uint8)
+        _C.wire_encode(data.ctypes.data, 0 if residual is None else residual.ctypes.data,
+                       packet.ctypes.data, data.size, self.code, self.block)
+        return packet
+
+    def decode_sum(self, out: np.ndarray, packets: list, factor: float = 1.0) -> None:
+        """``out`` (float32) <- ``factor`` x the sum of ``packets`` (addresses of packets
+        of out.size elements), in their order."""
+        _C.wire_decode_sum(out.ctypes.data, packets, out.size, self.code, self.block, factor)
+
+
+def as_wire(wire) -> Wire:
+    """A Wire, from one or its format's name."""
+    return wire if isinstance(wire, Wire) else Wire(wire)
+
+
+class ErrorFeedback:
+    """What a tensor's compressed calls lost, added to its next call (one per tensor)."""
+
+    def __init__(self):
+        self.worker: np.ndarray | None = None  # this rank's data, as encoded
+        self.server: np.ndarray | None = None  # the part this rank sums and sends back
+
+    def reset(self) -> None:
+        self.worker = self.server = None
+
+    def state_dict(self) -> dict:
+        return {k: None if v is None else v.copy()
+                for k, v in (("worker", self.worker), ("server", self.server))}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("worker", "server"):
+            value = state.get(name)
+            setattr(self, name, None if value is None else
+                    np.ascontiguousarray(value, np.float32).copy())
+
+    def residual(self, name: str, count: int, what: str) -> np.ndarray:
+        """The ``name`` residual for ``count`` elements (zeros at first)."""
+        held = getattr(self, name)
+        if held is None:
+            held = np.zeros(count, np.float32)
+            setattr(self, name, held)
+        elif held.dtype != np.float32 or held.size != count:
+            raise ValueError(f"{what}: this ErrorFeedback holds a {name} residual of "
+                             f"{held.size} {held.dtype} elements, the call needs {count} "
+                             f"float32: keep one ErrorFeedback per tensor (or reset() it)")
+        return held
+
+
+class Background:
+    """Compressed calls on one thread of their own, in the order submitted, so that the
+    caller computes while they are on the wire (they are made of blocking collectives).
+    Nothing else may call their communicator meanwhile: give them one of their own
+    (Communicator.dup), for calls on two threads would meet their peers in either order."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="commlib-compressed")
+
+    def submit(self, fn, *args, **kwargs) -> "Submitted":
+        return Submitted(self._pool.submit(fn, *args, **kwargs))
+
+
+class Submitted:
+    """A call on a Background's thread: wait() returns its result or raises its error."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self, timeout: float | None = None):
+        return self.future.result(timeout)
+
+
+def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str = "sum"):
+    """Sum (or average) ``data`` (float32, in place) over ``comm``'s ranks, carried as
+    ``wire``. Returns ``data``."""
+    wire, buf, factor = as_wire(wire), _float32(data, "all_reduce"), _factor(op, comm.size)
+    n, rank = comm.size, comm.rank
+    if n == 1:  # (nothing crosses a wire)
+        return data
+    parts = _parts(buf.size, n)
+    send, sizes = _encode_parts(wire, buf, parts, feedback and feedback.residual(
+        "worker", buf.size, "all_reduce"))
+    mine = sizes[rank]
+    got = np.empty(n * mine, np.uint8)
+    comm.all_to_all(got, send, [mine] * n, sizes)
+    start, count = parts[rank]
+    total = np.empty(count, np.float32)
+    wire.decode_sum(total, [got.ctypes.data + i * mine for i in range(n)], factor)
+    server = feedback and feedback.residual("server", count, "all_reduce")
+    width = max(sizes)  # (parts differ by an element at most: equal packets to gather)
+    packet = np.zeros(width, np.uint8)
+    _C.wire_encode(total.ctypes.data, 0 if server is None else server.ctypes.data,
+                   packet.ctypes.data, count, wire.code, wire.block)
+    gathered = np.empty(n * width, np.uint8)
+    comm.all_gather(gathered, packet)
+    for j, (start, count) in enumerate(parts):
+        if count:
+            wire.decode_sum(buf[start:start + count], [gathered.ctypes.data + j * width])
+    return data
+
+
+def reduce_scatter(comm, output, input, wire, feedback: ErrorFeedback | None = None,
+                   op: str = "sum"):
+    """output (float32, n elements) <- the sum (or average) over the ranks of block
+    ``rank`` of their ``input`` (n x size elements), carried as ``wire``."""
+    wire, factor, n = as_wire(wire), _factor(op, comm.size), comm.size
+    inp, out = _whole_and_block(input, output, n, "reduce_scatter", "input", "output")
+    parts = [(j * out.size, out.size) for j in range(n)]
+    send, sizes = _encode_parts(wire, inp, parts, feedback and feedback.residual(
+        "worker", inp.size, "reduce_scatter"))
+    size = sizes[0]
+    got = np.empty(n * size, np.uint8)
+    comm.all_to_all(got, send)
+    wire.decode_sum(out, [got.ctypes.data + i * size for i in range(n)], factor)
+    return output
+
+
+def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None = None):
+    """output (float32, n x size elements) <- every rank's ``input``, carried as ``wire``
+    (each rank's own block too: every rank holds the same values)."""
+    wire, n = as_wire(wire), comm.size
+    out, inp = _whole_and_block(output, input, n, "all_gather", "output", "input")
+    worker = feedback and feedback.residual("worker", inp.size, "all_gather")
+    packet = wire.encode(inp, worker)
+    gathered = np.empty(n * packet.size, np.uint8)
+    comm.all_gather(gathered, packet)
+    for j in range(n):
+        wire.decode_sum(out[j * inp.size:(j + 1) * inp.size],
+                        [gathered.ctypes.data + j * packet.size])
+    return output
+
+
+def _encode_parts(wire: Wire, buf: np.ndarray, parts: list, residual) -> tuple:
+    """(one array of every part's packet, in order; their sizes): ``parts`` (start,
+    count) of ``buf`` encoded each on its own, with ``residual``'s same parts."""
+    sizes = [wire.packet_bytes(count) for _, count in parts]
+    packets = np.empty(sum(sizes), np.uint8)
+    at = 0
+    for (start, count), size in zip(parts, sizes):
+        _C.wire_encode(buf.ctypes.data + 4 * start,
+                       0 if residual is None else residual.ctypes.data + 4 * start,
+                       packets.ctypes.data + at, count, wire.code, wire.block)
+        at += size
+    return packets, sizes
+
+
+def _whole_and_block(whole, block, n: int, what: str, whole_name: str, block_name: str):
+    """The two operands as float32 views (``block`` is written only by reduce_scatter),
+    ``whole`` holding ``n`` x ``block``'s elements."""
+    whole = _float32(whole, what, writable=whole_name == "output")
+    block = _float32(block, what, writable=block_name == "output")
+    if whole.size != n * block.size:
+        raise ValueError(f"compressed {what}: {whole_name} has {whole.size} elements, "
+                         f"needs {n} x the {block_name}'s {block.size}")
+    return whole, block
+
+
+def _parts(count: int, n: int) -> list[tuple[int, int]]:
+    base, extra = divmod(count, n)
+    return [(i * base + min(i, extra), base + (i < extra)) for i in range(n)]
+
+
+def _factor(op: str, n: int) -> float:
+    if op == "sum":
+        return 1.0
+    if op == "avg":
+        return 1.0 / n
+    raise ValueError(f"compressed collectives sum or average: op {op!r} cannot be "
+                     f"compressed; call the uncompressed collective for it")
+
+
+def _float32(data, what: str, writable: bool = True) -> np.ndarray:
+    """``data`` (a numpy array or a CPU torch tensor) as a flat float32 numpy view."""
+    if hasattr(data, "detach") and hasattr(data, "numpy"):  # torch
+        if getattr(data, "is_cuda", False):
+            raise TypeError(f"compressed {what}: CUDA tensors are not compressed yet; "
+                            f"pass a CPU tensor, or call the uncompressed collective")
+        data = data.detach().numpy()
+    if not isinstance(data, np.ndarray):
+        raise TypeError(f"compressed {what} takes a numpy array or a CPU torch tensor, "
+                        f"not {type(data).__name__}")
+    if data.dtype != np.float32:
+        raise TypeError(f"compressed {what} takes float32 data, not {data.dtype}: the wire "
+                        f"formats carry float32 (cast it, or call the uncompressed "
+                        f"collective)")
+    if not data.flags.c_contiguous:
+        raise ValueError(f"compressed {what} needs contiguous data (np.ascontiguousarray)")
+    if writable and not data.flags.writeable:
+        raise ValueError(f"compressed {what} writes its result into a read-only array")
+    return data.reshape(-1)

@@ -1,0 +1,88 @@
+"""A DDP communication hook that averages each gradient bucket through a compressed
+all_reduce (commlib/compressed.py) with error feedback, for the "commlib" backend:
+
+    ddp.register_comm_hook(CompressedBuckets(group, "int8"), compressed_hook)
+
+Each bucket keeps its own ErrorFeedback (DDP rebuilds its buckets once, after the first
+iteration: a bucket whose size changed starts a fresh one). The all_reduces run on one
+thread of the state's, in the order DDP hands the buckets over, so that backward goes on
+computing while a bucket is on the wire; DDP waits for their futures at backward's end.
+state_dict() and load_state_dict() carry the residuals through a checkpoint.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import compressed
+from .torch_work import dist_error
+
+
+class CompressedBuckets:
+    """The hook's state: the group, the wire format, each bucket's error feedback."""
+
+    def __init__(self, group=None, wire="int8", feedback: bool = True):
+        from .torch_backend import ProcessGroupCommlib
+        self.group = group if group is not None else dist.group.WORLD
+        if not isinstance(self.group, ProcessGroupCommlib):
+            raise TypeError(f"CompressedBuckets needs a group of the commlib backend, got "
+                            f"{self.group!r}; create it with backend='commlib'")
+        self.wire = compressed.as_wire(wire)
+        self.feedback: dict | None = {} if feedback else None  # bucket index -> ErrorFeedback
+        self.bytes_sent = 0  # packed bytes this rank sent, over every bucket so far
+        self.background = compressed.Background()
+
+    def feedback_for(self, index: int, count: int) -> compressed.ErrorFeedback | None:
+        if self.feedback is None:
+            return None
+        held = self.feedback.get(index)
+        if held is None or (held.worker is not None and held.worker.size != count):
+            held = self.feedback[index] = compressed.ErrorFeedback()  # (rebuilt buckets)
+        return held
+
+    def state_dict(self) -> dict:
+        return {"wire": self.wire.format, "block": self.wire.block,
+                "feedback": None if self.feedback is None else
+                {i: f.state_dict() for i, f in self.feedback.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.wire = compressed.Wire(state["wire"], state["block"])
+        if state["feedback"] is None:
+            self.feedback = None
+            return
+        self.feedback = {}
+        for index, saved in state["feedback"].items():
+            self.feedback[int(index)] = held = compressed.ErrorFeedback()
+            held.load_state_dict(saved)
+
+    def submit(self, fn) -> torch.futures.Future:
+        """``fn()`` on the state's thread, after what was submitted before; its result
+        (or its error, as torch's) completes the future."""
+        future = torch.futures.Future()
+
+        def finished(done):
+            error = done.exception()
+            if error is None:
+                future.set_result(done.result())
+            else:
+                future.set_exception(dist_error(error))
+        self.background.submit(fn).future.add_done_callback(finished)
+        return future
+
+
+def compressed_hook(state: CompressedBuckets,
+                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket``'s gradients over the group in ``state.wire`` with its feedback."""
+    buffer = bucket.buffer()
+    if buffer.dtype != torch.float32 or buffer.is_cuda:
+        raise TypeError(f"compressed_hook compresses float32 CPU buckets, not "
+                        f"{buffer.dtype} on {buffer.device}: keep the model in float32 on "
+                        f"the CPU, or use DDP's own hooks")
+    feedback = state.feedback_for(bucket.index(), buffer.numel())
+    comm = state.group.comm
+
+    def reduce():
+        before = comm.bytes_sent
+        compressed.all_reduce(comm, buffer, state.wire, feedback, op="avg")
+        state.bytes_sent += comm.bytes_sent - before
+        return buffer
+    return state.submit(reduce)
