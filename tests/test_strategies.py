@@ -136,9 +136,10 @@ def test_training_cli_trains_any_model_type_and_a_users_config(tmp_path, one_pro
 def test_compressed_data_parallelism_trains_as_uncompressed(tmp_path):
     """--compress (commlib/compressed.py) at 3 ranks: each format learns and its last
     losses lie within 6% of the uncompressed run's (60 steps: early, where a trajectory
-    wanders; the benchmark's 300 steps are the quality target), int8 without feedback too, ZeRO-2's and -3's compressed
-    gradient reduce-scatter too; plain data parallelism's bytes a step shrink to the
-    format's share (scales included; the loss's own all-reduce aside)."""
+    wanders; the benchmark's 300 steps are the quality target), int8 without feedback
+    too, ZeRO-2's and -3's compressed gradient reduce-scatter too; plain data
+    parallelism's bytes a step shrink to the format's share (scales included; the loss's
+    own all-reduce aside)."""
     base = ("--steps", "60", "--quiet", "--dp", "3", "--batch", "12")
     formats = [["bf16"], ["int8"], ["fp8_e4m3"], ["int8", "--no-feedback"],
                ["int8", "--zero", "2"], ["fp8_e5m2", "--zero", "3"]]
