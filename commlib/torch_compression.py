@@ -27,6 +27,9 @@ class CompressedBuckets:
             raise TypeError(f"CompressedBuckets needs a group of the commlib backend, got "
                             f"{self.group!r}; create it with backend='commlib'")
         self.wire = compressed.as_wire(wire)
+        # the compressed calls' own communicator (collective: every rank makes its state):
+        # DDP's own calls on the group (find_unused_parameters' map) must not meet them
+        self.comm = self.group.comm.dup()
         self.feedback: dict | None = {} if feedback else None  # bucket index -> ErrorFeedback
         self.bytes_sent = 0  # packed bytes this rank sent, over every bucket so far
         self.background = compressed.Background()
@@ -78,7 +81,7 @@ def compressed_hook(state: CompressedBuckets,
                         f"{buffer.dtype} on {buffer.device}: keep the model in float32 on "
                         f"the CPU, or use DDP's own hooks")
     feedback = state.feedback_for(bucket.index(), buffer.numel())
-    comm = state.group.comm
+    comm = state.comm
 
     def reduce():
         before = comm.bytes_sent

@@ -153,6 +153,7 @@ class NetComm : public FastTransport {
   void fail(const std::string& why);  // the communicator is unusable from now on: throws
   void usable() const;
   void execute(const NetJob& job);
+  void put_row(const NetJob& job);  // the job's descriptor and splits as this rank's row
   // the calls' work, with running_ held
   void eager_rows(const std::vector<int64_t>& desc, const FastCall& call, double seconds);
   void plan_rounds(const int64_t* plan, int64_t words, uintptr_t out, uintptr_t in,

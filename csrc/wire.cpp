@@ -251,7 +251,6 @@ namespace commlib {
 namespace py = pybind11;
 
 void bind_wire(py::module_& m) {
-  using namespace wire;
   py::dict formats;
   formats["bf16"] = int(wire::BF16);
   formats["fp16"] = int(wire::F16);
@@ -259,15 +258,15 @@ void bind_wire(py::module_& m) {
   formats["fp8_e4m3"] = int(wire::E4M3);
   formats["fp8_e5m2"] = int(wire::E5M2);
   m.attr("WIRE_FORMATS") = formats;
-  m.def("wire_packet_bytes", &packet_bytes, py::arg("format"), py::arg("count"),
+  m.def("wire_packet_bytes", &wire::packet_bytes, py::arg("format"), py::arg("count"),
         py::arg("block"), "Bytes of a packet of count elements (csrc/wire.h).");
   m.def(
       "wire_encode",
       [](uintptr_t data, uintptr_t residual, uintptr_t packet, int64_t count, int format,
          int64_t block) {
         py::gil_scoped_release nogil;
-        encode(reinterpret_cast<const float*>(data), reinterpret_cast<float*>(residual),
-               reinterpret_cast<uint8_t*>(packet), count, format, block);
+        wire::encode(reinterpret_cast<const float*>(data), reinterpret_cast<float*>(residual),
+                     reinterpret_cast<uint8_t*>(packet), count, format, block);
       },
       py::arg("data"), py::arg("residual"), py::arg("packet"), py::arg("count"),
       py::arg("format"), py::arg("block"),
@@ -280,7 +279,7 @@ void bind_wire(py::module_& m) {
         std::vector<const uint8_t*> from;
         for (uintptr_t p : packets) from.push_back(reinterpret_cast<const uint8_t*>(p));
         py::gil_scoped_release nogil;
-        decode_sum(reinterpret_cast<float*>(out), from, count, format, block, factor);
+        wire::decode_sum(reinterpret_cast<float*>(out), from, count, format, block, factor);
       },
       py::arg("out"), py::arg("packets"), py::arg("count"), py::arg("format"),
       py::arg("block"), py::arg("factor") = 1.0f,
