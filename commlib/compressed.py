@@ -12,12 +12,13 @@ feedback.
               load_state_dict() carry them through a checkpoint; reset() forgets them.
 
     all_reduce      rank j's part of every rank's data goes to rank j encoded (all_to_all
-                    of packets); rank j decodes and sums them in rank order in float32,
-                    encodes the sum, and every rank gathers and decodes every part
-                    (all_gather of packets): 2 (n-1)/n of the packed bytes a rank, as a
-                    ring's reduce-scatter and all-gather send of the float32 ones. Every
-                    rank decodes the same packets: the results are equal bit for bit, and
-                    the same from run to run (deterministic mode's promise holds).
+                    of packets); rank j decodes and sums them in rank order in float32 and
+                    encodes the sum (one pass: Wire.sum_encode), and every rank gathers
+                    and decodes every part (all_gather of packets): 2 (n-1)/n of the
+                    packed bytes a rank, as a ring's reduce-scatter and all-gather send
+                    of the float32 ones. Every rank decodes the same packets: the
+                    results are equal bit for bit, and the same from run to run
+                    (deterministic mode's promise holds).
     reduce_scatter  the first half: rank j's output is its block's float32 sum.
     all_gather      each rank's encoded input, gathered and decoded.
 
@@ -73,6 +74,15 @@ class Wire:
         """``out`` (float32) <- ``factor`` x the sum of ``packets`` (addresses of packets
         of out.size elements), in their order."""
         _C.wire_decode_sum(out.ctypes.data, packets, out.size, self.code, self.block, factor)
+
+
+    def sum_encode(self, packet: np.ndarray, packets: list, count: int,
+                   residual: np.ndarray | None = None, factor: float = 1.0) -> None:
+        """``packet`` <- ``factor`` x the sum of ``packets`` (addresses of packets of
+        ``count`` elements) (+ ``residual``, which becomes what the packet lost), encoded:
+        a reducing step's decode, add and encode in one pass."""
+        _C.wire_sum_encode(packet.ctypes.data, 0 if residual is None else
+                           residual.ctypes.data, packets, count, self.code, self.block, factor)
 
 
 def as_wire(wire) -> Wire:
@@ -149,14 +159,12 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str 
     mine = sizes[rank]
     got = np.empty(n * mine, np.uint8)
     comm.all_to_all(got, send, [mine] * n, sizes)
-    start, count = parts[rank]
-    total = np.empty(count, np.float32)
-    wire.decode_sum(total, [got.ctypes.data + i * mine for i in range(n)], factor)
+    count = parts[rank][1]
     server = feedback and feedback.residual("server", count, "all_reduce")
     width = max(sizes)  # (parts differ by an element at most: equal packets to gather)
     packet = np.zeros(width, np.uint8)
-    _C.wire_encode(total.ctypes.data, 0 if server is None else server.ctypes.data,
-                   packet.ctypes.data, count, wire.code, wire.block)
+    wire.sum_encode(packet, [got.ctypes.data + i * mine for i in range(n)], count, server,
+                    factor)
     gathered = np.empty(n * width, np.uint8)
     comm.all_gather(gathered, packet)
     for j, (start, count) in enumerate(parts):

@@ -88,22 +88,23 @@ def wire_rows(data, residual):
     """The compressed collectives' kernels (csrc/wire.h) on float32 ``data``: encoding
     with error feedback (reads data and residual, writes residual and packet), and the
     owner's step of an all_reduce, two packets decoded, summed and encoded again with its
-    residual (reads the packets and the residual, writes both); bytes as they move."""
+    residual in one pass (reads the packets and the residual, writes both); bytes as they
+    move."""
     rows = []
     n = data.size
     for fmt in ("bf16", "int8", "fp8_e4m3"):
         wire = Wire(fmt, 64)
-        packets = [wire.encode(data) for _ in range(2)]
-        total = np.empty(n, np.float32)
+        packets = [wire.encode(data) for _ in range(3)]  # two summed, one written
         p = wire.packet_bytes(n)
-        pd, pr, pt = data.ctypes.data, residual.ctypes.data, total.ctypes.data
+        pd, pr = data.ctypes.data, residual.ctypes.data
         pp = [x.ctypes.data for x in packets]
         rows += [
-            (f"{fmt:<8} encode+ef", lambda pd=pd, pr=pr, w=wire, out=pp[0]: _C.wire_encode(
-                pd, pr, out, n, w.code, w.block), n, 12 * n + p, None),
-            (f"{fmt:<8} sum2+encode", lambda w=wire, pp=pp, pt=pt, pr=pr: (
-                _C.wire_decode_sum(pt, pp, n, w.code, w.block, 1.0),
-                _C.wire_encode(pt, pr, pp[0], n, w.code, w.block)), n, 3 * p + 16 * n, None),
+            # (each lambda holds the arrays it addresses: the next format's rebinds them)
+            (f"{fmt:<8} encode+ef", lambda pd=pd, pr=pr, w=wire, out=pp[0], keep=packets:
+                _C.wire_encode(pd, pr, out, n, w.code, w.block), n, 12 * n + p, None),
+            (f"{fmt:<8} sum2+encode", lambda w=wire, pp=pp, pr=pr, keep=packets:
+                _C.wire_sum_encode(pp[2], pr, pp[:2], n, w.code, w.block, 1.0),
+             n, 3 * p + 8 * n, None),
         ]
     return rows
 
@@ -119,6 +120,6 @@ def main(args):
     print(f"{'size':>7} | {'kernel':<24} | {'median us':>10} | {'GB/s':>7} | {'Gelem/s':>7} | "
           "x numpy | % copy")
     print("-" * 88)
-    for nbytes in (32 << 10, 64 << 20):
+    for nbytes in (32 << 10, 1 << 20, 64 << 20):
         bench_size(nbytes, args.reps)
 

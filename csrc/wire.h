@@ -17,6 +17,8 @@
 //   encode      packet <- data (+ residual); residual <- (data + residual) - decode(packet).
 //   decode_sum  out <- factor * (decode(packet 0) + decode(packet 1) + ...), in float32,
 //               in that order whatever the rank (the same bits on every rank).
+//   sum_encode  packet <- encode(decode_sum(packets) (+ residual)), block by block in one
+//               pass (a reducing step's decode + add + encode: the sum never in memory).
 #pragma once
 
 #include <cstdint>
@@ -34,5 +36,8 @@ void encode(const float* data, float* residual, uint8_t* packet, int64_t count, 
 
 void decode_sum(float* out, const std::vector<const uint8_t*>& packets, int64_t count,
                 int format, int64_t block, float factor);
+
+void sum_encode(uint8_t* packet, float* residual, const std::vector<const uint8_t*>& packets,
+                int64_t count, int format, int64_t block, float factor);
 
 }  // namespace commlib::wire

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from commlib import compressed
-from wire_reference import round_trip, summed
+from wire_reference import TORCH_FP8, round_trip, summed
 
 FORMATS = ["bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -43,6 +43,34 @@ def test_packets_sum_in_order_in_float32(fmt):
     wire.decode_sum(got, [p.ctypes.data for p in packets], 1 / 3)
     want = summed([round_trip(x, fmt, 64) for x in xs], np.float32(1 / 3))
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", sorted(TORCH_FP8))
+def test_every_8_bit_float_code_decodes_as_torchs_own(fmt):
+    import torch
+    codes = np.arange(256, dtype=np.uint8)
+    packet = np.concatenate([np.ones(4, np.float32).view(np.uint8), codes])  # 4 scales of 1
+    got = np.empty(256, np.float32)
+    compressed.Wire(fmt, 64).decode_sum(got, [packet.ctypes.data])
+    want = torch.from_numpy(codes.copy()).view(TORCH_FP8[fmt]).to(torch.float32).numpy()
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sum_encode_is_decode_sum_then_encode_in_one_pass(fmt):
+    wire = compressed.Wire(fmt, 32)
+    packets = [wire.encode(data(777, seed)) for seed in range(3)]
+    addresses = [p.ctypes.data for p in packets]
+    residual = data(777, 5) * np.float32(1e-3)
+    total, want_residual = np.empty(777, np.float32), residual.copy()
+    wire.decode_sum(total, addresses, 0.5)
+    want = wire.encode(total, want_residual)
+    got = np.full(want.size, 0xAA, np.uint8)
+    wire.sum_encode(got, addresses, 777, residual, 0.5)
+    assert np.array_equal(got, want)
+    assert np.array_equal(residual, want_residual)
+    wire.sum_encode(got, addresses, 777, None, 0.5)  # without error feedback
+    assert np.array_equal(got, wire.encode(total))
 
 
 @pytest.mark.parametrize("fmt", sorted(compressed.SCALED))
