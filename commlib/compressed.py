@@ -154,16 +154,14 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str 
     if n == 1:  # (nothing crosses a wire)
         return data
     parts = _parts(buf.size, n)
-    send, sizes = _encode_parts(wire, buf, parts, feedback and feedback.residual(
+    send, width = _encode_parts(wire, buf, parts, feedback and feedback.residual(
         "worker", buf.size, "all_reduce"))
-    mine = sizes[rank]
-    got = np.empty(n * mine, np.uint8)
-    comm.all_to_all(got, send, [mine] * n, sizes)
+    got = np.empty(n * width, np.uint8)
+    comm.all_to_all(got, send)
     count = parts[rank][1]
     server = feedback and feedback.residual("server", count, "all_reduce")
-    width = max(sizes)  # (parts differ by an element at most: equal packets to gather)
     packet = np.zeros(width, np.uint8)
-    wire.sum_encode(packet, [got.ctypes.data + i * mine for i in range(n)], count, server,
+    wire.sum_encode(packet, [got.ctypes.data + i * width for i in range(n)], count, server,
                     factor)
     gathered = np.empty(n * width, np.uint8)
     comm.all_gather(gathered, packet)
@@ -180,9 +178,8 @@ def reduce_scatter(comm, output, input, wire, feedback: ErrorFeedback | None = N
     wire, factor, n = as_wire(wire), _factor(op, comm.size), comm.size
     inp, out = _whole_and_block(input, output, n, "reduce_scatter", "input", "output")
     parts = [(j * out.size, out.size) for j in range(n)]
-    send, sizes = _encode_parts(wire, inp, parts, feedback and feedback.residual(
+    send, size = _encode_parts(wire, inp, parts, feedback and feedback.residual(
         "worker", inp.size, "reduce_scatter"))
-    size = sizes[0]
     got = np.empty(n * size, np.uint8)
     comm.all_to_all(got, send)
     wire.decode_sum(out, [got.ctypes.data + i * size for i in range(n)], factor)
@@ -205,17 +202,18 @@ def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None = None)
 
 
 def _encode_parts(wire: Wire, buf: np.ndarray, parts: list, residual) -> tuple:
-    """(one array of every part's packet, in order; their sizes): ``parts`` (start,
-    count) of ``buf`` encoded each on its own, with ``residual``'s same parts."""
-    sizes = [wire.packet_bytes(count) for _, count in parts]
-    packets = np.empty(sum(sizes), np.uint8)
-    at = 0
-    for (start, count), size in zip(parts, sizes):
+    """(every part's packet, one after the other ``width`` bytes apart; ``width``):
+    ``parts`` (start, count) of ``buf`` encoded each on its own, with ``residual``'s same
+    parts. Parts that differ by an element at most are sent as equal packets (a few bytes
+    of padding): all_to_all's equal form, MPI's progressed by commlib's proxy, where its
+    uneven one is polled from the caller's thread (in naps, off the main thread)."""
+    width = max(wire.packet_bytes(count) for _, count in parts)
+    packets = np.zeros(len(parts) * width, np.uint8)
+    for j, (start, count) in enumerate(parts):
         _C.wire_encode(buf.ctypes.data + 4 * start,
                        0 if residual is None else residual.ctypes.data + 4 * start,
-                       packets.ctypes.data + at, count, wire.code, wire.block)
-        at += size
-    return packets, sizes
+                       packets.ctypes.data + j * width, count, wire.code, wire.block)
+    return packets, width
 
 
 def _whole_and_block(whole, block, n: int, what: str, whole_name: str, block_name: str):
