@@ -21,7 +21,9 @@ share memory live in memory every rank maps (Communicator.empty), and their all-
 
 With ``compress`` (a wire format: commlib/compressed.py) each bucket's all-reduce carries
 its gradients in that format, with an error feedback per bucket (``error_feedback``), on
-a thread of its own so that backward goes on meanwhile: float32 buckets on the CPU.
+a thread of its own so that backward goes on meanwhile: float32 buckets on the CPU. A
+PowerSGD (commlib/low_rank.py) as ``compress`` averages each bucket's matrices as low-rank
+factors instead (its queries and residuals kept per bucket), on the same thread.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 import commlib
 from commlib import compressed
+from commlib.low_rank import LowRankState, PowerSGD
 
 
 class _Bucket:
@@ -63,12 +66,14 @@ class DataParallel(torch.nn.Module):
                  first_bucket_bytes: int = 1 << 20, compress=None,
                  error_feedback: bool = True):
         super().__init__()
-        self.wire = None if compress is None else compressed.as_wire(compress)
+        # None, a Wire or a PowerSGD
+        self.compress = compress if compress is None or isinstance(compress, PowerSGD) \
+            else compressed.as_wire(compress)
         self.error_feedback = error_feedback
-        if self.wire is not None:
+        if self.compress is not None:
             for p in module.parameters():
                 if p.requires_grad and (p.dtype != torch.float32 or p.device.type != "cpu"):
-                    raise TypeError(f"DataParallel(compress={self.wire.format!r}) compresses "
+                    raise TypeError(f"DataParallel(compress={compress!r}) compresses "
                                     f"float32 gradients on the CPU, not {p.dtype} on "
                                     f"{p.device}: keep the model in float32 on the CPU, or "
                                     f"leave compress out")
@@ -105,8 +110,9 @@ class DataParallel(torch.nn.Module):
         # the compressed calls' own communicator (their thread's calls must not meet the
         # group's others), and an error feedback per bucket (a new group, new buckets:
         # they start afresh)
-        self.compressed_group = self.group.dup() if self.wire is not None else None
-        self.feedback = [compressed.ErrorFeedback() if self.error_feedback else None
+        self.compressed_group = self.group.dup() if self.compress is not None else None
+        self.feedback = [LowRankState() if isinstance(self.compress, PowerSGD) else
+                         compressed.ErrorFeedback() if self.error_feedback else None
                          for _ in self.buckets]
         self.registered = _register(self.group, self.buckets) if self.register_buckets else []
         self._pending = False  # this backward has hooked, and will finish at its end
@@ -155,14 +161,22 @@ class DataParallel(torch.nn.Module):
                         bucket.view(p).zero_()
             elif until_incomplete:
                 self.launched_during_backward += 1
-            if self.wire is not None:
-                bucket.work = self.background.submit(
-                    compressed.all_reduce, self.compressed_group, bucket.flat, self.wire,
-                    self.feedback[self._next_launch], op="avg")
+            if self.compress is not None:
+                bucket.work = self.background.submit(self._average_compressed, bucket,
+                                                     self.feedback[self._next_launch])
             else:
                 bucket.work = self.group.all_reduce(bucket.flat, op="avg", async_op=True,
                                                     algorithm=bucket.algorithm)
             self._next_launch += 1
+
+    def _average_compressed(self, bucket: _Bucket, feedback) -> None:
+        """``bucket``'s gradients averaged as ``compress`` carries them (on its thread)."""
+        if isinstance(self.compress, PowerSGD):
+            self.compress.all_reduce(self.compressed_group,
+                                     [bucket.view(p) for p in bucket.params], feedback)
+        else:
+            compressed.all_reduce(self.compressed_group, bucket.flat, self.compress, feedback,
+                                  op="avg")
 
     def _finish(self):
         self._launch(until_incomplete=False)

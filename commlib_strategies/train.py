@@ -50,6 +50,7 @@ import torch
 
 import commlib
 from commlib.compressed import FORMATS
+from commlib.low_rank import PowerSGD
 from commlib.testing import across_hosts, add_host_arguments
 from commlib.trace import busy_seconds, keep_calls, own_cpu_seconds, region
 from commlib_strategies import accounting
@@ -91,11 +92,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="gradient bucket size of plain data parallelism, MB (default: "
                              "an eighth of the gradients, at most DDP's 25: with one bucket "
                              "most of them, nothing is left to communicate during backward)")
-    layout.add_argument("--compress", metavar="FORMAT", choices=sorted(FORMATS),
+    layout.add_argument("--compress", metavar="FORMAT", choices=sorted(FORMATS) + ["powersgd"],
                         help="data parallelism's gradients (ZeRO's reduce-scatter too) "
                              "carried in a wire format with error feedback "
                              "(commlib/compressed.py: " + ", ".join(FORMATS) +
-                             "; float32 on the CPU)")
+                             "; float32 on the CPU), or as low-rank factors (powersgd: "
+                             "commlib/low_rank.py; data parallelism without ZeRO)")
+    layout.add_argument("--low-rank", type=int, default=4, metavar="R",
+                        help="--compress powersgd's rank (default 4)")
     layout.add_argument("--no-feedback", action="store_true",
                         help="--compress without error feedback (what encoding loses is lost)")
     layout.add_argument("--sp", choices=SEQUENCE_KINDS,
@@ -163,6 +167,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "the CPU (no --pp, --experts, --bf16 or --device cuda with it yet)")
     if args.no_feedback and not args.compress:
         p.error("--no-feedback is --compress's: give a format")
+    if args.compress == "powersgd" and args.zero:
+        p.error("--compress powersgd averages plain data parallelism's gradients: ZeRO's "
+                "reduce-scatter takes a wire format (int8, bf16, ...), or leave --zero out")
+    if args.low_rank < 1:
+        p.error(f"--low-rank {args.low_rank}: PowerSGD's rank is at least 1")
     if args.bf16 and args.zero == 0:
         p.error("--bf16 keeps fp32 master weights in ZeRO's optimizer shards: add --zero 1, 2 or 3")
     if args.config:
@@ -304,9 +313,11 @@ class Trainer:
         else:
             if layout.pp == 1 and not layout.experts:
                 # its hooks average the gradients during backward
+                compress = PowerSGD(args.low_rank, feedback=not args.no_feedback) \
+                    if args.compress == "powersgd" else args.compress
                 self.data_parallel = DataParallel(model, mesh.group("dp"),
                                                   bucket_bytes=bucket_bytes(model, args),
-                                                  compress=args.compress,
+                                                  compress=compress,
                                                   error_feedback=not args.no_feedback)
             self.optimizer = adamw(model.parameters())
         if layout.pp > 1:

@@ -56,6 +56,13 @@ def test_compressed_collectives(n):
     run_checked(n, "tests/mpi/compressed.py", timeout=300)
 
 
+@pytest.mark.parametrize("n", RANKS)
+def test_low_rank_averaging(n):
+    """PowerSGD's factors: exact on rank-r gradients, equal on every rank, error feedback
+    across steps (tests/mpi/low_rank.py)."""
+    run_checked(n, "tests/mpi/low_rank.py", timeout=120)
+
+
 def test_collectives_numpy_with_small_staging():
     """Direct collectives cut into many pieces (4 KiB of staging: 640 bytes per peer in a piece
     of a 3-rank all_to_all), as on a host whose ranks get little shared memory."""
