@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(commlib/compressed.py: " + ", ".join(FORMATS) +
                              "; float32 on the CPU), or as low-rank factors (powersgd: "
                              "commlib/low_rank.py; data parallelism without ZeRO)")
+    layout.add_argument("--compress-params", metavar="FORMAT", choices=sorted(FORMATS),
+                        help="ZeRO-3's parameter gathers carried in a wire format (as "
+                             "ZeRO++'s qwZ; float32 on the CPU)")
     layout.add_argument("--low-rank", type=int, default=4, metavar="R",
                         help="--compress powersgd's rank (default 4)")
     layout.add_argument("--no-feedback", action="store_true",
@@ -170,6 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.compress == "powersgd" and args.zero:
         p.error("--compress powersgd averages plain data parallelism's gradients: ZeRO's "
                 "reduce-scatter takes a wire format (int8, bf16, ...), or leave --zero out")
+    if args.compress_params and args.zero != 3:
+        p.error("--compress-params compresses ZeRO-3's parameter gathers: add --zero 3")
+    if args.compress_params and (args.pp > 1 or args.experts or args.bf16 or
+                                 args.device != "cpu"):
+        p.error("--compress-params compresses float32 parameters on the CPU (no --pp, "
+                "--experts, --bf16 or --device cuda with it yet)")
     if args.low_rank < 1:
         p.error(f"--low-rank {args.low_rank}: PowerSGD's rank is at least 1")
     if args.bf16 and args.zero == 0:
@@ -308,7 +317,8 @@ class Trainer:
             self.zero = ZeRO(model, stage=layout.zero, optimizer=adamw,
                              reduce_in_backward=layout.pp == 1,
                              gather_ahead=layout.zero < 3, compress=args.compress,
-                             error_feedback=not args.no_feedback, **groups)
+                             error_feedback=not args.no_feedback,
+                             compress_params=args.compress_params, **groups)
             self.optimizer = self.zero.optimizer
         else:
             if layout.pp == 1 and not layout.experts:

@@ -32,9 +32,11 @@ size), stage 3 all-gathers it twice and reduce-scatters it once (3x).
 
 With ``compress`` (a wire format: commlib/compressed.py) each unit's gradients are
 reduce-scattered in that format, as ZeRO++'s qgZ does, with an error feedback per unit
-(unless ``error_feedback`` is False),
-on a thread of their own so that backward goes on meanwhile (float32 units on the CPU);
-parameters travel uncompressed.
+(unless ``error_feedback`` is False), on a thread of their own so that backward goes on
+meanwhile (float32 units on the CPU). With ``compress_params`` (stage 3) the parameters'
+gathers carry them in a wire format too, as ZeRO++'s qwZ does: forward and backward
+compute with the decoded weights (the same on every rank), the optimizer updates the
+float32 master shards, which no encoding touches (no error feedback: nothing accumulates).
 
 Where several backward passes accumulate into one step's gradients and only the caller knows
 when a unit's are final (a pipeline: every microbatch runs its own backward, split into
@@ -179,12 +181,18 @@ class ZeRO(nn.Module):
     def __init__(self, module: nn.Module, group: commlib.Communicator, stage: int, optimizer,
                  units: list | None = None, reduce_in_backward: bool = True,
                  unit_groups: dict | None = None, gather_ahead: bool = False,
-                 compress=None, error_feedback: bool = True):
+                 compress=None, error_feedback: bool = True, compress_params=None):
         super().__init__()
         self.wire = None if compress is None else compressed.as_wire(compress)
+        self.param_wire = None if compress_params is None else \
+            compressed.as_wire(compress_params)
         self.error_feedback = error_feedback
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        if self.param_wire is not None and stage != 3:
+            raise ValueError(f"ZeRO(compress_params={self.param_wire.format!r}) compresses "
+                             f"stage 3's parameter gathers; stage {stage} gathers once a "
+                             f"step, uncompressed (use stage 3, or leave it out)")
         if gather_ahead and stage == 3:
             raise ValueError("ZeRO: gather_ahead is stages 1 and 2's (stage 3 prefetches each "
                              "unit's gather during forward and backward anyway)")
@@ -208,17 +216,18 @@ class ZeRO(nn.Module):
             raise ValueError(f"ZeRO: the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
                              "convert it to one (e.g. model.to(torch.bfloat16))")
         self.dtype = dtypes.pop() if dtypes else torch.float32
-        if self.wire is not None:
+        self.compressed_groups: dict = {}  # id(a unit's group) -> the compressed calls' own
+        if self.wire is not None or self.param_wire is not None:
             if self.dtype != torch.float32 or any(
                     u.device.type != "cpu" for u in self.units if u.params):
-                raise TypeError(f"ZeRO(compress={self.wire.format!r}) compresses float32 "
-                                f"gradients on the CPU, not {self.dtype}: keep the model in "
-                                f"float32 on the CPU, or leave compress out")
+                what = "compress" if self.wire is not None else "compress_params"
+                raise TypeError(f"ZeRO({what}=...) compresses float32 tensors on the CPU, "
+                                f"not {self.dtype}: keep the model in float32 on the CPU, or "
+                                f"leave {what} out")
             self.background = compressed.Background()
             self.feedback: dict = {}  # unit -> ErrorFeedback
             # the compressed calls' own communicators (their thread's calls must not meet
             # the gathers stage 3 issues meanwhile), one per group, made in unit order
-            self.compressed_groups: dict = {}
             for u in self.units:
                 if id(u.group) not in self.compressed_groups:
                     self.compressed_groups[id(u.group)] = u.group.dup()
@@ -275,7 +284,7 @@ class ZeRO(nn.Module):
     @property
     def own_groups(self) -> list:
         """The communicators it made (the compressed calls'): their traffic is its too."""
-        return list(self.compressed_groups.values()) if self.wire is not None else []
+        return list(self.compressed_groups.values())
 
     def _feedback(self, u: _Unit):
         """``u``'s error feedback (none without ``error_feedback``)."""
@@ -291,7 +300,12 @@ class ZeRO(nn.Module):
         if u.gather_work is None and not u.gathered:
             flat = torch.empty(u.padded, dtype=u.dtype, device=u.device)
             src = self.param_shard[u.master_offset:u.master_offset + u.shard_numel]
-            u.gather_work = (u.group.all_gather(flat, src, async_op=True), flat)
+            if self.param_wire is not None:  # (on the compressed calls' thread, in order)
+                u.gather_work = (self.background.submit(
+                    compressed.all_gather, self.compressed_groups[id(u.group)], flat, src,
+                    self.param_wire), flat)
+            else:
+                u.gather_work = (u.group.all_gather(flat, src, async_op=True), flat)
 
     def _gather(self, u: _Unit) -> None:
         if u.gathered:

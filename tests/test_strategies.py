@@ -137,12 +137,13 @@ def test_compressed_data_parallelism_trains_as_uncompressed(tmp_path):
     """--compress (commlib/compressed.py) at 3 ranks: each format learns and its last
     losses lie within 6% of the uncompressed run's (60 steps: early, where a trajectory
     wanders; the benchmark's 300 steps are the quality target), int8 without feedback
-    too, ZeRO-2's and -3's compressed gradient reduce-scatter too, PowerSGD's rank-4
-    factors too; plain data parallelism's bytes a step shrink to the format's share (scales
+    too, ZeRO-2's and -3's compressed gradient reduce-scatter too, ZeRO-3's compressed
+    parameter gathers beside it (qgZ and qwZ), PowerSGD's rank-4 factors too; plain data parallelism's bytes a step shrink to the format's share (scales
     included; the loss's own all-reduce aside), PowerSGD's below a sixth."""
     base = ("--steps", "60", "--quiet", "--dp", "3", "--batch", "12")
     formats = [["bf16"], ["int8"], ["fp8_e4m3"], ["int8", "--no-feedback"],
-               ["int8", "--zero", "2"], ["fp8_e5m2", "--zero", "3"], ["powersgd"]]
+               ["int8", "--zero", "2"], ["fp8_e5m2", "--zero", "3"], ["powersgd"],
+               ["fp8_e4m3", "--zero", "3", "--compress-params", "int8"]]
     logs, _ = train_many(3, tmp_path, base, *[(*base, "--compress", *f) for f in formats])
 
     def tail(log):
@@ -203,6 +204,9 @@ def test_training_cli_errors(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--compress", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--compress-params", "int8", "--zero", "2"])
+    assert "compresses ZeRO-3's parameter gathers: add --zero 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--compress", "powersgd", "--zero", "2"])
     assert "--compress powersgd averages plain data parallelism's" in capsys.readouterr().err
