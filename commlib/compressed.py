@@ -18,7 +18,9 @@ feedback.
                     packed bytes a rank, as a ring's reduce-scatter and all-gather send
                     of the float32 ones. Every rank decodes the same packets: the
                     results are equal bit for bit, and the same from run to run
-                    (deterministic mode's promise holds).
+                    (deterministic mode's promise holds). The data go in pieces (PIECE
+                    elements), pipelined: one piece is encoded or decoded while the one
+                    before it is on the wire.
     reduce_scatter  the first half: rank j's output is its block's float32 sum.
     all_gather      each rank's encoded input, gathered and decoded.
 
@@ -27,6 +29,7 @@ rounding of each rank's data and (all_reduce) of the sum sent back. Ops: sum and
 """
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -146,28 +149,68 @@ class Submitted:
         return self.future.result(timeout)
 
 
-def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str = "sum"):
+PIECE = 1 << 20  # elements all_reduce carries a piece at a time (4 MiB of float32)
+
+
+def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str = "sum",
+               piece: int = PIECE):
     """Sum (or average) ``data`` (float32, in place) over ``comm``'s ranks, carried as
-    ``wire``. Returns ``data``."""
+    ``wire``. Returns ``data``. The data go in pieces of ``piece`` elements, pipelined:
+    while one piece's packets are on the wire (the exchange and gather, async calls in the
+    same order on every rank), the next is encoded and the one before decoded."""
     wire, buf, factor = as_wire(wire), _float32(data, "all_reduce"), _factor(op, comm.size)
     n, rank = comm.size, comm.rank
+    if not isinstance(piece, int) or piece < 1:
+        raise ValueError(f"compressed all_reduce: piece={piece!r}; give a positive number "
+                         f"of elements")
     if n == 1:  # (nothing crosses a wire)
         return data
-    parts = _parts(buf.size, n)
-    send, width = _encode_parts(wire, buf, parts, feedback and feedback.residual(
-        "worker", buf.size, "all_reduce"))
-    got = np.empty(n * width, np.uint8)
-    comm.all_to_all(got, send)
-    count = parts[rank][1]
-    server = feedback and feedback.residual("server", count, "all_reduce")
-    packet = np.zeros(width, np.uint8)
-    wire.sum_encode(packet, [got.ctypes.data + i * width for i in range(n)], count, server,
-                    factor)
-    gathered = np.empty(n * width, np.uint8)
-    comm.all_gather(gathered, packet)
-    for j, (start, count) in enumerate(parts):
-        if count:
-            wire.decode_sum(buf[start:start + count], [gathered.ctypes.data + j * width])
+    pieces = [(start, min(piece, buf.size - start)) for start in range(0, buf.size, piece)]
+    worker = feedback and feedback.residual("worker", buf.size, "all_reduce")
+    # the server residual: this rank's part of each piece, one after the other
+    owned = [_parts(count, n)[rank][1] for _, count in pieces]
+    server = feedback and feedback.residual("server", sum(owned), "all_reduce")
+    server_at = np.cumsum([0] + owned)
+    exchanging, gathering = deque(), deque()
+
+    def exchange(i):  # piece i encoded, part j for rank j: its all_to_all started
+        start, count = pieces[i]
+        parts = _parts(count, n)
+        packets, width = _encode_parts(wire, buf[start:start + count], parts, None if
+                                       worker is None else worker[start:start + count])
+        got = np.empty(n * width, np.uint8)
+        exchanging.append((i, parts, width, got, packets,
+                           comm.all_to_all(got, packets, async_op=True)))
+
+    def reduce():  # the oldest exchange's part summed, encoded, its all_gather started
+        i, parts, width, got, _, work = exchanging.popleft()
+        work.wait()
+        packet = np.zeros(width, np.uint8)
+        wire.sum_encode(packet, [got.ctypes.data + j * width for j in range(n)],
+                        parts[rank][1], None if server is None else
+                        server[server_at[i]:server_at[i + 1]], factor)
+        gathered = np.empty(n * width, np.uint8)
+        gathering.append((i, parts, width, gathered, packet,
+                          comm.all_gather(gathered, packet, async_op=True)))
+
+    def decode():  # the oldest gather's parts decoded into its piece
+        i, parts, width, gathered, _, work = gathering.popleft()
+        work.wait()
+        for j, (start, count) in enumerate(parts):
+            at = pieces[i][0] + start
+            if count:
+                wire.decode_sum(buf[at:at + count], [gathered.ctypes.data + j * width])
+
+    for i in range(len(pieces)):
+        exchange(i)
+        if len(exchanging) > 1:
+            reduce()
+        if len(gathering) > 1:
+            decode()
+    while exchanging:
+        reduce()
+    while gathering:
+        decode()
     return data
 
 

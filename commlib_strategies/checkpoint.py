@@ -27,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from . import compression_state
 
 MANIFEST = "manifest.json"
 FORMAT = "commlib-strategies-checkpoint/1"
@@ -61,7 +64,9 @@ def save_checkpoint(root, step: int, trainer) -> Path:
     # the all-gather also tells rank 0 that every shard is written and fsynced
     shards = _all_gather_json(world, {"file": name, "sha256": digest, "bytes": size,
                                       "pieces": index, "scalars": scalars,
-                                      "tensors": _logical_shapes(trainer)})
+                                      "tensors": _logical_shapes(trainer),
+                                      "compression": _save_compression(tmp, world.rank,
+                                                                       trainer)})
     if world.rank == 0:
         manifest = {"format": FORMAT, "step": step, "byteorder": sys.byteorder,
                     "config": dataclasses.asdict(trainer.model.config),
@@ -75,6 +80,9 @@ def save_checkpoint(root, step: int, trainer) -> Path:
                     "files": {s["file"]: {"sha256": s["sha256"], "bytes": s["bytes"]}
                               for s in shards},
                     "pieces": [dict(p, file=s["file"]) for s in shards for p in s["pieces"]]}
+        if any(s["compression"] for s in shards):  # each rank's own, for this layout
+            manifest["compression"] = {"signature": compression_state.signature(trainer),
+                                       "ranks": [s["compression"] for s in shards]}
         _commit(root, tmp, final, manifest)
     world.barrier()
     return final
@@ -101,6 +109,7 @@ def load_checkpoint(path, trainer) -> int:
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path / MANIFEST} is malformed ({e!r})") from e
     blobs = {f: _read_verified(path / f, info) for f, info in manifest["files"].items()}
+    held = _read_compression(path, manifest, trainer)
     by_tensor: dict = {}
     for piece in manifest["pieces"]:
         by_tensor.setdefault((piece["name"], piece["kind"]), []).append(piece)
@@ -136,6 +145,7 @@ def load_checkpoint(path, trainer) -> int:
             p.copy_(state.pop("param"))
             state = {k: torch.empty_like(p).copy_(v) for k, v in state.items()}
             optimizer.state[p] = {**scalars(), **state} if state else {}
+        compression_state.restore(compression_state.holders_of(trainer), held)
         return manifest["step"]
     # ZeRO: each unit's flat vector, built from the logical tensors; this rank keeps its shard
     names = {p: name for name, p in _named_parameters(trainer)}
@@ -156,6 +166,7 @@ def load_checkpoint(path, trainer) -> int:
     if zero.stage == 3 and zero.param_shard.data_ptr() != zero.master.data_ptr():
         zero.param_shard.copy_(zero.master.data)  # bf16: what stage 3 gathers from
     optimizer.state[zero.master] = {**scalars(), **master} if master else {}
+    compression_state.restore(compression_state.holders_of(trainer), held)
     return manifest["step"]
 
 
@@ -300,6 +311,18 @@ def _write_shard(path: Path, pieces: list) -> tuple:
     return index, digest.hexdigest(), offset
 
 
+def _save_compression(tmp: Path, rank: int, trainer) -> dict | None:
+    """This rank's compressed calls' state (compression_state.py) in a file of its own."""
+    held = compression_state.named_arrays(compression_state.holders_of(trainer))
+    if not held:
+        return None
+    name = f"compression-{rank:05d}.bin"
+    index, digest, size = _write_shard(tmp / name, [
+        ({"name": k, "shape": list(v.shape)}, torch.from_numpy(v.reshape(-1)))
+        for k, v in held.items()])
+    return {"file": name, "sha256": digest, "bytes": size, "pieces": index}
+
+
 def _all_gather_json(world, obj) -> list:
     """Every rank's ``obj``, through JSON bytes (no pickling)."""
     mine = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
@@ -399,6 +422,21 @@ def _read_manifest(path: Path, trainer) -> dict:
         raise ValueError(f"{path} holds other parameters than this model (names or shapes "
                          f"differ: {differ[:3]})")
     return manifest
+
+
+def _read_compression(path: Path, manifest: dict, trainer) -> dict:
+    """This rank's compressed calls' state, where the checkpoint was saved in this layout
+    (in another one they start afresh: {})."""
+    saved = manifest.get("compression")
+    if not saved or saved["signature"] != compression_state.signature(trainer):
+        return {}
+    mine = saved["ranks"][trainer.mesh.world.rank]
+    if mine is None:
+        return {}
+    blob = _read_verified(path / mine["file"], mine)
+    return {p["name"]: compression_state.as_float32(
+        blob[p["offset"]:p["offset"] + 4 * math.prod(p["shape"])], p["shape"])
+        for p in mine["pieces"]}
 
 
 def _read_verified(file: Path, info: dict) -> bytes:

@@ -118,6 +118,10 @@ class DataParallel(torch.nn.Module):
         self._pending = False  # this backward has hooked, and will finish at its end
         self._next_launch = 0
 
+    def compression_holders(self) -> list:
+        """Each bucket's ErrorFeedback or LowRankState (None where nothing is held)."""
+        return self.feedback
+
     @property
     def own_groups(self) -> list:
         """The communicators it made (the compressed calls'): their traffic is its too."""

@@ -286,6 +286,10 @@ class ZeRO(nn.Module):
         """The communicators it made (the compressed calls'): their traffic is its too."""
         return list(self.compressed_groups.values())
 
+    def compression_holders(self) -> list:
+        """Each unit's ErrorFeedback, in unit order (None where nothing is held)."""
+        return [self._feedback(u) for u in self.units] if self.wire is not None else []
+
     def _feedback(self, u: _Unit):
         """``u``'s error feedback (none without ``error_feedback``)."""
         if not self.error_feedback:

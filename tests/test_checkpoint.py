@@ -102,6 +102,26 @@ def test_pipeline_and_expert_checkpoints(tmp_path, saved, resharded):
     assert [loss for _, loss in other] == pytest.approx([loss for _, loss in full[2:]], rel=1e-5)
 
 
+@pytest.mark.parametrize("compress", [["--compress", "int8"], ["--compress", "powersgd"],
+                                      ["--compress", "fp8_e4m3", "--zero", "2"]], ids=str)
+def test_compressed_runs_resume_with_their_residuals(tmp_path, compress):
+    """The compressed calls' residuals (and PowerSGD's queries) are saved per rank: resumed
+    in the same layout the losses are bit-identical (afresh they are not); in another
+    layout they start afresh."""
+    root = tmp_path / "ckpt"
+    step2 = str(root / "step-00000002")
+    run = (*compress, *SMALL, "--steps", "5")
+    logs, _ = train_many(2, tmp_path, (*run, "--save-dir", str(root), "--save-every", "2"),
+                         (*run, "--resume", step2),
+                         (*run, "--bucket-mb", "0.01", "--resume", step2))  # other buckets
+    full, same, other = map(_steps, logs)
+    assert same == full[2:]
+    assert [s for s, _ in other] == [2, 3, 4]
+    files = sorted(p.name for p in Path(step2).iterdir())
+    assert files == ["compression-00000.bin", "compression-00001.bin", "manifest.json",
+                     "shard-00000.bin", "shard-00001.bin"], files
+
+
 @pytest.mark.long
 def test_a_model_nobody_here_wrote_trains_saves_and_resumes(tmp_path, one_process):
     """transformers' GPT-2 (tied lm_head) through the CLI: ZeRO-3 on 2 ranks gives the

@@ -29,30 +29,45 @@ def data(r: int, count: int, step: int = 0) -> np.ndarray:
     return (rng.standard_normal(count) * np.exp(rng.uniform(-3, 3, count))).astype(np.float32)
 
 
-def parts(count):
+def parts(count):  # (start, count) of each rank's part
     base, extra = divmod(count, n)
     return [(i * base + min(i, extra), base + (i < extra)) for i in range(n)]
 
 
-def expected_all_reduce(xs, fmt, block, factor, workers=None, servers=None):
-    """Every rank's result, simulated: workers/servers (per rank) updated in place."""
+def expected_all_reduce(xs, fmt, block, factor, workers=None, servers=None, piece=None):
+    """Every rank's result, simulated piece by piece: workers/servers (per rank; a server
+    residual is its rank's part of each piece, one after the other) updated in place."""
+    count = xs[0].size
+    piece = piece or max(count, 1)
     out = np.empty_like(xs[0])
-    for j, (start, count) in enumerate(parts(xs[0].size)):
-        decoded = []
-        for i, x in enumerate(xs):
-            y = x[start:start + count] + (workers[i][start:start + count] if workers else 0)
-            y = y.astype(np.float32)
+    held = [0] * n  # where each rank's server residual for this piece starts
+    for base in range(0, count, piece):
+        size = min(piece, count - base)
+        for j, (start, part) in enumerate(parts(size)):
+            lo, hi = base + start, base + start + part
+            decoded = []
+            for i, x in enumerate(xs):
+                y = (x[lo:hi] + (workers[i][lo:hi] if workers else 0)).astype(np.float32)
+                d = round_trip(y, fmt, block)
+                if workers:
+                    workers[i][lo:hi] = y - d
+                decoded.append(d)
+            total = summed(decoded, factor)
+            mine = servers[j][held[j]:held[j] + part] if servers else None
+            y = (total + mine).astype(np.float32) if servers else total
             d = round_trip(y, fmt, block)
-            if workers:
-                workers[i][start:start + count] = y - d
-            decoded.append(d)
-        total = summed(decoded, factor)
-        y = (total + servers[j]).astype(np.float32) if servers else total
-        d = round_trip(y, fmt, block)
-        if servers:
-            servers[j][:] = y - d
-        out[start:start + count] = d
+            if servers:
+                mine[:] = y - d
+            held[j] += part
+            out[lo:hi] = d
     return out
+
+
+def owned(count, piece, j):
+    """The elements rank j sums, in its server residual's order."""
+    return np.concatenate([np.arange(base + start, base + start + part)
+                           for base in range(0, count, piece)
+                           for start, part in [parts(min(piece, count - base))[j]]])
 
 
 def same_everywhere(got):
@@ -64,12 +79,15 @@ def all_reduce_every_format():
     for fmt in FORMATS:
         for block in (32, 256):
             for count in COUNTS:
-                for op, factor in (("sum", 1.0), ("avg", 1.0 / n)):
+                for op, factor, piece in (("sum", 1.0, None), ("avg", 1.0 / n, None),
+                                          ("sum", 1.0, 200)):  # (pipelined: 6 pieces)
                     xs = [data(r, count) for r in range(n)]
                     got = xs[rank].copy()
-                    compressed.all_reduce(comm, got, compressed.Wire(fmt, block), op=op)
-                    want = xs[rank] if n == 1 else expected_all_reduce(xs, fmt, block, factor)
-                    assert np.array_equal(got, want), (fmt, block, count, op,
+                    compressed.all_reduce(comm, got, compressed.Wire(fmt, block), op=op,
+                                          piece=piece or compressed.PIECE)
+                    want = xs[rank] if n == 1 else expected_all_reduce(xs, fmt, block, factor,
+                                                                       piece=piece)
+                    assert np.array_equal(got, want), (fmt, block, count, op, piece,
                                                        np.abs(got - want).max())
                     same_everywhere(got)
 
@@ -99,12 +117,12 @@ def error_feedback_carries_across_steps():
     for fmt in ("int8", "fp8_e5m2"):
         feedback = compressed.ErrorFeedback()
         workers = [np.zeros(count, np.float32) for _ in range(n)]
-        servers = [np.zeros(c, np.float32) for _, c in parts(count)]
+        servers = [np.zeros(owned(count, 128, j).size, np.float32) for j in range(n)]
         for step in range(5):
             xs = [data(r, count, step) for r in range(n)]
             got = xs[rank].copy()
-            compressed.all_reduce(comm, got, fmt, feedback)
-            want = expected_all_reduce(xs, fmt, 64, 1.0, workers, servers)
+            compressed.all_reduce(comm, got, fmt, feedback, piece=128)
+            want = expected_all_reduce(xs, fmt, 64, 1.0, workers, servers, piece=128)
             assert np.array_equal(got, want), (fmt, step)
             assert np.array_equal(feedback.worker, workers[rank])
             assert np.array_equal(feedback.server, servers[rank])
@@ -121,13 +139,14 @@ def error_feedback_carries_across_steps():
             for step in range(40):
                 xs = [data(r, count, 100 + step) for r in range(n)]
                 got = xs[rank].copy()
-                compressed.all_reduce(comm, got, compressed.Wire(fmt, 256), fb)
+                compressed.all_reduce(comm, got, compressed.Wire(fmt, 256), fb, piece=128)
                 carried += got
                 exact += np.sum(xs, axis=0, dtype=np.float64)
             drift[label] = np.abs(carried - exact).max() / np.abs(exact).max()
             if fb is not None:
                 held = np.sum(comm.mpi.allgather(fb.worker), axis=0, dtype=np.float64)
-                held += np.concatenate(comm.mpi.allgather(fb.server))
+                for j, server in enumerate(comm.mpi.allgather(fb.server)):
+                    held[owned(count, 128, j)] += server
                 assert np.abs(carried + held - exact).max() < 1e-4 * np.abs(exact).max(), fmt
         assert drift["with"] < drift["without"], (fmt, drift)
 
@@ -145,6 +164,8 @@ def bad_input_says_what_and_how():
     raises(ValueError, "block of 32, 64, 128, 256", lambda: compressed.Wire("int8", 48))
     raises(TypeError, "takes float32 data, not int32",
            lambda: compressed.all_reduce(comm, np.ones(10, np.int32), "int8"))
+    raises(ValueError, "piece=0; give a positive number of elements",
+           lambda: compressed.all_reduce(comm, x, "int8", piece=0))
     raises(ValueError, "op 'max' cannot be compressed",
            lambda: compressed.all_reduce(comm, x, "int8", op="max"))
     raises(ValueError, f"input has 10 elements, needs {n} x the output's 11",
