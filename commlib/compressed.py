@@ -171,6 +171,7 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str 
     owned = [_parts(count, n)[rank][1] for _, count in pieces]
     server = feedback and feedback.residual("server", sum(owned), "all_reduce")
     server_at = np.cumsum([0] + owned)
+    exchange_algorithm = _exchange_algorithm(comm)
     exchanging, gathering = deque(), deque()
 
     def exchange(i):  # piece i encoded, part j for rank j: its all_to_all started
@@ -179,8 +180,8 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str 
         packets, width = _encode_parts(wire, buf[start:start + count], parts, None if
                                        worker is None else worker[start:start + count])
         got = np.empty(n * width, np.uint8)
-        exchanging.append((i, parts, width, got, packets,
-                           comm.all_to_all(got, packets, async_op=True)))
+        exchanging.append((i, parts, width, got, packets, comm.all_to_all(
+            got, packets, async_op=True, algorithm=exchange_algorithm)))
 
     def reduce():  # the oldest exchange's part summed, encoded, its all_gather started
         i, parts, width, got, _, work = exchanging.popleft()
@@ -242,6 +243,15 @@ def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None = None)
         wire.decode_sum(out[j * inp.size:(j + 1) * inp.size],
                         [gathered.ctypes.data + j * packet.size])
     return output
+
+
+def _exchange_algorithm(comm) -> str | None:
+    """all_reduce's exchange: pairwise where the communicator has it. The exchange runs
+    beside the caller's compute; MPI's own all_to_all moves bytes only while it is
+    polled, and its poller naps there (2 hosts at 1 Gbit/s, 25M int8 elements: 646 ms
+    with auto's MPI, 317 ms pairwise; pipelined 233 and 224, bf16 660 and 424, the wire's
+    floor 214 and 403). The same on every rank: the call's own properties decide it."""
+    return "pairwise" if "pairwise" in comm.algorithms("all_to_all") else None
 
 
 def _encode_parts(wire: Wire, buf: np.ndarray, parts: list, residual) -> tuple:
