@@ -181,3 +181,23 @@ def test_torch_latency(tmp_path):
     for r in doc["results"]:
         assert all(r[k] > 0 for k in ("api:torch", "dist:commlib", "dist:gloo")), r
         assert (r["api:numpy"] > 0) == (r["dtype"] == "float32"), r
+
+
+@pytest.mark.long
+def test_compression_quality_table_and_plot(tmp_path, capsys):
+    """commlib_bench.compression's rows: each compression against the uncompressed run of
+    the same seed, the bytes a step, the curves' plot."""
+    from commlib_bench import compression
+    plot = tmp_path / "curves.png"
+    assert compression.main(["--ranks", "2", "--models", "gpt", "--steps", "4", "--seeds",
+                             "1", "--runs", "none,int8", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("gpt")]
+    assert [r[1].strip() for r in rows] == ["none", "int8"], out
+    none_bytes, int8_bytes = (float(r[-1]) for r in rows)
+    assert int8_bytes == pytest.approx(none_bytes * (1 + 4 / 64) / 4, rel=0.15), out
+    assert plot.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        compression.main(["--runs", "int8,int4"])
+    assert "--runs: int4; choose among none" in capsys.readouterr().err
+

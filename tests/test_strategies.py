@@ -138,8 +138,9 @@ def test_compressed_data_parallelism_trains_as_uncompressed(tmp_path):
     losses lie within 6% of the uncompressed run's (60 steps: early, where a trajectory
     wanders; the benchmark's 300 steps are the quality target), int8 without feedback
     too, ZeRO-2's and -3's compressed gradient reduce-scatter too, ZeRO-3's compressed
-    parameter gathers beside it (qgZ and qwZ), PowerSGD's rank-4 factors too; plain data parallelism's bytes a step shrink to the format's share (scales
-    included; the loss's own all-reduce aside), PowerSGD's below a sixth."""
+    parameter gathers beside it (qgZ and qwZ), PowerSGD's rank-4 factors too; plain data
+    parallelism's bytes a step shrink to the format's share (scales included; the loss's
+    own all-reduce aside), PowerSGD's below a sixth."""
     base = ("--steps", "60", "--quiet", "--dp", "3", "--batch", "12")
     formats = [["bf16"], ["int8"], ["fp8_e4m3"], ["int8", "--no-feedback"],
                ["int8", "--zero", "2"], ["fp8_e5m2", "--zero", "3"], ["powersgd"],
