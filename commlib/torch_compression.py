@@ -3,6 +3,12 @@ all_reduce (commlib/compressed.py) with error feedback, for the "commlib" backen
 
     ddp.register_comm_hook(CompressedBuckets(group, "int8"), compressed_hook)
 
+and FSDP2's gradient reduce-scatter through a compressed one (torch's place for it:
+FSDPModule.set_custom_reduce_scatter), one per FSDP module, each with its feedback:
+
+    for module in fsdp_modules:
+        module.set_custom_reduce_scatter(CompressedReduceScatter("int8"))
+
 Each bucket keeps its own ErrorFeedback (DDP rebuilds its buckets once, after the first
 iteration: a bucket whose size changed starts a fresh one). The all_reduces run on one
 thread of the state's, in the order DDP hands the buckets over, so that backward goes on
@@ -12,6 +18,7 @@ state_dict() and load_state_dict() carry the residuals through a checkpoint.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import compressed
 from .torch_work import dist_error
@@ -89,3 +96,37 @@ def compressed_hook(state: CompressedBuckets,
         state.bytes_sent += comm.bytes_sent - before
         return buffer
     return state.submit(reduce)
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of one module's gradients in ``wire`` with error feedback
+    (``feedback``), on a communicator of its own (made at the first call, which every rank
+    reaches at the same point of backward): float32 gradients on the CPU, op sum or avg."""
+
+    def __init__(self, wire="int8", feedback: bool = True):
+        self.wire = compressed.as_wire(wire)
+        self.feedback = compressed.ErrorFeedback() if feedback else None
+        self.comm = None
+        self.bytes_sent = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False) -> None:
+        from .torch_backend import ProcessGroupCommlib
+        if self.comm is None:
+            if not isinstance(group, ProcessGroupCommlib):
+                raise TypeError(f"CompressedReduceScatter needs FSDP's group on the commlib "
+                                f"backend, got {group!r}: build the mesh on it")
+            self.comm = group.comm.dup()
+        name = "sum" if op == dist.ReduceOp.SUM else "avg" if op == dist.ReduceOp.AVG else None
+        if name is None:
+            raise ValueError(f"CompressedReduceScatter sums or averages, not {op}: leave "
+                             f"FSDP's reduce op as it is (sum or avg)")
+        before = self.comm.bytes_sent
+        compressed.reduce_scatter(self.comm, output_tensor, input_tensor, self.wire,
+                                  self.feedback, op=name)
+        self.bytes_sent += self.comm.bytes_sent - before
+        return None
+

@@ -11,7 +11,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
-from commlib.torch_compression import CompressedBuckets, compressed_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from commlib.torch_compression import CompressedBuckets, CompressedReduceScatter, compressed_hook
 from harness import Checker, raises
 
 torch.set_num_threads(1)
@@ -88,8 +91,50 @@ def feedback_survives_a_checkpoint():
             assert (again.feedback[i].worker == held.worker).all()
 
 
+def fsdp2(reduce_scatters=None):
+    """FSDP2 (a module per Linear and the root) trained as train() does; with
+    ``reduce_scatters`` (a maker) each module's gradients through a compressed one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 8))
+    mesh = DeviceMesh("cpu", list(range(n)))
+    modules = [fully_shard(layer, mesh=mesh) for layer in model if isinstance(layer, nn.Linear)]
+    modules.append(fully_shard(model, mesh=mesh))
+    made = []
+    for module in modules if reduce_scatters else []:
+        made.append(reduce_scatters())
+        module.set_custom_reduce_scatter(made[-1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return sum(losses[-5:]) / 5, made
+
+
+def fsdp2_reduce_scatters_compressed_train_like_uncompressed():
+    baseline, _ = fsdp2()
+    for wire in ("bf16", "int8", "fp8_e4m3"):
+        final, made = fsdp2(lambda: CompressedReduceScatter(wire))
+        assert abs(final - baseline) <= 0.05 * baseline, (wire, final, baseline)
+        if n > 1:  # each Linear's gradients went compressed, with their feedback (the
+            # root holds no parameter of its own: its reduce-scatter is never called)
+            used = [m for m in made if m.bytes_sent > 0]
+            assert len(used) == 3 and all(m.feedback.worker is not None for m in used), wire
+
+
 def refuses_what_it_cannot_compress():
     raises(TypeError, "group of the commlib backend", lambda: CompressedBuckets(GLOO))
+    scatter = CompressedReduceScatter("int8")
+    out, inp = torch.empty(4), torch.ones(4 * n)
+    raises(TypeError, "needs FSDP's group on the commlib backend",
+           lambda: scatter(out, inp, GLOO, dist.ReduceOp.SUM))
+    raises(ValueError, "sums or averages, not",
+           lambda: scatter(out, inp, dist.group.WORLD, dist.ReduceOp.MAX))
     model = DDP(nn.Linear(4, 4).double())
     model.register_comm_hook(CompressedBuckets(), compressed_hook)
     raises(TypeError, "compresses float32 CPU buckets, not torch.float64",
