@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace",
-          "commlib.testing", "commlib.compressed", "commlib.torch_compression"}
+          "commlib.testing", "commlib.compressed", "commlib.low_rank",
+          "commlib.torch_compression"}
 
 
 def _imports(path: Path) -> set[str]:
