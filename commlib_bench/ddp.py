@@ -16,7 +16,8 @@ Last, DDP's buckets as it built them are all-reduced alone on each backend, each
 written: added to the step that communicates nothing, they foretell the ratio (where it
 misses, the communication is what to look at, not the overlap). ``--compress`` adds DDP
 through commlib's compressed hook (commlib/torch_compression.py) in each format, and
-torch's own fp16 and PowerSGD hooks on gloo, with the bytes a step sends.
+torch's own fp16 and PowerSGD hooks on gloo, with the bytes a step sends; with ``--fsdp``
+too, FSDP2 on commlib with each layer's reduce-scatter in each format.
 """
 import argparse
 import statistics
@@ -52,10 +53,13 @@ def _as_it_is(buckets: dict, bucket) -> torch.futures.Future[torch.Tensor]:
     return done
 
 
-def fsdp2(model: nn.Module, group) -> nn.Module:
+def fsdp2(model: nn.Module, group, wire=None) -> nn.Module:
     """``model`` sharded by FSDP2 over ``group``: each Linear, then the whole; each layer's
     all-gather prefetched while the layer before it (in forward; after it, in backward)
-    computes (FSDP2's explicit prefetching: on the CPU there are no streams to overlap on)."""
+    computes (FSDP2's explicit prefetching: on the CPU there are no streams to overlap on).
+    With ``wire``, each layer's gradients reduce-scattered in it (CompressedReduceScatter,
+    kept as the model's ``compressed_scatters``)."""
+    from commlib.torch_compression import CompressedReduceScatter
     mesh = DeviceMesh.from_group(group, "cpu")
     layers = [layer for layer in model if isinstance(layer, nn.Linear)]
     for layer in layers:
@@ -63,7 +67,12 @@ def fsdp2(model: nn.Module, group) -> nn.Module:
     for before, after in zip(layers, layers[1:]):
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
-    return fully_shard(model, mesh=mesh)
+    root = fully_shard(model, mesh=mesh)
+    root.compressed_scatters = []
+    for layer in layers if wire else []:
+        root.compressed_scatters.append(CompressedReduceScatter(wire))
+        layer.set_custom_reduce_scatter(root.compressed_scatters[-1])
+    return root
 
 
 def add_compressed(models: dict, groups: dict, formats: list) -> dict:
@@ -189,10 +198,12 @@ def main():
             ddp.register_comm_hook(RegisteredBuckets(group), zero_copy_hook)
         models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
     compressed = add_compressed(models, groups, [f for f in args.compress.split(",") if f])
-    for backend in ("commlib", "gloo") if args.fsdp else ():
-        name = f"fsdp2 {backend}"
+    formats = [f for f in args.compress.split(",") if f]
+    for backend, wire in [("commlib", None), ("gloo", None)] + [("commlib", f) for f in formats] \
+            if args.fsdp else ():
+        name = f"fsdp2 {backend}" + (f" {wire}+ef" if wire else "")
         groups[name] = groups[backend]
-        model = fsdp2(mlp(), groups[backend])
+        model = fsdp2(mlp(), groups[backend], wire)
         models[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     # References, timed with the others: DDP whose hook communicates nothing (its buckets'
     # copies and hooks alone: the least any backend's step can take), and the same step
@@ -259,6 +270,12 @@ def main():
         if args.fsdp:
             print(f"  FSDP2 commlib / gloo step time: "
                   f"{med['fsdp2 commlib'] / med['fsdp2 gloo']:.2f}")
+            for name, (model, _) in models.items():
+                if getattr(model, "compressed_scatters", None):
+                    sent = sum(c.bytes_sent for c in model.compressed_scatters)
+                    print(f"  {name}: / FSDP2 gloo {med[name] / med['fsdp2 gloo']:.2f}; "
+                          f"{sent / (3 + args.rounds * args.steps) / 2**20:.2f} MiB of "
+                          f"reduce-scatter sent a step by rank 0")
         steps = 3 + args.rounds * args.steps
         for name, state in compressed.items():
             print(f"  {name}: step / DDP communicating nothing "
