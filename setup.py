@@ -57,9 +57,10 @@ ARCHS = [a.strip() for a in os.environ.get("COMMLIB_CUDA_ARCHS", "80;90").split(
 NVCC_FLAGS = ["-O3", "-std=c++17",
               *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
               f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
-# launch.cu includes kernels.cu
+# launch.cu includes kernels.cu and wire.cu
 CUDA_UNITS = ["csrc/cuda/launch.cu", "csrc/cuda/streams.cu", "csrc/cuda/ipc.cu"]
-CUDA_SOURCES = [*CUDA_UNITS, "csrc/cuda/device.h", "commlib/cuda/kernels.cu"]
+CUDA_SOURCES = [*CUDA_UNITS, "csrc/cuda/device.h", "commlib/cuda/kernels.cu",
+                "commlib/cuda/wire.cu"]
 
 if NVCC:
     extensions.append(Pybind11Extension(

@@ -31,100 +31,12 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 
-from . import _C
-
-FORMATS = dict(_C.WIRE_FORMATS)  # name -> code (csrc/wire.h)
-SCALED = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})
-BLOCKS = (32, 64, 128, 256)
-
-
-@dataclass(frozen=True)
-class Wire:
-    """A wire format: ``format`` (FORMATS) and, for the scaled ones, ``block`` elements
-    per float32 scale."""
-    format: str
-    block: int = 64
-
-    def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown wire format {self.format!r}; known: "
-                             f"{', '.join(FORMATS)}")
-        if self.format in SCALED and self.block not in BLOCKS:
-            raise ValueError(f"{self.format} takes a block of {', '.join(map(str, BLOCKS))} "
-                             f"elements per scale, not {self.block!r}")
-
-    @property
-    def code(self) -> int:
-        return FORMATS[self.format]
-
-    def packet_bytes(self, count: int) -> int:
-        """Bytes of ``count`` elements in this format, scales included."""
-        return _C.wire_packet_bytes(self.code, count, self.block)
-
-    def encode(self, data: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
-        """``data`` (float32) as a packet; with ``residual``, data + residual is encoded
-        and the residual becomes what the packet lost."""
-        packet = np.empty(self.packet_bytes(data.size), np.uint8)
-        _C.wire_encode(data.ctypes.data, 0 if residual is None else residual.ctypes.data,
-                       packet.ctypes.data, data.size, self.code, self.block)
-        return packet
-
-    def decode_sum(self, out: np.ndarray, packets: list, factor: float = 1.0) -> None:
-        """``out`` (float32) <- ``factor`` x the sum of ``packets`` (addresses of packets
-        of out.size elements), in their order."""
-        _C.wire_decode_sum(out.ctypes.data, packets, out.size, self.code, self.block, factor)
-
-
-    def sum_encode(self, packet: np.ndarray, packets: list, count: int,
-                   residual: np.ndarray | None = None, factor: float = 1.0) -> None:
-        """``packet`` <- ``factor`` x the sum of ``packets`` (addresses of packets of
-        ``count`` elements) (+ ``residual``, which becomes what the packet lost), encoded:
-        a reducing step's decode, add and encode in one pass."""
-        _C.wire_sum_encode(packet.ctypes.data, 0 if residual is None else
-                           residual.ctypes.data, packets, count, self.code, self.block, factor)
-
-
-def as_wire(wire) -> Wire:
-    """A Wire, from one or its format's name."""
-    return wire if isinstance(wire, Wire) else Wire(wire)
-
-
-class ErrorFeedback:
-    """What a tensor's compressed calls lost, added to its next call (one per tensor)."""
-
-    def __init__(self):
-        self.worker: np.ndarray | None = None  # this rank's data, as encoded
-        self.server: np.ndarray | None = None  # the part this rank sums and sends back
-
-    def reset(self) -> None:
-        self.worker = self.server = None
-
-    def state_dict(self) -> dict:
-        return {k: None if v is None else v.copy()
-                for k, v in (("worker", self.worker), ("server", self.server))}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in ("worker", "server"):
-            value = state.get(name)
-            setattr(self, name, None if value is None else
-                    np.ascontiguousarray(value, np.float32).copy())
-
-    def residual(self, name: str, count: int, what: str) -> np.ndarray:
-        """The ``name`` residual for ``count`` elements (zeros at first)."""
-        held = getattr(self, name)
-        if held is None:
-            held = np.zeros(count, np.float32)
-            setattr(self, name, held)
-        elif held.dtype != np.float32 or held.size != count:
-            raise ValueError(f"{what}: this ErrorFeedback holds a {name} residual of "
-                             f"{held.size} {held.dtype} elements, the call needs {count} "
-                             f"float32: keep one ErrorFeedback per tensor (or reset() it)")
-        return held
-
+from . import _C, compressed_device
+from .wire import (BLOCKS, FORMATS, PIECE, SCALED, ErrorFeedback, Wire, as_wire,  # noqa: F401
+                   cut_pieces, exchange_algorithm, parts, reduce_factor, server_residual)
 
 class Background:
     """Compressed calls on one thread of their own, in the order submitted, so that the
@@ -149,55 +61,48 @@ class Submitted:
         return self.future.result(timeout)
 
 
-PIECE = 1 << 20  # elements all_reduce carries a piece at a time (4 MiB of float32)
-
-
 def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str = "sum",
                piece: int = PIECE):
     """Sum (or average) ``data`` (float32, in place) over ``comm``'s ranks, carried as
     ``wire``. Returns ``data``. The data go in pieces of ``piece`` elements, pipelined:
     while one piece's packets are on the wire (the exchange and gather, async calls in the
     same order on every rank), the next is encoded and the one before decoded."""
-    wire, buf, factor = as_wire(wire), _float32(data, "all_reduce"), _factor(op, comm.size)
+    if compressed_device.on_device(data):
+        return compressed_device.all_reduce(comm, data, wire, feedback, op, piece)
+    wire, buf, factor = as_wire(wire), _float32(data, "all_reduce"), reduce_factor(op, comm.size)
     n, rank = comm.size, comm.rank
-    if not isinstance(piece, int) or piece < 1:
-        raise ValueError(f"compressed all_reduce: piece={piece!r}; give a positive number "
-                         f"of elements")
+    pieces = cut_pieces(buf.size, piece)
     if n == 1:  # (nothing crosses a wire)
         return data
-    pieces = [(start, min(piece, buf.size - start)) for start in range(0, buf.size, piece)]
     worker = feedback and feedback.residual("worker", buf.size, "all_reduce")
-    # the server residual: this rank's part of each piece, one after the other
-    owned = [_parts(count, n)[rank][1] for _, count in pieces]
-    server = feedback and feedback.residual("server", sum(owned), "all_reduce")
-    server_at = np.cumsum([0] + owned)
-    exchange_algorithm = _exchange_algorithm(comm)
+    server, server_at = server_residual(feedback, pieces, n, rank)
+    algorithm = exchange_algorithm(comm)
     exchanging, gathering = deque(), deque()
 
     def exchange(i):  # piece i encoded, part j for rank j: its all_to_all started
         start, count = pieces[i]
-        parts = _parts(count, n)
-        packets, width = _encode_parts(wire, buf[start:start + count], parts, None if
+        cut = parts(count, n)
+        packets, width = _encode_parts(wire, buf[start:start + count], cut, None if
                                        worker is None else worker[start:start + count])
         got = np.empty(n * width, np.uint8)
-        exchanging.append((i, parts, width, got, packets, comm.all_to_all(
-            got, packets, async_op=True, algorithm=exchange_algorithm)))
+        exchanging.append((i, cut, width, got, packets, comm.all_to_all(
+            got, packets, async_op=True, algorithm=algorithm)))
 
     def reduce():  # the oldest exchange's part summed, encoded, its all_gather started
-        i, parts, width, got, _, work = exchanging.popleft()
+        i, cut, width, got, _, work = exchanging.popleft()
         work.wait()
         packet = np.zeros(width, np.uint8)
         wire.sum_encode(packet, [got.ctypes.data + j * width for j in range(n)],
-                        parts[rank][1], None if server is None else
+                        cut[rank][1], None if server is None else
                         server[server_at[i]:server_at[i + 1]], factor)
         gathered = np.empty(n * width, np.uint8)
-        gathering.append((i, parts, width, gathered, packet,
+        gathering.append((i, cut, width, gathered, packet,
                           comm.all_gather(gathered, packet, async_op=True)))
 
     def decode():  # the oldest gather's parts decoded into its piece
-        i, parts, width, gathered, _, work = gathering.popleft()
+        i, cut, width, gathered, _, work = gathering.popleft()
         work.wait()
-        for j, (start, count) in enumerate(parts):
+        for j, (start, count) in enumerate(cut):
             at = pieces[i][0] + start
             if count:
                 wire.decode_sum(buf[at:at + count], [gathered.ctypes.data + j * width])
@@ -219,10 +124,12 @@ def reduce_scatter(comm, output, input, wire, feedback: ErrorFeedback | None = N
                    op: str = "sum"):
     """output (float32, n elements) <- the sum (or average) over the ranks of block
     ``rank`` of their ``input`` (n x size elements), carried as ``wire``."""
-    wire, factor, n = as_wire(wire), _factor(op, comm.size), comm.size
+    if compressed_device.on_device(output):
+        return compressed_device.reduce_scatter(comm, output, input, wire, feedback, op)
+    wire, factor, n = as_wire(wire), reduce_factor(op, comm.size), comm.size
     inp, out = _whole_and_block(input, output, n, "reduce_scatter", "input", "output")
-    parts = [(j * out.size, out.size) for j in range(n)]
-    send, size = _encode_parts(wire, inp, parts, feedback and feedback.residual(
+    blocks = [(j * out.size, out.size) for j in range(n)]
+    send, size = _encode_parts(wire, inp, blocks, feedback and feedback.residual(
         "worker", inp.size, "reduce_scatter"))
     got = np.empty(n * size, np.uint8)
     comm.all_to_all(got, send)
@@ -233,6 +140,8 @@ def reduce_scatter(comm, output, input, wire, feedback: ErrorFeedback | None = N
 def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None = None):
     """output (float32, n x size elements) <- every rank's ``input``, carried as ``wire``
     (each rank's own block too: every rank holds the same values)."""
+    if compressed_device.on_device(output):
+        return compressed_device.all_gather(comm, output, input, wire, feedback)
     wire, n = as_wire(wire), comm.size
     out, inp = _whole_and_block(output, input, n, "all_gather", "output", "input")
     worker = feedback and feedback.residual("worker", inp.size, "all_gather")
@@ -243,15 +152,6 @@ def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None = None)
         wire.decode_sum(out[j * inp.size:(j + 1) * inp.size],
                         [gathered.ctypes.data + j * packet.size])
     return output
-
-
-def _exchange_algorithm(comm) -> str | None:
-    """all_reduce's exchange: pairwise where the communicator has it. The exchange runs
-    beside the caller's compute; MPI's own all_to_all moves bytes only while it is
-    polled, and its poller naps there (2 hosts at 1 Gbit/s, 25M int8 elements: 646 ms
-    with auto's MPI, 317 ms pairwise; pipelined 233 and 224, bf16 660 and 424, the wire's
-    floor 214 and 403). The same on every rank: the call's own properties decide it."""
-    return "pairwise" if "pairwise" in comm.algorithms("all_to_all") else None
 
 
 def _encode_parts(wire: Wire, buf: np.ndarray, parts: list, residual) -> tuple:
@@ -280,27 +180,10 @@ def _whole_and_block(whole, block, n: int, what: str, whole_name: str, block_nam
     return whole, block
 
 
-def _parts(count: int, n: int) -> list[tuple[int, int]]:
-    base, extra = divmod(count, n)
-    return [(i * base + min(i, extra), base + (i < extra)) for i in range(n)]
-
-
-def _factor(op: str, n: int) -> float:
-    if op == "sum":
-        return 1.0
-    if op == "avg":
-        return 1.0 / n
-    raise ValueError(f"compressed collectives sum or average: op {op!r} cannot be "
-                     f"compressed; call the uncompressed collective for it")
-
-
 def _float32(data, what: str, writable: bool = True) -> np.ndarray:
     """``data`` (a numpy array or a CPU torch tensor) as a flat float32 numpy view."""
-    if hasattr(data, "detach") and hasattr(data, "numpy"):  # torch
-        if getattr(data, "is_cuda", False):
-            raise TypeError(f"compressed {what}: CUDA tensors are not compressed yet; "
-                            f"pass a CPU tensor, or call the uncompressed collective")
-        data = data.detach().numpy()
+    if hasattr(data, "detach") and hasattr(data, "numpy"):  # torch (GPU data went to
+        data = data.detach().numpy()                         # compressed_device)
     if not isinstance(data, np.ndarray):
         raise TypeError(f"compressed {what} takes a numpy array or a CPU torch tensor, "
                         f"not {type(data).__name__}")

@@ -1,4 +1,4 @@
-// commlib/cuda/kernels.cu compiled for the CPU, so that machines without a GPU run the
+// commlib/cuda/kernels.cu and wire.cu compiled for the CPU, so that machines without a GPU run the
 // kernels' own code: indexing, 16-byte vectors and their tails, alignment, every op and
 // dtype. Each CUDA thread of a grid runs in turn (cuda_on_host.py sets the indices and
 // calls the kernel); the kernels are grid-stride loops with no shared memory or barriers,
@@ -20,6 +20,13 @@ extern "C" { Index blockIdx, threadIdx, blockDim, gridDim; }
 
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+// The device's correctly rounded operations (wire.cu spells them so that nothing contracts
+// to an FMA): plain ones here, where nothing does (-O2 for baseline x86-64 has no FMA).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __float2int_rn(float v) { return int(__builtin_rintf(v)); }  // nearest-even
 
 // The device converts float16 with PTX cvt (round to nearest even); GCC's _Float16 does the same.
 #define COMMLIB_KERNELS_ON_HOST
@@ -34,3 +41,4 @@ inline unsigned short float_to_f16(float f) {
 }  // namespace commlib_cuda
 
 #include "../commlib/cuda/kernels.cu"
+#include "../commlib/cuda/wire.cu"

@@ -1,4 +1,4 @@
-"""commlib/cuda/kernels.cu run on the CPU (cuda_on_host.cpp, compiled here with the C++
+"""commlib/cuda/kernels.cu and wire.cu run on the CPU (cuda_on_host.cpp, compiled here with the C++
 compiler): ``HostKernels`` has commlib._cuda's kernel calls on host pointers, and runs
 each launch as a small grid whose threads take turns, so grid-stride loops, vector tails
 and every block's share are exercised. The GPU tests compare the real launches with the
@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from commlib.cuda import KERNEL_DTYPES as NAMES, KERNEL_OPS as OPS, MAX_POINTERS
+from commlib.cuda import KERNEL_DTYPES as NAMES, KERNEL_OPS as OPS, MAX_POINTERS, WIRE_FORMATS
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
@@ -80,6 +80,28 @@ class HostKernels:
         p = ctypes.c_void_p
         self._launch("commlib_copy", [p, p, ctypes.c_longlong], dst, src, nbytes)
 
+    def wire_encode(self, data, residual, packet, count, format, block, device=0,
+                    stream=0) -> None:
+        p = ctypes.c_void_p
+        self._launch(f"commlib_wire_encode_{WIRE_FORMATS[format]}",
+                     [p, p, p, ctypes.c_longlong, ctypes.c_int], data, residual or None, packet,
+                     count, block)
+
+    def wire_decode_sum(self, out, packets, count, format, block, factor=1.0, device=0,
+                        stream=0) -> None:
+        self._launch(f"commlib_wire_decode_sum_{WIRE_FORMATS[format]}",
+                     [ctypes.c_void_p, Pointers, ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
+                      ctypes.c_float], out, _sources(packets), len(packets), count, block,
+                     factor)
+
+    def wire_sum_encode(self, packet, residual, packets, count, format, block, factor=1.0,
+                        device=0, stream=0) -> None:
+        p = ctypes.c_void_p
+        self._launch(f"commlib_wire_sum_encode_{WIRE_FORMATS[format]}",
+                     [p, p, Pointers, ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
+                      ctypes.c_float], packet, residual or None, _sources(packets),
+                     len(packets), count, block, factor)
+
     def wait_counter(self, counter: int, value: int) -> None:
         """commlib_wait_counter on one thread: returns once the uint32 at ``counter`` has
         reached ``value`` (a cyclic >=)."""
@@ -88,3 +110,9 @@ class HostKernels:
             self._launch("commlib_wait_counter", [ctypes.c_void_p, ctypes.c_uint], counter, value)
         finally:
             self.blocks, self.threads = shape
+
+
+def _sources(packets: list) -> Pointers:
+    if not 1 <= len(packets) <= MAX_POINTERS:
+        raise ValueError(f"1 to {MAX_POINTERS} packets, got {len(packets)}")
+    return Pointers((ctypes.c_void_p * MAX_POINTERS)(*packets))

@@ -234,6 +234,38 @@ int sg_scale(long stream, void* kernel, void* x, double factor, long long count)
   return enqueue(stream, [=] { run_grid(fn, x, factor, count); });
 }
 
+// wire.cu's kernels (the packets' addresses taken by value now, as a launch's parameters)
+int sg_wire_encode(long stream, void* kernel, void* data, void* residual, void* packet,
+                   long long count, int block) {
+  using Fn = void (*)(const float*, float*, unsigned char*, long long, int);
+  Fn fn = reinterpret_cast<Fn>(kernel);
+  return enqueue(stream, [=] {
+    run_grid(fn, static_cast<const float*>(data), static_cast<float*>(residual),
+             static_cast<unsigned char*>(packet), count, block);
+  });
+}
+
+int sg_wire_decode_sum(long stream, void* kernel, void* out, void** packets, int n,
+                       long long count, int block, float factor) {
+  using Fn = void (*)(float*, commlib_cuda::Sources, int, long long, int, float);
+  commlib_cuda::Sources s{};
+  for (int i = 0; i < n; ++i) s.p[i] = packets[i];
+  Fn fn = reinterpret_cast<Fn>(kernel);
+  return enqueue(stream, [=] { run_grid(fn, static_cast<float*>(out), s, n, count, block, factor); });
+}
+
+int sg_wire_sum_encode(long stream, void* kernel, void* packet, void* residual, void** packets,
+                       int n, long long count, int block, float factor) {
+  using Fn = void (*)(unsigned char*, float*, commlib_cuda::Sources, int, long long, int, float);
+  commlib_cuda::Sources s{};
+  for (int i = 0; i < n; ++i) s.p[i] = packets[i];
+  Fn fn = reinterpret_cast<Fn>(kernel);
+  return enqueue(stream, [=] {
+    run_grid(fn, static_cast<unsigned char*>(packet), static_cast<float*>(residual), s, n, count,
+             block, factor);
+  });
+}
+
 long sg_event_create() {
   Call call("cudaEventCreate");
   if (!call.ok) return -1;

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from commlib.cuda import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS
+from commlib.cuda import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, WIRE_FORMATS
 
 # what a launch's environment sets to run commlib's GPU calls on this simulated device
 SIMULATED = "tests.simulated_gpu:SimulatedDevice"
@@ -50,7 +50,7 @@ ENGINE_THREADS = "commlib-coll-"  # commlib/work.py's ProgressEngine names its t
 # the driver go; only to measure the design before the GPU proxy, which needs both
 LENIENT = os.environ.get("SIMULATED_GPU") == "lenient"
 SOURCES = [Path(__file__).with_name(n) for n in ("simulated_gpu.cpp", "cuda_on_host.cpp")] + [
-    Path(__file__).resolve().parents[1] / "commlib" / "cuda" / "kernels.cu"]
+    Path(__file__).resolve().parents[1] / "commlib" / "cuda" / n for n in ("kernels.cu", "wire.cu")]
 
 
 @lru_cache(maxsize=None)
@@ -78,7 +78,11 @@ def library() -> ctypes.CDLL:
             ("sg_sleep", [lg, d], i), ("sg_wait_value", [lg, p, u], i),
             ("sg_write_value", [lg, p, u], i), ("sg_waiting", [], i), ("sg_lazy_load", [], i),
             ("sg_reduce_n", [lg, p, ctypes.POINTER(p), i, ctypes.POINTER(p), i, ll], i),
-            ("sg_scale", [lg, p, p, d, ll], i), ("sg_event_create", [], lg),
+            ("sg_scale", [lg, p, p, d, ll], i),
+            ("sg_wire_encode", [lg, p, p, p, p, ll, i], i),
+            ("sg_wire_decode_sum", [lg, p, p, ctypes.POINTER(p), i, ll, i, ctypes.c_float], i),
+            ("sg_wire_sum_encode", [lg, p, p, p, ctypes.POINTER(p), i, ll, i, ctypes.c_float], i),
+            ("sg_event_create", [], lg),
             ("sg_event_record", [lg, lg], i), ("sg_event_query", [lg], i),
             ("sg_event_wait", [lg, lg], i), ("sg_event_synchronize", [lg], i),
             ("sg_stream_synchronize", [lg], i)]:
@@ -255,6 +259,25 @@ class SimulatedDevice:
         _checked(self._lib.sg_scale(stream, self._kernel(f"commlib_scale_{KERNEL_DTYPES[dtype]}"),
                                     x, factor, count))
 
+    def wire_encode(self, data, residual, packet, count, format, block, device, stream) -> None:
+        self._first_launch("wire_encode")
+        _checked(self._lib.sg_wire_encode(
+            stream, self._kernel(f"commlib_wire_encode_{WIRE_FORMATS[format]}"), data,
+            residual or None, packet, count, block))
+
+    def wire_decode_sum(self, out, packets, count, format, block, factor, device, stream) -> None:
+        self._first_launch("wire_decode_sum")
+        _checked(self._lib.sg_wire_decode_sum(
+            stream, self._kernel(f"commlib_wire_decode_sum_{WIRE_FORMATS[format]}"), out,
+            _packets(packets), len(packets), count, block, factor))
+
+    def wire_sum_encode(self, packet, residual, packets, count, format, block, factor, device,
+                        stream) -> None:
+        self._first_launch("wire_sum_encode")
+        _checked(self._lib.sg_wire_sum_encode(
+            stream, self._kernel(f"commlib_wire_sum_encode_{WIRE_FORMATS[format]}"), packet,
+            residual or None, _packets(packets), len(packets), count, block, factor))
+
     # IPC: device memory in anonymous shared files (memfd), which peers map through the
     # owner's /proc/PID/fd (the handle): nothing is ever named in /dev/shm, so nothing is
     # left there however a rank ends, and the memory goes with its last mapping
@@ -305,6 +328,12 @@ class SimulatedDevice:
     @staticmethod
     def device_count() -> int:
         return 1
+
+
+def _packets(packets: list):
+    if not 1 <= len(packets) <= MAX_POINTERS:
+        raise ValueError(f"1 to {MAX_POINTERS} packets, got {len(packets)}")
+    return (ctypes.c_void_p * MAX_POINTERS)(*packets)
 
 
 def _close(memory: mmap.mmap) -> None:

@@ -148,8 +148,10 @@ def test_kernels_compile_with_nvrtc(arch):
     nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size))
     ptx = ctypes.create_string_buffer(ptx_size.value)
     nvrtc.nvrtcGetPTX(prog, ptx)
+    wire = [f"commlib_wire_{kind}_{fmt}" for kind in ("encode", "decode_sum", "sum_encode")
+            for fmt in cuda.WIRE_FORMATS]
     for name in ("commlib_reduce_bf16_max", "commlib_reduce_n_i8_prod", "commlib_cast_f32_f16",
-                 "commlib_copy"):
+                 "commlib_copy", *wire):
         assert f".entry {name}(" in ptx.value.decode()
     nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -217,6 +219,15 @@ class Kernels:
     def synchronize(self):
         if self.host is None:
             __import__("torch").cuda.synchronize()
+
+    def wire(self, name, *args):
+        """wire.cu's kernel ``name`` (wire_encode, wire_decode_sum, wire_sum_encode) on
+        addresses, with the arguments commlib._cuda's calls take before device and stream."""
+        if self.host is not None:
+            return getattr(self.host, name)(*args)
+        torch = __import__("torch")
+        getattr(cuda.kernels(), name)(*args, torch.cuda.current_device(),
+                                      torch.cuda.current_stream().cuda_stream)
 
 
 def _code(x) -> int:
@@ -339,6 +350,96 @@ def test_copy_any_alignment(kernels):
         kernels.copy(dst, src[start:start + length])
         kernels.synchronize()
         assert torch.equal(dst, src[start:start + length]), (start, length)
+
+
+def _wire_data(torch, count: int, seed: int, finite: bool = True):
+    """float32 data whose blocks span magnitudes (1e-30 to 1e30), with a zero run, tiny
+    subnormals, values past fp16's range and, unless ``finite``, NaN and infinity."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, generator=g) * torch.exp(
+        torch.empty(count).uniform_(-69, 69, generator=g))
+    x[5:40] = 0.0
+    x[40:45] = torch.tensor([1e-45, -3e-44, 1e-40, 0.0, -0.0])[:max(0, min(5, count - 40))]
+    x[50:55] = torch.tensor([7e4, -1e5, 65519.0, 65520.0, 448.5])[:max(0, min(5, count - 50))]
+    if not finite and count > 300:
+        x[300], x[301] = float("nan"), float("inf")
+    return x.float()
+
+
+def _bits(t):
+    """A tensor's bits on the host (float32 as int32, so that NaN equals itself)."""
+    torch = __import__("torch")
+    return t.cpu() if t.dtype == torch.uint8 else t.cpu().view(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", cuda.WIRE_FORMATS)
+@pytest.mark.parametrize("block", [32, 256])
+def test_wire_kernels_make_the_cpus_packets_bit_for_bit(kernels, fmt, block):
+    """wire.cu against csrc/wire.cpp: encode (with and without a residual, the residual's
+    new bits too), decode_sum of 3 packets (and a factor), sum_encode; odd counts, a last
+    block cut short, packets at odd addresses (as a rank's parts lie in one buffer)."""
+    torch = __import__("torch")
+    from commlib import _C
+    code = cuda.WIRE_FORMATS.index(fmt)
+    for count in (1, 37, 4099):
+        size = _C.wire_packet_bytes(code, count, block)
+        xs = [_wire_data(torch, count, 3 * count + k) for k in range(3)]
+        residuals = [torch.randn(count, generator=torch.Generator().manual_seed(k)) * 1e-3
+                     for k in range(3)]
+        # the CPU's packets, 1 byte into one buffer apiece
+        cpu = torch.zeros(3 * (size + 1), dtype=torch.uint8)
+        cpu_res = [r.clone() for r in residuals]
+        for k in range(3):
+            _C.wire_encode(xs[k].data_ptr(), cpu_res[k].data_ptr() if k else 0,
+                           cpu.data_ptr() + k * (size + 1) + 1, count, code, block)
+        dev = torch.zeros_like(cpu).to(kernels.device)
+        dev_x = [x.to(kernels.device) for x in xs]
+        dev_res = [r.clone().to(kernels.device) for r in residuals]
+        for k in range(3):
+            kernels.wire("wire_encode", dev_x[k].data_ptr(), dev_res[k].data_ptr() if k else 0,
+                         dev.data_ptr() + k * (size + 1) + 1, count, code, block)
+        kernels.synchronize()
+        assert torch.equal(_bits(dev), cpu), (fmt, block, count, "encode")
+        for k in (1, 2):
+            assert torch.equal(_bits(dev_res[k]), _bits(cpu_res[k])), (fmt, count, "residual")
+
+        packets = [1 + k * (size + 1) for k in range(3)]
+        for factor in (1.0, 1 / 3):
+            want = torch.empty(count)
+            _C.wire_decode_sum(want.data_ptr(), [cpu.data_ptr() + a for a in packets], count,
+                               code, block, factor)
+            got = torch.empty(count, device=kernels.device)
+            kernels.wire("wire_decode_sum", got.data_ptr(), [dev.data_ptr() + a for a in packets],
+                         count, code, block, factor)
+            kernels.synchronize()
+            assert torch.equal(_bits(got), _bits(want)), (fmt, count, factor, "decode_sum")
+
+            want_packet, want_res = torch.zeros(size + 3, dtype=torch.uint8), residuals[0].clone()
+            _C.wire_sum_encode(want_packet.data_ptr() + 3, want_res.data_ptr(),
+                               [cpu.data_ptr() + a for a in packets], count, code, block, factor)
+            got_packet = torch.zeros(size + 3, dtype=torch.uint8, device=kernels.device)
+            got_res = residuals[0].clone().to(kernels.device)
+            kernels.wire("wire_sum_encode", got_packet.data_ptr() + 3, got_res.data_ptr(),
+                         [dev.data_ptr() + a for a in packets], count, code, block, factor)
+            kernels.synchronize()
+            assert torch.equal(_bits(got_packet), want_packet), (fmt, count, factor, "sum_encode")
+            assert torch.equal(_bits(got_res), _bits(want_res)), (fmt, count, factor, "residual")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_wire_block_holding_nan_or_inf_decodes_as_nan_on_the_device(kernels, fmt):
+    torch = __import__("torch")
+    code, block, count = cuda.WIRE_FORMATS.index(fmt), 64, 640
+    x = _wire_data(torch, count, 5, finite=False).to(kernels.device)  # NaN, inf in block 4
+    from commlib import _C
+    packet = torch.zeros(_C.wire_packet_bytes(code, count, block), dtype=torch.uint8,
+                         device=kernels.device)
+    kernels.wire("wire_encode", x.data_ptr(), 0, packet.data_ptr(), count, code, block)
+    out = torch.empty(count, device=kernels.device)
+    kernels.wire("wire_decode_sum", out.data_ptr(), [packet.data_ptr()], count, code, block, 1.0)
+    kernels.synchronize()
+    out = out.cpu()
+    assert out[256:320].isnan().all() and out[:256].isfinite().all() and out[320:].isfinite().all()
 
 
 @gpu
@@ -494,3 +595,16 @@ def test_strategies_match_one_process_on_cuda(script, n):
     their combinations) with their models and data on GPU 0, which the ranks share."""
     pytest.importorskip("torch")
     run_checked(n, f"tests/mpi/strategies_{script}.py", env={"COMMLIB_TEST_DEVICE": "cuda"})
+
+
+@pytest.mark.parametrize("n", sizes(1, 3, 4, long=(4,)))
+def test_compressed_collectives_on_gpu_memory_on_a_simulated_gpu(n):
+    """commlib/compressed_device.py: every format encoded and decoded by wire.cu's kernels
+    (compiled for the CPU) gives the CPU path's results and residuals bit for bit."""
+    run_checked(n, "tests/mpi/compressed_gpu.py", env=SIMULATED)
+
+
+@gpu
+def test_compressed_collectives_on_gpu_memory():
+    """The same on torch CUDA tensors, the ranks sharing device 0."""
+    run_checked(2, "tests/mpi/compressed_gpu.py")

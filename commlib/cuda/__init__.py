@@ -24,6 +24,8 @@ FLOATING = tuple(d.name for d in BY_CODE if d.floating)
 OPS = tuple(op for op in _C.OPS if op not in ("band", "bor", "bxor"))
 KERNEL_DTYPES = tuple(d.kernel for d in BY_CODE)
 KERNEL_OPS = tuple("sum" if op == "avg" else op for op in OPS)
+# the wire formats (commlib.compressed) by code: wire.cu's kernels are named by them
+WIRE_FORMATS = tuple(sorted(_C.WIRE_FORMATS, key=_C.WIRE_FORMATS.get))
 
 
 class CudaUnavailable(RuntimeError):
@@ -31,8 +33,10 @@ class CudaUnavailable(RuntimeError):
 
 
 def source() -> str:
-    """The kernels' CUDA C++ source, as both compilers see it."""
-    return (Path(__file__).parent / "kernels.cu").read_text()
+    """The kernels' CUDA C++ source, as both compilers see it: kernels.cu, then the wire
+    formats' (wire.cu)."""
+    here = Path(__file__).parent
+    return (here / "kernels.cu").read_text() + (here / "wire.cu").read_text()
 
 
 # reduce_n's targets and sources at most, as kernels.cu fixes it

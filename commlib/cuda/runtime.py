@@ -13,7 +13,7 @@ import numpy as np
 from cupy.cuda import runtime
 
 from ..dtypes import BY_CODE
-from . import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, source
+from . import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, WIRE_FORMATS, source
 
 _THREADS = 256  # as csrc/cuda/launch.cu
 _NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)
@@ -47,6 +47,21 @@ def _pointers(addresses):
     table = np.zeros(1, dtype=[("p", np.uint64, MAX_POINTERS)])[0]
     table["p"][:len(addresses)] = addresses
     return table
+
+
+def _wire_work(format: int, count: int, block: int, what: str) -> int:
+    if not 0 <= format < len(WIRE_FORMATS):
+        raise ValueError(f"{what}: unknown wire format code {format}")
+    scaled = format >= WIRE_FORMATS.index("int8")  # (csrc/wire.h: the scaled ones last)
+    if scaled and block not in (32, 64, 128, 256):
+        raise ValueError(f"{what}: block must be 32, 64, 128 or 256 elements, not {block}")
+    return -(-count // block) if scaled else count
+
+
+def _packets(packets, what: str):
+    if not 1 <= len(packets) <= MAX_POINTERS:
+        raise ValueError(f"{what}: 1 to {MAX_POINTERS} packets, got {len(packets)}")
+    return _pointers(packets)
 
 
 @contextmanager
@@ -134,6 +149,8 @@ class CupyRuntime:
                  for dtype in KERNEL_DTYPES for op in ops]
         names += [f"commlib_scale_{dtype}" for dtype in floating]
         names += [f"commlib_cast_{a}_{b}" for a in floating for b in floating]
+        names += [f"commlib_wire_{kind}_{fmt}" for kind in ("encode", "decode_sum", "sum_encode")
+                  for fmt in WIRE_FORMATS]
         with cupy.cuda.Device(device):
             for name in [*names, "commlib_copy", "commlib_wait_counter", "commlib_write_counter"]:
                 self._module.get_function(name).num_regs  # reading an attribute loads it
@@ -175,6 +192,29 @@ class CupyRuntime:
     def copy(self, dst, src, nbytes, device, stream):
         self._launch("commlib_copy", math.ceil(nbytes / 16),
                      (np.uint64(dst), np.uint64(src), np.int64(nbytes)), device, stream)
+
+    # the wire formats (wire.cu); launch.cu's checks, its threads (a block each for a
+    # scaled format's encoding, else an element)
+    def wire_encode(self, data, residual, packet, count, format, block, device, stream):
+        self._launch(f"commlib_wire_encode_{WIRE_FORMATS[format]}",
+                     _wire_work(format, count, block, "wire_encode"),
+                     (np.uint64(data), np.uint64(residual), np.uint64(packet), np.int64(count),
+                      np.int32(block)), device, stream)
+
+    def wire_decode_sum(self, out, packets, count, format, block, factor, device, stream):
+        _wire_work(format, count, block, "wire_decode_sum")
+        self._launch(f"commlib_wire_decode_sum_{WIRE_FORMATS[format]}", count,
+                     (np.uint64(out), _packets(packets, "wire_decode_sum"),
+                      np.int32(len(packets)), np.int64(count), np.int32(block),
+                      np.float32(factor)), device, stream)
+
+    def wire_sum_encode(self, packet, residual, packets, count, format, block, factor, device,
+                        stream):
+        self._launch(f"commlib_wire_sum_encode_{WIRE_FORMATS[format]}",
+                     _wire_work(format, count, block, "wire_sum_encode"),
+                     (np.uint64(packet), np.uint64(residual),
+                      _packets(packets, "wire_sum_encode"), np.int32(len(packets)),
+                      np.int64(count), np.int32(block), np.float32(factor)), device, stream)
 
     # streams and pinned memory (streams.cu)
     @staticmethod

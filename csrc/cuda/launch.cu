@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../../commlib/cuda/kernels.cu"
+#include "../../commlib/cuda/wire.cu"
 
 namespace py = pybind11;
 using commlib_cuda_host::check;
@@ -57,6 +58,17 @@ const Kernel kScale[] = {(Kernel)commlib_scale_f16, (Kernel)commlib_scale_bf16,
 const Kernel kCast[4][4] = {COMMLIB_ROW(f16), COMMLIB_ROW(bf16), COMMLIB_ROW(f32), COMMLIB_ROW(f64)};
 #undef COMMLIB_ROW
 
+// wire.cu's, by format code (csrc/wire.h's Format)
+#define COMMLIB_ROW(name)                                                                   \
+  {(Kernel)commlib_wire_encode_##name, (Kernel)commlib_wire_decode_sum_##name,             \
+   (Kernel)commlib_wire_sum_encode_##name}
+enum WireKernel { ENCODE, DECODE_SUM, SUM_ENCODE, NWIRE_KERNELS };
+constexpr int kWireFormats = 5;
+const Kernel kWire[kWireFormats][NWIRE_KERNELS] = {COMMLIB_ROW(bf16), COMMLIB_ROW(fp16),
+                                                   COMMLIB_ROW(int8), COMMLIB_ROW(fp8_e4m3),
+                                                   COMMLIB_ROW(fp8_e5m2)};
+#undef COMMLIB_ROW
+
 const int kItemsize[NDTYPES] = {2, 2, 4, 8, 1, 1, 4, 8};
 constexpr int kThreads = 256;
 
@@ -94,6 +106,7 @@ void load_every_kernel(int device) {
     for (const auto& row : kReduceN) for (Kernel kernel : row) load(kernel);
     for (const auto& row : kCast) for (Kernel kernel : row) load(kernel);
     for (Kernel kernel : kScale) load(kernel);
+    for (const auto& row : kWire) for (Kernel kernel : row) load(kernel);
     load((Kernel)commlib_copy);
     load((Kernel)commlib_wait_counter);
     load((Kernel)commlib_write_counter);
@@ -118,6 +131,27 @@ void launch(Kernel kernel, long long work, void** args, int device, uintptr_t st
 }
 
 long long vectors(long long count, int itemsize) { return (count * itemsize + 15) / 16; }
+
+// A wire kernel's threads: a block each for a scaled format's encoding, else an element.
+long long wire_work(int format, long long count, int block, int kernel, const char* what) {
+  if (format < 0 || format >= kWireFormats)
+    throw std::invalid_argument(std::string(what) + ": unknown wire format code " + std::to_string(format));
+  const bool scaled = format >= commlib_cuda::kINT8;
+  if (scaled && block != 32 && block != 64 && block != 128 && block != 256)
+    throw std::invalid_argument(std::string(what) + ": block must be 32, 64, 128 or 256 elements, not " +
+                                std::to_string(block));
+  return scaled && kernel != DECODE_SUM ? (count + block - 1) / block : count;
+}
+
+commlib_cuda::Sources packet_sources(const std::vector<uintptr_t>& packets, const char* what) {
+  const size_t most = commlib_cuda::kMaxPointers;
+  if (packets.empty() || packets.size() > most)
+    throw std::invalid_argument(std::string(what) + ": 1 to " + std::to_string(most) + " packets, got " +
+                                std::to_string(packets.size()));
+  commlib_cuda::Sources src{};
+  for (size_t k = 0; k < packets.size(); ++k) src.p[k] = reinterpret_cast<const void*>(packets[k]);
+  return src;
+}
 
 }  // namespace
 
@@ -186,6 +220,38 @@ PYBIND11_MODULE(_cuda, m) {
     void* args[] = {&dst, &src, &nbytes};
     launch((Kernel)commlib_copy, (nbytes + 15) / 16, args, device, stream, "copy kernel");
   }, WithoutGil(), py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"));
+
+  m.def("wire_encode", [](uintptr_t data, uintptr_t residual, uintptr_t packet, long long count,
+                          int format, int block, int device, uintptr_t stream) {
+    const long long work = wire_work(format, count, block, ENCODE, "wire_encode");
+    void* args[] = {&data, &residual, &packet, &count, &block};
+    launch(kWire[format][ENCODE], work, args, device, stream, "wire encode kernel");
+  }, WithoutGil(), py::arg("data"), py::arg("residual"), py::arg("packet"), py::arg("count"),
+     py::arg("format"), py::arg("block"), py::arg("device"), py::arg("stream"),
+     "packet <- data (+ residual, where not 0), the residual <- what the packet lost (csrc/wire.h)");
+
+  m.def("wire_decode_sum", [](uintptr_t out, std::vector<uintptr_t> packets, long long count,
+                              int format, int block, float factor, int device, uintptr_t stream) {
+    const long long work = wire_work(format, count, block, DECODE_SUM, "wire_decode_sum");
+    commlib_cuda::Sources src = packet_sources(packets, "wire_decode_sum");
+    int n = int(packets.size());
+    void* args[] = {&out, &src, &n, &count, &block, &factor};
+    launch(kWire[format][DECODE_SUM], work, args, device, stream, "wire decode kernel");
+  }, WithoutGil(), py::arg("out"), py::arg("packets"), py::arg("count"), py::arg("format"),
+     py::arg("block"), py::arg("factor"), py::arg("device"), py::arg("stream"),
+     "out <- factor x the sum of 1 to 16 packets' values, in their order, in float32");
+
+  m.def("wire_sum_encode", [](uintptr_t packet, uintptr_t residual, std::vector<uintptr_t> packets,
+                              long long count, int format, int block, float factor, int device,
+                              uintptr_t stream) {
+    const long long work = wire_work(format, count, block, SUM_ENCODE, "wire_sum_encode");
+    commlib_cuda::Sources src = packet_sources(packets, "wire_sum_encode");
+    int n = int(packets.size());
+    void* args[] = {&packet, &residual, &src, &n, &count, &block, &factor};
+    launch(kWire[format][SUM_ENCODE], work, args, device, stream, "wire sum-encode kernel");
+  }, WithoutGil(), py::arg("packet"), py::arg("residual"), py::arg("packets"), py::arg("count"),
+     py::arg("format"), py::arg("block"), py::arg("factor"), py::arg("device"), py::arg("stream"),
+     "packet <- the encoded factor x sum of 1 to 16 packets (+ residual, where not 0), one pass");
 
   m.def("load_kernels", [](int device) {
     OnDevice on(device);
