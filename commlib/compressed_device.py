@@ -34,22 +34,20 @@ def on_device(x) -> bool:
 
 
 class DeviceMemory:
-    """``nbytes`` of memory on ``like``'s device, zeroed: torch's (its caching allocator)
-    where ``like`` is a torch tensor's, else the runtime's (freed with the object)."""
+    """``nbytes`` of memory on ``like``'s device, uninitialised (a part's padding is never
+    read): torch's (its caching allocator) where ``like`` is a torch tensor's, else the
+    runtime's (freed with the object)."""
 
     def __init__(self, like: cuda.DeviceArray, nbytes: int):
         self.device, self.nbytes, self._runtime = like.device, nbytes, None
         if like.framework == "torch":
             import torch
-            self._tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8,
+            self._tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8,
                                        device=f"cuda:{like.device}")
             self.ptr = self._tensor.data_ptr()
             return
-        self._runtime = runtime = cuda.streams()
-        self.ptr = runtime.device_alloc(max(nbytes, 1), like.device)
-        zeros = np.zeros(max(nbytes, 1), np.uint8)
-        runtime.copy_async(self.ptr, zeros.ctypes.data, zeros.nbytes, like.device, like.stream)
-        runtime.stream_synchronize(like.stream, like.device)
+        self._runtime = cuda.streams()
+        self.ptr = self._runtime.device_alloc(max(nbytes, 1), like.device)
 
     def __del__(self):
         if self._runtime is not None:
@@ -86,10 +84,11 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None, op: str, piece:
     worker = feedback and _worker_residual(feedback, array, array.count, "all_reduce")
     server, server_at = server_residual(feedback, pieces, n, rank)
     algorithm = exchange_algorithm(comm)
+    # one allocation for every piece: the first is the largest
+    memory = DeviceMemory(array, n * max(wire.packet_bytes(c) for _, c in parts(pieces[0][1], n)))
     for i, (start, count) in enumerate(pieces):
         cut = parts(count, n)
         width = max(wire.packet_bytes(c) for _, c in cut)
-        memory = DeviceMemory(array, n * width)
         for j, (at, c) in enumerate(cut):
             _encode(array, wire, start + at, c, worker, memory.ptr + j * width)
         sent = _to_host(array, memory.ptr, n * width)
@@ -123,7 +122,7 @@ def reduce_scatter(comm, output, input, wire, feedback: ErrorFeedback | None, op
     _to_device(inp, memory.ptr, got)
     packets = [memory.ptr + j * width for j in range(n)]
     if n <= cuda.MAX_POINTERS:
-        _decode_sum(out, wire, 0, out.count, packets, factor, into=out)
+        _decode_sum(out, wire, 0, out.count, packets, factor)
     else:  # more packets than a kernel takes: summed on the host, in the same order
         host = np.empty(out.count, np.float32)
         wire.decode_sum(host, [got.ctypes.data + j * width for j in range(n)], factor)
@@ -145,7 +144,7 @@ def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None):
     comm.all_gather(gathered, _to_host(inp, memory.ptr, width))
     _to_device(inp, memory.ptr, gathered)
     for j in range(n):
-        _decode_sum(out, wire, j * inp.count, inp.count, [memory.ptr + j * width], 1.0, into=out)
+        _decode_sum(out, wire, j * inp.count, inp.count, [memory.ptr + j * width], 1.0)
     _synchronize(inp)
     return output
 
@@ -185,12 +184,11 @@ def _encode(array, wire, start: int, count: int, residual, packet: int) -> None:
                                    count, wire.code, wire.block, array.device, array.stream)
 
 
-def _decode_sum(array, wire, start: int, count: int, packets: list, factor: float,
-                into=None) -> None:
-    target = array if into is None else into
+def _decode_sum(array, wire, start: int, count: int, packets: list, factor: float) -> None:
+    """``array``'s elements [start, start + count) <- factor x the packets' sum."""
     if count:
-        cuda.streams().wire_decode_sum(target.ptr + 4 * start, packets, count, wire.code,
-                                       wire.block, factor, target.device, target.stream)
+        cuda.streams().wire_decode_sum(array.ptr + 4 * start, packets, count, wire.code,
+                                       wire.block, factor, array.device, array.stream)
 
 
 def _to_host(array, ptr: int, nbytes: int) -> np.ndarray:
