@@ -17,7 +17,8 @@ written: added to the step that communicates nothing, they foretell the ratio (w
 misses, the communication is what to look at, not the overlap). ``--compress`` adds DDP
 through commlib's compressed hook (commlib/torch_compression.py) in each format, and
 torch's own fp16 and PowerSGD hooks on gloo, with the bytes a step sends; with ``--fsdp``
-too, FSDP2 on commlib with each layer's reduce-scatter in each format.
+too, FSDP2 on commlib with each layer's reduce-scatter in each format, and with its
+parameters' all-gathers in it as well.
 """
 import argparse
 import statistics
@@ -53,13 +54,14 @@ def _as_it_is(buckets: dict, bucket) -> torch.futures.Future[torch.Tensor]:
     return done
 
 
-def fsdp2(model: nn.Module, group, wire=None) -> nn.Module:
+def fsdp2(model: nn.Module, group, wire=None, gathered=False) -> nn.Module:
     """``model`` sharded by FSDP2 over ``group``: each Linear, then the whole; each layer's
     all-gather prefetched while the layer before it (in forward; after it, in backward)
     computes (FSDP2's explicit prefetching: on the CPU there are no streams to overlap on).
-    With ``wire``, each layer's gradients reduce-scattered in it (CompressedReduceScatter,
-    kept as the model's ``compressed_scatters``)."""
-    from commlib.torch_compression import CompressedReduceScatter
+    With ``wire``, each layer's gradients reduce-scattered in it (CompressedReduceScatter)
+    and, where ``gathered``, its parameters all-gathered in it (CompressedAllGather): kept
+    as the model's ``compressed`` (bytes counted)."""
+    from commlib.torch_compression import CompressedAllGather, CompressedReduceScatter
     mesh = DeviceMesh.from_group(group, "cpu")
     layers = [layer for layer in model if isinstance(layer, nn.Linear)]
     for layer in layers:
@@ -68,10 +70,13 @@ def fsdp2(model: nn.Module, group, wire=None) -> nn.Module:
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
     root = fully_shard(model, mesh=mesh)
-    root.compressed_scatters = []
+    root.compressed = []
     for layer in layers if wire else []:
-        root.compressed_scatters.append(CompressedReduceScatter(wire))
-        layer.set_custom_reduce_scatter(root.compressed_scatters[-1])
+        root.compressed.append(CompressedReduceScatter(wire))
+        layer.set_custom_reduce_scatter(root.compressed[-1])
+        if gathered:
+            root.compressed.append(CompressedAllGather(wire))
+            layer.set_custom_all_gather(root.compressed[-1])
     return root
 
 
@@ -199,11 +204,12 @@ def main():
         models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
     compressed = add_compressed(models, groups, [f for f in args.compress.split(",") if f])
     formats = [f for f in args.compress.split(",") if f]
-    for backend, wire in [("commlib", None), ("gloo", None)] + [("commlib", f) for f in formats] \
-            if args.fsdp else ():
-        name = f"fsdp2 {backend}" + (f" {wire}+ef" if wire else "")
+    for backend, wire, gathered in [("commlib", None, False), ("gloo", None, False)] + [
+            ("commlib", f, g) for f in formats for g in (False, True)] if args.fsdp else ():
+        name = f"fsdp2 {backend}" + (f" {wire}+ef" if wire else "") + (
+            f", gathers {wire}" if gathered else "")
         groups[name] = groups[backend]
-        model = fsdp2(mlp(), groups[backend], wire)
+        model = fsdp2(mlp(), groups[backend], wire, gathered)
         models[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     # References, timed with the others: DDP whose hook communicates nothing (its buckets'
     # copies and hooks alone: the least any backend's step can take), and the same step
@@ -271,11 +277,12 @@ def main():
             print(f"  FSDP2 commlib / gloo step time: "
                   f"{med['fsdp2 commlib'] / med['fsdp2 gloo']:.2f}")
             for name, (model, _) in models.items():
-                if getattr(model, "compressed_scatters", None):
-                    sent = sum(c.bytes_sent for c in model.compressed_scatters)
-                    print(f"  {name}: / FSDP2 gloo {med[name] / med['fsdp2 gloo']:.2f}; "
-                          f"{sent / (3 + args.rounds * args.steps) / 2**20:.2f} MiB of "
-                          f"reduce-scatter sent a step by rank 0")
+                if getattr(model, "compressed", None):
+                    sent = sum(c.bytes_sent for c in model.compressed)
+                    print(f"  {name}: / FSDP2 gloo {med[name] / med['fsdp2 gloo']:.2f}, "
+                          f"/ FSDP2 commlib {med[name] / med['fsdp2 commlib']:.2f}; "
+                          f"{sent / (3 + args.rounds * args.steps) / 2**20:.2f} MiB sent "
+                          f"compressed a step by rank 0")
         steps = 3 + args.rounds * args.steps
         for name, state in compressed.items():
             print(f"  {name}: step / DDP communicating nothing "

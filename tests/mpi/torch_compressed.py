@@ -1,8 +1,9 @@
 """commlib.torch_compression's DDP hook on the "commlib" backend: every format keeps the
 replicas bit-identical and trains as uncompressed DDP does (loss within a few percent
 after 40 steps of a small regression), int8 without error feedback too; the feedback
-survives a state_dict round trip; the hook refuses other groups and dtypes by name.
-Under mpiexec."""
+survives a state_dict round trip; the hook refuses other groups and dtypes by name. FSDP2
+with compressed reduce-scatters and all-gathers (every rank computing with the same
+rounded parameters) likewise. Under mpiexec."""
 import warnings
 
 import torch
@@ -14,7 +15,8 @@ import commlib.torch_backend as tb
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from commlib.torch_compression import CompressedBuckets, CompressedReduceScatter, compressed_hook
+from commlib.torch_compression import (CompressedAllGather, CompressedBuckets,  # noqa: E402
+                                       CompressedReduceScatter, compressed_hook)
 from harness import Checker, raises
 
 torch.set_num_threads(1)
@@ -36,6 +38,20 @@ def batch(step):
         return x, TARGET(x) + 0.01 * torch.randn(32, 8, generator=g)
 
 
+def fit(model):
+    """STEPS of SGD on ``model`` (wrapped as DDP or FSDP2); the last 5 losses' mean."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return sum(losses[-5:]) / 5
+
+
 def train(state=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
@@ -43,20 +59,12 @@ def train(state=None):
     ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
     if state is not None:
         ddp.register_comm_hook(state, compressed_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    final = fit(ddp)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(n)]
     dist.all_gather(everyone, flat, group=GLOO)
     assert all(torch.equal(e, flat) for e in everyone), "the replicas differ"
-    return sum(losses[-5:]) / 5
+    return final
 
 
 BASELINE = train()
@@ -91,40 +99,69 @@ def feedback_survives_a_checkpoint():
             assert (again.feedback[i].worker == held.worker).all()
 
 
-def fsdp2(reduce_scatters=None):
+def fsdp2(reduce_scatters=None, all_gathers=None):
     """FSDP2 (a module per Linear and the root) trained as train() does; with
-    ``reduce_scatters`` (a maker) each module's gradients through a compressed one."""
+    ``reduce_scatters`` / ``all_gathers`` (makers) each module's gradients / parameters
+    through compressed ones. (final loss, the reduce-scatters, the all-gathers)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 8))
     mesh = DeviceMesh("cpu", list(range(n)))
     modules = [fully_shard(layer, mesh=mesh) for layer in model if isinstance(layer, nn.Linear)]
     modules.append(fully_shard(model, mesh=mesh))
-    made = []
-    for module in modules if reduce_scatters else []:
-        made.append(reduce_scatters())
-        module.set_custom_reduce_scatter(made[-1])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return sum(losses[-5:]) / 5, made
+    scatters, gathers = [], []
+    for module in modules:
+        if reduce_scatters:
+            scatters.append(reduce_scatters())
+            module.set_custom_reduce_scatter(scatters[-1])
+        if all_gathers:
+            gathers.append(all_gathers())
+            module.set_custom_all_gather(gathers[-1])
+    return fit(model), scatters, gathers
 
 
 def fsdp2_reduce_scatters_compressed_train_like_uncompressed():
-    baseline, _ = fsdp2()
+    baseline, _, _ = fsdp2()
     for wire in ("bf16", "int8", "fp8_e4m3"):
-        final, made = fsdp2(lambda: CompressedReduceScatter(wire))
+        final, made, _ = fsdp2(lambda: CompressedReduceScatter(wire))
         assert abs(final - baseline) <= 0.05 * baseline, (wire, final, baseline)
         if n > 1:  # each Linear's gradients went compressed, with their feedback (the
             # root holds no parameter of its own: its reduce-scatter is never called)
             used = [m for m in made if m.bytes_sent > 0]
             assert len(used) == 3 and all(m.feedback.worker is not None for m in used), wire
+
+
+def fsdp2_all_gathers_compressed_train_like_uncompressed():
+    baseline, _, _ = fsdp2()
+    for wire, scattered in (("bf16", None), ("int8", "int8")):
+        scatters = (lambda s=scattered: CompressedReduceScatter(s)) if scattered else None
+        final, _, made = fsdp2(scatters, lambda w=wire: CompressedAllGather(w))
+        assert abs(final - baseline) <= 0.05 * baseline, (wire, final, baseline)
+        if n > 1:  # each Linear's parameters went compressed, forward and backward
+            assert sum(m.bytes_sent > 0 for m in made) == 3, wire
+
+
+def fsdp2_gathers_every_rank_the_same_rounded_parameters():
+    """What forward computes with: every rank's shard rounded to bf16 (its own too), the
+    same on every rank; half the bytes of float32 sent."""
+    torch.manual_seed(0)
+    layer = fully_shard(nn.Linear(24, 64), mesh=DeviceMesh("cpu", list(range(n))))
+    gather = CompressedAllGather("bf16")
+    layer.set_custom_all_gather(gather)
+    exact = layer.weight.full_tensor()
+    seen = []
+    layer.register_forward_pre_hook(lambda m, args: seen.append(m.weight.detach().clone()))
+    layer(torch.ones(2, 24))
+    if n == 1:  # (FSDP2 gathers nothing on one rank: the parameters stay exact)
+        assert gather.comm is None and torch.equal(seen[0], exact)
+        return
+    assert torch.equal(seen[0], exact.to(torch.bfloat16).float())
+    assert not torch.equal(seen[0], exact)
+    everyone = [torch.empty_like(seen[0]) for _ in range(n)]
+    dist.all_gather(everyone, seen[0], group=GLOO)
+    assert all(torch.equal(e, seen[0]) for e in everyone), "the ranks gathered differently"
+    # (the weight's and the bias's shards, in bf16; padding aside)
+    assert 0 < gather.bytes_sent <= (n - 1) * (24 * 64 + 64) * 2 // n + 64 * n, gather.bytes_sent
 
 
 def refuses_what_it_cannot_compress():
@@ -135,9 +172,15 @@ def refuses_what_it_cannot_compress():
            lambda: scatter(out, inp, GLOO, dist.ReduceOp.SUM))
     raises(ValueError, "sums or averages, not",
            lambda: scatter(out, inp, dist.group.WORLD, dist.ReduceOp.MAX))
+    raises(TypeError, "needs FSDP's group on the commlib backend",
+           lambda: CompressedAllGather()(torch.empty(4 * n), torch.ones(4), GLOO))
+    raises(TypeError, "compresses float32 parameters, but FSDP gathers this module's as "
+           "torch.float64", lambda: CompressedAllGather()(
+               torch.empty(4 * n, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+               dist.group.WORLD))
     model = DDP(nn.Linear(4, 4).double())
     model.register_comm_hook(CompressedBuckets(), compressed_hook)
-    raises(TypeError, "compresses float32 CPU buckets, not torch.float64",
+    raises(TypeError, "compresses float32 buckets, not torch.float64",
            lambda: model(torch.ones(2, 4, dtype=torch.float64)).sum().backward())
 
 

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
+from commlib.torch_compression import CompressedBuckets, compressed_hook
 from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
 from harness import Checker
 
@@ -110,6 +111,29 @@ def ddp_with_registered_buckets_on_cuda_trains_as_on_cpu():
         assert state.possible and len(state.registered) > 1, state.registered
         calls = dist.group.WORLD.comm.flight_record()
         assert any(c["algorithm"] == "zerocopy" for c in calls), calls[-3:]
+
+
+def compressed_ddp_on_cuda_trains_as_on_cpu():
+    """commlib.torch_compression's hook on CUDA buckets: encoded on the device in the
+    CPU's packets, so the GPU's training follows the CPU's within the format's rounding
+    of gradients that differ by the devices' arithmetic; the replicas stay equal."""
+    def hooked(device_ids, states):
+        def wrap(model):
+            ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=0.001)
+            states.append(CompressedBuckets(wire="int8"))
+            ddp.register_comm_hook(states[-1], compressed_hook)
+            return ddp
+        return wrap
+    gpu_states, cpu_states = [], []
+    gpu, cpu = train(GPU, hooked([0], gpu_states)), train("cpu", hooked(None, cpu_states))
+    for i, (g, c) in enumerate(zip(gpu, cpu)):
+        torch.testing.assert_close(g, c, rtol=1e-2, atol=2e-3, msg=lambda m: f"param {i}: {m}")
+    flat = torch.cat([p.reshape(-1) for p in gpu]).to(GPU)
+    everyone = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(everyone, flat)
+    assert all(torch.equal(e, flat) for e in everyone), "the GPU replicas differ"
+    if n > 1:
+        assert gpu_states[0].bytes_sent > 0 and len(gpu_states[0].feedback) > 1
 
 
 def fsdp2_on_cuda_trains_as_on_cpu():
