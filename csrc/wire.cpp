@@ -58,13 +58,15 @@ COMMLIB_INLINE uint32_t to_fp8(float v, const Fp8& f, float& value) {
       (a + ((1u << (shift - 1)) - 1) + ((a >> shift) & 1)) & ~((1u << shift) - 1);
   const uint32_t normal = (rounded - (uint32_t(127 - f.bias) << 23)) >> shift;
   const float sub_sum = detail::from_bits(a) + f.subnormal_anchor;
-  const bool subnormal = a < f.min_normal_bits;
+  // (a below 2^31: compared as signed, one AVX2 instruction where unsigned takes three)
+  const bool subnormal = int32_t(a) < int32_t(f.min_normal_bits);
   uint32_t code = subnormal ? bits(sub_sum) - bits(f.subnormal_anchor) : normal;
   uint32_t value_bits = subnormal ? bits(sub_sum - f.subnormal_anchor) : rounded;
-  const bool over = code > f.largest_code;
-  code = over ? f.largest_code : code;
-  value_bits = over ? bits(f.largest) : value_bits;
-  const bool nan = a > 0x7f800000;
+  // saturating: a code above the largest, and its value's bits above the largest's, are
+  // the largest's (unsigned minima: a NaN's, above both, is set below)
+  code = std::min(code, uint32_t(f.largest_code));
+  value_bits = std::min(value_bits, bits(f.largest));
+  const bool nan = int32_t(a) > int32_t(0x7f800000);
   code = nan ? f.nan_code : code;
   value_bits = nan ? a : value_bits;
   value = detail::from_bits(value_bits | sign);
