@@ -141,7 +141,7 @@ class FSDPComm:
 
 class CompressedReduceScatter(FSDPComm, ReduceScatter):
     """FSDP2's reduce-scatter of one module's gradients in ``wire`` with error feedback
-    (``feedback``): float32 gradients on the CPU, op sum or avg."""
+    (``feedback``): float32 gradients, on the CPU or a GPU, op sum or avg."""
 
     def __init__(self, wire="int8", feedback: bool = True):
         super().__init__(wire)
@@ -161,7 +161,8 @@ class CompressedReduceScatter(FSDPComm, ReduceScatter):
 
 class CompressedAllGather(FSDPComm, AllGather):
     """FSDP2's all-gather of one module's parameters in ``wire`` (qwZ-like; no feedback:
-    each gather rounds the exact shards afresh): float32 parameters on the CPU."""
+    each gather rounds the exact shards afresh): float32 parameters, on the CPU or (encoded
+    there, commlib/compressed_device.py) a GPU."""
 
     def __init__(self, wire="bf16"):
         super().__init__(wire)

@@ -1,7 +1,7 @@
 """The "commlib" torch backend on CUDA tensors (the ranks share device 0), under mpiexec:
 collectives and send/recv against exact values, stream order, and DDP and FSDP2 training
 on the GPU against the same training on CPU tensors (which torch_train.py checks against
-gloo)."""
+gloo), compressed (commlib.torch_compression) too."""
 import warnings
 
 import torch
@@ -12,7 +12,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib.torch_backend as tb
-from commlib.torch_compression import CompressedBuckets, compressed_hook
+from commlib.torch_compression import (CompressedAllGather, CompressedBuckets,
+                                       CompressedReduceScatter, compressed_hook)
 from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
 from harness import Checker
 
@@ -113,6 +114,14 @@ def ddp_with_registered_buckets_on_cuda_trains_as_on_cpu():
         assert any(c["algorithm"] == "zerocopy" for c in calls), calls[-3:]
 
 
+def roughly(gpu, cpu):
+    """Compressed training on the GPU as on the CPU: the same packets for the same values,
+    but the devices' arithmetic makes the gradients differ in their last bits, and a
+    format's rounding may then differ by a step."""
+    for i, (g, c) in enumerate(zip(gpu, cpu)):
+        torch.testing.assert_close(g, c, rtol=1e-2, atol=2e-3, msg=lambda m: f"param {i}: {m}")
+
+
 def compressed_ddp_on_cuda_trains_as_on_cpu():
     """commlib.torch_compression's hook on CUDA buckets: encoded on the device in the
     CPU's packets, so the GPU's training follows the CPU's within the format's rounding
@@ -126,8 +135,7 @@ def compressed_ddp_on_cuda_trains_as_on_cpu():
         return wrap
     gpu_states, cpu_states = [], []
     gpu, cpu = train(GPU, hooked([0], gpu_states)), train("cpu", hooked(None, cpu_states))
-    for i, (g, c) in enumerate(zip(gpu, cpu)):
-        torch.testing.assert_close(g, c, rtol=1e-2, atol=2e-3, msg=lambda m: f"param {i}: {m}")
+    roughly(gpu, cpu)
     flat = torch.cat([p.reshape(-1) for p in gpu]).to(GPU)
     everyone = [torch.empty_like(flat) for _ in range(n)]
     dist.all_gather(everyone, flat)
@@ -145,6 +153,21 @@ def fsdp2_on_cuda_trains_as_on_cpu():
             return fully_shard(model, mesh=mesh)
         return wrap
     close(train(GPU, shard("cuda")), train("cpu", shard("cpu")))
+
+
+def compressed_fsdp2_on_cuda_trains_as_on_cpu():
+    """FSDP2 with each layer's reduce-scatter in int8 and its all-gathers in bf16
+    (commlib.torch_compression), on CUDA tensors as on CPU ones."""
+    def shard(device):
+        def wrap(model):
+            mesh = DeviceMesh.from_group(dist.group.WORLD, device)
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+                layer.set_custom_reduce_scatter(CompressedReduceScatter("int8"))
+                layer.set_custom_all_gather(CompressedAllGather("bf16"))
+            return fully_shard(model, mesh=mesh)
+        return wrap
+    roughly(train(GPU, shard("cuda")), train("cpu", shard("cpu")))
 
 
 check.run_cases(globals())
