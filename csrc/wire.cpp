@@ -73,18 +73,21 @@ COMMLIB_INLINE uint32_t to_fp8(float v, const Fp8& f, float& value) {
   return code | sign >> 24;
 }
 
-// A code's value: the format's table, computed (vectorisable, where a lookup is not).
+// A code's value: the format's table, computed (vectorisable, where a lookup is not). The
+// magnitude's bits t, moved into a float's place with the exponent rebiased, are a normal
+// code's value; a subnormal one's (exponent 0) is t steps. Integers convert as signed
+// (AVX2 converts no unsigned ones: a sequence of several instructions each).
 COMMLIB_INLINE float fp8_value(uint8_t code, const Fp8& f) {
-  const uint32_t c = code, m = f.mantissa, emask = (1u << (7 - m)) - 1;
-  const uint32_t e = (c >> m) & emask, mantissa = c & ((1u << m) - 1);
+  const int32_t t = code & 0x7f, m = f.mantissa;
   const float step = detail::from_bits(uint32_t(127 + 1 - f.bias - f.mantissa) << 23);
-  uint32_t v = e == 0 ? bits(float(mantissa) * step)
-                      : (e + uint32_t(127 - f.bias)) << 23 | mantissa << (23 - m);
-  if (f.has_inf)
-    v = e == emask ? 0x7f800000u | mantissa << (23 - m) : v;  // infinity or NaN
+  const uint32_t normal = (uint32_t(t) << (23 - m)) + (uint32_t(127 - f.bias) << 23);
+  uint32_t v = t < (1 << m) ? bits(float(t) * step) : normal;
+  if (f.has_inf)  // (the largest exponent: infinity or NaN)
+    v = t >= (((1 << (7 - m)) - 1) << m) ? 0x7f800000u | ((uint32_t(t) << (23 - m)) & 0x7fffff)
+                                         : v;
   else
-    v = (c & 0x7f) == 0x7f ? 0x7fc00000u : v;  // NaN
-  return detail::from_bits(v | (c & 0x80) << 24);
+    v = t == 0x7f ? 0x7fc00000u : v;  // NaN
+  return detail::from_bits(v | uint32_t(code & 0x80) << 24);
 }
 
 COMMLIB_INLINE float largest(int format) {
