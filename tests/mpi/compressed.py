@@ -92,6 +92,24 @@ def all_reduce_every_format():
                     same_everywhere(got)
 
 
+def deterministic_mode_gives_the_same_bits():
+    """Deterministic mode's promise with compression on: a deterministic communicator's
+    compressed all_reduce gives the reference's bits, its reduce_scatter a plain one's
+    (only packets move; every sum is in rank order, on one rank)."""
+    det = comm.dup(deterministic=True)
+    xs = [data(r, 1001) for r in range(n)]
+    got = xs[rank].copy()
+    compressed.all_reduce(det, got, "int8", op="avg")
+    want = xs[rank] if n == 1 else expected_all_reduce(xs, "int8", 64, 1.0 / n)
+    assert np.array_equal(got, want), np.abs(got - want).max()
+    block = np.empty(1001 // n, np.float32)
+    whole = data(rank, 1001)[:n * block.size].copy()
+    compressed.reduce_scatter(det, block, whole, "bf16")
+    plain = np.empty_like(block)
+    compressed.reduce_scatter(comm, plain, whole, "bf16")
+    assert np.array_equal(block, plain)
+
+
 def reduce_scatter_and_all_gather():
     for fmt in FORMATS:
         count = 77
