@@ -29,14 +29,13 @@ rounding of each rank's data and (all_reduce) of the sum sent back. Ops: sum and
 """
 from __future__ import annotations
 
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _C, compressed_device
+from . import _C, compressed_device, compressed_pipeline
 from .wire import (BLOCKS, FORMATS, PIECE, SCALED, ErrorFeedback, Wire, as_wire,  # noqa: F401
-                   cut_pieces, exchange_algorithm, parts, reduce_factor, server_residual)
+                   cut_pieces, reduce_factor, server_residual)
 
 class Background:
     """Compressed calls on one thread of their own, in the order submitted, so that the
@@ -76,47 +75,8 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None = None, op: str 
         return data
     worker = feedback and feedback.residual("worker", buf.size, "all_reduce")
     server, server_at = server_residual(feedback, pieces, n, rank)
-    algorithm = exchange_algorithm(comm)
-    exchanging, gathering = deque(), deque()
-
-    def exchange(i):  # piece i encoded, part j for rank j: its all_to_all started
-        start, count = pieces[i]
-        cut = parts(count, n)
-        packets, width = _encode_parts(wire, buf[start:start + count], cut, None if
-                                       worker is None else worker[start:start + count])
-        got = np.empty(n * width, np.uint8)
-        exchanging.append((i, cut, width, got, packets, comm.all_to_all(
-            got, packets, async_op=True, algorithm=algorithm)))
-
-    def reduce():  # the oldest exchange's part summed, encoded, its all_gather started
-        i, cut, width, got, _, work = exchanging.popleft()
-        work.wait()
-        packet = np.zeros(width, np.uint8)
-        wire.sum_encode(packet, [got.ctypes.data + j * width for j in range(n)],
-                        cut[rank][1], None if server is None else
-                        server[server_at[i]:server_at[i + 1]], factor)
-        gathered = np.empty(n * width, np.uint8)
-        gathering.append((i, cut, width, gathered, packet,
-                          comm.all_gather(gathered, packet, async_op=True)))
-
-    def decode():  # the oldest gather's parts decoded into its piece
-        i, cut, width, gathered, _, work = gathering.popleft()
-        work.wait()
-        for j, (start, count) in enumerate(cut):
-            at = pieces[i][0] + start
-            if count:
-                wire.decode_sum(buf[at:at + count], [gathered.ctypes.data + j * width])
-
-    for i in range(len(pieces)):
-        exchange(i)
-        if len(exchanging) > 1:
-            reduce()
-        if len(gathering) > 1:
-            decode()
-    while exchanging:
-        reduce()
-    while gathering:
-        decode()
+    compressed_pipeline.all_reduce(comm, wire, pieces, HostCodec(wire, buf, worker), server,
+                                   server_at, factor)
     return data
 
 
@@ -152,6 +112,25 @@ def all_gather(comm, output, input, wire, feedback: ErrorFeedback | None = None)
         wire.decode_sum(out[j * inp.size:(j + 1) * inp.size],
                         [gathered.ctypes.data + j * packet.size])
     return output
+
+
+class HostCodec:
+    """all_reduce's pieces of ``buf`` (float32 in host memory) encoded with the worker
+    residual and decoded in place (commlib/compressed_pipeline.py)."""
+
+    def __init__(self, wire: Wire, buf: np.ndarray, worker):
+        self.wire, self.buf, self.worker = wire, buf, worker
+
+    def encode(self, start: int, count: int, cut: list) -> tuple:
+        return _encode_parts(self.wire, self.buf[start:start + count], cut,
+                             None if self.worker is None else
+                             self.worker[start:start + count])
+
+    def decode(self, start: int, cut: list, width: int, gathered: np.ndarray) -> None:
+        for j, (at, count) in enumerate(cut):
+            if count:
+                self.wire.decode_sum(self.buf[start + at:start + at + count],
+                                     [gathered.ctypes.data + j * width])
 
 
 def _encode_parts(wire: Wire, buf: np.ndarray, parts: list, residual) -> tuple:

@@ -14,16 +14,16 @@ cross PCIe, never the float32 data, and a GPU rank and a CPU rank meet in one ca
 
 A call runs on the array's current stream and is synchronous for its caller, as the CPU
 calls are: it waits for that stream before the packets leave (work enqueued before the
-call is in them), and returns once the result is on the device. The pieces go one after
-another here (the CPU path pipelines them).
+call is in them), and returns once the result is on the device. all_reduce's pieces are
+pipelined as on the CPU (commlib/compressed_pipeline.py): while one piece's packets are
+on the wire, the next is encoded and the one before decoded, on the array's stream.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import cuda
-from .wire import (ErrorFeedback, as_wire, cut_pieces, exchange_algorithm, parts,
-                   reduce_factor, server_residual)
+from . import compressed_pipeline, cuda
+from .wire import ErrorFeedback, as_wire, cut_pieces, parts, reduce_factor, server_residual
 
 
 def on_device(x) -> bool:
@@ -83,28 +83,40 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None, op: str, piece:
         return data
     worker = feedback and _worker_residual(feedback, array, array.count, "all_reduce")
     server, server_at = server_residual(feedback, pieces, n, rank)
-    algorithm = exchange_algorithm(comm)
-    # one allocation for every piece: the first is the largest
-    memory = DeviceMemory(array, n * max(wire.packet_bytes(c) for _, c in parts(pieces[0][1], n)))
-    for i, (start, count) in enumerate(pieces):
-        cut = parts(count, n)
-        width = max(wire.packet_bytes(c) for _, c in cut)
-        for j, (at, c) in enumerate(cut):
-            _encode(array, wire, start + at, c, worker, memory.ptr + j * width)
-        sent = _to_host(array, memory.ptr, n * width)
-        got = np.empty(n * width, np.uint8)
-        comm.all_to_all(got, sent, algorithm=algorithm)
-        packet = np.zeros(width, np.uint8)
-        wire.sum_encode(packet, [got.ctypes.data + j * width for j in range(n)], cut[rank][1],
-                        None if server is None else server[server_at[i]:server_at[i + 1]],
-                        factor)
-        gathered = np.empty(n * width, np.uint8)
-        comm.all_gather(gathered, packet)
-        _to_device(array, memory.ptr, gathered)
-        for j, (at, c) in enumerate(cut):
-            _decode_sum(array, wire, start + at, c, [memory.ptr + j * width], 1.0)
-        _synchronize(array)  # (the host's packets and the memory live until decoded)
+    codec = DeviceCodec(wire, array, worker, n, pieces[0][1])
+    compressed_pipeline.all_reduce(comm, wire, pieces, codec, server, server_at, factor)
+    _synchronize(array)  # (the host's packets and the memory live until decoded)
     return data
+
+
+class DeviceCodec:
+    """all_reduce's pieces of ``array`` (on its device) encoded there with the worker
+    residual, the packets copied to the host, and decoded there: on the array's stream,
+    in the pipeline's order, so one device memory (for the largest piece, ``most``
+    elements: the first) serves every piece; the gathered host packets are kept until the
+    stream has passed them (the next encode's copy waits for it)."""
+
+    def __init__(self, wire, array, worker, n: int, most: int):
+        self.wire, self.array, self.worker = wire, array, worker
+        widest = max(wire.packet_bytes(c) for _, c in parts(most, n))
+        self.memory = DeviceMemory(array, n * widest)
+        self.held: list = []
+
+    def encode(self, start: int, count: int, cut: list) -> tuple:
+        width = max(self.wire.packet_bytes(c) for _, c in cut)
+        for j, (at, c) in enumerate(cut):
+            _encode(self.array, self.wire, start + at, c, self.worker,
+                    self.memory.ptr + j * width)
+        packets = _to_host(self.array, self.memory.ptr, len(cut) * width)
+        self.held.clear()  # (the stream has passed every decode before this encode)
+        return packets, width
+
+    def decode(self, start: int, cut: list, width: int, gathered: np.ndarray) -> None:
+        self.held.append(gathered)
+        _to_device(self.array, self.memory.ptr, gathered)
+        for j, (at, c) in enumerate(cut):
+            _decode_sum(self.array, self.wire, start + at, c, [self.memory.ptr + j * width],
+                        1.0)
 
 
 def reduce_scatter(comm, output, input, wire, feedback: ErrorFeedback | None, op: str):
