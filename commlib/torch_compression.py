@@ -22,6 +22,8 @@ computing while a bucket is on the wire; DDP waits for their futures at backward
 state_dict() and load_state_dict() carry the residuals through a checkpoint.
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -100,11 +102,8 @@ def compressed_hook(state: CompressedBuckets,
 
     def reduce():
         before = comm.bytes_sent
-        if stream is None:
+        with nullcontext() if stream is None else torch.cuda.stream(stream):
             compressed.all_reduce(comm, buffer, state.wire, feedback, op="avg")
-        else:
-            with torch.cuda.stream(stream):
-                compressed.all_reduce(comm, buffer, state.wire, feedback, op="avg")
         state.bytes_sent += comm.bytes_sent - before
         return buffer
     return state.submit(reduce)
