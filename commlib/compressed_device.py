@@ -84,8 +84,10 @@ def all_reduce(comm, data, wire, feedback: ErrorFeedback | None, op: str, piece:
     worker = feedback and _worker_residual(feedback, array, array.count, "all_reduce")
     server, server_at = server_residual(feedback, pieces, n, rank)
     codec = DeviceCodec(wire, array, worker, n, pieces[0][1])
-    compressed_pipeline.all_reduce(comm, wire, pieces, codec, server, server_at, factor)
-    _synchronize(array)  # (the host's packets and the memory live until decoded)
+    try:  # (an error's too: the stream passes the host's packets before they are freed)
+        compressed_pipeline.all_reduce(comm, wire, pieces, codec, server, server_at, factor)
+    finally:
+        _synchronize(array)
     return data
 
 
