@@ -2,9 +2,10 @@
 # kernels). Metadata lives in pyproject.toml. No fallback: if an extension fails to
 # compile, the install fails. Without nvcc (or with COMMLIB_CUDA=0) there is no _cuda, and
 # the GPU path compiles the same kernels at run time through CuPy (commlib/cuda/runtime.py).
-import os
+import importlib.util
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from glob import glob
@@ -13,6 +14,19 @@ from pathlib import Path
 import pybind11
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+
+def load_settings():
+    """commlib/settings.py, where every variable read here is declared, loaded by path:
+    commlib itself is not built yet."""
+    spec = importlib.util.spec_from_file_location(
+        "commlib_settings", Path(__file__).resolve().parent / "commlib" / "settings.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+settings = load_settings()
 
 # -O3 for vectorisation. No -march=native: the .so must run on other machines;
 # AVX2 is used through runtime dispatch inside csrc/kernels.cpp instead.
@@ -37,9 +51,9 @@ extensions = [Pybind11Extension(
 
 def find_cuda() -> tuple[str, Path] | tuple[None, None]:
     """nvcc, and the toolkit whose static runtime _cuda links (nvcc may be a wrapper)."""
-    if os.environ.get("COMMLIB_CUDA") == "0":
+    if not settings.get("COMMLIB_CUDA"):
         return None, None
-    homes = [Path(h) for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if h]
+    homes = [Path(h) for h in (settings.get("CUDA_HOME"), settings.get("CUDA_PATH")) if h]
     nvcc = shutil.which("nvcc")
     if nvcc:
         homes.append(Path(nvcc).resolve().parent.parent)
@@ -53,7 +67,7 @@ def find_cuda() -> tuple[str, Path] | tuple[None, None]:
 NVCC, CUDA_HOME = find_cuda()
 # Machine code for Ampere and Hopper, and PTX of the newest for the driver to compile on
 # later GPUs. COMMLIB_CUDA_ARCHS="80;90" style lists override it.
-ARCHS = [a.strip() for a in os.environ.get("COMMLIB_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+ARCHS = [a.strip() for a in settings.get("COMMLIB_CUDA_ARCHS").split(";") if a.strip()]
 NVCC_FLAGS = ["-O3", "-std=c++17",
               *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
               f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]

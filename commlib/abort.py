@@ -13,13 +13,15 @@ import time
 
 from mpi4py import MPI
 
+from . import settings
+
 _installed = False
 
 
 def install() -> None:
     """Chain the abort after the current sys.excepthook (once per process)."""
     global _installed
-    if _installed or os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") == "0":
+    if _installed or not settings.get("COMMLIB_ABORT_ON_EXCEPTION"):
         return
     _installed = True
     previous = sys.excepthook

@@ -10,10 +10,9 @@ op, root, variant, reserved; _C.NONE where a field does not apply.
 from __future__ import annotations
 
 import operator
-import os
 from enum import Enum
 
-from . import _C, user_ops
+from . import _C, settings, user_ops
 from .buffers import Buffer, as_buffer
 from .dtypes import DType
 from .user_ops import UserOp
@@ -209,22 +208,9 @@ def invalid_descriptor(collective: str) -> list:
     return [_C.COLLECTIVES[collective], NONE, NONE, NONE, NONE, NONE, _C.INVALID, 0]
 
 
-def env_number(name: str, default: float, kind=float) -> float:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        number = kind(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}; expected a number") from None
-    if number < 0:
-        raise ValueError(f"{name}={value!r}; expected a number >= 0")
-    return number
-
-
 def default_timeout() -> float:
     """COMMLIB_TIMEOUT: seconds a collective may wait for its peers (0: no limit)."""
-    return env_number("COMMLIB_TIMEOUT", 600.0)
+    return settings.get("COMMLIB_TIMEOUT")
 
 
 def check_timeout(timeout) -> float | None:

@@ -4,13 +4,13 @@ arguments, state and timings; ``comm.flight_record()`` returns them, a timeout o
 prints them to stderr, and a trace (commlib/trace.py) writes them out."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 import weakref
 from collections import Counter, deque
 
-from .call import env_number
+from . import settings
+
 
 _now = time.monotonic
 
@@ -43,9 +43,9 @@ def keep_calls(calls: int) -> None:
 
 
 def default_size() -> int:
-    if os.environ.get("COMMLIB_TRACE"):
-        return int(env_number("COMMLIB_TRACE_CALLS", 100000, int))
-    return int(env_number("COMMLIB_FLIGHT_RECORDER", 64, int))
+    if settings.get("COMMLIB_TRACE"):
+        return settings.get("COMMLIB_TRACE_CALLS")
+    return settings.get("COMMLIB_FLIGHT_RECORDER")
 
 
 class FlightRecorder:

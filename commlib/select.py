@@ -17,20 +17,19 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from . import settings
 from .algorithms import Algorithm, candidates, unavailable
 from .algorithms.pages import by_pages, in_regions, worth_deciding_by_pages, \
     worth_reading_regions
 from .call import COLLECTIVES, REDUCING
 from .transports.base import Where
 
-TUNING_ENV = "COMMLIB_TUNING"
-
-
 def tuning_path() -> Path:
     """Where the tuning file lives: $COMMLIB_TUNING (unless off or refresh: see
     commlib/tuning.py), else a per-user default."""
-    if os.environ.get(TUNING_ENV, "").lower() not in ("", "off", "refresh"):
-        return Path(os.environ[TUNING_ENV])
+    said = settings.get("COMMLIB_TUNING")
+    if said.lower() not in ("", "off", "refresh"):
+        return Path(said)
     base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     return base / "commlib" / "tuning.json"
 
@@ -90,7 +89,7 @@ class CostModel:
     def load(cls, path: Path | None = None) -> "CostModel":
         """The tuning file's model, or the defaults when there is none (or tuning is off)."""
         path = path or tuning_path()
-        if os.environ.get(TUNING_ENV, "").lower() == "off" or not path.exists():
+        if settings.get("COMMLIB_TUNING").lower() == "off" or not path.exists():
             return cls()
         try:
             data = json.loads(path.read_text())
@@ -102,13 +101,16 @@ class CostModel:
                              f"`commlib-bench calibrate` or delete it") from None
 
 
-DEFAULT_MODEL = CostModel.load()
+@lru_cache(maxsize=None)
+def default_model() -> CostModel:
+    """The tuning file's model, read once, when a choice first needs it (not at import)."""
+    return CostModel.load()
 
 
 def algorithm_overrides() -> dict:
     """The COMMLIB_ALGO_<COLLECTIVE> settings; a communicator reads them when created."""
-    return {c: os.environ[f"COMMLIB_ALGO_{c.upper()}"] for c in COLLECTIVES
-            if os.environ.get(f"COMMLIB_ALGO_{c.upper()}")}
+    said = {c: settings.get(f"COMMLIB_ALGO_{c.upper()}") for c in COLLECTIVES}
+    return {c: name for c, name in said.items() if name}
 
 
 # all_to_all's counts differ per rank, so its choice must not depend on them: every rank
@@ -133,7 +135,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
     if offers is None:
         offers = frozenset({where.transport, "mpi", "schedules"})
     deterministic = deterministic and collective in REDUCING
-    name = requested or os.environ.get(f"COMMLIB_ALGO_{collective.upper()}")
+    name = requested or settings.get(f"COMMLIB_ALGO_{collective.upper()}")
     if name and name != "auto":
         found = [a for a in candidates(collective, offers) if a.name == name]
         if not found:
@@ -166,9 +168,9 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
                 return in_regions(found["one_copy"], chosen)
             return chosen
     if user_op or deterministic:
-        model = model or DEFAULT_MODEL
+        model = model or default_model()
         return min(fits, key=lambda a: (model.cost(a, where, n, nbytes), a.name))
-    return _cheapest(collective, n, nbytes, model or DEFAULT_MODEL, where, offers)
+    return _cheapest(collective, n, nbytes, model or default_model(), where, offers)
 
 
 def runnable(collective: str, n: int, nbytes: int, where: Where, offers: frozenset | None,
@@ -263,7 +265,7 @@ def choose_on_device(call, requested: str | None, n: int, where: Where, offers: 
             return None
         why = next((a.applies(on, call) for a in device if a.applies), None)
         raise unavailable(call.collective, requested, offers, True, why)
-    model = model or DEFAULT_MODEL
+    model = model or default_model()
     return min(fits, key=lambda a: (model.cost(a, where, n, call.nbytes), a.name))
 
 

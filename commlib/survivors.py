@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 
-from . import _C
+from . import _C, settings
 from .errors import CommError
 
 
@@ -33,7 +33,7 @@ def whoami() -> tuple[str, int]:
     """This process as its peers know it: (host, pid). The host is COMMLIB_HOSTID where set
     (processes with the same one share memory; as NCCL_HOSTID, for containers that share a
     hostname across machines), else the hostname."""
-    return os.environ.get("COMMLIB_HOSTID") or socket.gethostname(), os.getpid()
+    return settings.get("COMMLIB_HOSTID") or socket.gethostname(), os.getpid()
 
 
 def gone(world, rank: int) -> bool:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .call import env_number
+from . import settings
 from .dtypes import DTYPES
 from .recorder import FlightRecorder, default_size
 from .recorder import busy_seconds as recorder_busy, keep_calls as recorder_keep_calls
@@ -58,7 +58,7 @@ _TAG = 32766
 
 def directory() -> Path | None:
     """Where this process writes its trace (COMMLIB_TRACE), or None."""
-    where = os.environ.get("COMMLIB_TRACE")
+    where = settings.get("COMMLIB_TRACE")
     return Path(where) if where else None
 
 
@@ -237,7 +237,7 @@ def tracing(where):
         raise RuntimeError("commlib.trace.tracing: already tracing (COMMLIB_TRACE, or a "
                            "window around this one); one trace at a time")
     world = init()
-    calls = int(env_number("COMMLIB_TRACE_CALLS", 100000, int))
+    calls = settings.get("COMMLIB_TRACE_CALLS")
     recorders = _live_recorders()
     for r in recorders:
         r.keep(calls)

@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from . import survivors
+from . import settings, survivors
 from .algorithms import entries
 from .algorithms.pages import fills_a_huge_page, mapped
 from .call import COLLECTIVES
@@ -91,7 +91,7 @@ _tables: dict = {}  # layout digest -> table, in this process (agreed ones only)
 
 def mode() -> str:
     """COMMLIB_TUNING: "off", "refresh", or anything else (on)."""
-    return os.environ.get("COMMLIB_TUNING", "").strip().lower()
+    return settings.get("COMMLIB_TUNING").strip().lower()
 
 
 def table_for(comm, transport, refresh: bool = False, may_measure: bool = True

@@ -16,7 +16,7 @@ import numpy as np
 
 import commlib
 from commlib.algorithms import COLLECTIVES, entries
-from commlib.select import DEFAULT_MODEL, CostModel, tuning_path
+from commlib.select import CostModel, default_model, tuning_path
 from commlib.transports.base import Where
 
 from .harness import iteration_times, parse_size, print_table, sizes
@@ -96,7 +96,7 @@ def main(args, comm) -> int:
         comm.measure_algorithms()  # auto's measured table too (commlib/tuning.py)
     if comm.rank != 0:
         return 0
-    model = fit(samples, comm.transport, DEFAULT_MODEL)
+    model = fit(samples, comm.transport, default_model())
     rate = lambda per_byte: 1 / per_byte / 1e9 if per_byte else float("inf")  # noqa: E731
     fitted = [c for c in fitted_constants(samples, comm.transport)[0]
               if not c.startswith("native:")]

@@ -14,17 +14,15 @@ Each figure is the largest over the ranks. The ranks share GPU 0 (torch CUDA ten
 where COMMLIB_CUDA_STREAMS plugs in the simulated GPU (tests/simulated_gpu.py), its
 "device" memory.
 """
-import os
 import statistics
 import time
 
 import numpy as np
 from mpi4py import MPI
 
+from commlib import settings
+
 from .harness import parse_size
-
-SLOT_BYTES = 16 << 20  # as commlib/transports/cuda_ipc.py
-
 
 def add_arguments(p):
     p.add_argument("-b", "--bytes", type=parse_size, default=64 << 20,
@@ -47,7 +45,7 @@ class Device:
     simulated one."""
 
     def __init__(self):
-        self.simulated = bool(os.environ.get("COMMLIB_CUDA_STREAMS"))
+        self.simulated = bool(settings.get("COMMLIB_CUDA_STREAMS"))
         if self.simulated:
             from commlib import cuda
             self.rt = cuda.streams()
@@ -87,7 +85,7 @@ def busy_until(event) -> None:
 def main(args, comm) -> int:
     world, gpu = comm.mpi, Device()
     one, big = gpu.array(1), gpu.array(args.bytes // 4)
-    slot = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", SLOT_BYTES))
+    slot = settings.get("COMMLIB_CUDA_IPC_SLOT_BYTES")
     steps = max(1, -(-args.bytes // slot))
 
     def timed(fn) -> float:

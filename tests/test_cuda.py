@@ -18,7 +18,7 @@ import pytest
 
 import commlib
 import simulated_gpu
-from commlib import cuda
+from commlib import cuda, settings
 from mpirun import mpirun, run_checked, sizes
 
 HAS_GPU = cuda.device_count() > 0
@@ -27,7 +27,7 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device visible (cuda.devic
 
 def test_build_info_says_what_was_compiled():
     info = commlib.build_info()
-    if shutil.which("nvcc") and os.environ.get("COMMLIB_CUDA") != "0":
+    if shutil.which("nvcc") and settings.get("COMMLIB_CUDA"):
         # setup.py found nvcc, so the kernels must have been compiled, not silently skipped
         assert info["cuda"] is True and info["compiled_by"] == "nvcc"
         assert re.fullmatch(r"\d+\.\d+", info["cuda_version"]) and "sm_90" in info["nvcc_flags"]
@@ -44,6 +44,13 @@ def test_every_kernel_the_launchers_name_is_defined():
         assert f"COMMLIB_REDUCE_N(name, T, {op}," in src
     assert (set(re.findall(r"^COMMLIB_CASTS_FROM\((\w+),", src, re.M))
             == {"f16", "bf16", "f32", "f64"})
+
+
+def test_the_most_pointers_a_kernel_takes_agree_in_python_cuda_and_the_proxy():
+    proxy = (Path(__file__).resolve().parents[1] / "csrc" / "gpu_proxy.h").read_text()
+    said = {"kernels.cu": int(re.search(r"kMaxPointers = (\d+);", cuda.source())[1]),
+            "gpu_proxy.h": int(re.search(r"kMaxRanks = (\d+);", proxy)[1])}
+    assert said == dict.fromkeys(said, cuda.MAX_POINTERS)
 
 
 def _calls(path: Path, cls: str) -> dict:

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from commlib import _C
+from commlib import _C, settings
 
 COUNTS = [0, 1, 7, 1000, 100003]
 NP_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
@@ -247,7 +247,7 @@ def test_copy_overlapping():
 def test_build_info():
     info = _C.build_info()
     assert info["compiler"] and "-O3" in info["cxx_flags"]
-    if os.environ.get("COMMLIB_SIMD") == "baseline":
+    if settings.get("COMMLIB_SIMD") == "baseline":
         assert info["simd"] == "baseline"
     else:
         assert info["simd"] in ("baseline", "avx2 (runtime dispatch)")

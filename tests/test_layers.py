@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace",
           "commlib.testing", "commlib.compressed", "commlib.low_rank",
-          "commlib.torch_compression"}
+          "commlib.torch_compression", "commlib.settings"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -6,13 +6,12 @@ the collectives on GPU memory through CuPy's CUDA bindings). Each call is enqueu
 current stream of the array's framework on the array's device and returns at once, as
 NCCL's calls do; synchronise that stream before reading the result on the host.
 """
-import os
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-from .. import _C
+from .. import _C, settings
 from ..dtypes import BY_CODE, BY_TYPESTR, DTYPES as DTYPE_TABLE, DType
 
 # names by code, as commlib.dtypes and _C have them (kernels.cu's kernels are named by the
@@ -39,14 +38,15 @@ def source() -> str:
     return (here / "kernels.cu").read_text() + (here / "wire.cu").read_text()
 
 
-# reduce_n's targets and sources at most, as kernels.cu fixes it
-MAX_POINTERS = int(re.search(r"kMaxPointers = (\d+);", source())[1])
+# reduce_n's targets and sources at most: kernels.cu's kMaxPointers and gpu_proxy.h's
+# kMaxRanks (tests/test_cuda.py checks all three agree)
+MAX_POINTERS = 16
 
 
 def _prefer_cupy() -> bool:
     """COMMLIB_CUDA_RUNTIME=cupy: go through CuPy even where commlib._cuda was built (to
     test that path on a GPU machine)."""
-    return os.environ.get("COMMLIB_CUDA_RUNTIME") == "cupy"
+    return settings.get("COMMLIB_CUDA_RUNTIME") == "cupy"
 
 
 @lru_cache(maxsize=None)
@@ -74,7 +74,7 @@ def mpi_is_cuda_aware() -> bool:
     COMMLIB_CUDA_AWARE_MPI=1 or 0 says so (read at each call, as worlds are made); else the
     loaded libmpi's MPIX_Query_cuda_support (Open MPI and MPICH have it) is asked, once.
     Call once MPI is initialised."""
-    return _mpi_is_cuda_aware(os.environ.get("COMMLIB_CUDA_AWARE_MPI"))
+    return _mpi_is_cuda_aware(settings.get("COMMLIB_CUDA_AWARE_MPI"))
 
 
 @lru_cache(maxsize=None)
@@ -99,7 +99,7 @@ def streams():
     """The stream-ordering calls of the collectives on GPU memory (staging.py,
     transports/cuda_ipc.py): kernels()'s, or those of the object COMMLIB_CUDA_STREAMS names
     as module:class (the tests' simulated GPU, tests/simulated_gpu.py), one per setting."""
-    return _streams(os.environ.get("COMMLIB_CUDA_STREAMS"))
+    return _streams(settings.get("COMMLIB_CUDA_STREAMS"))
 
 
 @lru_cache(maxsize=None)

@@ -4,7 +4,6 @@ and ipc.cu through CuPy's runtime bindings (cuStreamWaitValue32, which CuPy does
 from libcuda through ctypes). Importing this module fails without CuPy."""
 import ctypes
 import math
-import os
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -12,6 +11,7 @@ import cupy
 import numpy as np
 from cupy.cuda import runtime
 
+from .. import settings
 from ..dtypes import BY_CODE
 from . import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, WIRE_FORMATS, source
 
@@ -128,7 +128,7 @@ class CupyRuntime:
                            "compiled_by": "nvrtc (cupy)"}
         self._module = cupy.RawModule(code=source(), options=("-std=c++17",))
         # COMMLIB_CUDA_WAIT=kernel: streams wait for counters by a kernel (as streams.cu)
-        self._wait_by_kernel = os.environ.get("COMMLIB_CUDA_WAIT") == "kernel"
+        self._wait_by_kernel = settings.get("COMMLIB_CUDA_WAIT") == "kernel"
         self._loaded: set[int] = set()  # devices load_kernels has loaded every kernel on
 
     @staticmethod

@@ -8,7 +8,8 @@ world (transports/mpi_world.py); COMMLIB_TRANSPORT names one instead.
 from __future__ import annotations
 
 import importlib
-import os
+
+from .. import settings
 
 # name -> (module, class): imported on first use, so that importing commlib loads no CUDA
 TRANSPORTS = {"mpi": ("mpi", "MpiTransport"), "shm": ("shm", "ShmTransport"),
@@ -27,7 +28,7 @@ def load(name: str):
 def pick(world):
     """The transport of a new communicator over an MpiWorld (transports/mpi.py):
     COMMLIB_TRANSPORT's, else the first of PREFERENCE that suits its hosts. Collective."""
-    requested = os.environ.get("COMMLIB_TRANSPORT", "auto")
+    requested = settings.get("COMMLIB_TRANSPORT")
     if requested not in ("auto", *PREFERENCE):
         raise ValueError(f"COMMLIB_TRANSPORT={requested!r}; valid: auto, "
                          f"{', '.join(sorted(PREFERENCE))}")

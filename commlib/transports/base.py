@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _C
+from .. import _C, settings
 from ..buffers import Buffer
 
 
@@ -64,7 +64,7 @@ class Transport:
         self.memory = None  # host_memory.SharedHostMemory where the ranks share memory
         self._scratch: dict = {}
         # reducing calls take only algorithms that reduce in rank order (Algorithm.rank_order)
-        self.deterministic = os.environ.get("COMMLIB_DETERMINISTIC", "0") not in ("", "0")
+        self.deterministic = settings.get("COMMLIB_DETERMINISTIC")
 
     @property
     def rank_order(self) -> bool:

@@ -53,23 +53,17 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 
-from .. import _C
+from .. import _C, settings
 from ..cuda import MAX_POINTERS
 from ..cuda.registered import Registrations
 from ..errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .base import Transport, Where
 
-SLOT_BYTES = 16 << 20  # per rank and slot; COMMLIB_CUDA_IPC_SLOT_BYTES overrides
 MAX_RANKS = MAX_POINTERS  # a rank's reduce kernel reads (and writes) every rank's memory
-ONE_SHOT_BYTES = 256 << 10  # at 3+ ranks, chunks up to this reduce in one shot
-                             # (COMMLIB_CUDA_IPC_ONE_SHOT_BYTES overrides)
 ALIGN = 256
 WORDS = ("go0", "go1", "free", "arrive0", "arrive1")  # the proxy's pinned words, a line each
 ROW_WORDS = _C.GPU_PROXY_ROW_WORDS
-PROXY_SPIN = 2000  # polls before yielding where each rank has a core (COMMLIB_GPU_PROXY_SPIN)
-MEETINGS = ("streams", "proxy")  # who holds the meetings after a call's first (COMMLIB_GPU_MEET)
 _ERRORS = {_C.GPU_PROXY_FAILURES["mismatched"]: CollectiveMismatchError,
            _C.GPU_PROXY_FAILURES["timed_out"]: CommTimeoutError}
 
@@ -84,14 +78,15 @@ class CudaIpc(Transport):
     def __init__(self, host, device: int, runtime):
         super().__init__(host.world)
         self.host, self.rt, self.device = host, runtime, device
-        self.slot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", SLOT_BYTES))
+        self.slot_bytes = settings.get("COMMLIB_CUDA_IPC_SLOT_BYTES")
         self.slot_bytes = max(ALIGN, self.slot_bytes // ALIGN * ALIGN)
         self.workspace = self.words = self.proxy = self.page = None
         self.peers: list[int] = []
-        self.streams_meet = _meetings() == "streams"
+        # who holds the meetings after a call's first
+        self.streams_meet = settings.get("COMMLIB_GPU_MEET") == "streams"
         self.arrivals: list[tuple[int, int]] = []  # where streams meet: each rank's words
-        self.one_shot_bytes = int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES",
-                                                 ONE_SHOT_BYTES))
+        # at 3+ ranks, chunks up to this reduce in one shot
+        self.one_shot_bytes = settings.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES")
         self.where = Where(self.name, slot_bytes=self.slot_bytes,
                            one_shot_bytes=self.one_shot_bytes)
         self.step = 0  # steps issued so far
@@ -104,7 +99,7 @@ class CudaIpc(Transport):
     def suits(host) -> bool:
         """Whether ``host``'s GPU calls may come here: shm, 2 to 16 ranks, COMMLIB_CUDA_IPC."""
         return ("shm" in host.offers and 2 <= host.size <= MAX_RANKS
-                and os.environ.get("COMMLIB_CUDA_IPC", "1") != "0")
+                and settings.get("COMMLIB_CUDA_IPC"))
 
     # the Transport interface's agreement and barrier: the host's (calls through IPC meet
     # in the proxy)
@@ -159,8 +154,7 @@ class CudaIpc(Transport):
         """Every rank's proxy over one channel, which rank 0 makes and the others open; rank
         0 unlinks it once every rank has it, so that a crash leaves nothing in /dev/shm.
         Returns the problem, if any."""
-        spin = 0 if group.cores_each() < 1 else \
-            int(os.environ.get("COMMLIB_GPU_PROXY_SPIN", PROXY_SPIN))
+        spin = 0 if group.cores_each() < 1 else settings.get("COMMLIB_GPU_PROXY_SPIN")
         if self.streams_meet:  # every rank, or the proxies hold every meeting
             self.streams_meet = all(group.allgather(self._can_register()))
         words = [self.word(name) for name in WORDS]
@@ -553,13 +547,6 @@ class OnGpu:
 
     def __init__(self, enqueue, wait, done):
         self.enqueue, self.wait, self.done = enqueue, wait, done
-
-
-def _meetings() -> str:
-    how = os.environ.get("COMMLIB_GPU_MEET", MEETINGS[0])
-    if how not in MEETINGS:
-        raise ValueError(f"COMMLIB_GPU_MEET={how!r}: one of {', '.join(MEETINGS)}")
-    return how
 
 
 def _steps(count: int, per_step: int) -> int:

@@ -8,14 +8,13 @@ GlooHostsTransport adds hier: shared memory inside each host, gloo between them.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
 
-from .. import _C, survivors
+from .. import _C, settings, survivors
 from ..errors import CommError, CommTimeoutError
 from . import rows
 from .base import Transport
@@ -40,7 +39,7 @@ class GlooTransport(Transport):
         self._sent = 0
         # COMMLIB_CHECK=0: gloo's collectives unchecked, as over MPI (ranks that disagree
         # then meet gloo's own failures: it aborts the process on mismatched lengths)
-        self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
+        self.checks_calls = settings.get("COMMLIB_CHECK")
         self.where = replace(self.where, checked=self.checks_calls)
         self._in_flight = None  # gloo's work being waited for
         self._interrupted = False

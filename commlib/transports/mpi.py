@@ -1,5 +1,5 @@
 """mpi: every rank through MPI (mpi4py). Schedules are compiled into plans (byte offsets,
-transfers cut into segments of at most SEGMENT_BYTES, cached per call shape) and run with
+transfers cut into segments of at most COMMLIB_SEGMENT_BYTES, cached per call shape) and run with
 non-blocking send/recv and the C++ kernels: the reduction of one segment overlaps the
 arrival of the next (both peers cut a transfer alike: from the same element count).
 MPI's own collectives (native) run on the same private communicator. Unless
@@ -8,7 +8,6 @@ COMMLIB_CHECK=0, the ranks agree on every call before it moves data (Agreement).
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from functools import lru_cache, partial
 import numpy as np
 from mpi4py import MPI
 
-from .. import _C
+from .. import _C, settings
 from ..call import NONE, descriptor
 from ..errors import CommError, CommTimeoutError
 from ..schedule import RecvReduce, Schedule
@@ -28,10 +27,6 @@ from .mpi_types import c_tables
 from .mpi_world import MpiWorld
 
 AGREEMENT_TAG = 6  # on the collective communicator; plans use 7
-SEGMENT_BYTES = int(os.environ.get("COMMLIB_SEGMENT_BYTES", 1 << 20))
-# Reductions land in a few scratch slots reused round-robin rather than one slot per
-# segment: the scratch stays in cache and its size no longer grows with the message.
-SCRATCH_SLOTS = int(os.environ.get("COMMLIB_SCRATCH_SLOTS", 4))
 _TAG = 7  # plans' transfers
 _ALIGN = 64
 
@@ -59,17 +54,17 @@ class Plan:
     schedule: Schedule
     rounds: tuple  # (copies: ((src, src_off, dst, dst_off, nbytes), ...), recvs, sends)
     tmp_bytes: int
-    slot_bytes: int  # one receive-scratch slot; SCRATCH_SLOTS of them follow tmp
+    slot_bytes: int  # one receive-scratch slot; the transport's scratch_slots follow tmp
     sent_bytes: int  # what this rank sends to peers in one run
 
 
-def _segments(offset, count, itemsize):
-    per = max(1, SEGMENT_BYTES // itemsize)
+def _segments(offset, count, itemsize, segment_bytes):
+    per = max(1, segment_bytes // itemsize)
     for start in range(0, count, per):
         yield offset + start, min(per, count - start)
 
 
-def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
+def compile_plan(schedule: Schedule, itemsize: int, segment_bytes: int) -> Plan:
     tmp_bytes = -(-schedule.tmp_count * itemsize // _ALIGN) * _ALIGN
     rounds = []
     for rnd in schedule.rounds:
@@ -77,10 +72,10 @@ def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
                         c.src.count * itemsize) for c in rnd.copies)
         sends = tuple(_Transfer(s.peer, s.src.buf, off * itemsize, n * itemsize)
                       for s in rnd.sends
-                      for off, n in _segments(s.src.offset, s.src.count, itemsize))
+                      for off, n in _segments(s.src.offset, s.src.count, itemsize, segment_bytes))
         recvs = []
         for r in rnd.recvs:
-            for off, n in _segments(r.dst.offset, r.dst.count, itemsize):
+            for off, n in _segments(r.dst.offset, r.dst.count, itemsize, segment_bytes):
                 if isinstance(r, RecvReduce):  # lands in a scratch slot chosen at run time
                     src_off = r.src.offset + off - r.dst.offset
                     red = _Reduction(r.dst.buf, off * itemsize, r.src.buf, src_off * itemsize, n)
@@ -88,14 +83,16 @@ def compile_plan(schedule: Schedule, itemsize: int) -> Plan:
                 else:
                     recvs.append(_Transfer(r.peer, r.dst.buf, off * itemsize, n * itemsize))
         rounds.append((copies, tuple(recvs), sends))
-    slot_bytes = min(SEGMENT_BYTES, schedule.scratch_count * itemsize)
+    slot_bytes = min(segment_bytes, schedule.scratch_count * itemsize)
     sent = sum(s.nbytes for _, _, sends in rounds for s in sends)
     return Plan(schedule, tuple(rounds), tmp_bytes, slot_bytes, sent)
 
 
 @lru_cache(maxsize=4096)
-def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> Plan:
-    return compile_plan(algorithm.build(size, rank, count, itemsize, **dict(params)), itemsize)
+def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple,
+             segment_bytes: int) -> Plan:
+    return compile_plan(algorithm.build(size, rank, count, itemsize, **dict(params)), itemsize,
+                        segment_bytes)
 
 
 
@@ -168,13 +165,17 @@ class MpiTransport(Transport):
 
     def __init__(self, world: MpiWorld):
         super().__init__(world)
-        self.checks_calls = os.environ.get("COMMLIB_CHECK", "1") != "0"
+        self.checks_calls = settings.get("COMMLIB_CHECK")
         # (native entries agree first, as the general path does where calls are checked)
         self.fast_kinds = frozenset({"eager", "native"} if self.checks_calls else {"eager"})
         self.agreement = self.make_agreement(world)  # (eager's exchange, even unchecked)
         self._arena = np.empty(0, np.uint8)  # a plan's tmp, then its receive scratch
         self._lock = threading.Lock()  # one plan at a time (they share the arena)
         self._sent = 0  # by plans, to peers
+        self.segment_bytes = settings.get("COMMLIB_SEGMENT_BYTES")
+        # Reductions land in a few scratch slots reused round-robin rather than one slot
+        # per segment: the scratch stays in cache and its size does not grow with the message.
+        self.scratch_slots = settings.get("COMMLIB_SCRATCH_SLOTS")
 
     @staticmethod
     def suits(world) -> bool:
@@ -198,7 +199,7 @@ class MpiTransport(Transport):
                                     inp.ptr, inp.numel, call.op_code)
 
     def fast_path(self, **kwargs):
-        if os.environ.get("COMMLIB_FAST_PATH", "1") == "0":
+        if not settings.get("COMMLIB_FAST_PATH"):
             return None
         return _C.FastPath(self.agreement.native, **kwargs)
 
@@ -211,13 +212,13 @@ class MpiTransport(Transport):
 
     def plan(self, algo, call):
         return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
-                        call.params)
+                        call.params, self.segment_bytes)
 
     def run_plan(self, plan, call) -> None:
         with self._lock:
-            if self._arena.size < plan.tmp_bytes + SCRATCH_SLOTS * plan.slot_bytes:
-                self._arena = np.empty(plan.tmp_bytes + SCRATCH_SLOTS * plan.slot_bytes,
-                                       np.uint8)
+            needed = plan.tmp_bytes + self.scratch_slots * plan.slot_bytes
+            if self._arena.size < needed:
+                self._arena = np.empty(needed, np.uint8)
             arena = self._arena
             views = {name: b.bytes for name, b in call.bufs.items()}
             views["tmp"] = views["arena"] = arena
@@ -241,7 +242,7 @@ class MpiTransport(Transport):
         for src, src_off, dst, dst_off, n in copies:
             _C.copy(ptrs[dst] + dst_off, ptrs[src] + src_off, n)
         mpi, arena = self.world.coll, views["arena"]
-        slots = [plan.tmp_bytes + i * plan.slot_bytes for i in range(SCRATCH_SLOTS)]
+        slots = [plan.tmp_bytes + i * plan.slot_bytes for i in range(self.scratch_slots)]
         pending, posted = deque(), 0
 
         def post():

@@ -10,6 +10,7 @@ from functools import cached_property
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from ..errors import CommError
 from ..work import Deadline, RequestPoller, wait_request
 from .base import affinity
@@ -127,11 +128,9 @@ def host_color(mpi_comm: MPI.Comm) -> int:
     """An id shared exactly by the ranks of ``mpi_comm`` on this rank's (virtual) host.
     COMMLIB_RANKS_PER_HOST=k pretends that world ranks [0, k), [k, 2k), ... are separate
     hosts, so the multi-host path can be tested on one machine."""
-    per_host = os.environ.get("COMMLIB_RANKS_PER_HOST")
+    per_host = settings.get("COMMLIB_RANKS_PER_HOST")
     if per_host:
-        if not per_host.isdigit() or int(per_host) < 1:
-            raise ValueError(f"COMMLIB_RANKS_PER_HOST={per_host!r}; expected a positive int")
-        return MPI.COMM_WORLD.Get_rank() // int(per_host)
+        return MPI.COMM_WORLD.Get_rank() // per_host
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:  # the lowest world rank on the node names it
         lowest = np.array([MPI.COMM_WORLD.Get_rank()], np.int64)

@@ -18,7 +18,6 @@ its first interface that is up and not loopback.
 from __future__ import annotations
 
 import fcntl
-import os
 import secrets
 import socket
 import struct
@@ -27,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .. import _C, survivors
+from .. import _C, settings, survivors
 from ..call import NONE, default_timeout, descriptor
 from . import rows
 from .mpi import MpiTransport, use_native
@@ -139,7 +138,7 @@ class NetTransport(MpiTransport):
 def over_net(instead: str = "mpi") -> bool:
     """Whether TCP (this transport) joins the hosts, by COMMLIB_CROSS: net (the default), or
     ``instead``, what else can where the ranks met (mpi under mpiexec, gloo under torchrun)."""
-    cross = os.environ.get("COMMLIB_CROSS", "net")
+    cross = settings.get("COMMLIB_CROSS")
     if cross not in ("net", instead):
         where = "MPI (mpiexec)" if instead == "mpi" else "a store (torchrun)"
         raise ValueError(f"COMMLIB_CROSS={cross!r}, but these ranks met through {where}; "
@@ -212,7 +211,7 @@ def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int,
 
 def address() -> str:
     """The IPv4 address this rank's peers reach it at (the module's header says which)."""
-    wanted = os.environ.get("COMMLIB_SOCKET_IFNAME")
+    wanted = settings.get("COMMLIB_SOCKET_IFNAME")
     if wanted:
         found = _interface_address(wanted)
         if found is None:

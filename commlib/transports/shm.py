@@ -10,14 +10,13 @@ them off).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from .. import _C
+from .. import _C, settings
 from ..call import NONE, ROOTED, pack_name
 from ..errors import CommError
 from ..host_memory import SharedHostMemory
@@ -130,7 +129,7 @@ class ShmTransport(Transport):
             self.shm.all_reduce(*args)
 
     def fast_path(self, **kwargs):
-        if os.environ.get("COMMLIB_FAST_PATH", "1") == "0":
+        if not settings.get("COMMLIB_FAST_PATH"):
             return None
         return _C.FastPath(self.shm, **kwargs)
 
@@ -164,7 +163,7 @@ def _set_up(group, cores_each: float):
     # thread: the main thread's compute needs that core (DDP at 2 ranks on 2 cores:
     # steps 7-9% shorter; blocking calls on the main thread spin as before). Nor yielding
     # there: each yield beside the compute gives it a whole time slice; it sleeps at once.
-    spin = 0 if cores_each < 1 else int(os.environ.get("COMMLIB_SHM_SPIN", 20_000))
+    spin = 0 if cores_each < 1 else settings.get("COMMLIB_SHM_SPIN")
     shm, error = None, None
     try:
         shm = _C.ShmComm(rank, size, spin=spin, yields=200,
@@ -207,7 +206,7 @@ def _probe_one_copy(group, shm) -> set:
     """{"one_copy"} where every rank can read and write its peers' memory (process_vm_readv
     and process_vm_writev), else an empty set, and rank 0 warns why (collective over
     ``group``)."""
-    if os.environ.get("COMMLIB_ONE_COPY", "1") == "0":
+    if not settings.get("COMMLIB_ONE_COPY"):
         return set()
     why = [w for w in group.allgather(shm.probe_one_copy()) if w]
     if why and group.rank == 0:
@@ -217,14 +216,8 @@ def _probe_one_copy(group, shm) -> set:
 
 
 def _config_from_env() -> dict:
-    def get(name, default):
-        value = os.environ.get(f"COMMLIB_SHM_{name.upper()}", default)
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"COMMLIB_SHM_{name.upper()}={value!r}; expected an int") from None
-    return {"slot_bytes": get("slot_bytes", 64 << 10), "slots": get("slots", 8),
-            "staging_bytes": get("staging_bytes", 1 << 20)}
+    return {name: settings.get(f"COMMLIB_SHM_{name.upper()}")
+            for name in ("slot_bytes", "slots", "staging_bytes")}
 
 
 

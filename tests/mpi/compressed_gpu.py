@@ -9,19 +9,18 @@ commlib/cuda/wire.cu compiled for the CPU.
 
 Usage: mpiexec -n N python tests/mpi/compressed_gpu.py   (N = 1..4)
 """
-import os
 
 import numpy as np
 
 import commlib
-from commlib import compressed
+from commlib import compressed, settings
 from harness import Checker, raises
 from tests.simulated_gpu import HostArray
 
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 check = Checker()
-SIMULATED = bool(os.environ.get("COMMLIB_CUDA_STREAMS"))
+SIMULATED = bool(settings.get("COMMLIB_CUDA_STREAMS"))
 FORMATS = ["bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"]
 
 

@@ -6,22 +6,21 @@ COMMLIB_CUDA_STREAMS, tests/simulated_gpu.py) they are host arrays behind a
 __cuda_array_interface__ and streams are threads:
 that checks the ordering logic, not CUDA."""
 import ctypes
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib import cuda
+from commlib import cuda, settings
 from harness import Checker, assert_equal, raises
 from tests.simulated_gpu import HostArray
 
 comm = commlib.init()
 n, rank = comm.size, comm.rank
 check = Checker()
-SIMULATED = bool(os.environ.get("COMMLIB_CUDA_STREAMS"))  # tests/simulated_gpu.py
-IPC = n > 1 and comm.transport == "shm" and os.environ.get("COMMLIB_CUDA_IPC") != "0"
+SIMULATED = bool(settings.get("COMMLIB_CUDA_STREAMS"))  # tests/simulated_gpu.py
+IPC = n > 1 and comm.transport == "shm" and settings.get("COMMLIB_CUDA_IPC")
 WAIT = 60
 
 
@@ -226,9 +225,9 @@ def uneven_all_to_all(count, make=device):
 
 def through_slots(count, dtype):
     """The algorithm of an all_reduce on unregistered memory through IPC."""
-    slot = int(os.environ.get("COMMLIB_CUDA_IPC_SLOT_BYTES", 16 << 20))
+    slot = settings.get("COMMLIB_CUDA_IPC_SLOT_BYTES")
     chunk = min(count * np.dtype(dtype).itemsize, slot)
-    one = n == 2 or chunk <= int(os.environ.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES", 256 << 10))
+    one = n == 2 or chunk <= settings.get("COMMLIB_CUDA_IPC_ONE_SHOT_BYTES")
     return "oneshot" if one else "twoshot"
 
 
@@ -321,7 +320,7 @@ def cuda_aware_mpi_as_told():
     """COMMLIB_CUDA_AWARE_MPI=1: send and recv (send_and_recv) hand MPI the device memory,
     and so do the collectives that do not go through IPC, with MPI's own collective
     (native), except where its runner would touch the memory on the host."""
-    said = os.environ.get("COMMLIB_CUDA_AWARE_MPI")
+    said = settings.get("COMMLIB_CUDA_AWARE_MPI")
     if said is None:
         return
     assert cuda.mpi_is_cuda_aware() is (said == "1")

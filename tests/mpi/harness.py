@@ -72,7 +72,8 @@ def torchrun() -> bool:
 def ranks_per_host() -> list:
     """How many ranks each host has, hosts in order of their lowest rank: the virtual
     hosts of COMMLIB_RANKS_PER_HOST, else the real ones (by hostname)."""
-    per_host = int(os.environ.get("COMMLIB_RANKS_PER_HOST", 0))
+    from commlib import settings  # (here: a script imports commlib when it chooses to)
+    per_host = settings.get("COMMLIB_RANKS_PER_HOST") or 0
     if per_host:
         names = [r // per_host for r in range(MPI.COMM_WORLD.size)]
     elif torchrun():
@@ -87,7 +88,8 @@ def expected_transport() -> str:
     host, hosts for equal ranks on each of several, else what joins the hosts: net (TCP;
     mpi with COMMLIB_CROSS=mpi under mpiexec, gloo with COMMLIB_CROSS=gloo under torchrun
     (or COMMLIB_TRANSPORT's)."""
-    forced = os.environ.get("COMMLIB_TRANSPORT")
+    from commlib import settings
+    forced = settings.get("COMMLIB_TRANSPORT")
     if forced and forced != "auto":
         return forced
     layout = ranks_per_host()
@@ -95,7 +97,7 @@ def expected_transport() -> str:
         return "shm"
     if len(set(layout)) == 1:
         return "hosts"
-    return os.environ.get("COMMLIB_CROSS", "net")
+    return settings.get("COMMLIB_CROSS")
 
 
 def assert_equal(got, want) -> None:

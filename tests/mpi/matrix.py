@@ -5,13 +5,13 @@ Usage: mpiexec -n N python tests/mpi/matrix.py numpy|torch [large|large-float32]
 (the layout of hosts, or COMMLIB_TRANSPORT and COMMLIB_RANKS_PER_HOST, selects the path;
 see commlib/transports/)
 """
-import os
 import sys
 from functools import lru_cache
 
 import numpy as np
 
 import commlib
+from commlib import settings
 from commlib.algorithms import entries
 from commlib.transports.rows import mpi_payload_bytes
 from harness import (ALL_DTYPES, NUMPY_DTYPES, Checker, assert_equal, expected_transport, make,
@@ -185,7 +185,7 @@ def on_expected_transport():
     special = {"shm": "direct", "hosts": "hier"}.get(comm.transport)
     if special:
         assert special in comm.algorithms("all_reduce")
-    if comm.transport == "shm" and os.environ.get("COMMLIB_ONE_COPY") != "0":
+    if comm.transport == "shm" and settings.get("COMMLIB_ONE_COPY"):
         # (set-up warned why, where process_vm_readv is forbidden)
         assert "one_copy" in comm.algorithms("all_to_all"), "one-copy collectives are off"
 

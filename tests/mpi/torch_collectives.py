@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import commlib.torch_backend as tb
+from commlib import settings
 from commlib.torch_work import TorchWork
 from harness import Checker, raises
 
@@ -565,7 +566,7 @@ def expected_transport(ranks):
         return "shm"
     if len(set(per_host)) == 1:
         return "hosts"
-    return os.environ.get("COMMLIB_CROSS", "net")
+    return settings.get("COMMLIB_CROSS")
 
 
 def is_commlib(group):
@@ -575,7 +576,7 @@ def is_commlib(group):
     assert group.comm.transport == want, (group.comm.transport, want)
     if want != "shm":  # (gloo's own collectives are there only where gloo joins the hosts)
         over_gloo = "gloo" in group.comm.algorithms("all_reduce")
-        assert over_gloo == (os.environ.get("COMMLIB_CROSS") == "gloo"), over_gloo
+        assert over_gloo == (settings.get("COMMLIB_CROSS") == "gloo"), over_gloo
 
 
 def subgroups():
