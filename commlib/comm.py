@@ -12,7 +12,7 @@ import numpy as np
 mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communicators need it
 from mpi4py import MPI  # noqa: E402
 
-from . import abort, p2p, transports, tuning  # noqa: E402
+from . import abort, p2p, tracer, transports, tuning  # noqa: E402
 from .call import (CODES, NONE, REDUCING, ROOTED, ReduceOp, check_timeout,  # noqa: E402
                    descriptor, make)
 from .dispatch import Dispatcher  # noqa: E402
@@ -334,7 +334,6 @@ def init() -> Communicator:
     """The world communicator (created on first call, then reused): over MPI.COMM_WORLD, or
     under torchrun (each process alone in its MPI world) through torchrun's store."""
     global _world
-    from . import trace  # (here: ``python -m commlib.trace`` imports commlib first)
     if _world is not None:
         return _world
     if MPI.COMM_WORLD.size == 1 and int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -346,8 +345,8 @@ def init() -> Communicator:
         _world = Communicator(MPI.COMM_WORLD)  # collective: every rank is past MPI_Init
         abort.unlink_mpich_segments()  # so a rank killed from now on leaves nothing behind
         abort.install()  # an uncaught exception on any rank then ends the job
-    trace.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
-    trace.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
+    tracer.name_job(_world._transport.world, _world.rank, _world.size)  # (collective)
+    tracer.start(_world, _world._calls.recorder)  # (collective) if COMMLIB_TRACE asks
     return _world
 
 
@@ -356,11 +355,10 @@ def finalize() -> None:
     from the environment as it is then; MPI itself stays initialised. For a process that
     runs one job after another (the tests' rank pool, tests/mpi/serve.py)."""
     global _world
-    from . import trace
     if _world is not None:
         world, _world = _world, None
         world.free()
-        trace.end_job()
+        tracer.end_job()
 
 
 def _torchrun_world() -> Communicator:

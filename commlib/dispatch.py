@@ -13,7 +13,7 @@ import threading
 
 from mpi4py import MPI
 
-from . import transports
+from . import tracer, transports
 from .call import check_timeout, default_timeout, invalid_descriptor, make
 from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .fast_path import FastPath
@@ -322,8 +322,7 @@ class Dispatcher:
         if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
             self.recorder.dump()
         if isinstance(error, CommError):
-            from . import trace  # (on failure only: ``python -m commlib.trace`` runs it)
-            trace.on_failure(error)
+            tracer.on_failure(error)
         return error
 
     def tell_peers(self, collective: str, error: Exception) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 
-from . import _C
+from . import _C, user_ops
 from .call import CODES, NAMES, NONE, ROOTED, ReduceOp
 from .dtypes import BY_CODE
 from .work import keep_for_good
@@ -25,6 +25,9 @@ def accept(op) -> None:
     """Take user-defined ``op`` (commlib/user_ops.py) as calls give it."""
     _OP_CODES[op] = op.code
     _OP_NAMES[op.code] = op.name
+
+
+user_ops.on_define(accept)
 
 
 class FastPath:

@@ -1,7 +1,7 @@
 """The flight recorder: the last COMMLIB_FLIGHT_RECORDER (default 64; under COMMLIB_TRACE,
 COMMLIB_TRACE_CALLS, default 100000) calls of a communicator, with sequence number,
 arguments, state and timings; ``comm.flight_record()`` returns them, a timeout or mismatch
-prints them to stderr, and a trace (commlib/trace.py) writes them out."""
+prints them to stderr, and a trace (commlib/tracer.py) writes them out."""
 from __future__ import annotations
 
 import sys
@@ -55,7 +55,7 @@ class FlightRecorder:
     FIELDS = ("seq", "collective", "algorithm", "count", "dtype", "op", "root", "state",
               "issued", "started", "finished", "error")
 
-    on_create = None  # a trace's: called with every new recorder (commlib/trace.py)
+    on_create = None  # a trace's: called with every new recorder (commlib/tracer.py)
     alive: weakref.WeakSet = weakref.WeakSet()  # every recorder of this process (trace windows)
     _made: Counter = Counter()  # communicators identified so far, by members
 

@@ -4,7 +4,7 @@ failed can show where every rank it reaches is, on its host and on others, those
 any call included.
 
 A request is the job's token (drawn by rank 0: only the job's own ranks are answered); the
-answer is the rank's trace content (commlib/trace.py) and its clock, from which the asker
+answer is the rank's trace content (commlib/tracer.py) and its clock, from which the asker
 puts the answer on its own clock (off by at most half the round trip).
 """
 from __future__ import annotations

@@ -46,6 +46,15 @@ class UserOp:
 
 
 _defined: dict[int, UserOp] = {}  # by code: what C++ calls stays alive with its op
+_hooks: list = []  # called with each new op: what the layers above asked (fast_path's)
+
+
+def on_define(hook) -> None:
+    """Call ``hook(op)`` for every op defined so far and each one defined from now on (the
+    layers above learn of ops so, without this module importing them)."""
+    _hooks.append(hook)
+    for op in _defined.values():
+        hook(op)
 
 
 def define(fn, dtype="float32", name: str | None = None) -> UserOp:
@@ -73,8 +82,8 @@ def define(fn, dtype="float32", name: str | None = None) -> UserOp:
     kernels = [k for pair in compiled.values() for k in pair]
     _C.define_user_op(code, name, by_dtype)
     op = _defined[code] = UserOp(name, code, dtypes, fn, tuple(kernels))
-    from . import fast_path
-    fast_path.accept(op)
+    for hook in _hooks:
+        hook(op)
     return op
 
 

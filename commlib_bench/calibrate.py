@@ -15,11 +15,9 @@ import dataclasses
 import numpy as np
 
 import commlib
-from commlib.algorithms import COLLECTIVES, entries
-from commlib.select import CostModel, default_model, tuning_path
-from commlib.transports.base import Where
 
 from .harness import iteration_times, parse_size, print_table, sizes
+from .internals import COLLECTIVES, CostModel, Where, default_model, entries, tuning_path
 from .peers import Case, CommlibPeer
 from .specs import SPECS
 

@@ -18,10 +18,10 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib import _C
 
 from .harness import (Progress, iteration_times, parse_size, print_table, sizes, use_local_gpu,
                       write_json)
+from .internals import _C
 from .peers import Case, assign, make_peers
 from .specs import DTYPES, SPECS, itemsize
 

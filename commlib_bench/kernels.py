@@ -16,8 +16,9 @@ import time
 
 import numpy as np
 
-from commlib import _C
 from commlib.compressed import Wire
+
+from .internals import _C
 
 SUM = _C.OPS["sum"]
 

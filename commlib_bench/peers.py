@@ -9,9 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib.algorithms import get as algorithm_entry
-from commlib.algorithms.pages import mapped
 
+from .internals import algorithm_entry, mapped
 from .specs import count_wrong, itemsize
 
 

@@ -8,7 +8,8 @@ and lie on huge pages (csrc/shm_direct.cpp).
 import math
 
 from .. import _C
-from . import COLLECTIVES, register
+from ..call import COLLECTIVES
+from .registry import register
 
 
 def _pieces(nbytes, where):

@@ -15,7 +15,7 @@ another still meets a row of its length, and is told they disagree.
 """
 from ..transports import rows
 from ..transports.base import Where
-from . import register
+from .registry import register
 from .gloo import agreement_terms
 
 

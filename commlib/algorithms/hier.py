@@ -20,8 +20,9 @@ from dataclasses import replace
 
 from .. import _C
 from ..call import Call, ReduceOp
-from . import candidates, gloo, register
+from . import gloo
 from .direct import terms as direct_terms
+from .registry import candidates, register
 
 
 def _stage(call, collective, out, inp=None, count=None, root=None) -> Call:

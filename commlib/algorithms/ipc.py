@@ -14,7 +14,8 @@ the name first in order). Zero-copy takes no step through the slots.
 """
 import math
 
-from . import COLLECTIVES, register
+from ..call import COLLECTIVES
+from .registry import register
 
 
 def _steps(nbytes, where):

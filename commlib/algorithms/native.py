@@ -13,7 +13,8 @@ from mpi4py import MPI
 from ..transports.mpi_types import op_for as _op
 from ..transports.mpi_types import spec as _spec
 from ..work import Deadline, wait_request
-from . import COLLECTIVES, log2_rounds, register
+from ..call import COLLECTIVES
+from .registry import log2_rounds, register
 
 def _wait(transport, request, keep) -> None:
     wait_request(request, Deadline(transport.timeout), "its peers inside MPI's "

@@ -7,7 +7,7 @@ as direct does (each rank looks at its own pages; all see the same verdict). Whi
 depends on the machine and the memory; self-tuning compares them on 4 KiB pages
 (commlib/tuning.py).
 """
-from . import register
+from .registry import register
 
 # (meetings, bytes copied, bytes reduced) per rank for N primary bytes among n ranks
 FORMULAS = {

@@ -16,7 +16,7 @@ chunks: schedule.chunks, near-equal; reduce_scatter's blocks for reduce_scatter)
 from .. import _C
 from ..call import Call
 from ..schedule import chunks
-from . import entries, register
+from .registry import entries, register
 
 # the transport's scratch slots (apart from those of the stages' algorithms: hier's)
 _RECEIVED, _FOLDED, _GATHERED = "ordered:received", "ordered:folded", "ordered:gathered"

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _C
 from ..call import make
-from . import Algorithm
+from .registry import Algorithm
 
 
 # The least gain on huge pages (the huge-page choice's time against the other's there)

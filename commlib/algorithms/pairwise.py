@@ -6,7 +6,7 @@ depends only on its own splits, which must agree with its peers'.
 from itertools import accumulate
 
 from ..schedule import Builder, Copy, Recv, Region, Send
-from . import schedule
+from .registry import schedule
 
 
 @schedule("pairwise", "all_to_all", lambda n, N: (n - 1, (n - 1) / n * N, 0))

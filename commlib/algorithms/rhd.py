@@ -9,7 +9,7 @@ half its bit selects. Doubling runs the same exchange in reverse, growing the ra
 import math
 
 from ..schedule import Builder, Copy, Recv, RecvReduce, Region, Send, chunks
-from . import schedule
+from .registry import schedule
 
 
 # costs over MPI: (rounds, bytes moved, bytes reduced) on the critical path, n ranks, N bytes

@@ -4,7 +4,7 @@ A *block* is the 1/n share of the data that one rank finally owns; blocks of all
 differ in size by at most one element, so counts below the world size just leave some empty.
 """
 from ..schedule import Builder, Copy, Recv, RecvReduce, Region, Send, chunks
-from . import schedule
+from .registry import schedule
 
 # Broadcast pipelines segments of about this many bytes along the chain.
 BROADCAST_SEGMENT_BYTES = 256 * 1024

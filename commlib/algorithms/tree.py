@@ -4,7 +4,7 @@ Ranks are renumbered relative to the root (v = (rank - root) mod n); v's parent 
 its lowest set bit cleared, its children are v + 2^k for 2^k below that bit.
 """
 from ..schedule import Builder, Recv, RecvReduce, Region, Send
-from . import log2_rounds as _log, schedule
+from .registry import log2_rounds as _log, schedule
 
 
 def _reduce_into(b, size, rank, count, root, in_place):

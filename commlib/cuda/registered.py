@@ -11,7 +11,7 @@ from typing import NamedTuple
 from ..buffers import as_buffer
 from ..call import NONE, check_timeout, descriptor
 from ..errors import CommError
-from . import MAX_POINTERS
+from .kernel_names import MAX_POINTERS
 
 
 class Registration(NamedTuple):

@@ -13,7 +13,7 @@ from cupy.cuda import runtime
 
 from .. import settings
 from ..dtypes import BY_CODE
-from . import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, WIRE_FORMATS, source
+from .kernel_names import KERNEL_DTYPES, KERNEL_OPS, MAX_POINTERS, WIRE_FORMATS, source
 
 _THREADS = 256  # as csrc/cuda/launch.cu
 _NOT_READY = 600  # cudaErrorNotReady (CuPy names no constant for it)

@@ -15,7 +15,7 @@ from .. import settings
 TRANSPORTS = {"mpi": ("mpi", "MpiTransport"), "shm": ("shm", "ShmTransport"),
               "hosts": ("hosts", "HostsTransport"), "store": ("store", "StoreTransport"),
               "gloo": ("gloo", "GlooTransport"), "cuda_ipc": ("cuda_ipc", "CudaIpc"),
-              "net": ("net", "NetTransport")}
+              "net": ("net", "NetTransport"), "gloo_hosts": ("gloo", "GlooHostsTransport")}
 PREFERENCE = ("shm", "hosts", "net", "mpi")
 
 

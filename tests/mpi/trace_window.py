@@ -51,7 +51,7 @@ def merged():
 
 
 def restored():
-    assert trace._tracer is None and tracer.since is not None
+    assert trace.current() is None and tracer.since is not None
     assert world._calls.recorder.calls.maxlen == 64
     for _ in range(70):
         world.all_reduce(x)
