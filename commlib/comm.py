@@ -13,8 +13,8 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, p2p, tracer, transports, tuning  # noqa: E402
-from .call import (CODES, NONE, REDUCING, ROOTED, ReduceOp, check_timeout,  # noqa: E402
-                   descriptor, make)
+from .call import (CODES, NAMES as COLLECTIVE_NAMES, NONE, REDUCING, ROOTED, ReduceOp,  # noqa: E402
+                   check_timeout, descriptor, make)
 from .dispatch import Dispatcher  # noqa: E402
 from .dtypes import DTYPES, NAMES  # noqa: E402
 from .errors import CommError  # noqa: E402
@@ -220,62 +220,55 @@ class Communicator:
         backend)."""
         return self._fast(CODES[collective], output, input, op, root, None)
 
-    # The collectives: the fast path takes what it can (csrc/fast_path.cpp), the rest is
-    # dispatched: validated into a Call, run on the transport.
+    # The collectives: each goes through _collective, the one route of a public call.
+    def _collective(self, code: int, result, algorithm, async_op, timeout, out, inp=None,
+                    op=None, root=None, splits=None):
+        """Run the collective of ``code`` (call.CODES), returning ``result`` (a Work if
+        ``async_op``): in one C++ call where the fast path takes it (csrc/fast_path.cpp:
+        blocking, the communicator's timeout, even parts, a call like one made before), else
+        dispatched: validated into a Call and run on the transport. ``splits``:
+        all_to_all's input_splits and output_splits, where given."""
+        if (timeout is None and not async_op and splits is None
+                and self._fast(code, out, inp, op, root, algorithm)):
+            return result
+        return self._calls.dispatch(COLLECTIVE_NAMES[code], algorithm, async_op, timeout,
+                                    result, out=out, inp=inp, op=op, root=root,
+                                    **(splits or {}))
+
     def all_reduce(self, t, op="sum", algorithm=None, async_op=False, timeout=None):
         """Reduce ``t`` over all ranks, in place; returns ``t`` (a Work if ``async_op``)."""
-        if timeout is None and not async_op and self._fast(ALL_REDUCE, t, None, op, None,
-                                                           algorithm):
-            return t
-        return self._calls.dispatch("all_reduce", algorithm, async_op, timeout, t, out=t, op=op)
+        return self._collective(ALL_REDUCE, t, algorithm, async_op, timeout, t, op=op)
 
     def reduce_scatter(self, output, input, op="sum", algorithm=None, async_op=False,
                        timeout=None):
         """Reduce ``input`` (size * output.numel elements) over all ranks; rank r keeps
         block r."""
-        if timeout is None and not async_op and self._fast(REDUCE_SCATTER, output, input, op,
-                                                           None, algorithm):
-            return output
-        return self._calls.dispatch("reduce_scatter", algorithm, async_op, timeout, output,
-                                    out=output, inp=input, op=op)
+        return self._collective(REDUCE_SCATTER, output, algorithm, async_op, timeout, output,
+                                input, op=op)
 
     def all_gather(self, output, input, algorithm=None, async_op=False, timeout=None):
         """Concatenate every rank's ``input`` into ``output`` (size * input.numel elements)."""
-        if timeout is None and not async_op and self._fast(ALL_GATHER, output, input, None,
-                                                           None, algorithm):
-            return output
-        return self._calls.dispatch("all_gather", algorithm, async_op, timeout, output,
-                                    out=output, inp=input)
+        return self._collective(ALL_GATHER, output, algorithm, async_op, timeout, output,
+                                input)
 
     def all_to_all(self, output, input, output_splits=None, input_splits=None, algorithm=None,
                    async_op=False, timeout=None):
         """Rank r sends input's j-th part to rank j, receiving rank j's r-th part into
         output. Splits count elements per peer (like torch's all_to_all_single); None means
         equal parts."""
-        if (output_splits is None and input_splits is None and timeout is None
-                and not async_op and self._fast(ALL_TO_ALL, output, input, None, None,
-                                                algorithm)):
-            return output
-        return self._calls.dispatch("all_to_all", algorithm, async_op, timeout, output,
-                                    out=output, inp=input, input_splits=input_splits,
-                                    output_splits=output_splits)
+        even = input_splits is None and output_splits is None
+        return self._collective(ALL_TO_ALL, output, algorithm, async_op, timeout, output,
+                                input, splits=None if even else {"input_splits": input_splits,
+                                                                 "output_splits": output_splits})
 
     def broadcast(self, t, root=0, algorithm=None, async_op=False, timeout=None):
         """Copy ``t`` from ``root`` to every rank, in place; returns ``t``."""
-        if timeout is None and not async_op and self._fast(BROADCAST, t, None, None, root,
-                                                           algorithm):
-            return t
-        return self._calls.dispatch("broadcast", algorithm, async_op, timeout, t, out=t,
-                                    root=root)
+        return self._collective(BROADCAST, t, algorithm, async_op, timeout, t, root=root)
 
     def reduce(self, t, root=0, op="sum", algorithm=None, async_op=False, timeout=None):
         """Reduce ``t`` over all ranks into ``t`` on ``root``; other ranks' ``t`` is
         unchanged."""
-        if timeout is None and not async_op and self._fast(REDUCE, t, None, op, root,
-                                                           algorithm):
-            return t
-        return self._calls.dispatch("reduce", algorithm, async_op, timeout, t, out=t, op=op,
-                                    root=root)
+        return self._collective(REDUCE, t, algorithm, async_op, timeout, t, op=op, root=root)
 
     def barrier(self, async_op=False, timeout=None):
         """Return once every rank has called barrier (a Work if ``async_op``)."""

@@ -186,6 +186,29 @@ def _stream_ordered(op):
     return run
 
 
+def _at_once_first(collective: str, what: str, reduces=False, rooted=False, single=False):
+    """An op's one entry: a synchronous call that commlib's fast path takes runs there to
+    its end (ProcessGroupCommlib._ran_at_once); the rest runs the op as written, on the
+    group's stream for CUDA tensors (_stream_ordered), which also raises what is wrong
+    with them. The op takes (tensors, opts), a list of one tensor, or with ``single``
+    (output, input, opts); ``what``: torch's name for it."""
+    def wrap(op):
+        general = _stream_ordered(op)
+        if single:
+            def run(self, output, input, opts=None):
+                if self._ran_at_once(opts, collective, output, input, reduces, rooted):
+                    return self._done(what, [output])
+                return general(self, output, input, opts)
+        else:
+            def run(self, tensors, opts=None):
+                if len(tensors) == 1 and self._ran_at_once(opts, collective, tensors[0], None,
+                                                           reduces, rooted):
+                    return self._done(what, tensors)
+                return general(self, tensors, opts)
+        return functools.wraps(op)(run)
+    return wrap
+
+
 def set_trace_hook(fn) -> None:
     """Call ``fn(group, op_name, work)`` whenever a commlib group issues an op (None: stop).
     For tests and debugging: it runs on the issuing thread, so keep it cheap."""
@@ -308,13 +331,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return work
 
     # reductions
+    @_at_once_first("all_reduce", "allreduce", reduces=True)
     def allreduce(self, tensors, opts=None):
-        if len(tensors) == 1 and self._ran_at_once(opts, "all_reduce", tensors[0], reduces=True):
-            return self._done("allreduce", tensors)
-        return self._allreduce_general(tensors, opts)
-
-    @_stream_ordered
-    def _allreduce_general(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         t = only(tensors, "allreduce")
         if t.is_sparse:
@@ -389,14 +407,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works, finish = self._reduce_scatter(out, flat, opts, "reduce_scatter")
         return self._work("reduce_scatter", works, [out], finish, keep=flat)
 
+    @_at_once_first("reduce_scatter", "reduce_scatter_tensor", reduces=True, single=True)
     def reduce_scatter_single(self, output, input, opts=None):
-        if self._ran_at_once(opts, "reduce_scatter", output, input, reduces=True):
-
-            return self._done("reduce_scatter_tensor", [output])
-        return self._reduce_scatter_single_general(output, input, opts)
-
-    @_stream_ordered
-    def _reduce_scatter_single_general(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         inp = contiguous(input)
         works, finish = self._reduce_scatter(output, inp, opts, "reduce_scatter_tensor")
@@ -425,13 +437,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return works, copy_back([(out, c)])
 
     # data movement
+    @_at_once_first("broadcast", "broadcast", rooted=True)
     def broadcast(self, tensors, opts=None):
-        if len(tensors) == 1 and self._ran_at_once(opts, "broadcast", tensors[0], rooted=True):
-            return self._done("broadcast", tensors)
-        return self._broadcast_general(tensors, opts)
-
-    @_stream_ordered
-    def _broadcast_general(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         t = tensors[opts.rootTensor]
         c = contiguous(t)
@@ -479,13 +486,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         works = self._issue(async_op, self.comm.all_gather, byte_view(rows), byte_view(inp))
         return works, copy_back(list(zip(outs, rows)))
 
+    @_at_once_first("all_gather", "all_gather_into_tensor", single=True)
     def all_gather_single(self, output, input, opts=None):
-        if self._ran_at_once(opts, "all_gather", output, input):
-            return self._done("all_gather_into_tensor", [output])
-        return self._all_gather_single_general(output, input, opts)
-
-    @_stream_ordered
-    def _all_gather_single_general(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
         inp = contiguous(input)
         works, finish = self._all_gather_single(output, inp, opts.asyncOp)
