@@ -14,6 +14,7 @@ from enum import Enum
 
 from . import _C, settings, user_ops
 from .buffers import Buffer, as_buffer
+from .collectives import of as collective_of
 from .dtypes import DType
 from .user_ops import UserOp
 
@@ -67,11 +68,6 @@ class ReduceOp(str, Enum):
 
 
 _BY_NAME = {o.value: o for o in ReduceOp}
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
-CODES = {c: _C.COLLECTIVES[c] for c in COLLECTIVES}
-NAMES = {code: name for name, code in _C.COLLECTIVES.items()}
-REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
-ROOTED = frozenset({"broadcast", "reduce"})
 NONE = _C.NONE
 
 
@@ -129,22 +125,22 @@ def make(collective: str, size: int, rank: int, out, inp=None, op=None, root=Non
          input_splits=None, output_splits=None) -> Call:
     """The validated call; raises ValueError/TypeError naming what is wrong. Collectives of
     one tensor take it as ``out`` (named "t" in messages)."""
-    single = collective in ("all_reduce", "broadcast", "reduce")
-    out_b = as_buffer(out, "t" if single else "output")
-    in_b = None if single else as_buffer(inp, "input", writable=False)
+    kind = collective_of(collective)
+    out_b = as_buffer(out, "t" if kind.in_place else "output")
+    in_b = as_buffer(inp, "input", writable=False) if kind.has_input else None
     if in_b is not None and (out_b.device is not None or in_b.device is not None):
         _same_device(out_b, in_b)
-    reduce_op = ReduceOp.parse(op) if collective in REDUCING else None
-    if collective in ROOTED:
+    reduce_op = ReduceOp.parse(op) if kind.reduces else None
+    if kind.rooted:
         check_rank(root, "root")
     else:
         root = None
     count, scale = _C.check_call(
-        CODES[collective], size, rank, out_b.ptr, out_b.numel, out_b.dtype.code,
+        kind.code, size, rank, out_b.ptr, out_b.numel, out_b.dtype.code,
         *((in_b.ptr, in_b.numel, in_b.dtype.code) if in_b is not None else (0, 0, -1)),
         reduce_op.code if reduce_op else NONE, NONE if root is None else root)
     splits = None
-    if collective == "all_to_all":
+    if kind.uneven:
         splits = (_splits(size, input_splits, in_b.numel, "input_splits"),
                   _splits(size, output_splits, out_b.numel, "output_splits"))
     return Call(collective, out_b, in_b, count, out_b.dtype, reduce_op, root, splits,
@@ -197,15 +193,14 @@ def pack_name(name: str) -> int:
 
 def descriptor(collective: str, algorithm: str, count: int, dtype_code: int, op_code: int,
                root) -> list:
-    return [_C.COLLECTIVES[collective], pack_name(algorithm),
-            NONE if collective == "all_to_all" else count, dtype_code,
-            op_code if collective in REDUCING else NONE,
-            root if collective in ROOTED else NONE, 0, 0]
+    kind = collective_of(collective)
+    return [kind.code, pack_name(algorithm), NONE if kind.uneven else count, dtype_code,
+            op_code if kind.reduces else NONE, root if kind.rooted else NONE, 0, 0]
 
 
 def invalid_descriptor(collective: str) -> list:
     """What a rank whose arguments failed validation publishes instead (agreement.h)."""
-    return [_C.COLLECTIVES[collective], NONE, NONE, NONE, NONE, NONE, _C.INVALID, 0]
+    return [collective_of(collective).code, NONE, NONE, NONE, NONE, NONE, _C.INVALID, 0]
 
 
 def default_timeout() -> float:

@@ -13,8 +13,9 @@ mpi4py.rc.thread_level = "multiple"  # progress threads and concurrent communica
 from mpi4py import MPI  # noqa: E402
 
 from . import abort, p2p, tracer, transports, tuning  # noqa: E402
-from .call import (CODES, NAMES as COLLECTIVE_NAMES, NONE, REDUCING, ROOTED, ReduceOp,  # noqa: E402
-                   check_timeout, descriptor, make)
+from .call import NONE, ReduceOp, check_timeout, descriptor, make  # noqa: E402
+from .collectives import (CODES, NAMES as COLLECTIVE_NAMES, REDUCING,  # noqa: E402
+                          ROOTED)
 from .dispatch import Dispatcher  # noqa: E402
 from .dtypes import DTYPES, NAMES  # noqa: E402
 from .errors import CommError  # noqa: E402

@@ -11,7 +11,8 @@ from __future__ import annotations
 import weakref
 
 from . import _C, user_ops
-from .call import CODES, NAMES, NONE, ROOTED, ReduceOp
+from .call import NONE, ReduceOp
+from .collectives import CODES, NAMES, ROOTED
 from .dtypes import BY_CODE
 from .work import keep_for_good
 
@@ -62,7 +63,7 @@ class FastPath:
         """The general path runs ``algo`` (``plan``, or a runner) for ``call``, asked for
         ``requested`` (None: auto); a one_copy that stages by a schedule, by its plan
         ``otherwise`` (and reads in place only in regions where ``algo.only_regions``)."""
-        if call.collective == "all_to_all" and len(set(call.splits[0] + call.splits[1])) > 1:
+        if call.splits is not None and len(set(call.splits[0] + call.splits[1])) > 1:
             return  # the fast path knows equal parts only
         kind = "plan" if plan is not None else algo.name
         if kind not in self.kinds:

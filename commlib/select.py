@@ -21,7 +21,7 @@ from . import settings
 from .algorithms import Algorithm, candidates, unavailable
 from .algorithms.pages import by_pages, in_regions, worth_deciding_by_pages, \
     worth_reading_regions
-from .call import COLLECTIVES, REDUCING
+from .collectives import COLLECTIVES, REDUCING, of as collective_of
 from .transports.base import Where
 
 def tuning_path() -> Path:
@@ -145,7 +145,8 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
         if why:
             raise ValueError(f"{collective}: algorithm={name!r} cannot run this call: {why}")
         return found[0]
-    if collective == "all_to_all":
+    uneven = collective_of(collective).uneven
+    if uneven:
         nbytes = ALL_TO_ALL_DECIDING_BYTES
     fits = [a for a in candidates(collective, offers) if not _lacks(a, user_op, deterministic)]
     if not fits:
@@ -154,7 +155,7 @@ def choose(collective: str, requested: str | None, n: int, nbytes: int,
     if measured is not None:
         found = {a.name: a for a in runnable(collective, n, nbytes, where, offers, user_op,
                                              deterministic)}
-        size = None if collective == "all_to_all" else nbytes
+        size = None if uneven else nbytes
         base = measured.fastest(collective, size, found)
         if base is not None:
             chosen = found[base]

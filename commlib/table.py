@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from .call import COLLECTIVES
+from .collectives import COLLECTIVES
 
 # The kinds of memory a table's times were measured on: 4 KiB pages (every algorithm),
 # huge pages (ON_HUGE_PAGES_TOO's) and regions every rank maps (one_copy alone: the others

@@ -47,7 +47,7 @@ import numpy as np
 from . import settings, survivors
 from .algorithms import entries
 from .algorithms.pages import fills_a_huge_page, mapped
-from .call import COLLECTIVES
+from .collectives import COLLECTIVES, of as collective_of
 from .errors import CommError
 from .host_memory import as_array
 from .table import MEMORIES, Table
@@ -262,7 +262,7 @@ def timed_on_huge_pages(collective: str, n: int, nbytes: int) -> bool:
     """Whether the pass times ``collective`` at ``nbytes`` among ``n`` ranks on huge pages
     too."""
     return collective in ON_HUGE_PAGES_TOO and \
-        (collective == "all_to_all" or fills_a_huge_page(collective, n, nbytes))
+        (collective_of(collective).uneven or fills_a_huge_page(collective, n, nbytes))
 
 
 def _slowest(comm, table: "Table") -> tuple[list, list]:
@@ -389,7 +389,7 @@ def to_time_again(table: "Table", n: int, where, retimed: set) -> dict[int, list
     on every rank (the table is)."""
     outliers, between = {}, {}
     for c in COLLECTIVES:
-        if c == "all_to_all" or c not in table.times:
+        if collective_of(c).uneven or c not in table.times:
             continue  # (its choice may not depend on the size: select.py)
         sizes = sorted({b for points in table.times[c].values() for b, _ in points})
         won = [table.fastest(c, b, _runs(c, table.times[c], n, b, where)) for b in sizes]
@@ -520,7 +520,7 @@ def _call(comm, collective: str, name: str, a, b, count: int) -> Timed:
     the input from its writer's cache, and a reader in place no longer finds the lines
     it read last time in its own (broadcast of 256 KiB at 2 ranks: one_copy 19 us on an
     unchanged input, 34 on a written one, where ring took 24-26 either way)."""
-    inp = a if collective == "reduce_scatter" else a[:count]
+    inp = a if collective_of(collective).parts == "scatter" else a[:count]
     run = {
         "all_reduce": lambda: comm.all_reduce(a[:count], algorithm=name),
         "reduce": lambda: comm.reduce(a[:count], algorithm=name),

@@ -84,7 +84,7 @@ def main(args, comm) -> int:
             # reduce_scatter, the input of all_gather (bench sizes count the larger buffer)
             count = size // 4 - (size // 4 % n if spec.blocked else 0)
             case = Case(spec, n, comm.rank, count, "float32", "sum" if spec.reduces else None)
-            model_bytes = (count // n if name in ("reduce_scatter", "all_gather") else count) * 4
+            model_bytes = (count // n if spec.kind.parts in ("scatter", "gather") else count) * 4
             for algo in commlib.algorithms(name, comm):
                 peer = CommlibPeer(comm, algo)
                 t = float(np.median(iteration_times(comm.mpi, lambda: peer.run(case),

@@ -52,12 +52,13 @@ class Case:
                  device="cpu", pages="numpy", comm=None):
         (self.spec, self.n, self.rank, self.dtype, self.op,
          self.root) = spec, n, rank, dtype, op, root
-        self.inplace = inplace and spec.name in ("reduce_scatter", "all_gather")
+        parts = spec.kind.parts
+        self.inplace = inplace and parts in ("scatter", "gather")
         self.count, self.device = count, device
         n_in, n_out = spec.buffer_counts(n, count)
-        if n_in == n_out and spec.name != "all_to_all":
+        if spec.kind.in_place:
             self.inp = self.out = alloc(n_in, dtype, device, pages, comm)
-        elif self.inplace and spec.name == "reduce_scatter":
+        elif self.inplace and parts == "scatter":
             self.inp = alloc(n_in, dtype, device, pages, comm)
             self.out = self.inp[rank * n_out:(rank + 1) * n_out]
         elif self.inplace:
@@ -109,21 +110,16 @@ class CommlibPeer:
         refuses = algorithm_entry(name, self.algorithm).refuses
         return refuses and refuses(case.n, primary)
 
+    CALLS = {  # each collective's call on a Case c, by algorithm a (None: auto)
+        "all_reduce": lambda comm, c, a: comm.all_reduce(c.out, c.op, a),
+        "reduce_scatter": lambda comm, c, a: comm.reduce_scatter(c.out, c.inp, c.op, a),
+        "all_gather": lambda comm, c, a: comm.all_gather(c.out, c.inp, a),
+        "all_to_all": lambda comm, c, a: comm.all_to_all(c.out, c.inp, algorithm=a),
+        "broadcast": lambda comm, c, a: comm.broadcast(c.out, c.root, a),
+        "reduce": lambda comm, c, a: comm.reduce(c.out, c.root, c.op, a)}
+
     def run(self, c):
-        a = None if self.algorithm == "auto" else self.algorithm
-        name, comm = c.spec.name, self.comm
-        if name == "all_reduce":
-            comm.all_reduce(c.out, c.op, a)
-        elif name == "reduce_scatter":
-            comm.reduce_scatter(c.out, c.inp, c.op, a)
-        elif name == "all_gather":
-            comm.all_gather(c.out, c.inp, a)
-        elif name == "all_to_all":
-            comm.all_to_all(c.out, c.inp, algorithm=a)
-        elif name == "broadcast":
-            comm.broadcast(c.out, c.root, a)
-        elif name == "reduce":
-            comm.reduce(c.out, c.root, c.op, a)
+        self.CALLS[c.spec.name](self.comm, c, None if self.algorithm == "auto" else self.algorithm)
 
 
 class DeterministicPeer(CommlibPeer):
@@ -175,25 +171,23 @@ class MPIPeer:
             return f"MPI has no {c.op} on {c.dtype}"
         if c.dtype == "bfloat16":
             return "numpy has no bfloat16"
-        if c.inplace and c.spec.name == "reduce_scatter":
+        if c.inplace and c.spec.kind.parts == "scatter":
             return "MPI's in-place reduce_scatter keeps block 0, not block rank"
         return None
 
+    CALLS = {  # each collective's call on a Case c, by MPI op op
+        "all_reduce": lambda comm, c, op: comm.Allreduce(MPI.IN_PLACE, c.out, op),
+        "reduce_scatter": lambda comm, c, op: comm.Reduce_scatter_block(c.inp, c.out, op),
+        "all_gather": lambda comm, c, op: comm.Allgather(MPI.IN_PLACE if c.inplace else c.inp,
+                                                         c.out),
+        "all_to_all": lambda comm, c, op: comm.Alltoall(c.inp, c.out),
+        "broadcast": lambda comm, c, op: comm.Bcast(c.out, c.root),
+        "reduce": lambda comm, c, op: comm.Reduce(MPI.IN_PLACE if comm.rank == c.root else c.out,
+                                                  c.out if comm.rank == c.root else None, op,
+                                                  c.root)}
+
     def run(self, c):
-        name, comm, op = c.spec.name, self.comm, self.OPS.get(c.op)
-        if name == "all_reduce":
-            comm.Allreduce(MPI.IN_PLACE, c.out, op)
-        elif name == "reduce_scatter":
-            comm.Reduce_scatter_block(c.inp, c.out, op)
-        elif name == "all_gather":
-            comm.Allgather(MPI.IN_PLACE if c.inplace else c.inp, c.out)
-        elif name == "all_to_all":
-            comm.Alltoall(c.inp, c.out)
-        elif name == "broadcast":
-            comm.Bcast(c.out, c.root)
-        elif name == "reduce":
-            comm.Reduce(MPI.IN_PLACE if comm.rank == c.root else c.out,
-                        c.out if comm.rank == c.root else None, op, c.root)
+        self.CALLS[c.spec.name](self.comm, c, self.OPS.get(c.op))
 
 
 class GlooPeer:
@@ -212,26 +206,24 @@ class GlooPeer:
             return f"gloo has no {c.op}"
         if c.inplace:
             return "in-place form not measured for gloo"
-        if c.device != "cpu" and c.spec.name not in ("all_reduce", "broadcast"):
+        if c.device != "cpu" and c.spec.name not in self.ON_CUDA:
             return "gloo takes CUDA tensors for all_reduce and broadcast only"
         return None
 
+    ON_CUDA = ("all_reduce", "broadcast")  # the collectives gloo runs on CUDA tensors
+    # each collective's call on torch.distributed d, group g (the world: its ranks are the
+    # global ranks), a Case c's tensors (inp, out), by op
+    CALLS = {
+        "all_reduce": lambda d, g, c, inp, out, op: d.all_reduce(out, op, group=g),
+        "reduce_scatter": lambda d, g, c, inp, out, op: d.reduce_scatter_tensor(out, inp, op,
+                                                                                group=g),
+        "all_gather": lambda d, g, c, inp, out, op: d.all_gather_into_tensor(out, inp, group=g),
+        "all_to_all": lambda d, g, c, inp, out, op: d.all_to_all_single(out, inp, group=g),
+        "broadcast": lambda d, g, c, inp, out, op: d.broadcast(out, c.root, group=g),
+        "reduce": lambda d, g, c, inp, out, op: d.reduce(out, c.root, op, group=g)}
+
     def run(self, c):
-        d, g, op = self.dist, self.group, self.OPS.get(c.op)
-        inp, out = c.torch_views()
-        name = c.spec.name
-        if name == "all_reduce":
-            d.all_reduce(out, op, group=g)
-        elif name == "reduce_scatter":
-            d.reduce_scatter_tensor(out, inp, op, group=g)
-        elif name == "all_gather":
-            d.all_gather_into_tensor(out, inp, group=g)
-        elif name == "all_to_all":
-            d.all_to_all_single(out, inp, group=g)
-        elif name == "broadcast":
-            d.broadcast(out, c.root, group=g)  # g is the world: group ranks are global ranks
-        elif name == "reduce":
-            d.reduce(out, c.root, op, group=g)
+        self.CALLS[c.spec.name](self.dist, self.group, c, *c.torch_views(), self.OPS.get(c.op))
 
 
 def gloo_group():

@@ -16,10 +16,13 @@ copying at once) that takes traffic * size / (2 M), so busbw <= 2 M factor(n) / 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from commlib.collectives import Collective, of as collective_of
 
 from .harness import exact_values
 
@@ -33,14 +36,54 @@ _REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maxi
            "avg": np.add}
 
 
+def _reduced(inputs, op: str, n: int) -> np.ndarray:
+    """Every rank's input (``inputs(r)``) reduced by ``op`` in rank order."""
+    acc = functools.reduce(_REDUCE[op], (inputs(r) for r in range(n)))
+    return acc / n if op == "avg" else acc
+
+
+def _block(x: np.ndarray, rank: int, n: int) -> np.ndarray:
+    per = len(x) // n
+    return x[rank * per:(rank + 1) * per]
+
+
+# what rank ``rank`` ends with, from every rank's input (``inputs(r)``, float64): one entry
+# per collective
+_RESULTS = {
+    "all_reduce": lambda inputs, rank, root, op, n: _reduced(inputs, op, n),
+    "reduce": lambda inputs, rank, root, op, n:
+        _reduced(inputs, op, n) if rank == root else inputs(rank),
+    "reduce_scatter": lambda inputs, rank, root, op, n: _block(_reduced(inputs, op, n), rank, n),
+    "all_gather": lambda inputs, rank, root, op, n: np.concatenate([inputs(r) for r in range(n)]),
+    "broadcast": lambda inputs, rank, root, op, n: inputs(root),
+    "all_to_all": lambda inputs, rank, root, op, n:
+        np.concatenate([_block(inputs(r), rank, n) for r in range(n)]),
+}
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str
     busbw_factor: Callable[[int], float]
-    reduces: bool = False
-    rooted: bool = False
-    blocked: bool = False  # count splits into n blocks (rounded down to a multiple of n)
     traffic: Callable[[int], float] = lambda n: 2.0  # (see the module's docstring)
+
+    @property
+    def kind(self) -> Collective:
+        """What the collective is (commlib.collectives: reduces, rooted, its parts)."""
+        return collective_of(self.name)
+
+    @property
+    def reduces(self) -> bool:
+        return self.kind.reduces
+
+    @property
+    def rooted(self) -> bool:
+        return self.kind.rooted
+
+    @property
+    def blocked(self) -> bool:
+        """Whether count splits into n blocks (rounded down to a multiple of n)."""
+        return not self.kind.in_place
 
     def bound(self, n: int, memcpy_gbs: float) -> float:
         """busbw if every rank moved its least traffic at ``memcpy_gbs`` (bytes copied/s)."""
@@ -48,43 +91,23 @@ class Spec:
 
     def buffer_counts(self, n: int, count: int) -> tuple[int, int]:
         """(input elements, output elements) per rank; equal means one in-place buffer."""
-        return {"reduce_scatter": (count, count // n), "all_gather": (count // n, count)
-                }.get(self.name, (count, count))
+        return {"scatter": (count, count // n), "gather": (count // n, count)
+                }.get(self.kind.parts, (count, count))
 
     def expected(self, n: int, rank: int, count: int, op: str, root: int, unsigned: bool):
         """(input data, expected output) of this rank, float64."""
         n_in, _ = self.buffer_counts(n, count)
-        mine = exact_values(n_in, rank, op, n, unsigned)
-        every = lambda c: [exact_values(c, r, op, n, unsigned) for r in range(n)]  # noqa: E731
-        if self.name in ("all_reduce", "reduce", "reduce_scatter"):
-            total = every(n_in)
-            acc = total[0]
-            for x in total[1:]:
-                acc = _REDUCE[op](acc, x)
-            if op == "avg":
-                acc = acc / n
-            if self.name == "reduce_scatter":
-                block = n_in // n
-                return mine, acc[rank * block:(rank + 1) * block]
-            return mine, (acc if self.name == "all_reduce" or rank == root else mine)
-        if self.name == "all_gather":
-            return mine, np.concatenate(every(n_in))
-        if self.name == "broadcast":
-            return mine, exact_values(n_in, root, op, n, unsigned)
-        if self.name == "all_to_all":
-            per = n_in // n
-            return mine, np.concatenate([x[rank * per:(rank + 1) * per] for x in every(n_in)])
-        raise ValueError(self.name)
+        inputs = lambda r: exact_values(n_in, r, op, n, unsigned)  # noqa: E731
+        return inputs(rank), _RESULTS[self.name](inputs, rank, root, op, n)
 
 
 SPECS = {s.name: s for s in (
-    Spec("all_reduce", lambda n: 2 * (n - 1) / n, reduces=True, traffic=lambda n: 3 - 1 / n),
-    Spec("reduce_scatter", lambda n: (n - 1) / n, reduces=True, blocked=True,
-         traffic=lambda n: 1 + 1 / n),
-    Spec("all_gather", lambda n: (n - 1) / n, blocked=True),
-    Spec("all_to_all", lambda n: (n - 1) / n, blocked=True),
-    Spec("broadcast", lambda n: 1.0, rooted=True),
-    Spec("reduce", lambda n: 1.0, reduces=True, rooted=True, traffic=lambda n: 3 - 1 / n),
+    Spec("all_reduce", lambda n: 2 * (n - 1) / n, traffic=lambda n: 3 - 1 / n),
+    Spec("reduce_scatter", lambda n: (n - 1) / n, traffic=lambda n: 1 + 1 / n),
+    Spec("all_gather", lambda n: (n - 1) / n),
+    Spec("all_to_all", lambda n: (n - 1) / n),
+    Spec("broadcast", lambda n: 1.0),
+    Spec("reduce", lambda n: 1.0, traffic=lambda n: 3 - 1 / n),
 )}
 
 

@@ -42,12 +42,6 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-const char* collective_name(int64_t code) {
-  static const char* const names[] = {"?",         "all_reduce", "reduce",     "reduce_scatter",
-                                      "all_gather", "broadcast", "all_to_all", "barrier"};
-  return code >= ALL_REDUCE && code <= BARRIER ? names[code] : "?";
-}
-
 bool Desc::operator==(const Desc& o) const {
   for (int i = 0; i < kDescFields; ++i)
     if (f[i] != o.f[i]) return false;

@@ -26,7 +26,39 @@ constexpr int64_t kInvalid = 1;  // the variant of an invalid call
 enum Collective : int64_t {
   ALL_REDUCE = 1, REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL, BARRIER
 };
-const char* collective_name(int64_t code);
+
+// How a collective's buffers relate: one buffer read and written in place; an input of
+// `size` blocks and an output of one (scatter); the reverse (gather); a part for every
+// peer each way, of any sizes (exchange); none (barrier).
+enum Parts : int { kInPlace, kScatter, kGather, kExchange, kNoBuffers };
+
+// What each collective is, by code: the one table of it (commlib/collectives.py reads it
+// through _C.COLLECTIVE_TABLE; every branch on a collective's kind reads it).
+struct CollectiveInfo {
+  const char* name;
+  bool reduces;  // by an op, into every rank's (or the root's) buffer
+  bool rooted;   // one rank is the root (broadcast, reduce)
+  bool from_root;  // only the root's data moves (broadcast)
+  Parts parts;
+  bool has_input() const { return parts == kScatter || parts == kGather || parts == kExchange; }
+};
+constexpr CollectiveInfo kCollectives[] = {
+    {"?", false, false, false, kNoBuffers},  // (codes start at 1)
+    {"all_reduce", true, false, false, kInPlace},
+    {"reduce", true, true, false, kInPlace},
+    {"reduce_scatter", true, false, false, kScatter},
+    {"all_gather", false, false, false, kGather},
+    {"broadcast", false, true, true, kInPlace},
+    {"all_to_all", false, false, false, kExchange},
+    {"barrier", false, false, false, kNoBuffers}};
+static_assert(sizeof(kCollectives) / sizeof(kCollectives[0]) == BARRIER + 1,
+              "a row of kCollectives per Collective");
+
+// The row of `code`; the first row ("?") for a code that is none.
+inline const CollectiveInfo& collective_info(int64_t code) {
+  return kCollectives[code >= ALL_REDUCE && code <= BARRIER ? code : 0];
+}
+inline const char* collective_name(int64_t code) { return collective_info(code).name; }
 
 enum DescField { COLLECTIVE, ALGORITHM, COUNT, DTYPE, OP, ROOT, VARIANT, RESERVED, kDescFields };
 

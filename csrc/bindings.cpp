@@ -55,9 +55,16 @@ PYBIND11_MODULE(_C, m) {
   m.attr("OPS") = ops;
 
   py::dict collectives;
-  for (int64_t c = commlib::ALL_REDUCE; c <= commlib::BARRIER; ++c)
-    collectives[commlib::collective_name(c)] = c;
+  // agreement.h's kCollectives: (name, code, reduces, rooted, from_root, parts)
+  py::list collective_table;
+  for (int64_t c = commlib::ALL_REDUCE; c <= commlib::BARRIER; ++c) {
+    const commlib::CollectiveInfo& info = commlib::collective_info(c);
+    collectives[info.name] = c;
+    collective_table.append(py::make_tuple(info.name, c, info.reduces, info.rooted,
+                                           info.from_root, static_cast<int>(info.parts)));
+  }
   m.attr("COLLECTIVES") = collectives;
+  m.attr("COLLECTIVE_TABLE") = collective_table;
   m.attr("NONE") = commlib::kNone;
   m.attr("INVALID") = commlib::kInvalid;
   // what the direct all_reduce reduces whole, with one barrier (select.py's cost model)

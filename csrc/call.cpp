@@ -69,9 +69,7 @@ CheckedCall check_call(int64_t collective, int size, int rank, const Operand& ou
       break;
     default: throw std::invalid_argument("unknown collective code " + str(collective));
   }
-  const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
-                       collective == REDUCE_SCATTER;
-  if (!reduces) return {primary, 0};
+  if (!collective_info(collective).reduces) return {primary, 0};
   if (is_user_op(op)) {
     const std::string name = user_op_name(op);
     if (name.empty())

@@ -210,27 +210,24 @@ class FastPath {
     int algorithm = 0;
     if (!algorithm_given.is_none() && (algorithm = lookup(algorithms_, algorithm_given)) <= 0)
       return false;
-    const bool reduces = collective == ALL_REDUCE || collective == REDUCE ||
-                         collective == REDUCE_SCATTER;
+    const CollectiveInfo& kind = collective_info(collective);
     int64_t op = kNone;
-    if (reduces) {
+    if (kind.reduces) {
       if ((op = torch_op(op_given.ptr())) == -2) op = lookup(op_codes_, op_given);
       if (op < 0) return false;
     }
     int64_t root = kNone;
-    if (collective == BROADCAST || collective == REDUCE) {
+    if (kind.rooted) {
       if (!PyLong_CheckExact(root_given.ptr())) return false;  // (bool is not a root)
       int overflow = 0;
       root = PyLong_AsLongLongAndOverflow(root_given.ptr(), &overflow);
       if (overflow) return false;
     }
     Operand out, in;
-    const bool two = collective == ALL_GATHER || collective == REDUCE_SCATTER ||
-                     collective == ALL_TO_ALL;
-    if (!view(a, true, out) || (two && !view(b, false, in))) return false;
+    if (!view(a, true, out) || (kind.has_input() && !view(b, false, in))) return false;
     if (timeout != comm_.timeout()) return false;
     const int n = comm_.size();
-    if (collective == ALL_TO_ALL && (in.count != out.count || in.count % n)) return false;
+    if (kind.parts == kExchange && (in.count != out.count || in.count % n)) return false;
     CheckedCall checked;
     try {
       checked = check_call(collective, n, comm_.rank(), out, in, op, root);
@@ -244,7 +241,7 @@ class FastPath {
       last_key_ = key, last_ = found->second.get();  // entries are never removed
     }
     const FastEntry* entry = last_;
-    const FastCall fast{collective, out, in, checked.primary, reduces ? int(op) : SUM, root, op};
+    const FastCall fast{collective, out, in, checked.primary, kind.reduces ? int(op) : SUM, root, op};
     if (!comm_.takes(*entry, fast)) return false;
     const double issued = now();
     const char* failed = nullptr;  // the kind of error, named as in commlib/errors.py

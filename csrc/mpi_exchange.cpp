@@ -99,9 +99,9 @@ class MpiExchange : public FastTransport {
   void eager(const std::vector<int64_t>& desc, const FastCall& c) {
     const int n = size();
     const int64_t width = itemsize(c.out.dtype);
-    const bool two = c.collective == ALL_GATHER || c.collective == REDUCE_SCATTER;
-    const Operand& data = two ? c.in : c.out;
-    const int64_t bytes = c.collective != BROADCAST || rank_ == c.root ? data.count * width : 0;
+    const CollectiveInfo& kind = collective_info(c.collective);
+    const Operand& data = kind.has_input() ? c.in : c.out;
+    const int64_t bytes = !kind.from_root || rank_ == c.root ? data.count * width : 0;
     if ((header_ + (bytes + 7) / 8) > row_words())
       throw std::invalid_argument("eager data larger than a row");
     int64_t* mine = row(rank_);
@@ -130,7 +130,7 @@ class MpiExchange : public FastTransport {
     std::copy(entry.descriptor.begin(), entry.descriptor.end(), mine);
     mine[DTYPE] = call.out.dtype, mine[OP] = call.op_given;
     const int64_t width = itemsize(call.out.dtype);
-    const bool splits = call.collective == ALL_TO_ALL;
+    const bool splits = collective_info(call.collective).parts == kExchange;
     if (splits) std::fill(mine + kDescFields, mine + kDescFields + 2 * size(),
                           call.in.count / size() * width);
     exchange(header_, width, splits, 0);

@@ -59,12 +59,10 @@ MpiNative::MpiNative(py::dict entry_points, int handle_bytes, int status_bytes, 
 
 bool MpiNative::takes(const FastCall& c, int size) const {
   if (!dtypes_.count(c.out.dtype) || c.out.count > INT_MAX || c.in.count > INT_MAX) return false;
-  const bool reduces = c.collective == ALL_REDUCE || c.collective == REDUCE ||
-                       c.collective == REDUCE_SCATTER;
-  if (reduces && (!ops_.count(c.op) || std::find(reducible_.begin(), reducible_.end(),
+  if (collective_info(c.collective).reduces && (!ops_.count(c.op) || std::find(reducible_.begin(), reducible_.end(),
                                                  c.out.dtype) == reducible_.end()))
     return false;
-  return c.collective != ALL_TO_ALL || c.in.count % size == 0;
+  return collective_info(c.collective).parts != kExchange || c.in.count % size == 0;
 }
 
 template <class H>

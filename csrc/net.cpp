@@ -281,9 +281,9 @@ void NetComm::eager(const std::vector<int64_t>& desc, const FastCall& c) {
 
 void NetComm::eager_rows(const std::vector<int64_t>& desc, const FastCall& c, double seconds) {
   const int64_t width = itemsize(c.out.dtype);
-  const bool two = c.collective == ALL_GATHER || c.collective == REDUCE_SCATTER;
-  const Operand& data = two ? c.in : c.out;
-  const int64_t bytes = c.collective != BROADCAST || rank_ == c.root ? data.count * width : 0;
+  const CollectiveInfo& kind = collective_info(c.collective);
+  const Operand& data = kind.has_input() ? c.in : c.out;
+  const int64_t bytes = !kind.from_root || rank_ == c.root ? data.count * width : 0;
   if (bytes > payload_bytes_) throw std::invalid_argument("eager data larger than a row");
   int64_t* mine = row(rank_);
   std::copy(desc.begin(), desc.end(), mine);
@@ -418,7 +418,7 @@ void NetComm::run(const FastEntry& entry, const FastCall& call) {
     std::copy(entry.descriptor.begin(), entry.descriptor.end(), mine);
     mine[DTYPE] = call.out.dtype, mine[OP] = call.op_given;
     const int64_t width = itemsize(call.out.dtype);
-    const bool splits = call.collective == ALL_TO_ALL;  // (equal parts, in bytes)
+    const bool splits = collective_info(call.collective).parts == kExchange;  // (equal parts, in bytes)
     if (splits) std::fill(mine + kDescFields, mine + kDescFields + 2 * size_,
                           call.in.count / size_ * width);
     if (entry.kind == EntryKind::PLAN) {  // (its first round's data go out behind the rows)

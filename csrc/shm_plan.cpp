@@ -58,8 +58,7 @@ void ShmComm::run_plan(const int64_t* plan, int64_t plan_len, const std::vector<
   Desc desc{};
   for (int field : {COLLECTIVE, ALGORITHM, COUNT, ROOT, VARIANT}) desc.f[field] = take(p, end);
   desc.f[DTYPE] = dtype;
-  desc.f[OP] = desc.f[COLLECTIVE] == ALL_REDUCE || desc.f[COLLECTIVE] == REDUCE ||
-                       desc.f[COLLECTIVE] == REDUCE_SCATTER ? op : kNone;
+  desc.f[OP] = collective_info(desc.f[COLLECTIVE]).reduces ? op : kNone;
   int64_t nsplits = take(p, end);
   if (nsplits != 0 && (nsplits != size_ || end - p < 2 * nsplits))
     throw std::invalid_argument("bad splits in plan");

@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace",
           "commlib.testing", "commlib.compressed", "commlib.low_rank",
-          "commlib.torch_compression", "commlib.settings", "commlib.cuda"}
+          "commlib.torch_compression", "commlib.settings", "commlib.cuda",
+          "commlib.collectives"}
 
 
 def _imports(path: Path) -> set[str]:

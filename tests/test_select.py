@@ -336,7 +336,7 @@ def test_every_timed_call_runs_on_an_input_written_just_before():
     import numpy as np
 
     from commlib import tuning
-    from commlib.call import COLLECTIVES
+    from commlib.collectives import COLLECTIVES
     n, count = 3, 5
     a, b = np.full(count * n, 7.0, np.float32), np.zeros(count * n, np.float32)
     found = []  # (collective, whether its whole input was freshly written)

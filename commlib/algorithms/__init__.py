@@ -10,6 +10,6 @@ transport says its costs depend on). select.py picks the cheapest.
 """
 from .registry import (NEEDS, Algorithm, algorithms, candidates, entries, get,  # noqa: F401
                        log2_rounds, register, schedule, unavailable)
-from ..call import COLLECTIVES  # noqa: F401,I001  (as the registry names them)
+from ..collectives import COLLECTIVES  # noqa: F401,I001  (as the registry names them)
 from . import (direct, eager, gloo, hier, ipc, native, one_copy, ordered, pairwise,  # noqa: E402,F401,I001  (register themselves)
                rhd, ring, tree)

@@ -8,7 +8,7 @@ and lie on huge pages (csrc/shm_direct.cpp).
 import math
 
 from .. import _C
-from ..call import COLLECTIVES
+from ..collectives import COLLECTIVES
 from .registry import register
 
 

@@ -13,6 +13,7 @@ length (gloo aborts the process on an all-gather whose ranks differ in length): 
 agreement there sends a row that long, so a call that is eager on one rank and not on
 another still meets a row of its length, and is told they disagree.
 """
+from ..collectives import COLLECTIVES, of as collective_of
 from ..transports import rows
 from ..transports.base import Where
 from .registry import register
@@ -27,7 +28,7 @@ def payload_bytes(n: int, where: Where | None = None) -> int:
 
 
 def _sent_bytes(collective: str, n: int, nbytes: int) -> int:
-    return n * nbytes if collective == "reduce_scatter" else nbytes
+    return collective_of(collective).input_bytes(nbytes, n)
 
 
 def _refuses(collective):
@@ -55,6 +56,6 @@ def run(t, call):
     t.eager(call)
 
 
-for _collective in ("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast"):
+for _collective in (c for c in COLLECTIVES if not collective_of(c).uneven):  # (rows: even)
     register("eager", _collective, _terms(_collective), run=run, needs="eager",
              refuses=_refuses(_collective), agrees=True, rank_order=True)

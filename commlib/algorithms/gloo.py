@@ -4,7 +4,7 @@ stage between hosts (commlib/transports/gloo.py). Buffers go to gloo as torch vi
 their memory; an average is a sum the caller scales.
 """
 from ..transports.rows import gloo_row_bytes
-from ..call import COLLECTIVES
+from ..collectives import COLLECTIVES
 from .registry import register
 from .native import FORMULAS
 

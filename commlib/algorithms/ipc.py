@@ -14,7 +14,7 @@ the name first in order). Zero-copy takes no step through the slots.
 """
 import math
 
-from ..call import COLLECTIVES
+from ..collectives import COLLECTIVES
 from .registry import register
 
 

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from ..transports.mpi_types import op_for as _op
 from ..transports.mpi_types import spec as _spec
 from ..work import Deadline, wait_request
-from ..call import COLLECTIVES
+from ..collectives import COLLECTIVES, of as collective_of
 from .registry import log2_rounds, register
 
 def _wait(transport, request, keep) -> None:
@@ -92,7 +92,7 @@ def on_device(transport, call) -> str | None:
         return "MPI to run a user-defined op on the GPU (commlib reduces it on the host)"
     if call.op is not None and call.dtype.itemsize == 2 and call.dtype.floating:
         return "MPI to reduce 16-bit floats on the GPU (commlib reduces them on the host)"
-    if call.collective == "reduce_scatter" and call.out.overlaps(call.inp):
+    if collective_of(call.collective).parts == "scatter" and call.out.overlaps(call.inp):
         return "an output apart from the input (in place, the host copies the result)"
     return None
 

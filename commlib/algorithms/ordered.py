@@ -15,6 +15,7 @@ chunks: schedule.chunks, near-equal; reduce_scatter's blocks for reduce_scatter)
 """
 from .. import _C
 from ..call import Call
+from ..collectives import of as collective_of
 from ..schedule import chunks
 from .registry import entries, register
 
@@ -87,11 +88,11 @@ def terms(collective, model, where, n, nbytes) -> dict:
     """The stages' costs (gloo's where gloo joins the ranks, else the schedules pairwise and
     ring stand for whatever runs them), plus the folds, the copies out of the scratch and a
     round per stage for composing them."""
-    exchange, gather = {"reduce_scatter": (n * nbytes, 0)}.get(collective,
-                                                               (nbytes, -(-nbytes // n)))
+    scatters = collective_of(collective).parts == "scatter"  # (no gather stage)
+    exchange, gather = (n * nbytes, 0) if scatters else (nbytes, -(-nbytes // n))
     shm = where.transport == "shm"
     total = {"gamma_shm" if shm else "gamma":
-             (n - 1) * (nbytes if collective == "reduce_scatter" else nbytes / n),
+             (n - 1) * (nbytes if scatters else nbytes / n),
              "alpha_shm" if shm else "alpha": 2, "beta_shm": nbytes}
     gloo = where.over_gloo
     stages = [("all_to_all", "gloo" if gloo else "pairwise", exchange)]

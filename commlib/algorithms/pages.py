@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import _C
 from ..call import make
+from ..collectives import of as collective_of
 from .registry import Algorithm
 
 
@@ -56,7 +57,7 @@ def fills_a_huge_page(collective: str, n: int, nbytes: int | None) -> bool:
     """Whether the buffer the peers read in a call of ``nbytes`` primary bytes among ``n``
     ranks (reduce_scatter's input holds n blocks) can fill a huge page (None: any size)."""
     return nbytes is None or \
-        nbytes * (n if collective == "reduce_scatter" else 1) >= huge_page_bytes()
+        collective_of(collective).input_bytes(nbytes, n) >= huge_page_bytes()
 
 
 def one_copy_decides(huge: Algorithm, base: Algorithm, base_pages_in_place: bool) -> bool:

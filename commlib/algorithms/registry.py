@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Optional
 
-from ..call import COLLECTIVES
+from ..collectives import COLLECTIVES, of as collective_of
 
 # What an entry may need, as a transport offers it (commlib/transports/), and how an error
 # names it.
@@ -91,10 +91,10 @@ def shm_terms(collective: str, name: str, n: int, nbytes: int) -> tuple:
     """(rounds, bytes copied, bytes reduced) of the busiest rank when schedule ``name``
     runs on shared memory: sends and plain receives and local copies each copy their
     bytes once; a reducing receive reduces them."""
-    params = {}
-    if collective in ("broadcast", "reduce"):
+    params, kind = {}, collective_of(collective)
+    if kind.rooted:
         params["root"] = 0
-    if collective == "all_to_all":
+    if kind.uneven:
         base, extra = divmod(nbytes, n)
         splits = tuple(base + (i < extra) for i in range(n))
         params.update(input_splits=splits, output_splits=splits)

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from ..buffers import Buffer
+from ..collectives import of as collective_of
 from ..errors import CommError, CommTimeoutError
 from ..work import Work
 from . import current_stream, streams
@@ -149,9 +150,10 @@ def _reads_and_writes(call, rank: int) -> tuple[list, list]:
     """The buffers a call on GPU memory copies to the host before it runs (what it reads)
     and back after (what it writes)."""
     reads, writes = ["in" if call.inp is not None else "out"], ["out"]
-    if call.collective == "broadcast":
+    kind = collective_of(call.collective)
+    if kind.from_root:
         return (reads, []) if rank == call.root else ([], writes)
-    if call.collective == "reduce" and rank != call.root:  # the others' t is unchanged
+    if kind.rooted and rank != call.root:  # (reduce) the others' t is unchanged
         return reads, []
     return reads, writes
 

@@ -15,6 +15,7 @@ from datetime import timedelta
 import numpy as np
 
 from .. import _C, settings, survivors
+from ..collectives import of as collective_of
 from ..errors import CommError, CommTimeoutError
 from . import rows
 from .base import Transport
@@ -118,8 +119,9 @@ class GlooTransport(Transport):
         """An eager collective (algorithms/eager.py): the data ride in this rank's row; the
         result comes from every rank's row, reduced in rank order."""
         n, collective, out = self.size, call.collective, call.out
-        data = call.inp if collective in ("all_gather", "reduce_scatter") else out
-        sent = data.nbytes if collective != "broadcast" or self.rank == call.root else 0
+        kind = collective_of(collective)
+        data = call.inp if kind.has_input else out
+        sent = data.nbytes if not kind.from_root or self.rank == call.root else 0
         most = rows.gloo_payload_bytes(n)
         if sent > most:  # (select.py refuses such calls before they start)
             raise ValueError(f"eager sends at most {most} bytes here")

@@ -17,7 +17,8 @@ from functools import lru_cache
 import numpy as np
 
 from .. import _C, settings
-from ..call import NONE, ROOTED, pack_name
+from ..call import NONE, pack_name
+from ..collectives import ROOTED, of as collective_of
 from ..errors import CommError
 from ..host_memory import SharedHostMemory
 from ..schedule import RecvReduce, Schedule
@@ -264,10 +265,10 @@ def flatten(schedule: Schedule, itemsize: int, user_aliased: bool = True) -> np.
 def call_header(algorithm, size: int, count: int, itemsize: int, params: dict) -> list:
     """The plan's head (csrc/shm_plan.cpp): the descriptor fields it fixes, then
     all_to_all's bytes to and from each peer, which every rank checks as a matrix."""
-    collective = algorithm.collective
-    head = [_C.COLLECTIVES[collective], pack_name(algorithm.name),
-            NONE if collective == "all_to_all" else count, params.get("root", NONE), 0]
-    if collective != "all_to_all":
+    kind = collective_of(algorithm.collective)
+    head = [kind.code, pack_name(algorithm.name), NONE if kind.uneven else count,
+            params.get("root", NONE), 0]
+    if not kind.uneven:
         return head + [0]
     return head + [size] + [s * itemsize for s in params["input_splits"]] + [
         s * itemsize for s in params["output_splits"]]
@@ -277,8 +278,8 @@ def call_header(algorithm, size: int, count: int, itemsize: int, params: dict) -
 def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> ShmPlan:
     kwargs = dict(params)
     schedule = algorithm.build(size, rank, count, itemsize, **kwargs)
-    # only reduce_scatter and all_gather accept in-place forms where "in" is part of "out"
-    aliased = algorithm.collective in ("reduce_scatter", "all_gather")
+    # only a scatter or a gather accepts in-place forms where "in" is a block of "out"
+    aliased = collective_of(algorithm.collective).parts in ("scatter", "gather")
     steps = flatten(schedule, itemsize, aliased)
     head = np.array(call_header(algorithm, size, count, itemsize, kwargs), np.int64)
     return ShmPlan(np.concatenate([head, steps]), schedule.tmp_count * itemsize)

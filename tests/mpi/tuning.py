@@ -22,7 +22,7 @@ import commlib  # noqa: E402
 from commlib import tuning  # noqa: E402
 from commlib.algorithms import entries  # noqa: E402
 from commlib.algorithms import pages  # noqa: E402
-from commlib.call import COLLECTIVES  # noqa: E402
+from commlib.collectives import COLLECTIVES  # noqa: E402
 from harness import Checker  # noqa: E402
 
 world = commlib.init()
