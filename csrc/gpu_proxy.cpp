@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "process.h"
+#include "segment_names.h"
 
 namespace py = pybind11;
 
@@ -44,16 +45,7 @@ std::atomic<uint32_t>* word(uintptr_t address) {
 // a cyclic >=, as cuStreamWaitValue32's
 bool reached(uint32_t now, uint32_t value) { return static_cast<int32_t>(now - value) >= 0; }
 
-std::string channel_name() {
-  static std::atomic<uint64_t> serial{0};
-  std::random_device entropy;
-  char secret[17];
-  std::snprintf(secret, sizeof(secret), "%08x%08x", entropy(), entropy());
-  return "/commlib-proxy-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-" +
-         std::to_string(serial++) + "-" + secret;
-}
-
-std::string errno_text(const std::string& what) { return what + ": " + std::strerror(errno); }
+std::string channel_name() { return unique_segment_name("proxy-", ""); }
 
 struct Failed {  // thrown inside the proxy's thread, caught by run()
   Failure kind;

@@ -3,6 +3,7 @@
 
 #include "kernels.h"
 #include "process.h"
+#include "segment_names.h"
 
 #include <fcntl.h>
 #include <sched.h>
@@ -22,16 +23,7 @@ namespace commlib::shm {
 
 namespace {
 
-std::string errno_text(const std::string& what) { return what + ": " + std::strerror(errno); }
-
-std::string unique_name(int rank) {
-  static std::atomic<uint64_t> serial{0};
-  std::random_device entropy;  // 64 unpredictable bits: no one can guess or pre-create it
-  char secret[17];
-  std::snprintf(secret, sizeof(secret), "%08x%08x", entropy(), entropy());
-  return "/commlib-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-r" +
-         std::to_string(rank) + "-" + std::to_string(serial++) + "-" + secret;
-}
+std::string unique_name(int rank) { return unique_segment_name("", "-r" + std::to_string(rank)); }
 
 // Layout of every segment: control, doorbell, published descriptors, poison reason, one
 // channel per peer, staging, directory, splits.

@@ -184,7 +184,7 @@ def test_shm_plans_defer_only_independent_copies():
     """The shared-memory executor may run a copy late only when no transfer of its round
     touches it: the own part of a pairwise all_to_all, not the own block a ring all_gather
     sends on, nor anything in/out may alias in an in-place form."""
-    from commlib.transports.shm import _deferrable
+    from commlib.transports.plans import _deferrable
 
     def flags(collective, name, aliased, **params):
         sched = get(collective, name).build(3, 0, 12, 4, **params)

@@ -3,6 +3,7 @@ StoreWorld): ``allgather`` exchanges set-up facts as JSON, ``send``/``recv`` mov
 messages, ``split``/``dup`` make new worlds."""
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -31,15 +32,13 @@ class Where:
         return "gloo" in (self.transport, self.cross)
 
 
-class Transport:
+class Transport(abc.ABC):
     """What one communicator's collectives run over. A subclass sets ``name`` (what costs
-    see, with ``where``), ``offers`` (the capabilities algorithm entries need) and ``suits(world)``
-    (whether auto picks it), and implements ``agree(desc, splits, itemsize)`` (every rank
-    made the call ``desc`` describes, else all raise CollectiveMismatchError),
-    ``barrier()``, ``plan(algo, call)`` and ``run_plan(plan, call)`` (a schedule compiled
-    for its executor, and run), and ``bytes_sent``. Every wait is bounded by ``timeout``;
-    a failed call fails alike on every rank. Runners call its own methods (direct, hier's
-    stages, native's MPI communicator)."""
+    see, with ``where``) and ``offers`` (the capabilities algorithm entries need), and
+    implements the abstract methods below; one that runs schedules, ``plan`` and
+    ``run_plan`` too. Every wait is bounded by ``timeout``; a failed call fails alike on
+    every rank. Runners call its own methods (direct, hier's stages, native's MPI
+    communicator)."""
 
     name: str
     offers: frozenset
@@ -81,6 +80,35 @@ class Transport:
         if raw is None or raw.size < nbytes:
             raw = self._scratch[slot] = np.empty(nbytes, np.uint8)
         return Buffer(raw, raw.ctypes.data, numel, dtype, raw[:nbytes])
+
+    @staticmethod
+    @abc.abstractmethod
+    def suits(world) -> bool:
+        """Whether auto picks this transport for ``world``'s ranks (transports.pick)."""
+
+    @abc.abstractmethod
+    def agree(self, desc, splits=None, itemsize: int = 1) -> None:
+        """Return once every rank made the call ``desc`` (call.descriptor) describes, with
+        all_to_all's ``splits`` (bytes to and from each peer); else every rank raises
+        CollectiveMismatchError saying who called what. Collective."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has called it. Collective."""
+
+    @property
+    @abc.abstractmethod
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent to its peers so far, by every call."""
+
+    def plan(self, algo, call):
+        """``algo``'s schedule for ``call``, compiled for this transport's executor
+        (transports/plans.py)."""
+        raise NotImplementedError(f"the {self.name} transport runs no schedules")
+
+    def run_plan(self, plan, call) -> None:
+        """Run a ``plan`` of this transport's for ``call``. Collective."""
+        raise NotImplementedError(f"the {self.name} transport runs no schedules")
 
     @classmethod
     def create(cls, world) -> "Transport":

@@ -1,5 +1,5 @@
-"""mpi: every rank through MPI (mpi4py). Schedules are compiled into plans (byte offsets,
-transfers cut into segments of at most COMMLIB_SEGMENT_BYTES, cached per call shape) and run with
+"""mpi: every rank through MPI (mpi4py). Schedules are compiled into plans (plans.py: byte
+offsets, transfers cut into segments of at most COMMLIB_SEGMENT_BYTES) and run with
 non-blocking send/recv and the C++ kernels: the reduction of one segment overlaps the
 arrival of the next (both peers cut a transfer alike: from the same element count).
 MPI's own collectives (native) run on the same private communicator. Unless
@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import deque
-from dataclasses import dataclass
 from functools import lru_cache, partial
 
 import numpy as np
@@ -19,81 +18,15 @@ from mpi4py import MPI
 from .. import _C, settings
 from ..call import NONE, descriptor
 from ..errors import CommError, CommTimeoutError
-from ..schedule import RecvReduce, Schedule
 from ..work import Deadline, _abandon, wait_request
 from . import rows
 from .base import Transport
 from .mpi_types import c_tables
 from .mpi_world import MpiWorld
+from .plans import mpi_plan
 
 AGREEMENT_TAG = 6  # on the collective communicator; plans use 7
 _TAG = 7  # plans' transfers
-_ALIGN = 64
-
-
-@dataclass(frozen=True, slots=True)
-class _Reduction:  # dst = src (op) scratch[scratch_offset:]
-    dst: str
-    dst_offset: int
-    src: str
-    src_offset: int
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Transfer:
-    peer: int
-    buf: str
-    offset: int
-    nbytes: int
-    reduction: _Reduction | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    schedule: Schedule
-    rounds: tuple  # (copies: ((src, src_off, dst, dst_off, nbytes), ...), recvs, sends)
-    tmp_bytes: int
-    slot_bytes: int  # one receive-scratch slot; the transport's scratch_slots follow tmp
-    sent_bytes: int  # what this rank sends to peers in one run
-
-
-def _segments(offset, count, itemsize, segment_bytes):
-    per = max(1, segment_bytes // itemsize)
-    for start in range(0, count, per):
-        yield offset + start, min(per, count - start)
-
-
-def compile_plan(schedule: Schedule, itemsize: int, segment_bytes: int) -> Plan:
-    tmp_bytes = -(-schedule.tmp_count * itemsize // _ALIGN) * _ALIGN
-    rounds = []
-    for rnd in schedule.rounds:
-        copies = tuple((c.src.buf, c.src.offset * itemsize, c.dst.buf, c.dst.offset * itemsize,
-                        c.src.count * itemsize) for c in rnd.copies)
-        sends = tuple(_Transfer(s.peer, s.src.buf, off * itemsize, n * itemsize)
-                      for s in rnd.sends
-                      for off, n in _segments(s.src.offset, s.src.count, itemsize, segment_bytes))
-        recvs = []
-        for r in rnd.recvs:
-            for off, n in _segments(r.dst.offset, r.dst.count, itemsize, segment_bytes):
-                if isinstance(r, RecvReduce):  # lands in a scratch slot chosen at run time
-                    src_off = r.src.offset + off - r.dst.offset
-                    red = _Reduction(r.dst.buf, off * itemsize, r.src.buf, src_off * itemsize, n)
-                    recvs.append(_Transfer(r.peer, "arena", 0, n * itemsize, red))
-                else:
-                    recvs.append(_Transfer(r.peer, r.dst.buf, off * itemsize, n * itemsize))
-        rounds.append((copies, tuple(recvs), sends))
-    slot_bytes = min(segment_bytes, schedule.scratch_count * itemsize)
-    sent = sum(s.nbytes for _, _, sends in rounds for s in sends)
-    return Plan(schedule, tuple(rounds), tmp_bytes, slot_bytes, sent)
-
-
-@lru_cache(maxsize=4096)
-def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple,
-             segment_bytes: int) -> Plan:
-    return compile_plan(algorithm.build(size, rank, count, itemsize, **dict(params)), itemsize,
-                        segment_bytes)
-
 
 
 class Agreement:
@@ -211,7 +144,7 @@ class MpiTransport(Transport):
                          "its peers to arrive")
 
     def plan(self, algo, call):
-        return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
+        return mpi_plan(algo, self.size, self.rank, call.count, call.dtype.itemsize,
                         call.params, self.segment_bytes)
 
     def run_plan(self, plan, call) -> None:

@@ -22,17 +22,15 @@ import secrets
 import socket
 import struct
 from dataclasses import dataclass
-from functools import lru_cache
 
-import numpy as np
 
 from .. import _C, settings, survivors
 from ..call import NONE, default_timeout, descriptor
 from . import rows
 from .mpi import MpiTransport, use_native
 from .mpi_world import MpiWorld
+from .plans import net_plan
 
-_BUFFERS = {"out": 0, "in": 1, "tmp": 2}
 SET_UP_SECONDS = 120.0  # for the peers to connect, where COMMLIB_TIMEOUT sets no limit
 SPIN_SECONDS = 50e-6  # a wait's polls back to back before it sleeps (where cores allow)
 
@@ -96,7 +94,7 @@ class NetTransport(MpiTransport):
         self.agree(descriptor("barrier", "native", 0, NONE, NONE, NONE))
 
     def plan(self, algo, call):
-        return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
+        return net_plan(algo, self.size, self.rank, call.count, call.dtype.itemsize,
                         call.params)
 
     def run_plan(self, plan, call) -> None:
@@ -179,34 +177,6 @@ class Here:
 
     def settle(self, timeout: float | None = None) -> bool:
         return False
-
-
-@dataclass(frozen=True)
-class NetPlan:
-    steps: np.ndarray  # int64, the format csrc/net.h documents
-    tmp_bytes: int
-
-
-@lru_cache(maxsize=4096)
-def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int,
-             params: tuple) -> NetPlan:
-    schedule = algorithm.build(size, rank, count, itemsize, **dict(params))
-    words = [len(schedule.rounds)]
-    for rnd in schedule.rounds:
-        words.append(len(rnd.copies))
-        for c in rnd.copies:
-            words += [_BUFFERS[c.src.buf], c.src.offset * itemsize, _BUFFERS[c.dst.buf],
-                      c.dst.offset * itemsize, c.src.count * itemsize]
-        words.append(len(rnd.sends))
-        for s in rnd.sends:
-            words += [s.peer, _BUFFERS[s.src.buf], s.src.offset * itemsize, s.src.count * itemsize]
-        words.append(len(rnd.recvs))
-        for r in rnd.recvs:
-            src = getattr(r, "src", None)
-            words += [r.peer, _BUFFERS[r.dst.buf], r.dst.offset * itemsize,
-                      r.dst.count * itemsize, -1 if src is None else _BUFFERS[src.buf],
-                      0 if src is None else src.offset * itemsize]
-    return NetPlan(np.array(words, np.int64), schedule.tmp_count * itemsize)
 
 
 def address() -> str:

@@ -11,20 +11,17 @@ them off).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from .. import _C, settings
-from ..call import NONE, pack_name
-from ..collectives import ROOTED, of as collective_of
+from ..call import NONE
+from ..collectives import ROOTED
 from ..errors import CommError
 from ..host_memory import SharedHostMemory
-from ..schedule import RecvReduce, Schedule
 from .base import Transport, Where
+from .plans import shm_plan
 
-_BUFFERS = {"out": 0, "in": 1, "tmp": 2}
 
 
 class ShmTransport(Transport):
@@ -62,7 +59,7 @@ class ShmTransport(Transport):
         self.shm.barrier()
 
     def plan(self, algo, call):
-        return plan_for(algo, self.size, self.rank, call.count, call.dtype.itemsize,
+        return shm_plan(algo, self.size, self.rank, call.count, call.dtype.itemsize,
                         call.params)
 
     def run_plan(self, plan, call) -> None:
@@ -222,64 +219,3 @@ def _config_from_env() -> dict:
 
 
 
-@dataclass(frozen=True)
-class ShmPlan:
-    steps: np.ndarray  # int64, the format csrc/shm_plan.cpp documents
-    tmp_bytes: int
-
-
-def _deferrable(copy, rnd, user_aliased: bool) -> bool:
-    """Whether ``copy`` may run at any time during its round: no transfer of the round
-    reads or writes its destination, or writes its source. ``user_aliased``: "in" and "out"
-    may be the same memory (in-place forms), so any use of one conflicts with the other."""
-    def conflict(a, b):
-        if user_aliased and {a.buf, b.buf} <= {"in", "out"} and a.buf != b.buf:
-            return a.count > 0 and b.count > 0
-        return a.overlaps(b)
-    touched = [s.src for s in rnd.sends] + [r.dst for r in rnd.recvs] + [
-        r.src for r in rnd.recvs if isinstance(r, RecvReduce)]
-    written = [r.dst for r in rnd.recvs]
-    return (not any(conflict(copy.dst, t) for t in touched)
-            and not any(conflict(copy.src, w) for w in written))
-
-
-def flatten(schedule: Schedule, itemsize: int, user_aliased: bool = True) -> np.ndarray:
-    out = [len(schedule.rounds)]
-    b = lambda r: _BUFFERS[r.buf]  # noqa: E731
-    for rnd in schedule.rounds:
-        copies, sends, recvs = rnd.copies, rnd.sends, rnd.recvs
-        out += [len(copies), len(sends), len(recvs)]
-        for c in copies:
-            out += [b(c.src), c.src.offset * itemsize, b(c.dst), c.dst.offset * itemsize,
-                    c.src.count * itemsize, int(_deferrable(c, rnd, user_aliased))]
-        for s in sends:
-            out += [s.peer, b(s.src), s.src.offset * itemsize, s.src.count * itemsize]
-        for r in recvs:
-            reduce = isinstance(r, RecvReduce)
-            src = r.src if reduce else r.dst
-            out += [r.peer, b(r.dst), r.dst.offset * itemsize, b(src), src.offset * itemsize,
-                    r.dst.count * itemsize, int(reduce)]
-    return np.array(out, dtype=np.int64)
-
-
-def call_header(algorithm, size: int, count: int, itemsize: int, params: dict) -> list:
-    """The plan's head (csrc/shm_plan.cpp): the descriptor fields it fixes, then
-    all_to_all's bytes to and from each peer, which every rank checks as a matrix."""
-    kind = collective_of(algorithm.collective)
-    head = [kind.code, pack_name(algorithm.name), NONE if kind.uneven else count,
-            params.get("root", NONE), 0]
-    if not kind.uneven:
-        return head + [0]
-    return head + [size] + [s * itemsize for s in params["input_splits"]] + [
-        s * itemsize for s in params["output_splits"]]
-
-
-@lru_cache(maxsize=4096)
-def plan_for(algorithm, size: int, rank: int, count: int, itemsize: int, params: tuple) -> ShmPlan:
-    kwargs = dict(params)
-    schedule = algorithm.build(size, rank, count, itemsize, **kwargs)
-    # only a scatter or a gather accepts in-place forms where "in" is a block of "out"
-    aliased = collective_of(algorithm.collective).parts in ("scatter", "gather")
-    steps = flatten(schedule, itemsize, aliased)
-    head = np.array(call_header(algorithm, size, count, itemsize, kwargs), np.int64)
-    return ShmPlan(np.concatenate([head, steps]), schedule.tmp_count * itemsize)
