@@ -117,7 +117,7 @@ class Dispatcher:
                 raise self.finish(record, self.unusable())
             times = []
             self.run_recorded(record, what, lambda: times.extend(job.wait()))
-            record[9:11] = times  # when the transport's thread ran it
+            record.started, record.finished = times  # when the transport's thread ran it
         return self.engine.run_job(
             call.collective, lambda now: t.submit(call, algo, plan, seconds, now), finish,
             async_op, result)
@@ -228,7 +228,7 @@ class Dispatcher:
             except CommError as e:
                 self._gpu_failed(gpu, e)
                 raise
-            record[9:11] = times  # when the proxy served it
+            record.started, record.finished = times  # when the proxy served it
         work = staging.submit(self.engine, what, task, on_gpu.done, call.device, async_op,
                               result)
         on_gpu.enqueue()
@@ -312,8 +312,8 @@ class Dispatcher:
         """Record how the call ended; returns ``error``. A timeout or disagreement ends the
         communicator (peers may be anywhere in it) and prints the flight record."""
         if isinstance(error, (CommTimeoutError, CollectiveMismatchError)):
-            error.args = (f"collective #{record[0]} on rank {self.transport.rank} "
-                          f"({record[1]}): {error}",)
+            error.args = (f"collective #{record.seq} on rank {self.transport.rank} "
+                          f"({record.collective}): {error}",)
             if isinstance(error, CommTimeoutError) and self.failure is None:
                 self.failure = str(error)  # (shared memory also poisons it for the peers)
                 if self.fast is not None:

@@ -14,6 +14,7 @@ from . import _C, user_ops
 from .call import NONE, ReduceOp
 from .collectives import CODES, NAMES, ROOTED
 from .dtypes import BY_CODE
+from .recorder import Record
 from .work import keep_for_good
 
 # what a reducing collective's op may be given as (as ReduceOp.parse takes it)
@@ -86,14 +87,14 @@ class FastPath:
         """Forget what auto chose: a new algorithm table may choose otherwise."""
         self.native.forget(0)
 
-    def records(self) -> list[list]:
+    def records(self) -> list[Record]:
         """The flight recorder's rows for the calls run here (recorder.FlightRecorder)."""
         rows = []
         for seq, collective, entry, dtype, op, root, issued, finished in self.native.records():
             algorithm, count = self.entries[entry]
-            rows.append([seq, NAMES[collective], algorithm, count, BY_CODE[dtype].name,
-                         _OP_NAMES.get(op), None if root == NONE else root, "done", issued,
-                         issued, finished, None])
+            rows.append(Record(seq, NAMES[collective], algorithm, count, BY_CODE[dtype].name,
+                               _OP_NAMES.get(op), None if root == NONE else root, "done",
+                               issued, issued, finished))
         return rows
 
 
@@ -106,5 +107,5 @@ def _failed(calls, collective: int, op: int, root: int, issued: float, kind: str
         keep_for_good(arrays)
     record = calls.recorder.issue(NAMES[collective], None, None, None, _OP_NAMES.get(op),
                                   None if root == NONE else root)
-    record[8] = issued
+    record.issued = issued
     return calls.finish(record, getattr(_C, kind)(message))

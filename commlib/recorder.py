@@ -13,6 +13,25 @@ from . import settings
 
 
 _now = time.monotonic
+FIELDS = ("seq", "collective", "algorithm", "count", "dtype", "op", "root", "state", "issued",
+          "started", "finished", "error")
+
+
+class Record:
+    """One call a flight recorder keeps: its arguments, its state ("issued", "running",
+    "done", "failed") and its times (time.monotonic's), updated as it runs."""
+    __slots__ = FIELDS
+
+    def __init__(self, seq, collective, algorithm, count, dtype, op=None, root=None,
+                 state="issued", issued=None, started=None, finished=None, error=None):
+        self.seq, self.collective, self.algorithm, self.count = seq, collective, algorithm, count
+        self.dtype, self.op, self.root, self.state = dtype, op, root, state
+        self.issued, self.started, self.finished, self.error = issued, started, finished, error
+
+    def as_dict(self) -> dict:
+        d = {name: getattr(self, name) for name in FIELDS}
+        d["dtype"] = str(d["dtype"]) if d["dtype"] is not None else None
+        return d
 
 
 def busy_seconds(since: float, until: float) -> float:
@@ -22,10 +41,12 @@ def busy_seconds(since: float, until: float) -> float:
     spans = []
     for recorder in list(FlightRecorder.alive):
         for r in reversed(recorder.rows()):  # (newest first: stop at the window's start)
-            if r[10] is not None and r[10] <= since and r[8] < since:
+            if r.finished is not None and r.finished <= since and r.issued < since:
                 break
-            if r[9] is not None and r[9] < until and (r[10] is None or r[10] > since):
-                spans.append((max(r[9], since), min(until if r[10] is None else r[10], until)))
+            if r.started is not None and r.started < until and (r.finished is None
+                                                                  or r.finished > since):
+                spans.append((max(r.started, since),
+                               min(until if r.finished is None else r.finished, until)))
     total, reach = 0.0, since
     for start, end in sorted(spans):
         if end > reach:
@@ -49,11 +70,7 @@ def default_size() -> int:
 
 
 class FlightRecorder:
-    """The last ``size`` calls: [seq, collective, algorithm, count, dtype, op, root, state,
-    issued, started, finished, error] per call, kept as plain lists (cheap to record)."""
-
-    FIELDS = ("seq", "collective", "algorithm", "count", "dtype", "op", "root", "state",
-              "issued", "started", "finished", "error")
+    """The last ``size`` calls, a Record each."""
 
     on_create = None  # a trace's: called with every new recorder (commlib/tracer.py)
     alive: weakref.WeakSet = weakref.WeakSet()  # every recorder of this process (trace windows)
@@ -84,26 +101,26 @@ class FlightRecorder:
         if self.fast is not None:
             self.fast.native.keep(size)
 
-    def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> list:
+    def issue(self, collective, algorithm, count, dtype, op=None, root=None) -> Record:
         self.seq = self.fast.native.next_seq() if self.fast is not None else self.seq + 1
-        record = [self.seq, collective, algorithm, count, dtype, op, root, "issued",
-                  _now(), None, None, None]
+        record = Record(self.seq, collective, algorithm, count, dtype, op, root,
+                        issued=_now())
         self.calls.append(record)
         return record
 
     @staticmethod
-    def start(record) -> None:
-        record[7], record[9] = "running", _now()
+    def start(record: Record) -> None:
+        record.state, record.started = "running", _now()
 
     @staticmethod
-    def finish(record, error: BaseException | None = None) -> None:
-        record[10] = _now()
-        if record[9] is None:  # failed before it started
-            record[9] = record[8]
+    def finish(record: Record, error: BaseException | None = None) -> None:
+        record.finished = _now()
+        if record.started is None:  # failed before it started
+            record.started = record.issued
         if error is None:
-            record[7] = "done"
+            record.state = "done"
         else:
-            record[7], record[11] = "failed", f"{type(error).__name__}: {error}"
+            record.state, record.error = "failed", f"{type(error).__name__}: {error}"
 
     def detach(self) -> None:
         """Keep the fast path's rows but not the fast path (it holds the transport's
@@ -115,20 +132,15 @@ class FlightRecorder:
             self.calls.clear()
             self.calls.extend(rows)
 
-    def rows(self) -> list[list]:
+    def rows(self) -> list[Record]:
         """Both paths' calls, oldest first, at most as many as the recorder keeps."""
         rows = list(self.calls)
         if self.fast is not None and self.calls.maxlen:
-            rows = sorted(rows + self.fast.records(), key=lambda r: r[0])[-self.calls.maxlen:]
+            rows = sorted(rows + self.fast.records(), key=lambda r: r.seq)[-self.calls.maxlen:]
         return rows
 
     def records(self) -> list[dict]:
-        out = []
-        for r in self.rows():
-            d = dict(zip(self.FIELDS, r))
-            d["dtype"] = str(d["dtype"]) if d["dtype"] is not None else None
-            out.append(d)
-        return out
+        return [r.as_dict() for r in self.rows()]
 
     def dump(self, file=None) -> str:
         """The recorded calls as a table, oldest first; written to ``file`` (stderr)."""

@@ -184,7 +184,7 @@ SETTINGS = (
             "path uses instead (the tests' simulated GPU: "
             "`tests.simulated_gpu:SimulatedDevice`)", TESTING_LINK),
     Setting("COMMLIB_CUDA", bool, True, "at install: `0` skips compiling `commlib._cuda`",
-            GPU_LINK, shown="", stage=INSTALL),
+            GPU_LINK, stage=INSTALL),
     Setting("COMMLIB_CUDA_ARCHS", str, "80;90",
             "at install: the GPU architectures `commlib._cuda` is compiled for, e.g. "
             "`\"80;90\"`", GPU_LINK, shown="sm_80 and sm_90 plus PTX", stage=INSTALL),

@@ -35,7 +35,8 @@ from torch.autograd import _profiler_enabled
 from . import abort
 from .comm import Communicator
 from .torch_ops import (alike, byte_view, contiguous, copy_back, fold, in_order, only,
-                        per_element, reduce_view, reduction, row_splits, sparse_sum)
+                        per_element, premultiplied, reduce_view, reduction, row_splits,
+                        sparse_sum)
 from .errors import CommError
 from .transports.mpi_world import allgather
 from .torch_work import DoneWork, TorchWork, dist_error
@@ -368,7 +369,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def _all_reduce(self, t, reduce_op, async_op, what):
         op = reduction(reduce_op, t.dtype, what)
-        c = contiguous(t)
+        scaled = premultiplied(reduce_op, t, what)  # (t is the input and the result)
+        c = contiguous(t) if scaled is None else scaled
         wire = reduce_view(c)
         if callable(op):  # (bool's xor) every rank gets every rank's data and folds it
             rows = wire.new_empty((self.size(), wire.numel()))
@@ -384,7 +386,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         t = only(tensors, "reduce")
         op = reduction(opts.reduceOp, t.dtype, "reduce")
         root = opts.rootRank
-        c = contiguous(t)
+        scaled = premultiplied(opts.reduceOp, t, "reduce")
+        c = contiguous(t) if scaled is None else scaled
         wire = reduce_view(c)
         if callable(op):  # (bool's xor) gather everything, only the root folds
             rows = wire.new_empty((self.size(), wire.numel()))
@@ -392,7 +395,9 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             fold_rows = (lambda: wire.copy_(fold(op, rows))) if self.rank() == root else None
             return self._work("reduce", works, [t], in_order(fold_rows, copy_back([(t, c)])))
         works = self._issue(opts.asyncOp, self.comm.reduce, wire, root, op)
-        return self._work("reduce", works, [t], copy_back([(t, c)]))
+        # (elsewhere than the root, t stays as it was: a premultiplied copy is not copied back)
+        back = copy_back([(t, c)]) if scaled is None or self.rank() == root else None
+        return self._work("reduce", works, [t], back)
 
     @_stream_ordered
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -426,6 +431,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def _reduce_scatter(self, out, inp, opts, what):
         """``inp`` is contiguous with size * out.numel() elements."""
         op = reduction(opts.reduceOp, out.dtype, what)
+        scaled = premultiplied(opts.reduceOp, inp, what)
+        inp = inp if scaled is None else scaled
         c = contiguous(out)
         wire_out, wire_in = reduce_view(c), reduce_view(inp)
         if callable(op):  # bitwise: rank r receives block r of every rank, then folds

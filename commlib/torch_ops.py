@@ -58,8 +58,25 @@ def reduction(reduce_op, dtype: torch.dtype, what: str):
 _REDUCTIONS: dict = {}
 
 
+def premultiplied(reduce_op, t: torch.Tensor, what: str) -> torch.Tensor | None:
+    """For NCCL's PREMUL_SUM (``dist._make_nccl_premul_sum(factor)``, which FSDP2 uses):
+    ``t`` times the op's factor (a number, or a tensor of one element), a new contiguous
+    tensor that a SUM then reduces; None for any other op."""
+    if not isinstance(reduce_op, dist.ReduceOp) or reduce_op.op != _R.PREMUL_SUM:
+        return None
+    if not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"commlib backend: {what} with ReduceOp.PREMUL_SUM needs a floating "
+                        f"or complex dtype (as NCCL's), got {t.dtype}")
+    factor = reduce_op.factor  # (a tensor's has one element: torch checks)
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
+    return (t * factor).contiguous()
+
+
 def _reduction(kind, dtype: torch.dtype, what: str):
     name = str(kind).rsplit(".", 1)[-1]
+    if kind == _R.PREMUL_SUM:  # (premultiplied's inputs, then summed)
+        kind = _R.SUM
     if dtype == torch.bool:
         op = _BOOL.get(kind)
     elif dtype.is_complex:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from dataclasses import dataclass
 
 from .. import _C, settings
 from ..cuda import MAX_POINTERS
@@ -411,7 +412,7 @@ class CudaIpc(Transport):
         and writes its own output; the ranks meet again before their streams go on. The
         ranks exchange where their inputs lie (and all_to_all's splits) first."""
         rt, device, size, rank = self.rt, self.device, self.size, self.rank
-        out, itemsize, code, op = call.out, call.dtype.itemsize, call.dtype.code, call.op_code
+        itemsize = call.dtype.itemsize
         registration, offset = placed
         plan = self.hand_over(call, "zerocopy", seconds, 1, meetings=2, exchanged=True,
                               extra=(registration.index, offset))
@@ -421,32 +422,8 @@ class CudaIpc(Transport):
                 for r, row in enumerate(plan.rows)]
         inputs = [[b // itemsize for b in row[8:8 + size]] for row in plan.rows]
 
-        def work(st):
-            if call.collective == "all_reduce":  # part r of every buffer is rank r's alone
-                a, b = _parts(out.numel, size, itemsize)[rank]
-                part = [p + a * itemsize for p in ptrs]
-                if b > a:
-                    rt.reduce_n(part, part, b - a, code, op, device, st)
-            elif call.collective == "reduce" and rank == call.root:
-                rt.reduce_n([out.ptr], ptrs, out.numel, code, op, device, st)
-            elif call.collective == "reduce_scatter":
-                m = out.numel
-                rt.reduce_n([out.ptr], [p + rank * m * itemsize for p in ptrs], m, code, op,
-                            device, st)
-            elif call.collective == "all_gather":
-                nbytes = call.inp.nbytes
-                for r, p in enumerate(ptrs):
-                    if out.ptr + r * nbytes != p:  # in place, my input is my output's block
-                        rt.copy_async(out.ptr + r * nbytes, p, nbytes, device, st)
-            elif call.collective == "broadcast" and rank != call.root:
-                rt.copy_async(out.ptr, ptrs[call.root], out.nbytes, device, st)
-            elif call.collective == "all_to_all":
-                out_splits, recv = call.splits[1], _starts(call.splits[1])
-                for j, p in enumerate(ptrs):  # my part lies in input j after its parts before
-                    if out_splits[j]:
-                        rt.copy_async(out.ptr + recv[j] * itemsize,
-                                      p + sum(inputs[j][:rank]) * itemsize,
-                                      out_splits[j] * itemsize, device, st)
+        reads = InPlace(rt, device, size, rank, call, ptrs, inputs)
+        work = lambda st: ZERO_COPY[call.collective](reads, st)  # noqa: E731
         nothing = lambda st: None  # noqa: E731
         return self.run(plan, stream, lambda i, mine, slots: [nothing, work, nothing],
                         self._scaled(call))
@@ -547,6 +524,72 @@ class OnGpu:
 
     def __init__(self, enqueue, wait, done):
         self.enqueue, self.wait, self.done = enqueue, wait, done
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """What a zero-copy call's one step reads: every rank's input where this rank maps it
+    (``ptrs``) and, for all_to_all, each rank's input parts in elements (``inputs``)."""
+    rt: object
+    device: int
+    size: int
+    rank: int
+    call: object
+    ptrs: list
+    inputs: list
+
+    def reduce_n(self, targets, sources, count, st) -> None:
+        c = self.call
+        self.rt.reduce_n(targets, sources, count, c.dtype.code, c.op_code, self.device, st)
+
+    def copy(self, dst, src, nbytes, st) -> None:
+        self.rt.copy_async(dst, src, nbytes, self.device, st)
+
+
+def _all_reduce_in_place(z: InPlace, st) -> None:
+    """Part r of every buffer is rank r's alone: it reduces that part into all of them."""
+    itemsize = z.call.dtype.itemsize
+    a, b = _parts(z.call.out.numel, z.size, itemsize)[z.rank]
+    part = [p + a * itemsize for p in z.ptrs]
+    if b > a:
+        z.reduce_n(part, part, b - a, st)
+
+
+def _reduce_in_place(z: InPlace, st) -> None:
+    if z.rank == z.call.root:
+        z.reduce_n([z.call.out.ptr], z.ptrs, z.call.out.numel, st)
+
+
+def _reduce_scatter_in_place(z: InPlace, st) -> None:
+    out, itemsize = z.call.out, z.call.dtype.itemsize
+    z.reduce_n([out.ptr], [p + z.rank * out.numel * itemsize for p in z.ptrs], out.numel, st)
+
+
+def _all_gather_in_place(z: InPlace, st) -> None:
+    out, nbytes = z.call.out, z.call.inp.nbytes
+    for r, p in enumerate(z.ptrs):
+        if out.ptr + r * nbytes != p:  # in place, my input is my output's block
+            z.copy(out.ptr + r * nbytes, p, nbytes, st)
+
+
+def _broadcast_in_place(z: InPlace, st) -> None:
+    if z.rank != z.call.root:
+        z.copy(z.call.out.ptr, z.ptrs[z.call.root], z.call.out.nbytes, st)
+
+
+def _all_to_all_in_place(z: InPlace, st) -> None:
+    out, itemsize = z.call.out, z.call.dtype.itemsize
+    out_splits, recv = z.call.splits[1], _starts(z.call.splits[1])
+    for j, p in enumerate(z.ptrs):  # my part lies in input j after its parts before
+        if out_splits[j]:
+            z.copy(out.ptr + recv[j] * itemsize, p + sum(z.inputs[j][:z.rank]) * itemsize,
+                   out_splits[j] * itemsize, st)
+
+
+# each collective's zero-copy step (CudaIpc._zero_copy)
+ZERO_COPY = {"all_reduce": _all_reduce_in_place, "reduce": _reduce_in_place,
+             "reduce_scatter": _reduce_scatter_in_place, "all_gather": _all_gather_in_place,
+             "broadcast": _broadcast_in_place, "all_to_all": _all_to_all_in_place}
 
 
 def _steps(count: int, per_step: int) -> int:

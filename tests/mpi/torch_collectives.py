@@ -402,8 +402,6 @@ def synchronous_ops_run_at_once():
     taken = fast.native.taken
     raises(ValueError, "Cannot use ReduceOp.BAND with non-integral",
            lambda: dist.all_reduce(x.clone(), R.BAND))
-    raises(ValueError, "PREMUL_SUM",
-           lambda: dist.all_reduce(x.clone(), dist._make_nccl_premul_sum(2.0)))
     assert fast.native.taken == taken
     opts = dist.AllreduceOptions()
     opts.asyncOp = False
@@ -427,6 +425,34 @@ def synchronous_ops_run_at_once():
 
 
 # ---------------------------------------------------------------- point to point
+
+def premul_sum():
+    """NCCL's PREMUL_SUM (gloo has none): every rank's input times the factor, a number or
+    a one-element tensor, then summed; all_reduce, reduce (the others' tensor unchanged)
+    and reduce_scatter_tensor, against the same sum made here from every rank's data."""
+    inputs = [data((4, 6), torch.float64, salt=7, who=r) for r in range(n)]
+    for factor in (0.5, torch.tensor([3.0]), torch.tensor(-2.0, dtype=torch.float64)):
+        f = factor.item() if isinstance(factor, torch.Tensor) else factor
+        want = sum(f * x for x in inputs)
+        for async_op in (False, True):
+            t = inputs[rank].clone()
+            finish(dist.all_reduce(t, dist._make_nccl_premul_sum(factor), async_op=async_op),
+                   async_op)
+            same(t, want, tol=1e-12, path=f"all_reduce premul {f}")
+            t = inputs[rank].clone()
+            finish(dist.reduce(t, n - 1, dist._make_nccl_premul_sum(factor),
+                               async_op=async_op), async_op)
+            same(t, want if rank == n - 1 else inputs[rank], tol=1e-12,
+                 path=f"reduce premul {f}")
+            block = torch.empty(6, dtype=torch.float64)
+            flat = [x.reshape(-1)[:6 * n] for x in inputs]
+            given = flat[rank].clone()
+            finish(dist.reduce_scatter_tensor(block, given, dist._make_nccl_premul_sum(factor),
+                                              async_op=async_op), async_op)
+            same(block, sum(f * x for x in flat)[6 * rank:6 * (rank + 1)], tol=1e-12,
+                 path=f"reduce_scatter_tensor premul {f}")
+            same(given, flat[rank], path="reduce_scatter_tensor's input (unchanged)")
+
 
 def point_to_point():
     if n < 2:
@@ -542,8 +568,9 @@ def errors():
            lambda: dist.all_reduce(torch.ones(3), R.BAND))
     raises(TypeError, "cannot reduce torch.int16",
            lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)))
-    raises(ValueError, "PREMUL_SUM",
-           lambda: dist.all_reduce(torch.ones(3), dist._make_nccl_premul_sum(2.0)))
+    raises(TypeError, "PREMUL_SUM needs a floating or complex dtype",
+           lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
+                                   dist._make_nccl_premul_sum(2.0)))
     if n > 1:  # a failure in the background reaches wait(), the Future and exception()
         if rank == 0:
             dist.send(torch.zeros(3), 1)
@@ -647,7 +674,8 @@ timed("objects_and_barrier", objects_and_barrier)
 if n == 2 and "MASTER_ADDR" not in os.environ:  # once (under mpiexec): a profiler takes ~1.5 s
     timed("profiled", profiled)
 timed("point_to_point", point_to_point)
-for case in (synchronous_ops_run_at_once, truly_async, wait_timeout, errors, beyond_gloo):
+for case in (synchronous_ops_run_at_once, truly_async, wait_timeout, errors, beyond_gloo,
+             premul_sum):
     timed(case.__name__, lambda: check.check(case.__name__, case))
 timed("subgroups", subgroups)
 if n == 4:
