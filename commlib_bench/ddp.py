@@ -5,7 +5,7 @@
     python -m commlib_bench.ddp --hosts 2 --link 1gbit      # across 2 namespace hosts (root)
 
 A ~25M-parameter MLP is wrapped three times from the same initial weights: commlib, gloo,
-and commlib with its zero-copy hook (commlib/torch_hooks.py: buckets all-reduced in shared
+and commlib with its zero-copy hook (commlib/torch/hooks.py: buckets all-reduced in shared
 memory); with ``--fsdp`` twice more, by FSDP2 (``fully_shard`` per layer) on each backend.
 Two references: DDP with a hook that communicates nothing (what no backend can go below:
 commlib / gloo cannot beat its ratio to gloo), and the step without DDP.
@@ -15,7 +15,7 @@ update. Step time is the slowest rank's, as DDP waits for all; we report the med
 Last, DDP's buckets as it built them are all-reduced alone on each backend, each just
 written: added to the step that communicates nothing, they foretell the ratio (where it
 misses, the communication is what to look at, not the overlap). ``--compress`` adds DDP
-through commlib's compressed hook (commlib/torch_compression.py) in each format, and
+through commlib's compressed hook (commlib/torch/compression.py) in each format, and
 torch's own fp16 and PowerSGD hooks on gloo, with the bytes a step sends; with ``--fsdp``
 too, FSDP2 on commlib with each layer's reduce-scatter in each format, and with its
 parameters' all-gathers in it as well.
@@ -32,10 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from commlib.testing import across_hosts, add_host_arguments
 from commlib.trace import busy_seconds, keep_calls
-from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
+from commlib.torch.hooks import RegisteredBuckets, zero_copy_hook
 
 
 def mlp() -> nn.Module:
@@ -61,7 +61,7 @@ def fsdp2(model: nn.Module, group, wire=None, gathered=False) -> nn.Module:
     With ``wire``, each layer's gradients reduce-scattered in it (CompressedReduceScatter)
     and, where ``gathered``, its parameters all-gathered in it (CompressedAllGather): kept
     as the model's ``compressed`` (bytes counted)."""
-    from commlib.torch_compression import CompressedAllGather, CompressedReduceScatter
+    from commlib.torch.compression import CompressedAllGather, CompressedReduceScatter
     mesh = DeviceMesh.from_group(group, "cpu")
     layers = [layer for layer in model if isinstance(layer, nn.Linear)]
     for layer in layers:
@@ -85,7 +85,7 @@ def add_compressed(models: dict, groups: dict, formats: list) -> dict:
     PowerSGD hooks on gloo beside them, added to ``models``; returns the hooks' states."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from commlib.torch_compression import CompressedBuckets, compressed_hook
+    from commlib.torch.compression import CompressedBuckets, compressed_hook
     states = {}
     for fmt in formats:
         name = f"commlib {fmt}+ef"

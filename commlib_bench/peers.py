@@ -233,7 +233,7 @@ def gloo_group():
     except ImportError:
         return None
     if not dist.is_initialized():
-        from commlib.torch_backend import init_process_group
+        from commlib.torch.backend import init_process_group
         init_process_group("gloo")
     return dist.group.WORLD
 

@@ -42,7 +42,7 @@ def main(args, comm) -> int:
     import torch
     import torch.distributed as dist
 
-    import commlib.torch_backend as tb
+    import commlib.torch.backend as tb
     torch.set_num_threads(1)
     if not dist.is_initialized():  # (as users run it: commlib's the default group, which
         tb.init_process_group()      # torch's frontend reaches faster than a subgroup)

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from commlib.testing import across_hosts, add_host_arguments
 from commlib_strategies.data import AdditionDataset, shard, vocab_size
 from commlib_strategies.data_parallel import DataParallel

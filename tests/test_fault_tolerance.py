@@ -97,7 +97,7 @@ def test_abort_ends_a_call_in_flight(tmp_path):
 @pytest.mark.long
 def test_torchft_ddp_loses_a_replica_and_gets_it_back(tmp_path):
     """Two replica groups (a process each) under torchft's lighthouse, their gradients
-    all-reduced by commlib (commlib/torch_ft.py). Replica 1 is killed at step 4: replica 0's
+    all-reduced by commlib (commlib/torch/ft.py). Replica 1 is killed at step 4: replica 0's
     step 4 fails (commlib sees the death) and is not committed, the only step lost; replica
     1 restarted heals from replica 0 and both end at step 10 with the same parameters."""
     pytest.importorskip("torchft")

@@ -10,9 +10,9 @@ from importlib import import_module
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC = {"commlib", "commlib.torch_backend", "commlib.torch_hooks", "commlib.trace",
-          "commlib.testing", "commlib.compressed", "commlib.low_rank",
-          "commlib.torch_compression", "commlib.settings", "commlib.cuda",
+PUBLIC = {"commlib", "commlib.torch", "commlib.torch.backend", "commlib.torch.hooks",
+          "commlib.trace", "commlib.testing", "commlib.compressed", "commlib.low_rank",
+          "commlib.torch.compression", "commlib.settings", "commlib.cuda",
           "commlib.collectives"}
 
 
@@ -159,7 +159,7 @@ def test_no_module_reads_a_communicators_private_fields():
 
 
 def test_importing_commlib_loads_no_cuda():
-    out = subprocess.run([sys.executable, "-c", "import sys, commlib, commlib.torch_backend; "
+    out = subprocess.run([sys.executable, "-c", "import sys, commlib, commlib.torch.backend; "
                           "print(sorted(m for m in sys.modules if 'cuda' in m and "
                           "m.startswith('commlib')))"],
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout

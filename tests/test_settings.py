@@ -121,7 +121,7 @@ def test_a_bad_value_fails_the_call_that_reads_it_not_the_import(tmp_path):
     bad.write_text("not json")
     env = {**os.environ, "COMMLIB_TUNING": str(bad), "COMMLIB_SEGMENT_BYTES": "lots",
            "COMMLIB_GPU_MEET": "nowhere"}
-    code = ("import commlib, commlib.select, commlib.cuda, commlib.torch_backend, "
+    code = ("import commlib, commlib.select, commlib.cuda, commlib.torch.backend, "
             "commlib.transports.mpi, commlib.transports.cuda_ipc, commlib_strategies\n"
             "from commlib import settings\n"
             "try:\n    settings.get('COMMLIB_SEGMENT_BYTES')\n"

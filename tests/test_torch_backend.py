@@ -31,7 +31,7 @@ def test_ddp_and_fsdp2_train_like_gloo(n):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_compressed_ddp_hook(n):
-    """commlib.torch_compression: DDP through compressed all_reduces, every format."""
+    """commlib.torch.compression: DDP through compressed all_reduces, every format."""
     out = run_checked(n, "tests/mpi/torch_compressed.py", timeout=300)
     print("\n".join(line for line in out.splitlines() if "loss gap" in line))
 
@@ -100,13 +100,13 @@ def _stopped_job_leaves_nothing(procs, stop, each_prints=1):
 
 
 _SLEEPING_RANK = """
-    import sys, time, torch, torch.distributed as dist, commlib.torch_backend
+    import sys, time, torch, torch.distributed as dist, commlib.torch.backend
     if len(sys.argv) > 1:  # the ranks meet through a store
         rank, port = int(sys.argv[1]), int(sys.argv[2])
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
         dist.init_process_group("commlib", store=store, rank=rank, world_size=2)
     else:  # started by mpiexec
-        commlib.torch_backend.init_process_group()
+        commlib.torch.backend.init_process_group()
     t = torch.ones(1 << 16)
     dist.all_reduce(t)
     assert t[0] == 2

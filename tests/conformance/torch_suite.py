@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.testing._internal.common_distributed import DistTestCases
 from torch.testing._internal.common_utils import run_tests
 
-import commlib.torch_backend  # noqa: F401 (registers "commlib" in every rank: they import this)
+import commlib.torch.backend  # noqa: F401 (registers "commlib" in every rank: they import this)
 
 if os.environ["BACKEND"] == "commlib":
     for feature in ("plugin", "ddp", "subgroup"):

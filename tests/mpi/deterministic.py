@@ -151,9 +151,9 @@ def training() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    import commlib.torch_backend
+    import commlib.torch.backend
     from commlib_strategies.data_parallel import DataParallel
-    commlib.torch_backend.init_process_group()
+    commlib.torch.backend.init_process_group()
     # (DataParallel takes one_copy itself where it may: with the first; the mpi transport's
     # rank-order algorithms give the fold's bits above)
     choices = {"direct": {"COMMLIB_ALGO_ALL_REDUCE": "direct"},

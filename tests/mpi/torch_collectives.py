@@ -12,9 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from commlib import settings
-from commlib.torch_work import TorchWork
+from commlib.torch.work import TorchWork
 from harness import Checker, raises
 
 torch.set_num_threads(1)

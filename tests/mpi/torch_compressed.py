@@ -1,4 +1,4 @@
-"""commlib.torch_compression's DDP hook on the "commlib" backend: every format keeps the
+"""commlib.torch.compression's DDP hook on the "commlib" backend: every format keeps the
 replicas bit-identical and trains as uncompressed DDP does (loss within a few percent
 after 40 steps of a small regression), int8 without error feedback too; the feedback
 survives a state_dict round trip; the hook refuses other groups and dtypes by name. FSDP2
@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from commlib.torch_compression import (CompressedAllGather, CompressedBuckets,  # noqa: E402
+from commlib.torch.compression import (CompressedAllGather, CompressedBuckets,  # noqa: E402
                                        CompressedReduceScatter, compressed_hook)
 from harness import Checker, raises
 

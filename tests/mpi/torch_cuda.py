@@ -1,7 +1,7 @@
 """The "commlib" torch backend on CUDA tensors (the ranks share device 0), under mpiexec:
 collectives and send/recv against exact values, stream order, and DDP and FSDP2 training
 on the GPU against the same training on CPU tensors (which torch_train.py checks against
-gloo), compressed (commlib.torch_compression) too."""
+gloo), compressed (commlib.torch.compression) too."""
 import warnings
 
 import torch
@@ -11,10 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import commlib.torch_backend as tb
-from commlib.torch_compression import (CompressedAllGather, CompressedBuckets,
+import commlib.torch.backend as tb
+from commlib.torch.compression import (CompressedAllGather, CompressedBuckets,
                                        CompressedReduceScatter, compressed_hook)
-from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
+from commlib.torch.hooks import RegisteredBuckets, zero_copy_hook
 from harness import Checker
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -100,7 +100,7 @@ def ddp_on_cuda_trains_as_on_cpu():
 
 
 def ddp_with_registered_buckets_on_cuda_trains_as_on_cpu():
-    """commlib.torch_hooks: every bucket registered, its all-reduce zero-copy (2+ ranks)."""
+    """commlib.torch.hooks: every bucket registered, its all-reduce zero-copy (2+ ranks)."""
     state = RegisteredBuckets()
 
     def wrap(model):
@@ -123,7 +123,7 @@ def roughly(gpu, cpu):
 
 
 def compressed_ddp_on_cuda_trains_as_on_cpu():
-    """commlib.torch_compression's hook on CUDA buckets: encoded on the device in the
+    """commlib.torch.compression's hook on CUDA buckets: encoded on the device in the
     CPU's packets, so the GPU's training follows the CPU's within the format's rounding
     of gradients that differ by the devices' arithmetic; the replicas stay equal."""
     def hooked(device_ids, states):
@@ -157,7 +157,7 @@ def fsdp2_on_cuda_trains_as_on_cpu():
 
 def compressed_fsdp2_on_cuda_trains_as_on_cpu():
     """FSDP2 with each layer's reduce-scatter in int8 and its all-gathers in bf16
-    (commlib.torch_compression), on CUDA tensors as on CPU ones."""
+    (commlib.torch.compression), on CUDA tensors as on CPU ones."""
     def shard(device):
         def wrap(model):
             mesh = DeviceMesh.from_group(dist.group.WORLD, device)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from harness import Checker
 
 torch.set_num_threads(1)

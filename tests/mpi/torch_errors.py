@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from commlib import torch_backend as tb
+import commlib.torch.backend as tb
 from harness import Checker
 
 tb.init_process_group()

@@ -1,5 +1,5 @@
 """Ways to start the "commlib" backend under mpiexec: torch's own init_process_group with an
-init_method (tcp:// and file://), commlib.torch_backend.init_process_group() again after
+init_method (tcp:// and file://), commlib.torch.backend.init_process_group() again after
 a destroy, and torch ranks that disagree with MPI's, which must be refused clearly."""
 import os
 import socket
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from harness import Checker
 
 torch.set_num_threads(1)

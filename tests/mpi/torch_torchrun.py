@@ -7,7 +7,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import commlib
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from harness import Checker, raises
 
 tb.init_process_group()

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import commlib.torch_backend as tb
-from commlib.torch_hooks import RegisteredBuckets, zero_copy_hook
+import commlib.torch.backend as tb
+from commlib.torch.hooks import RegisteredBuckets, zero_copy_hook
 from harness import Checker, raises
 
 torch.set_num_threads(1)
@@ -76,7 +76,7 @@ def train_ddp(group, hook=None, no_sync=False, unused_branch=False, state=None, 
 
 
 def train_ddp_zero_copy(group):
-    """commlib.torch_hooks.zero_copy_hook (on CPU tensors: buckets divided into twins in
+    """commlib.torch.hooks.zero_copy_hook (on CPU tensors: buckets divided into twins in
     shared host memory, all-reduced in place there), against gloo's default hook."""
     if group is not COMMLIB:
         return train_ddp(group, hook=default_hooks.allreduce_hook)

@@ -1,5 +1,5 @@
 """One replica group (one process) of torchft's Fault Tolerant DDP with commlib's
-reconfigurable process group (commlib/torch_ft.py) carrying the replicas' gradients.
+reconfigurable process group (commlib/torch/ft.py) carrying the replicas' gradients.
 
 Trains a small model to STEPS steps on data that depends on (replica, step); with DIE_AT
 >= 0, SIGKILLs itself once torchft's step reaches it (the test restarts it, and it heals
@@ -21,8 +21,8 @@ from torchft import Manager
 from torchft.ddp import DistributedDataParallel
 from torchft.optim import OptimizerWrapper
 
-import commlib.torch_backend
-from commlib.torch_ft import ProcessGroupCommlibFT
+import commlib.torch.backend
+from commlib.torch.ft import ProcessGroupCommlibFT
 
 lighthouse, replica, steps, die_at, report = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                               int(sys.argv[4]), sys.argv[5])
@@ -41,7 +41,7 @@ manager = Manager(
 ddp = DistributedDataParallel(manager, model)
 wrapped = OptimizerWrapper(manager, optimizer)
 uncommitted, quorums, carried = [], [], []
-commlib.torch_backend.set_trace_hook(lambda group, op, work: carried.append(op))
+commlib.torch.backend.set_trace_hook(lambda group, op, work: carried.append(op))
 while manager.current_step() < steps:
     step = manager.current_step()
     if step >= die_at >= 0:

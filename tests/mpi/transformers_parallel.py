@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import commlib.torch_backend as tb
+import commlib.torch.backend as tb
 from harness import Checker
 
 warnings.filterwarnings("ignore")

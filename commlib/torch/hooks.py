@@ -16,14 +16,14 @@ DDP's default all-reduce.
 import torch
 import torch.distributed as dist
 
-from .torch_work import dist_error
+from .work import dist_error
 
 
 class RegisteredBuckets:
     """The hook's state: the group, and each bucket's registered buffer by bucket index."""
 
     def __init__(self, group=None):
-        from .torch_backend import ProcessGroupCommlib
+        from .backend import ProcessGroupCommlib
         self.group = group if group is not None else dist.group.WORLD
         if not isinstance(self.group, ProcessGroupCommlib):
             raise TypeError(f"RegisteredBuckets needs a group of the commlib backend, got "

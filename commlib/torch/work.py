@@ -16,7 +16,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, CommError, CommTimeoutError
+from ..errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 
 # commlib's errors as torch reports backend failures: each is a DistBackendError (what

@@ -1,4 +1,4 @@
-"""Dtypes, reduce ops and staging for commlib's torch backend (commlib/torch_backend.py).
+"""Dtypes, reduce ops and staging for commlib's torch backend (commlib/torch/backend.py).
 
 commlib moves and reduces flat contiguous buffers of a few dtypes. These helpers turn
 torch's tensors and ReduceOps into that: views in a dtype commlib handles, the commlib op
@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .. import _C
 
 # What commlib reduces natively; anything else moves as raw bytes.
 COMMLIB_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,

@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from . import compressed
-from .torch_work import dist_error
+from .. import compressed
+from .work import dist_error
 
 
 class CompressedBuckets:
     """The hook's state: the group, the wire format, each bucket's error feedback."""
 
     def __init__(self, group=None, wire="int8", feedback: bool = True):
-        from .torch_backend import ProcessGroupCommlib
+        from .backend import ProcessGroupCommlib
         self.group = group if group is not None else dist.group.WORLD
         if not isinstance(self.group, ProcessGroupCommlib):
             raise TypeError(f"CompressedBuckets needs a group of the commlib backend, got "
@@ -123,7 +123,7 @@ class FSDPComm:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def communicator(self, group: dist.ProcessGroup):
-        from .torch_backend import ProcessGroupCommlib
+        from .backend import ProcessGroupCommlib
         if self.comm is None:
             if not isinstance(group, ProcessGroupCommlib):
                 raise TypeError(f"{type(self).__name__} needs FSDP's group on the commlib "

@@ -2,8 +2,8 @@
 
 Importing this module registers the backend. Under ``mpiexec``:
 
-    import commlib.torch_backend
-    commlib.torch_backend.init_process_group()   # rank, size and store set up from MPI
+    import commlib.torch
+    commlib.torch.init_process_group()   # rank, size and store set up from MPI
     # or the standard call, with ranks that match MPI.COMM_WORLD's:
     torch.distributed.init_process_group("commlib", rank=..., world_size=..., init_method=...)
 
@@ -12,11 +12,11 @@ communicator over those ranks. A launcher that forms no MPI world (``torchrun
 --nproc-per-node N`` on one host) works too: each group's ranks then meet through torch's
 store and run on shared memory (Communicator.from_store; send/recv go through the store).
 Tensors are CPU or CUDA tensors of any dtype for data movement; reductions take commlib's
-dtypes plus bool and complex (see torch_ops.reduction). Every op with ``async_op=True``
+dtypes plus bool and complex (see ops.reduction). Every op with ``async_op=True``
 returns at once and progresses on commlib's threads. Ops on CUDA tensors are
 stream-ordered like NCCL's (_stream_ordered): among the GPU ranks of one host they go
 through CUDA IPC (commlib/transports/cuda_ipc.py), else through pinned host memory
-(commlib/cuda/staging.py). commlib/torch_hooks.py has a DDP hook that registers DDP's
+(commlib/cuda/staging.py). commlib/torch/hooks.py has a DDP hook that registers DDP's
 gradient buckets, for zero-copy all-reduces.
 """
 from __future__ import annotations
@@ -32,14 +32,14 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.autograd import _profiler_enabled
 
-from . import abort
-from .comm import Communicator
-from .torch_ops import (alike, byte_view, contiguous, copy_back, fold, in_order, only,
+from .. import abort
+from ..comm import Communicator
+from .ops import (alike, byte_view, contiguous, copy_back, fold, in_order, only,
                         per_element, premultiplied, reduce_view, reduction, row_splits,
                         sparse_sum)
-from .errors import CommError
-from .transports.mpi_world import allgather
-from .torch_work import DoneWork, TorchWork, dist_error
+from ..errors import CommError
+from ..transports.mpi_world import allgather
+from .work import DoneWork, TorchWork, dist_error
 
 BACKEND = "commlib"
 
@@ -136,7 +136,7 @@ def _check_world(world: MPI.Comm, rank: int, size: int, collective: bool = False
         raise RuntimeError(
             f"commlib backend: {listed}: they must match MPI.COMM_WORLD's; pass "
             "rank=MPI.COMM_WORLD.rank and world_size=MPI.COMM_WORLD.size, or call "
-            "commlib.torch_backend.init_process_group()")
+            "commlib.torch.init_process_group()")
 
 
 def _tag(name: str) -> int:
@@ -272,7 +272,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         """End the group on this rank now, without its peers (after a failure: some may be
         dead): queued ops fail, nothing waits for another rank (Communicator.abort). A new
         group over the survivors then forms through torch's store, as torchft's
-        reconfigurable groups do (commlib/torch_ft.py)."""
+        reconfigurable groups do (commlib/torch/ft.py)."""
         if self.comm is None:
             return
         self.comm.abort()

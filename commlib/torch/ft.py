@@ -3,7 +3,7 @@ at every quorum change (``configure``: the old group aborted, a new one formed t
 store torchft hands it, among the replicas of the new quorum), so Fault Tolerant DDP,
 HSDP, LocalSGD and DiLoCo run their cross-replica traffic on commlib.
 
-    from commlib.torch_ft import ProcessGroupCommlibFT
+    from commlib.torch.ft import ProcessGroupCommlibFT
     manager = torchft.Manager(pg=ProcessGroupCommlibFT(), ...)
 
 Needs the ``ft`` extra (torchft). The replicas of one quorum share memory where they share
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from torchft.process_group import ProcessGroupWrapper
 
-from .comm import Communicator
-from .torch_backend import ProcessGroupCommlib
+from ..comm import Communicator
+from .backend import ProcessGroupCommlib
 
 
 class ProcessGroupCommlibFT(ProcessGroupWrapper):
-    """A torchft ProcessGroupWrapper whose groups are commlib's (torch_backend's)."""
+    """A torchft ProcessGroupWrapper whose groups are commlib's (backend.py's)."""
 
     def _create_pg(self, store, rank: int, world_size: int) -> ProcessGroupCommlib:
         comm = Communicator.from_store(store, rank, world_size, "commlib/ft")
