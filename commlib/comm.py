@@ -224,7 +224,7 @@ class Communicator:
     # The collectives: each goes through _collective, the one route of a public call.
     def _collective(self, code: int, result, algorithm, async_op, timeout, out, inp=None,
                     op=None, root=None, splits=None):
-        """Run the collective of ``code`` (call.CODES), returning ``result`` (a Work if
+        """Run the collective of ``code`` (collectives.CODES), returning ``result`` (a Work if
         ``async_op``): in one C++ call where the fast path takes it (csrc/fast_path.cpp:
         blocking, the communicator's timeout, even parts, a call like one made before), else
         dispatched: validated into a Call and run on the transport. ``splits``:
