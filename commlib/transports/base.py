@@ -35,10 +35,11 @@ class Where:
 class Transport(abc.ABC):
     """What one communicator's collectives run over. A subclass sets ``name`` (what costs
     see, with ``where``) and ``offers`` (the capabilities algorithm entries need), and
-    implements the abstract methods below; one that runs schedules, ``plan`` and
-    ``run_plan`` too. Every wait is bounded by ``timeout``; a failed call fails alike on
-    every rank. Runners call its own methods (direct, hier's stages, native's MPI
-    communicator)."""
+    implements the abstract methods below; one that offers "schedules" (mpi, shm, net)
+    also ``plan(algo, call)``, algo's schedule compiled for its executor
+    (transports/plans.py), and ``run_plan(plan, call)``, collective. Every wait is
+    bounded by ``timeout``; a failed call fails alike on every rank. Runners call its
+    own methods (direct, hier's stages, native's MPI communicator)."""
 
     name: str
     offers: frozenset
@@ -100,15 +101,6 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def bytes_sent(self) -> int:
         """Bytes this rank has sent to its peers so far, by every call."""
-
-    def plan(self, algo, call):
-        """``algo``'s schedule for ``call``, compiled for this transport's executor
-        (transports/plans.py)."""
-        raise NotImplementedError(f"the {self.name} transport runs no schedules")
-
-    def run_plan(self, plan, call) -> None:
-        """Run a ``plan`` of this transport's for ``call``. Collective."""
-        raise NotImplementedError(f"the {self.name} transport runs no schedules")
 
     @classmethod
     def create(cls, world) -> "Transport":
